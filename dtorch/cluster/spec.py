@@ -1,0 +1,94 @@
+"""What the hardware is: devices, nodes, links. Pure data; imports nothing of DTorch but errors.
+
+Units: FLOP/s, bytes, bytes/s, seconds. Bandwidths are per device, one direction (a DGX-class node
+has one NIC per GPU, so the inter-node bandwidth of a device is its NIC's). The cost model reads
+these numbers; `dtorch probe` replaces nominal ones with measured ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """One kind of accelerator (or a CPU socket acting as one)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s by dtype name ('bfloat16', 'float16', 'float32', 'float8')."""
+    memory_bytes: int
+    """Usable device memory in bytes."""
+    memory_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    matmul_efficiency: float = 0.6
+    """Achievable fraction of peak for large GEMMs (calibrated by probe)."""
+    kind: str = "cuda"
+    """'cuda', 'rocm' or 'cpu': chooses the backend (nccl/gloo) at run time."""
+
+    def peak(self, dtype: str) -> float:
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        # fall back to the closest dtype that the sheet lists
+        for alt in ("bfloat16", "float16", "float32"):
+            if alt in self.peak_flops:
+                return self.peak_flops[alt]
+        raise KeyError(dtype)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A class of link: bandwidth per device (one direction) and latency per message."""
+
+    kind: str
+    """'nvlink', 'xgmi', 'pcie', 'shm' (intra-node) or 'ib', 'roce', 'ethernet' (inter-node)."""
+    bandwidth: float
+    """Bytes/s per device, one direction."""
+    latency: float
+    """Seconds per message (the alpha of an alpha-beta model)."""
+    efficiency: float = 0.8
+    """Achievable fraction of `bandwidth` for large collectives (bus bandwidth / line rate)."""
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """`num_nodes` identical nodes, each with `devices_per_node` devices of one type."""
+
+    device: DeviceType
+    num_nodes: int
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    host_memory_bytes: int = 0
+    """CPU memory per node (for offload), bytes; 0 = unknown."""
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+@dataclass
+class Cluster:
+    """Nodes x devices, possibly of several types (one NodeGroup per type)."""
+
+    groups: list[NodeGroup]
+    name: str = "cluster"
+    calibration: dict = field(default_factory=dict)
+    """Measured numbers from `dtorch probe` (merged over presets); free-form, documented in probe.py."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.num_devices for g in self.groups)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(g.num_nodes for g in self.groups)
+
+    @property
+    def homogeneous(self) -> bool:
+        return len({g.device.name for g in self.groups}) == 1
+
+    @property
+    def devices_per_node(self) -> int:
+        """Devices per node; for mixed node sizes the smallest (TP must fit in every node)."""
+        return min(g.devices_per_node for g in self.groups)
