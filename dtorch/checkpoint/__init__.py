@@ -1,0 +1,24 @@
+"""Never-torn checkpoints on DCP: verified load with fallback, async save, retention, export.
+
+See `dtorch.checkpoint.manager` for the layout and the commit protocol.
+"""
+
+from dtorch.checkpoint.manager import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManager,
+    CheckpointWarning,
+    SaveResult,
+    VerifyReport,
+)
+from dtorch.checkpoint.state import RNGState
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointWarning",
+    "RNGState",
+    "SaveResult",
+    "VerifyReport",
+]

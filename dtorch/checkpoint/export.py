@@ -1,0 +1,68 @@
+"""Export a (verified) DCP checkpoint to one consolidated safetensors file.
+
+The full state dict is read in this process (every shard of every rank, resharded to whole
+tensors by DCP's empty-state-dict planner, the same path as `dcp_to_torch_save`), flattened to
+dotted names and written with `safetensors.torch.save_file`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from dtorch.checkpoint import files as F
+from dtorch.errors import ConfigError
+
+
+def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> None:
+    if isinstance(obj, torch.Tensor):
+        # safetensors refuses views and shared storage: give each name its own contiguous copy.
+        tensors[prefix] = obj.detach().to("cpu").contiguous().clone()
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), tensors, objects)
+    else:
+        objects[prefix] = obj
+
+
+def load_full_state_dict(directory: Path) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint as whole (unsharded) CPU tensors and plain values.
+    Call only on a verified directory: DCP unpickles its metadata."""
+    sd: dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return sd
+
+
+def export_safetensors(directory: Path, out: Path, *, keys: list[str] | None = None) -> Path:
+    """Consolidate verified checkpoint `directory` into safetensors file `out` (written
+    atomically); `keys` restricts the export to those top-level entries."""
+    manifest = F.read_manifest(directory)
+    sd = load_full_state_dict(directory)
+    if keys:
+        unknown = [k for k in keys if k not in sd]
+        if unknown:
+            raise ConfigError("keys", unknown, f"the checkpoint holds {sorted(sd)}")
+        sd = {k: sd[k] for k in keys}
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    _flatten(sd, "", tensors, objects)
+    metadata = {
+        "dtorch.step": str(manifest.step),
+        "dtorch.extra": json.dumps(manifest.extra, default=str),
+        "dtorch.objects": json.dumps(objects, default=str),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    F.fsync_file(tmp)
+    os.replace(tmp, out)
+    F.fsync_dir(out.parent)
+    return out

@@ -1,0 +1,171 @@
+"""Durable file operations and the checkpoint manifest.
+
+A checkpoint directory is committed in this order, so that a crash at any instant leaves either
+the previous state or the new complete one, never a mix:
+
+1. every file is written into a fresh ``step-XXXXXXXX.tmp-<nonce>`` directory and fsynced;
+2. ``manifest.json`` (step, world size, per-file SHA-256 and size, plan, user metadata, and a
+   SHA-256 of its own body) is written and fsynced, then the directory itself is fsynced;
+3. the directory is renamed to ``step-XXXXXXXX`` and the parent directory is fsynced;
+4. ``LATEST`` is replaced atomically (temp file + fsync + rename + fsync of the parent).
+
+Only directories named ``step-XXXXXXXX`` with a manifest whose hashes match are ever loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "dtorch-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+STEP_RE = re.compile(r"^step-(\d{8,})$")
+_CHUNK = 1 << 22
+
+
+def step_dirname(step: int) -> str:
+    """The committed directory name of `step`: ``step-00000042``."""
+    return f"step-{int(step):08d}"
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` atomically: temp file in the same directory, fsync, rename,
+    fsync the directory. Readers see the old content or the new, never a prefix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
+    """(hex SHA-256, size in bytes) of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass
+class Manifest:
+    """What a committed checkpoint holds. `files` maps a file name (relative to the checkpoint
+    directory) to ``{"sha256": hex, "size": bytes}``; `rank_files[r]` is rank r's local-state file."""
+
+    step: int
+    world_size: int
+    files: dict[str, dict[str, Any]]
+    rank_files: list[str] = field(default_factory=list)
+    plan: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    created_unix: float = 0.0
+    torch_version: str = ""
+    format: str = FORMAT
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["size"]) for f in self.files.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "step": self.step,
+            "world_size": self.world_size,
+            "files": self.files,
+            "rank_files": self.rank_files,
+            "plan": self.plan,
+            "extra": self.extra,
+            "created_unix": self.created_unix,
+            "torch_version": self.torch_version,
+        }
+
+
+class ManifestError(Exception):
+    """A manifest that is missing, unreadable, or whose own hash does not match."""
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` durably; the body carries its own SHA-256 so that a flipped byte
+    in the manifest itself is detected too."""
+    body = manifest.to_dict()
+    doc = {"manifest": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}
+    path = directory / MANIFEST
+    with open(path, "wb") as f:
+        f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Read and self-check ``manifest.json``; raises ManifestError naming the problem."""
+    path = directory / MANIFEST
+    try:
+        doc = json.loads(path.read_bytes())
+        body = doc["manifest"]
+        digest = doc["sha256"]
+    except FileNotFoundError:
+        raise ManifestError(f"{MANIFEST}: missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{MANIFEST}: unreadable ({type(e).__name__}: {e})") from None
+    if hashlib.sha256(_canonical(body)).hexdigest() != digest:
+        raise ManifestError(f"{MANIFEST}: its SHA-256 does not match its content (corrupted)")
+    if body.get("format") != FORMAT:
+        raise ManifestError(f"{MANIFEST}: format {body.get('format')!r}, expected {FORMAT!r}")
+    return Manifest(**body)
+
+
+def check_file(directory: Path, name: str, expected: dict[str, Any]) -> str | None:
+    """None if `name` matches its manifest entry, else a one-line problem naming the file."""
+    path = directory / name
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{name}: missing"
+    if size != int(expected["size"]):
+        return f"{name}: size {size} bytes, manifest says {expected['size']} (truncated or overwritten)"
+    digest, _ = sha256_file(path)
+    if digest != expected["sha256"]:
+        return f"{name}: SHA-256 mismatch (corrupted)"
+    return None
+
+
+def committed_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint directories under `root`, newest step first (no verification)."""
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = STEP_RE.match(p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)

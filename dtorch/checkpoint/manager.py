@@ -1,0 +1,528 @@
+"""`CheckpointManager`: never-torn checkpoints on DCP, with verified load and fallback.
+
+Layout under `root`::
+
+    step-00000100/            committed (renamed into place only after its manifest is durable)
+        __0_0.distcp ...      DCP shards, one or more per rank
+        .metadata             DCP's index (a pickle: read only after the manifest check)
+        rank-00000.pt ...     rank-local state (RNG), weights_only-loadable
+        manifest.json         step, world size, per-file SHA-256/size, plan, user metadata
+    step-00000200.tmp-1a2b3c  a save in progress (or a crashed one; removed by the next save)
+    LATEST                    "step-00000100", moved atomically after each commit
+
+Multi-rank saves: every rank writes its DCP shards (DCP coordinates and raises
+CheckpointException on every rank if any failed), then hashes its own files; an all-gather on
+a dedicated gloo group gives rank 0 every rank's outcome, and rank 0 commits only if all
+succeeded, then tells everyone. The dedicated group keeps checkpoint traffic (which runs in a
+background thread for async saves) apart from training collectives, and gives async DCP the CPU
+backend it needs even when training runs on NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dtorch.checkpoint import files as F
+from dtorch.checkpoint.state import is_rank_local, is_stateful, materialize, stage
+from dtorch.errors import ConfigError
+
+log = logging.getLogger("dtorch.checkpoint")
+
+# DCP's failures derive from BaseException; catch them with ordinary errors, never KeyboardInterrupt.
+_FAILURES = (Exception, CheckpointException)
+# A single-process save/load is intended here (no_dist=True), not a mistake worth a warning.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointError(ConfigError):
+    """No usable checkpoint, or a save that did not commit: names the directory and what to do."""
+
+    def __init__(self, directory: str | os.PathLike, problem: str, fix: str):
+        self.directory = str(directory)
+        self.problem = problem
+        super().__init__("checkpoint_dir", self.directory, f"{problem}; {fix}")
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an older intact one."""
+
+
+@dataclass
+class SaveResult:
+    """Outcome of `CheckpointManager.save`. For an async save, `persist_s`, `bytes` and
+    `committed` are filled in when the background write finishes (see `CheckpointManager.wait`)."""
+
+    step: int
+    path: Path
+    stall_s: float
+    """Seconds the caller was blocked (staging copy for async saves, everything for sync ones)."""
+    async_: bool = False
+    persist_s: float | None = None
+    """Seconds from the start of the save until the checkpoint was committed (LATEST moved)."""
+    bytes: int | None = None
+    committed: bool = False
+    error: str | None = None
+
+
+@dataclass
+class CheckpointInfo:
+    """A committed checkpoint as listed (manifest read, files not hashed)."""
+
+    step: int
+    path: Path
+    world_size: int | None
+    bytes: int | None
+    created_unix: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None
+    latest: bool = False
+    manifest_ok: bool = True
+    problem: str | None = None
+
+
+@dataclass
+class VerifyReport:
+    """Result of hashing every file of one checkpoint against its manifest."""
+
+    path: Path
+    step: int | None
+    ok: bool
+    problems: list[str]
+    files_checked: int
+    bytes: int
+
+    def describe(self) -> str:
+        head = f"{self.path}: " + ("OK" if self.ok else "DAMAGED")
+        head += f" ({self.files_checked} files, {self.bytes / 1e6:.1f} MB)"
+        return "\n".join([head] + [f"  {p}" for p in self.problems])
+
+
+class CheckpointManager:
+    """Save, list, verify, load and export the checkpoints of one run under `root`.
+
+    Construct it on every rank (it creates a gloo process group when torch.distributed is
+    initialized with more than one rank; pass `process_group` to use a group of your own, which
+    must have a CPU backend). `keep_last` committed checkpoints are kept (None keeps all).
+    `fault_hook(phase)` is called at each step of the commit protocol; tests use it to slow
+    down or kill a save at a chosen point.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        keep_last: int | None = 3,
+        *,
+        process_group: Any = None,
+        thread_count: int = 1,
+        writer_factory: Callable[[Path], Any] | None = None,
+        fault_hook: Callable[[str], None] | None = None,
+    ):
+        if keep_last is not None and int(keep_last) < 1:
+            raise ConfigError("keep_last", keep_last, "keep at least 1 checkpoint, or None to keep all")
+        if int(thread_count) < 1:
+            raise ConfigError("thread_count", thread_count, "use at least 1 writer thread")
+        self.root = Path(root)
+        self.keep_last = None if keep_last is None else int(keep_last)
+        self.thread_count = int(thread_count)
+        self.writer_factory = writer_factory
+        self.fault_hook = fault_hook
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._distributed and process_group is None and dist.get_world_size() > 1:
+            process_group = dist.new_group(backend="gloo")
+        self._pg = process_group
+        self._multi = self._distributed and dist.get_world_size(self._pg) > 1
+        self.rank = dist.get_rank(self._pg) if self._distributed else 0
+        self.world_size = dist.get_world_size(self._pg) if self._distributed else 1
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-ckpt")
+        self._pending: tuple[Future, SaveResult] | None = None
+        self._lock = threading.Lock()
+        self.loaded: CheckpointInfo | None = None
+        """The checkpoint the last successful `load_latest`/`load` restored (its extra, plan)."""
+
+    # ---- collectives on the checkpoint group (no-ops in a single process) ----------------------
+    def _broadcast(self, obj: Any) -> Any:
+        if not self._multi:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self._pg, group_src=0)
+        return box[0]
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self._multi:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _phase(self, name: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(name)
+
+    # ---- save -----------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        async_: bool = False,
+        extra: dict[str, Any] | None = None,
+        plan: Any = None,
+    ) -> SaveResult:
+        """Checkpoint `state` as `step` (collective: call on every rank with the same arguments).
+
+        `state` maps names to Stateful objects (model/optimizer wrappers, LR schedulers,
+        `RNGState`) or to (nested) dicts of tensors, DTensors and plain values. `extra` is
+        JSON-serialisable metadata kept in the manifest (metrics, data position); `plan` a Plan
+        (or dict). With `async_`, tensors are copied to CPU and the write continues in a
+        background thread: the returned `stall_s` is the blocking part; call `wait()` to join.
+        A previous async save is always joined first. Raises CheckpointError if a sync save did
+        not commit (the previous checkpoints are untouched).
+        """
+        if int(step) < 0:
+            raise ConfigError("step", step, "checkpoint steps are non-negative")
+        self.wait()
+        t0 = time.perf_counter()
+        dcp_state = {k: v for k, v in state.items() if not is_rank_local(v)}
+        local = {k: v.state_dict() for k, v in state.items() if is_rank_local(v)}
+        plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else plan
+        meta = {"extra": dict(extra or {}), "plan": plan_dict}
+        path = self.root / F.step_dirname(step)
+        if async_:
+            staged = stage(materialize(dcp_state))
+            local = stage(local)
+            result = SaveResult(step=int(step), path=path, stall_s=time.perf_counter() - t0, async_=True)
+            fut = self._executor.submit(self._write_and_commit, int(step), staged, local, meta, t0, result)
+            self._pending = (fut, result)
+            log.info("checkpoint step %d: async save started, stall %.3f s", step, result.stall_s)
+            return result
+        result = SaveResult(step=int(step), path=path, stall_s=0.0)
+        self._write_and_commit(int(step), dcp_state, stage(local), meta, t0, result)
+        result.stall_s = time.perf_counter() - t0
+        if result.error:
+            raise CheckpointError(self.root, f"save of step {step} did not commit: {result.error}", _SAVE_FIX)
+        return result
+
+    def wait(self, raise_on_error: bool = True) -> SaveResult | None:
+        """Join the pending async save (if any) and return its result; raises CheckpointError if
+        it did not commit (unless `raise_on_error` is False)."""
+        if self._pending is None:
+            return None
+        fut, result = self._pending
+        self._pending = None
+        fut.result()  # _write_and_commit records failures in result; it raises only on bugs
+        if result.error and raise_on_error:
+            raise CheckpointError(self.root, f"async save of step {result.step} did not commit: {result.error}", _SAVE_FIX)
+        return result
+
+    def _write_and_commit(
+        self, step: int, dcp_state: dict[str, Any], local: dict[str, Any], meta: dict[str, Any], t0: float, result: SaveResult
+    ) -> None:
+        name = F.step_dirname(step)
+        nonce = self._broadcast(secrets.token_hex(4) if self.rank == 0 else None)
+        tmp = self.root / f"{name}.tmp-{nonce}"
+        self._phase("begin")
+        error: str | None = None
+        mine: dict[str, dict[str, Any]] = {}
+        try:
+            if self.rank == 0:
+                self._remove_debris(keep=tmp)
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            error = f"rank {self.rank}: cannot create {tmp}: {e}"
+        # Every rank enters dcp.save even after a local error: it is collective, and a rank that
+        # skipped it would leave the others waiting. DCP then fails everywhere together.
+        try:
+            writer = (
+                self.writer_factory(tmp)
+                if self.writer_factory is not None
+                else dcp.FileSystemWriter(tmp, thread_count=self.thread_count, sync_files=True, overwrite=False)
+            )
+            dcp.save(dcp_state, storage_writer=writer, process_group=self._pg, no_dist=not self._multi)
+            self._phase("dcp_saved")
+            if error is None:
+                rank_file = f"rank-{self.rank:05d}.pt"
+                with open(tmp / rank_file, "wb") as f:
+                    torch.save(local, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self._phase("rank_file")
+                # Each rank hashes the shards it wrote (DCP names them __<rank>_<n>); rank 0 also
+                # hashes whatever no rank claimed (.metadata).
+                for p in sorted(tmp.iterdir()):
+                    if p.name.startswith(f"__{self.rank}_") or p.name == rank_file:
+                        digest, size = F.sha256_file(p)
+                        mine[p.name] = {"sha256": digest, "size": size}
+        except _FAILURES as e:
+            error = error or f"rank {self.rank}: {type(e).__name__}: {e}"
+        reports = self._all_gather((error, mine))
+        outcome: tuple[bool, str | None, int] = (False, None, 0)
+        if self.rank == 0:
+            outcome = self._commit(step, tmp, reports, meta)
+        committed, problem, nbytes = self._broadcast(outcome)
+        result.committed, result.error, result.bytes = committed, problem, nbytes
+        result.persist_s = time.perf_counter() - t0
+        if committed:
+            log.info(
+                "checkpoint step %d committed: %.1f MB, stall %.3f s, persist %.3f s",
+                step, nbytes / 1e6, result.stall_s, result.persist_s,
+            )
+        else:
+            log.error("checkpoint step %d did not commit: %s", step, problem)
+
+    def _commit(self, step: int, tmp: Path, reports: list[Any], meta: dict[str, Any]) -> tuple[bool, str | None, int]:
+        """Rank 0: manifest -> fsync -> rename -> fsync parent -> LATEST -> retention."""
+        errors = [e for e, _ in reports if e]
+        try:
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            files: dict[str, dict[str, Any]] = {}
+            for _, mine in reports:
+                files.update(mine)
+            for p in sorted(tmp.iterdir()):
+                if p.name not in files and p.name != F.MANIFEST:
+                    digest, size = F.sha256_file(p)
+                    F.fsync_file(p)  # DCP fsyncs its shards and .metadata; this covers anything else
+                    files[p.name] = {"sha256": digest, "size": size}
+            manifest = F.Manifest(
+                step=step,
+                world_size=self.world_size,
+                files=files,
+                rank_files=[f"rank-{r:05d}.pt" for r in range(self.world_size)],
+                plan=meta["plan"],
+                extra=meta["extra"],
+                created_unix=time.time(),
+                torch_version=torch.__version__,
+            )
+            missing = [n for n in manifest.rank_files if n not in files]
+            if missing:
+                raise RuntimeError(f"rank files missing: {missing}")
+            F.write_manifest(tmp, manifest)
+            F.fsync_dir(tmp)
+            self._phase("manifest")
+            final = self.root / F.step_dirname(step)
+            old = None
+            if final.exists():  # a re-save of a step (e.g. after falling back past a damaged one)
+                old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+                os.rename(final, old)
+            os.rename(tmp, final)
+            F.fsync_dir(self.root)
+            self._phase("renamed")
+            F.atomic_write(self.root / F.LATEST, (final.name + "\n").encode())
+            self._phase("latest")
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except _FAILURES as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False, f"{type(e).__name__}: {e}", 0
+        try:
+            # The step just committed was hashed a moment ago: it is the newest good one and
+            # retention counts it first, so it is never deleted here.
+            self._prune(self.keep_last, known_good=step)
+        except OSError as e:
+            log.warning("checkpoint retention failed (checkpoints kept): %s", e)
+        return True, None, manifest.total_bytes
+
+    def _remove_debris(self, keep: Path) -> None:
+        """Remove directories of crashed saves (``*.tmp-*``) and replaced steps (``*.old-*``)."""
+        for p in self.root.iterdir():
+            if p != keep and p.is_dir() and (".tmp-" in p.name or ".old-" in p.name):
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ---- retention -------------------------------------------------------------------------------
+    def prune(self, keep_last: int | None = None) -> list[Path]:
+        """Delete committed checkpoints beyond the newest `keep_last` (default: the manager's),
+        but never the newest one that verifies; returns the deleted paths. Rank 0 only."""
+        self.wait()
+        if self.rank != 0:
+            return []
+        return self._prune(self.keep_last if keep_last is None else keep_last)
+
+    def _prune(self, keep_last: int | None, known_good: int | None = None) -> list[Path]:
+        if keep_last is None:
+            return []
+        dirs = F.committed_dirs(self.root)
+        keep, drop = dirs[:keep_last], dirs[keep_last:]
+        if known_good is None or known_good not in {s for s, _ in keep}:
+            kept_ok = any(self.verify(p).ok for _, p in keep)
+            if not kept_ok:
+                # Keep the newest older checkpoint that verifies, so one good one always remains.
+                for i, (_, p) in enumerate(drop):
+                    if self.verify(p).ok:
+                        drop.pop(i)
+                        break
+        for _, p in drop:
+            shutil.rmtree(p)
+            log.info("checkpoint retention: removed %s", p)
+        if drop:
+            F.fsync_dir(self.root)
+        return [p for _, p in drop]
+
+    # ---- inspect ---------------------------------------------------------------------------------
+    def _resolve(self, step_or_path: int | str | os.PathLike | None) -> Path:
+        if step_or_path is None:
+            dirs = F.committed_dirs(self.root)
+            if not dirs:
+                raise CheckpointError(self.root, "no committed checkpoint", "save one first or pass another directory")
+            return dirs[0][1]
+        if isinstance(step_or_path, int):
+            path = self.root / F.step_dirname(step_or_path)
+        else:
+            path = Path(step_or_path)
+        if not path.is_dir():
+            have = [s for s, _ in F.committed_dirs(self.root)]
+            raise CheckpointError(path, "no such checkpoint", f"committed steps under {self.root}: {have}")
+        return path
+
+    def latest_pointer(self) -> str | None:
+        """The directory name LATEST points to (None if absent)."""
+        try:
+            return (self.root / F.LATEST).read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, newest first, from their manifests (files are not hashed)."""
+        latest = self.latest_pointer()
+        out = []
+        for step, path in F.committed_dirs(self.root):
+            try:
+                m = F.read_manifest(path)
+                out.append(
+                    CheckpointInfo(step, path, m.world_size, m.total_bytes, m.created_unix, m.extra, m.plan, path.name == latest)
+                )
+            except F.ManifestError as e:
+                out.append(CheckpointInfo(step, path, None, None, None, latest=path.name == latest, manifest_ok=False, problem=str(e)))
+        return out
+
+    def verify(self, step_or_path: int | str | os.PathLike | None = None) -> VerifyReport:
+        """Hash every file of one checkpoint (default: the newest) against its manifest."""
+        path = self._resolve(step_or_path)
+        try:
+            m = F.read_manifest(path)
+        except F.ManifestError as e:
+            return VerifyReport(path, None, False, [str(e)], 0, 0)
+        problems = [p for n, exp in sorted(m.files.items()) if (p := F.check_file(path, n, exp))]
+        problems += [f"{n}: not in the manifest" for n in m.rank_files if n not in m.files]
+        return VerifyReport(path, m.step, not problems, problems, len(m.files), m.total_bytes)
+
+    def _verify_shared(self, path: Path) -> tuple[F.Manifest | None, list[str]]:
+        """Verify with the hashing spread over the ranks; every rank gets the same answer."""
+        try:
+            m = F.read_manifest(path)
+        except F.ManifestError as e:
+            problems = [str(e)]
+            m = None
+        else:
+            names = sorted(m.files)
+            problems = [p for n in names[self.rank :: self.world_size] if (p := F.check_file(path, n, m.files[n]))]
+            problems += [f"{n}: not in the manifest" for n in m.rank_files if n not in m.files]
+        gathered = self._all_gather(problems)
+        merged = sorted({p for ps in gathered for p in ps})
+        return (m if not merged else None), merged
+
+    # ---- load ------------------------------------------------------------------------------------
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Restore the newest checkpoint that verifies into `state`, in place; returns its step,
+        or None when there is no checkpoint at all (a fresh run). Collective.
+
+        Tensors and DTensors are filled in place, so loading under another world size or
+        sharding reshards (DCP). Damaged checkpoints are skipped with a CheckpointWarning naming
+        the bad file; if checkpoints exist but none verifies, raises CheckpointError.
+        """
+        self.wait()
+        dirs = self._broadcast([(s, str(p)) for s, p in F.committed_dirs(self.root)] if self.rank == 0 else None)
+        if not dirs:
+            return None
+        damaged = []
+        for step, p in dirs:
+            manifest, problems = self._verify_shared(Path(p))
+            if manifest is None:
+                damaged.append(f"{Path(p).name}: {problems[0]}")
+                msg = f"checkpoint {p} is damaged ({'; '.join(problems[:3])}); falling back to an older one"
+                log.warning(msg)
+                warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                continue
+            self._load_verified(Path(p), manifest, state)
+            return step
+        raise CheckpointError(
+            self.root,
+            "no intact checkpoint: " + "; ".join(damaged),
+            "restore the damaged files from a copy, or move the step-* directories away to start from scratch",
+        )
+
+    def load(self, step_or_path: int | str | os.PathLike, state: dict[str, Any]) -> int:
+        """Restore one given checkpoint (verified first, no fallback); returns its step."""
+        self.wait()
+        path = self._resolve(step_or_path)
+        manifest, problems = self._verify_shared(path)
+        if manifest is None:
+            raise CheckpointError(path, "damaged: " + "; ".join(problems), "load another step (dtorch ckpt ls)")
+        self._load_verified(path, manifest, state)
+        return manifest.step
+
+    def _load_verified(self, path: Path, m: F.Manifest, state: dict[str, Any]) -> None:
+        dcp_state = {k: v for k, v in state.items() if not is_rank_local(v)}
+        local_keys = [k for k, v in state.items() if is_rank_local(v)]
+        dcp.load(dcp_state, checkpoint_id=path, process_group=self._pg, no_dist=not self._multi)
+        for k, v in dcp_state.items():
+            if not is_stateful(v):
+                state[k] = v  # DCP replaces non-tensor top-level leaves in our shallow copy
+        if local_keys:
+            src = self.rank if m.world_size == self.world_size else self.rank % m.world_size
+            if src != self.rank:
+                log.info("world size %d -> %d: rank %d takes rank-local state of rank %d", m.world_size, self.world_size, self.rank, src)
+            with open(path / m.rank_files[src], "rb") as f:
+                local = torch.load(f, weights_only=True)
+            for k in local_keys:
+                if k in local:
+                    state[k].load_state_dict(local[k])
+                else:
+                    log.warning("checkpoint %s has no rank-local state %r; left as is", path, k)
+        self.loaded = CheckpointInfo(
+            m.step, path, m.world_size, m.total_bytes, m.created_unix, m.extra, m.plan, path.name == self.latest_pointer()
+        )
+
+    # ---- export ----------------------------------------------------------------------------------
+    def export_safetensors(
+        self, step: int | None, path: str | os.PathLike, *, keys: list[str] | None = None
+    ) -> Path:
+        """Write one consolidated safetensors file of checkpoint `step` (default: newest).
+
+        Nested names are joined with "." (``model.layers.0.weight``); `keys` keeps only the
+        top-level entries named (e.g. ``["model"]``). Non-tensor values and the manifest's
+        step/extra go into the file's metadata as JSON. Runs in this process only.
+        """
+        from dtorch.checkpoint.export import export_safetensors
+
+        src = self._resolve(step)
+        report = self.verify(src)
+        if not report.ok:
+            raise CheckpointError(src, "damaged: " + "; ".join(report.problems), "export another step (dtorch ckpt ls)")
+        return export_safetensors(src, Path(path), keys=keys)
+
+    def close(self) -> None:
+        """Join any pending save and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+
+_SAVE_FIX = "the previous checkpoints are untouched; check free disk space and permissions, then save again"

@@ -1,0 +1,102 @@
+"""Pieces of training state that need care: per-rank RNG streams, and staging copies for async save.
+
+A top-level state entry whose object has ``rank_local = True`` (and ``state_dict`` /
+``load_state_dict``) is *rank-local*: every rank saves its own copy (DCP would keep only one of
+several same-named replicated values). `RNGState` is the built-in one.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def is_rank_local(obj: object) -> bool:
+    return is_stateful(obj) and bool(getattr(obj, "rank_local", False))
+
+
+class RNGState:
+    """This rank's random number generators: torch CPU, every CUDA device (which is also the state
+    the DTensor RNG tracker offsets from), Python's `random` and NumPy's legacy global generator.
+
+    Restoring them makes a resumed run draw the same dropout masks and shuffles as an
+    uninterrupted one. Saved per rank (`rank_local`); the values are plain tensors, ints and
+    tuples, so they load with ``torch.load(weights_only=True)``.
+    """
+
+    rank_local = True
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state(legacy=True)
+        sd: dict[str, Any] = {
+            "torch_cpu": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": {
+                "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+                "pos": int(np_state[2]),
+                "has_gauss": int(np_state[3]),
+                "cached_gaussian": float(np_state[4]),
+            },
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["torch_cuda"] = torch.cuda.get_rng_state_all()
+        tracker = _dtensor_tracker()
+        if tracker is not None:
+            sd["dtensor_distribute_region_enabled"] = bool(tracker.distribute_region_enabled)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        torch.set_rng_state(sd["torch_cpu"])
+        random.setstate(_as_tuple(sd["python"]))
+        n = sd["numpy"]
+        np.random.set_state(
+            ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
+        cuda = sd.get("torch_cuda")
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        tracker = _dtensor_tracker()
+        if tracker is not None and "dtensor_distribute_region_enabled" in sd:
+            tracker.distribute_region_enabled = sd["dtensor_distribute_region_enabled"]
+
+
+def _as_tuple(x: Any) -> Any:
+    # random.setstate wants tuples all the way down; serialisation may hand back lists.
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _dtensor_tracker() -> Any:
+    try:
+        from torch.distributed.tensor import _random
+    except ImportError:  # torch built without distributed
+        return None
+    return getattr(_random, "_rng_tracker", None)
+
+
+def materialize(state: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of `state` with each top-level Stateful replaced by its state_dict()."""
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+
+
+@torch.no_grad()
+def stage(obj: Any) -> Any:
+    """A copy of a state tree that training can no longer change: every tensor (DTensor
+    included, which keeps its mesh and placements) is copied to CPU memory, other leaves are
+    deep-copied. This copy is the blocking part of an async save."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: stage(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [stage(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(stage(v) for v in obj)
+    return copy.deepcopy(obj)
