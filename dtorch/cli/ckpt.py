@@ -1,0 +1,70 @@
+"""`dtorch ckpt ls | verify | export`: inspect the checkpoints of a run directory.
+
+    dtorch ckpt ls runs/a                       committed steps, size, world size, LATEST
+    dtorch ckpt verify runs/a [--step N]        hash every file (all steps unless --step); exit 1 if damaged
+    dtorch ckpt export runs/a out.safetensors [--step N] [--key model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+    p = sub.add_parser("ckpt", help=help_text, description=help_text)
+    csub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    ls = csub.add_parser("ls", help="list committed checkpoints")
+    ls.add_argument("dir", help="checkpoint directory of a run")
+    ver = csub.add_parser("verify", help="hash every file against the manifest; exit 1 if any is damaged")
+    ver.add_argument("dir", help="checkpoint directory of a run")
+    ver.add_argument("--step", type=int, default=None, help="only this step (default: every committed step)")
+    ex = csub.add_parser("export", help="write one consolidated safetensors file")
+    ex.add_argument("dir", help="checkpoint directory of a run")
+    ex.add_argument("out", help="output .safetensors path")
+    ex.add_argument("--step", type=int, default=None, help="step to export (default: the newest)")
+    ex.add_argument("--key", action="append", default=None, help="top-level entry to export (repeatable), e.g. model")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dtorch.checkpoint.manager import CheckpointManager
+    from dtorch.errors import ConfigError
+
+    if not Path(args.dir).is_dir():
+        raise ConfigError("dir", args.dir, "no such directory; pass the checkpoint_dir of a run")
+    mgr = CheckpointManager(args.dir, keep_last=None)
+    try:
+        if args.ckpt_command == "ls":
+            infos = mgr.list()
+            if not infos:
+                print(f"{args.dir}: no committed checkpoints")
+                return 0
+            print(f"{'step':>10}  {'MB':>9}  {'world':>5}  {'saved (UTC)':<19}  extra")
+            for i in infos:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i.created_unix)) if i.created_unix else "?"
+                size = f"{i.bytes / 1e6:9.1f}" if i.bytes is not None else "        ?"
+                mark = "  <- LATEST" if i.latest else ""
+                detail = i.problem if not i.manifest_ok else ", ".join(f"{k}={v}" for k, v in sorted(i.extra.items()))
+                print(f"{i.step:>10}  {size}  {i.world_size or '?':>5}  {when:<19}  {detail}{mark}")
+            return 0
+        if args.ckpt_command == "verify":
+            targets = [args.step] if args.step is not None else [i.step for i in mgr.list()]
+            if not targets:
+                print(f"{args.dir}: no committed checkpoints")
+                return 0
+            bad = 0
+            for step in targets:
+                report = mgr.verify(step)
+                print(report.describe())
+                bad += not report.ok
+            return 1 if bad else 0
+        if args.ckpt_command == "export":
+            out = mgr.export_safetensors(args.step, args.out, keys=args.key)
+            print(f"wrote {out}")
+            return 0
+    finally:
+        mgr.close()
+    return 2
