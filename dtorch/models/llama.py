@@ -62,11 +62,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, head_dim]
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention: each kv head serves q_heads/kv_heads query heads. The kernel
+        # broadcasts k/v itself, so only the small k/v are kept for backward (no repeat_interleave).
+        gqa = q.shape[1] != k.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
