@@ -92,3 +92,37 @@ class Cluster:
     def devices_per_node(self) -> int:
         """Devices per node; for mixed node sizes the smallest (TP must fit in every node)."""
         return min(g.devices_per_node for g in self.groups)
+
+    # ---- added for the planner (backwards-compatible helpers) ----------------------------------
+    def slowest_group(self) -> NodeGroup:
+        """The group that bounds a synchronous step: lowest peak FLOP/s, then least memory.
+
+        In a mixed cluster every rank waits for the slowest one, so the cost model plans with it."""
+        return min(self.groups, key=lambda g: (g.device.peak("bfloat16") * g.device.matmul_efficiency,
+                                               g.device.memory_bytes))
+
+    def describe(self) -> str:
+        """One line: ``8 nodes x 8 H100-SXM-80GB (64 devices)``."""
+        parts = [f"{g.num_nodes} node{'s' if g.num_nodes > 1 else ''} x {g.devices_per_node} {g.device.name}"
+                 for g in self.groups]
+        return " + ".join(parts) + f" ({self.world_size} devices)"
+
+    @classmethod
+    def detect(cls) -> Cluster:
+        """This machine: its CUDA/ROCm devices if present, else its CPU (see `dtorch.cluster.load.detect`)."""
+        from dtorch.cluster.load import detect
+
+        return detect()
+
+    @classmethod
+    def load(cls, spec: str) -> Cluster:
+        """A preset, shorthand (``h100:8x8``) or YAML/JSON file (see `dtorch.cluster.load_cluster`)."""
+        from dtorch.cluster.load import load_cluster
+
+        return load_cluster(spec)
+
+    def save(self, path) -> None:
+        """Write this cluster as YAML or JSON (by suffix); `Cluster.load` reads it back."""
+        from dtorch.cluster.load import save_cluster
+
+        save_cluster(self, path)

@@ -1,0 +1,328 @@
+"""Build a Cluster from a preset, a shorthand, a YAML/JSON file, or this machine.
+
+Shorthand: ``h100:8x8`` is 8 nodes x 8 GPUs, ``h100:8`` one node of 8, ``h100`` one node of the
+preset's default size; node groups of different types join with ``+``: ``h100:4x8+a100:2x8``.
+
+File format (YAML or JSON; `save_cluster` writes it, `load_cluster` reads it back)::
+
+    name: my-cluster
+    groups:
+      - device: h100            # a preset name, or a mapping: name, peak_flops, memory_bytes, ...
+        num_nodes: 4
+        devices_per_node: 8
+        intra: {kind: nvlink, bandwidth: 4.5e+11, latency: 2.0e-06, efficiency: 0.8}   # optional
+        inter: {kind: ib, bandwidth: 5.0e+10, latency: 5.0e-06}                       # optional
+        host_memory_bytes: 2199023255552                                              # optional
+    calibration: {}             # written by `dtorch probe`
+
+Every malformed value raises ConfigError naming the field path (``groups[0].num_nodes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from dtorch.cluster.presets import DEVICES, NODE_DEFAULTS, canonical, preset_names
+from dtorch.cluster.spec import Cluster, DeviceType, Link, NodeGroup
+from dtorch.errors import ConfigError, choices
+
+_SHORT = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*(?::\s*(\d+)\s*(?:[xX*]\s*(\d+))?)?\s*$")
+INTRA_KINDS = ("nvlink", "xgmi", "pcie", "shm")
+INTER_KINDS = ("ib", "roce", "ethernet")
+
+
+def _preset_device(name: str, field: str) -> str:
+    key = canonical(name)
+    if key is None:
+        raise ConfigError(field, name, f"unknown device preset; {choices(preset_names())}")
+    return key
+
+
+def preset_group(device: str, num_nodes: int = 1, devices_per_node: int | None = None) -> NodeGroup:
+    """A NodeGroup of a preset device type with the preset's links and node size."""
+    key = _preset_device(device, "device")
+    intra, inter, dpn, host = NODE_DEFAULTS[key]
+    return NodeGroup(DEVICES[key], num_nodes, devices_per_node or dpn, intra, inter, host)
+
+
+def parse_shorthand(spec: str) -> Cluster:
+    """``h100:8x8`` / ``h100:8`` / ``h100`` / ``h100:4x8+a100:2x8`` -> Cluster."""
+    groups = []
+    for part in spec.split("+"):
+        m = _SHORT.match(part)
+        if not m:
+            raise ConfigError(
+                "cluster", spec,
+                "use a preset shorthand like h100:8x8 (nodes x GPUs per node), h100:4x8+a100:2x8, or a .yaml/.json file",
+            )
+        name, a, b = m.groups()
+        key = _preset_device(name, "cluster")
+        if b is not None:
+            nodes, per = int(a), int(b)
+        elif a is not None:
+            nodes, per = 1, int(a)
+        else:
+            nodes, per = 1, None
+        if nodes < 1 or (per is not None and per < 1):
+            raise ConfigError("cluster", part, "node and device counts must be positive, e.g. h100:8x8")
+        groups.append(preset_group(key, nodes, per))
+    return Cluster(groups=groups, name=spec.strip())
+
+
+# ---- validation helpers --------------------------------------------------------------------------
+def _num(d: dict, key: str, path: str, *, positive: bool = True, integer: bool = False, default: Any = None) -> Any:
+    if key not in d:
+        if default is not None:
+            return default
+        raise ConfigError(f"{path}.{key}", None, "missing; give a number")
+    v = d[key]
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        x = float(v)
+        if integer:
+            if x != int(x):
+                raise ValueError
+            x = int(x)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}.{key}", v, "must be an integer" if integer else "must be a number") from None
+    if positive and not x > 0:
+        raise ConfigError(f"{path}.{key}", v, "must be positive")
+    return x
+
+
+def _mapping(v: Any, path: str) -> dict:
+    if not isinstance(v, dict):
+        raise ConfigError(path, v if not isinstance(v, (list, dict)) else type(v).__name__, "must be a mapping")
+    return v
+
+
+def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
+    if v is None:
+        return default
+    d = _mapping(v, path)
+    unknown = sorted(set(d) - {"kind", "bandwidth", "latency", "efficiency"})
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]], "unknown link field; use kind, bandwidth, latency, efficiency")
+    kind = d.get("kind", default.kind)
+    if kind not in kinds:
+        raise ConfigError(f"{path}.kind", kind, choices(kinds))
+    eff = _num(d, "efficiency", path, default=default.efficiency)
+    if eff > 1:
+        raise ConfigError(f"{path}.efficiency", eff, "a fraction of line rate in (0, 1]")
+    return Link(
+        kind=kind,
+        bandwidth=_num(d, "bandwidth", path, default=default.bandwidth),
+        latency=_num(d, "latency", path, positive=False, default=default.latency),
+        efficiency=eff,
+    )
+
+
+def _device(v: Any, path: str) -> tuple[DeviceType, str | None]:
+    if isinstance(v, str):
+        key = _preset_device(v, path)
+        return DEVICES[key], key
+    d = _mapping(v, path)
+    base_key = canonical(d["preset"]) if isinstance(d.get("preset"), str) else None
+    if "preset" in d and base_key is None:
+        raise ConfigError(f"{path}.preset", d["preset"], choices(preset_names()))
+    base = DEVICES[base_key] if base_key else None
+    known = {f.name for f in dataclasses.fields(DeviceType)} | {"preset"}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]], f"unknown device field; {choices(sorted(known))}")
+    name = d.get("name", base.name if base else None)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}.name", name, "give the device a name (or a preset)")
+    peak = d.get("peak_flops", base.peak_flops if base else None)
+    peak = _mapping(peak, f"{path}.peak_flops")
+    if not peak:
+        raise ConfigError(f"{path}.peak_flops", peak, "give at least one dtype: {bfloat16: 9.89e+14}")
+    peak = {str(k): _num(peak, k, f"{path}.peak_flops") for k in peak}
+    kind = d.get("kind", base.kind if base else "cuda")
+    if kind not in ("cuda", "rocm", "cpu"):
+        raise ConfigError(f"{path}.kind", kind, choices(("cuda", "rocm", "cpu")))
+    eff = _num(d, "matmul_efficiency", path, default=base.matmul_efficiency if base else 0.6)
+    if eff > 1:
+        raise ConfigError(f"{path}.matmul_efficiency", eff, "a fraction of peak in (0, 1]")
+    dev = DeviceType(
+        name=name,
+        peak_flops=peak,
+        memory_bytes=_num(d, "memory_bytes", path, integer=True, default=base.memory_bytes if base else None),
+        memory_bandwidth=_num(d, "memory_bandwidth", path, default=base.memory_bandwidth if base else None),
+        matmul_efficiency=eff,
+        kind=kind,
+    )
+    return dev, base_key
+
+
+def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
+    """Validate a parsed cluster document (see module doc) and build the Cluster."""
+    d = _mapping(data, source)
+    unknown = sorted(set(d) - {"name", "groups", "calibration"})
+    if unknown:
+        raise ConfigError(unknown[0], d[unknown[0]], "unknown cluster field; use name, groups, calibration")
+    groups_raw = d.get("groups")
+    if not isinstance(groups_raw, list) or not groups_raw:
+        raise ConfigError("groups", groups_raw, "give a non-empty list of node groups (device, num_nodes, devices_per_node)")
+    groups = []
+    for i, g in enumerate(groups_raw):
+        path = f"groups[{i}]"
+        g = _mapping(g, path)
+        allowed = {"device", "num_nodes", "devices_per_node", "intra", "inter", "host_memory_bytes"}
+        unknown = sorted(set(g) - allowed)
+        if unknown:
+            raise ConfigError(f"{path}.{unknown[0]}", g[unknown[0]], f"unknown node-group field; {choices(sorted(allowed))}")
+        if "device" not in g:
+            raise ConfigError(f"{path}.device", None, f"missing; a preset ({', '.join(preset_names())}) or a mapping")
+        dev, key = _device(g["device"], f"{path}.device")
+        d_intra, d_inter, d_per, d_host = NODE_DEFAULTS.get(key or "", NODE_DEFAULTS["h100-sxm"])
+        if key is None and dev.kind == "cpu":
+            d_intra, d_inter, d_per, d_host = NODE_DEFAULTS["cpu"]
+        groups.append(NodeGroup(
+            device=dev,
+            num_nodes=_num(g, "num_nodes", path, integer=True, default=1),
+            devices_per_node=_num(g, "devices_per_node", path, integer=True, default=d_per),
+            intra=_link(g.get("intra"), f"{path}.intra", d_intra, INTRA_KINDS),
+            inter=_link(g.get("inter"), f"{path}.inter", d_inter, INTER_KINDS),
+            host_memory_bytes=_num(g, "host_memory_bytes", path, integer=True, positive=False, default=d_host),
+        ))
+    name = d.get("name", "cluster")
+    calib = d.get("calibration") or {}
+    _mapping(calib, "calibration")
+    return Cluster(groups=groups, name=str(name), calibration=dict(calib))
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The explicit document form (every number written out, so a reload is exact)."""
+    return {
+        "name": cluster.name,
+        "groups": [
+            {
+                "device": dataclasses.asdict(g.device),
+                "num_nodes": g.num_nodes,
+                "devices_per_node": g.devices_per_node,
+                "intra": dataclasses.asdict(g.intra),
+                "inter": dataclasses.asdict(g.inter),
+                "host_memory_bytes": g.host_memory_bytes,
+            }
+            for g in cluster.groups
+        ],
+        "calibration": dict(cluster.calibration),
+    }
+
+
+def save_cluster(cluster: Cluster, path: str | Path) -> None:
+    """Write a cluster as YAML (.yaml/.yml) or JSON (anything else)."""
+    p = Path(path)
+    doc = cluster_to_dict(cluster)
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    else:
+        p.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def read_cluster_file(path: str | Path) -> Cluster:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError("cluster", str(p), f"cannot read the cluster file ({e.strerror})") from None
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error is the user's file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError("cluster", str(p), f"not valid {p.suffix.lstrip('.') or 'JSON'}: {first}") from None
+    c = cluster_from_dict(data, source=str(p))
+    if c.name == "cluster":
+        c.name = p.stem
+    return c
+
+
+def load_cluster(spec: str) -> Cluster:
+    """The one entry point: a preset (``h100``), a shorthand (``h100:8x8``, ``h100:4x8+a100:2x8``),
+    ``detect`` / ``local`` for this machine, or a path to a .yaml/.yml/.json file."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("cluster", spec, "give a preset shorthand like h100:8x8 or a cluster file")
+    s = spec.strip()
+    if s in ("detect", "local", "this"):
+        return detect()
+    if s.endswith((".yaml", ".yml", ".json")) or os.sep in s or Path(s).is_file():
+        return read_cluster_file(s)
+    return parse_shorthand(s)
+
+
+# ---- this machine ---------------------------------------------------------------------------------
+def _cpu_ghz() -> float:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return float(line.split(":")[1]) / 1000.0
+    except (OSError, ValueError):
+        pass
+    return 2.5
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+def detect() -> Cluster:
+    """This machine as a one-node cluster: its CUDA/ROCm devices if there are any, else its CPU.
+
+    Torch is imported only when a GPU device node exists, so the CPU path stays fast. The CPU's
+    FLOP/s is nominal (cores x clock x 32 FLOP/cycle for two 8-wide fp32 FMA units); `dtorch probe`
+    measures the real number."""
+    host = _host_memory()
+    if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd"):
+        try:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+                n = torch.cuda.device_count()
+                prop = torch.cuda.get_device_properties(0)
+                name = prop.name
+                key = next((k for k, tag in (("h200", "H200"), ("b200", "B200"), ("mi300x", "MI300X"),
+                                             ("h100-sxm", "H100"), ("a100-80gb", "A100")) if tag in name), None)
+                if key is not None:
+                    base = DEVICES[key]
+                    dev = dataclasses.replace(base, name=name, memory_bytes=int(prop.total_memory))
+                    intra, inter, _, _ = NODE_DEFAULTS[key]
+                else:
+                    # unknown GPU: SM count x a nominal 1 TFLOP/s per SM for bf16, refine with `dtorch probe`
+                    dev = DeviceType(name=name, peak_flops={"bfloat16": prop.multi_processor_count * 1e12},
+                                     memory_bytes=int(prop.total_memory), memory_bandwidth=1e12)
+                    intra, inter = Link("pcie", 25e9, 5e-6, 0.7), Link("ethernet", 12.5e9, 20e-6, 0.7)
+                kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+                dev = dataclasses.replace(dev, kind=kind)
+                return Cluster([NodeGroup(dev, 1, n, intra, inter, host)], name=f"local:{n}x{name}")
+        except Exception:  # noqa: BLE001 - a broken driver means "no GPU here", fall back to the CPU
+            pass
+    cores = os.cpu_count() or 1
+    flops = cores * _cpu_ghz() * 1e9 * 32
+    dev = DeviceType(
+        name=f"CPU-{cores}core",
+        peak_flops={"float32": flops, "bfloat16": flops, "float16": flops},
+        memory_bytes=host,
+        memory_bandwidth=20e9,
+        matmul_efficiency=0.5,
+        kind="cpu",
+    )
+    intra, inter, _, _ = NODE_DEFAULTS["cpu"]
+    return Cluster([NodeGroup(dev, 1, 1, intra, inter, host)], name="local-cpu")

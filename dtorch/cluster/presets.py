@@ -1,0 +1,117 @@
+"""Device and node presets from public spec sheets.
+
+Numbers (dense, no sparsity) and their sources:
+- A100 SXM 80GB: 312 TFLOP/s bf16/fp16, 19.5 fp32 (156 tf32), 2.0 TB/s HBM2e, NVLink3 600 GB/s per GPU
+  both ways, HDR InfiniBand 200 Gb/s per NIC (NVIDIA A100 datasheet; DGX A100 user guide).
+- H100 SXM 80GB: 989 TFLOP/s bf16, 1979 fp8, 67 fp32 (494 tf32), 3.35 TB/s HBM3, NVLink4 900 GB/s per GPU
+  both ways, NDR InfiniBand 400 Gb/s per NIC (NVIDIA H100 datasheet; DGX H100).
+- H100 96GB (Meta Grand Teton as in torchtitan's Dec 2024 benchmark): SXM peak numbers, 96 GB HBM2e,
+  2.4 TB/s, 500 W cap, 400 Gb/s RDMA per GPU (torchtitan benchmarks/llama3_h100_202412_torchtitan.md).
+- H200 141GB: 989 bf16, 1979 fp8, 4.8 TB/s HBM3e, NVLink4, NDR (NVIDIA H200 datasheet).
+- B200: 2.25 PFLOP/s bf16, 4.5 fp8, 180 GB usable per GPU in DGX B200 (1,440 GB / 8), 8 TB/s HBM3e,
+  NVLink5 1.8 TB/s per GPU both ways, 400 Gb/s ConnectX-7 per GPU (DGX B200 datasheet).
+- MI300X: 1307 TFLOP/s bf16, 2615 fp8, 163 fp32, 192 GB HBM3, 5.3 TB/s, Infinity Fabric 896 GB/s aggregate
+  per GPU both ways (7 links x 64 GB/s), 400 Gb/s NIC per GPU (AMD MI300X datasheet; torchtitan peak table).
+- CPU: nominal numbers for a laptop/server socket; `Cluster.detect()` measures cores and memory instead.
+
+Bandwidths in `Link` are bytes/s per device in one direction; link efficiencies are the usual nccl-tests
+bus bandwidth over line rate (about 0.8 on NVLink, 0.85-0.9 on InfiniBand); `dtorch probe` measures them.
+"""
+
+from __future__ import annotations
+
+from dtorch.cluster.spec import DeviceType, Link
+
+GB = 10**9
+GiB = 2**30
+
+DEVICES: dict[str, DeviceType] = {
+    "a100-80gb": DeviceType(
+        name="A100-SXM-80GB",
+        peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "tf32": 156e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=2.0e12,
+        matmul_efficiency=0.81,  # fitted on Korthikanti et al. (dtorch.plan.calibration)
+    ),
+    "h100-sxm": DeviceType(
+        name="H100-SXM-80GB",
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12, "tf32": 494e12},
+        memory_bytes=80 * GiB,
+        memory_bandwidth=3.35e12,
+        matmul_efficiency=0.66,  # fitted on llm-foundry (dtorch.plan.calibration)
+    ),
+    "h100-96gb": DeviceType(
+        name="H100-96GB-500W",
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12, "tf32": 494e12},
+        memory_bytes=96 * GB,
+        memory_bandwidth=2.4e12,
+        matmul_efficiency=0.47,  # fitted on torchtitan's 500 W runs (dtorch.plan.calibration)
+    ),
+    "h200": DeviceType(
+        name="H200-141GB",
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12, "tf32": 494e12},
+        memory_bytes=141 * GB,
+        memory_bandwidth=4.8e12,
+        matmul_efficiency=0.62,
+    ),
+    "b200": DeviceType(
+        name="B200-180GB",
+        peak_flops={"bfloat16": 2.25e15, "float16": 2.25e15, "float8": 4.5e15, "float32": 75e12, "tf32": 1.1e15},
+        memory_bytes=180 * GB,
+        memory_bandwidth=8.0e12,
+        matmul_efficiency=0.6,
+    ),
+    "mi300x": DeviceType(
+        name="MI300X-192GB",
+        peak_flops={"bfloat16": 1307e12, "float16": 1307e12, "float8": 2615e12, "float32": 163e12},
+        memory_bytes=192 * GB,
+        memory_bandwidth=5.3e12,
+        matmul_efficiency=0.5,
+        kind="rocm",
+    ),
+    "cpu": DeviceType(
+        name="CPU",
+        # 16 cores x 2.5 GHz x 32 FLOP/cycle (two 8-wide FMA units), a nominal server socket
+        peak_flops={"float32": 1.28e12, "bfloat16": 1.28e12, "float16": 1.28e12},
+        memory_bytes=64 * GiB,
+        memory_bandwidth=100e9,
+        matmul_efficiency=0.5,
+        kind="cpu",
+    ),
+}
+
+ALIASES: dict[str, str] = {
+    "a100": "a100-80gb",
+    "a100-sxm": "a100-80gb",
+    "a100-sxm-80gb": "a100-80gb",
+    "h100": "h100-sxm",
+    "h100-80gb": "h100-sxm",
+    "h100-sxm-80gb": "h100-sxm",
+    "h100-gt": "h100-96gb",
+    "h200-141gb": "h200",
+    "b200-180gb": "b200",
+    "mi300x-192gb": "mi300x",
+}
+
+# intra-node link, inter-node link, devices per node, host memory per node
+NODE_DEFAULTS: dict[str, tuple[Link, Link, int, int]] = {
+    "a100-80gb": (Link("nvlink", 300e9, 2e-6, 0.78), Link("ib", 25e9, 5e-6, 0.85), 8, 1024 * GiB),
+    "h100-sxm": (Link("nvlink", 450e9, 2e-6, 0.8), Link("ib", 50e9, 5e-6, 0.85), 8, 2048 * GiB),
+    "h100-96gb": (Link("nvlink", 450e9, 2e-6, 0.8), Link("roce", 50e9, 5e-6, 0.8), 8, 2048 * GiB),
+    "h200": (Link("nvlink", 450e9, 2e-6, 0.8), Link("ib", 50e9, 5e-6, 0.85), 8, 2048 * GiB),
+    "b200": (Link("nvlink", 900e9, 2e-6, 0.8), Link("ib", 50e9, 5e-6, 0.85), 8, 2048 * GiB),
+    "mi300x": (Link("xgmi", 448e9, 3e-6, 0.7), Link("roce", 50e9, 6e-6, 0.8), 8, 2048 * GiB),
+    "cpu": (Link("shm", 10e9, 5e-6, 0.5), Link("ethernet", 1.25e9, 50e-6, 0.7), 1, 64 * GiB),
+}
+
+
+def preset_names() -> list[str]:
+    """Canonical device preset names (aliases are accepted too)."""
+    return sorted(DEVICES)
+
+
+def canonical(name: str) -> str | None:
+    """The canonical preset name for `name` (case-insensitive, aliases resolved), or None."""
+    key = name.strip().lower().replace("_", "-")
+    key = ALIASES.get(key, key)
+    return key if key in DEVICES else None

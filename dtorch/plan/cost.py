@@ -1,0 +1,457 @@
+"""The analytic cost model: step time and per-rank memory of a Plan for a model on a cluster.
+
+Pure functions (no torch, no processes, no globals mutated): `estimate(plan, profile, cluster)` is
+what the search ranks with, and what the trainer/benchmarks compare measurements against.
+Units: seconds, bytes, FLOP/s. Each formula names its source:
+
+- Training FLOPs per token: ``profile.flops_per_token`` = 6 N_matmul + 12 l h s (torchtitan
+  `get_dense_model_nparams_and_flops`; attention over the full s^2, i.e. the Megatron
+  72 B s l h^2 (1 + s/6h + V/12lh) count). We keep that convention for MFU everywhere: causal
+  halving is left to the calibrated efficiency.
+- Recompute: full AC repeats each block's forward, 1/3 of its training FLOPs (Korthikanti et al.
+  2022, 96 B s l h^2 (...) = 4/3 of 72 ...); selective AC repeats the attention core only, 4 h s per
+  token per block (QK^T and AV, full s^2; Korthikanti et al. 2022 section 5).
+- Compute time = FLOPs / (peak x efficiency); efficiency = device base efficiency x a GEMM-shape
+  factor x/(x + x0) for the per-rank GEMM width (hidden / tp) and height (tokens per micro-batch /
+  cp): smaller per-GPU GEMMs under TP/CP run further from peak. x0's are calibrated
+  (`dtorch/plan/calibration.py`, rows of shared/reference/CALIBRATION.md).
+- Collectives, alpha-beta (NVIDIA nccl-tests doc/PERFORMANCE.md): all-gather and reduce-scatter move
+  S (n-1)/n bytes per rank, all-reduce twice that, S the full array; per link class bandwidth =
+  line rate x efficiency. An axis that spans nodes runs hierarchically: the intra-node phase on
+  NVLink over S, the inter-node phase over S/k (k ranks of the axis per node, each on its own NIC,
+  DGX-style one NIC per GPU). Latency: alpha per ring step inside a node, alpha x log2(nodes)
+  across nodes (NCCL tree/PAT at scale).
+- Mesh layout: axes pp, dp_replicate, dp_shard, cp, tp with tp innermost (stride 1), ranks of a node
+  contiguous; an axis of size n and stride st has min(n, G/st) ranks per node.
+- TP with SP (Korthikanti et al. 2022): per block per micro-batch 4 all-gathers/reduce-scatters of
+  the activation (tokens x hidden x 2 bytes) forward and 4 backward, 4 more when full AC recomputes;
+  exposed unless async TP (fraction `async_tp_exposed`).
+- CP (torchtitan all-gather ring attention): K and V all-gathered forward, again backward plus a
+  reduce-scatter of their gradients; overlapped with the attention compute of the block.
+- FSDP/ZeRO-3 (ZeRO paper; FSDP2): parameters all-gathered in param_dtype before forward (and again
+  before backward when reshard_after_forward), gradients reduce-scattered in reduce_dtype; per
+  micro-batch without PP (gradient accumulation as torchtitan does it), once per step with PP
+  (pipelining syncs gradients on the last micro-batch only; parameters stay gathered when not
+  resharding). Overlapped with compute up to `fsdp_overlap`; one block's gather is never hidden.
+- DDP / HSDP replicate axis: one all-reduce of (sharded) gradients per step, overlapped with the
+  last micro-batch's backward.
+- PP: activations sent forward and gradients back per micro-batch and virtual stage; bubble
+  (p-1)/v micro-batch times for 1F1B/interleaved (Narayanan et al. 2021), (p-1) for GPipe, a third of
+  the 1F1B bubble for zero-bubble (ZB-H1, Qi et al. 2023).
+- Memory, mixed-precision Adam (ZeRO paper, 16 bytes/param): fp32 params 4 + fp32 grads 4 + Adam
+  moments 8, divided by dp_shard (FSDP) and tp; activations per block by AC policy from the profile
+  (Korthikanti Table 2 shapes), divided by tp with SP (10/34 stays replicated without SP) and by cp;
+  micro-batches in flight: 1 without PP, min(p, m) for 1F1B/zero-bubble on the first stage,
+  p (1 + (p-1)/(p v)) interleaved (Narayanan et al. 2021), m for GPipe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from dtorch.cluster.spec import Cluster, NodeGroup
+from dtorch.errors import ConfigError
+from dtorch.model.profile import ModelProfile
+from dtorch.plan.plan import Plan
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    """Calibratable constants of the cost model (fitted values in `DEFAULT_CONSTANTS`)."""
+
+    gemm_width_half: float = 192.0
+    """Per-rank GEMM width (hidden / tp) at which the shape factor is 1/2."""
+    gemm_rows_half: float = 256.0
+    """Per-rank tokens per micro-batch (mbs * seq / cp) at which the shape factor is 1/2."""
+    device_efficiency: tuple[tuple[str, float], ...] = ()
+    """(device name, base matmul efficiency) overrides of DeviceType.matmul_efficiency."""
+    fsdp_overlap: float = 0.9
+    """Share of compute that FSDP/DDP communication can hide behind."""
+    dp_exposed_floor: float = 0.0
+    """Share of FSDP/DDP communication exposed even when compute could hide it (NCCL kernels take
+    SMs and HBM bandwidth from the overlapped compute)."""
+    tp_exposed: float = 1.0
+    """Share of TP communication on the critical path (synchronous TP)."""
+    async_tp_factor: float = 0.5
+    """Async TP (micro-pipelined all-gather/matmul) leaves this share of the exposed TP time."""
+    elementwise_passes: float = 8.0
+    """Memory-bound work (norms, activations, residuals, softmax/loss) modelled as this many passes
+    over the block's saved activations (AC 'none' bytes) and the head's, at HBM bandwidth."""
+    compile_elementwise_factor: float = 0.5
+    """torch.compile fuses element-wise kernels: share of the memory-bound passes left."""
+    float8_linear_speedup: float = 1.45
+    """Speed-up of linear-layer GEMMs in float8 over bf16 (torchtitan 8B: 8,532 vs 6,667 TPS overall)."""
+    optimizer_bytes_per_param: float = 28.0
+    """Adam step memory traffic: read p, g, m, v (16 B) and write p, m, v (12 B), fp32."""
+    host_link_bandwidth: float = 25e9
+    """Device <-> host copies for offload, bytes/s per device (PCIe gen4 x16, effective)."""
+    cpu_adam_bytes_per_s: float = 10e9
+    """CPU Adam throughput per device share of a host, bytes of optimizer traffic per second."""
+    fixed_overhead_bytes: float = 2.0 * GiB
+    """CUDA context, NCCL buffers, cuBLAS workspaces per rank."""
+    fragmentation: float = 0.05
+    """Allocator fragmentation, as a share of the rest of the memory."""
+    pp_p2p_exposed: float = 0.5
+    """Share of pipeline send/recv time on the critical path (isend/irecv overlap the next op)."""
+
+
+# Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module);
+# the per-device base efficiencies are the fitted ones, the rest stayed at their sourced defaults.
+DEFAULT_CONSTANTS = CostConstants(
+    gemm_width_half=64.0,
+    gemm_rows_half=256.0,
+    device_efficiency=(("A100-SXM-80GB", 0.8112), ("H100-96GB-500W", 0.4746), ("H100-SXM-80GB", 0.6564)),
+    dp_exposed_floor=0.4,
+    tp_exposed=0.5,
+    elementwise_passes=12.0,
+)
+
+
+@dataclass
+class Estimate:
+    """The predicted cost of one plan. Times in seconds, memory in bytes (max over ranks)."""
+
+    step_time_s: float
+    tokens_per_s: float
+    """Whole-cluster tokens per second."""
+    tokens_per_s_per_gpu: float
+    mfu: float
+    """Model FLOPs (no recompute) per second over the cluster's bf16 peak."""
+    time_breakdown: dict[str, float]
+    """compute, recompute, tp, cp, fsdp, dp, pp_p2p, bubble, optimizer, offload (exposed seconds)."""
+    memory_bytes_per_rank: int
+    memory_breakdown: dict[str, int]
+    """params, grads, optimizer, activations, buffers, margin (bytes, on the fullest rank)."""
+    memory_capacity: int
+    fits: bool
+    efficiency: float = 0.0
+    """The matmul efficiency the compute time used."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "memory_bytes_per_rank": self.memory_bytes_per_rank,
+            "memory_capacity": self.memory_capacity,
+            "fits": self.fits,
+            "time_breakdown": dict(self.time_breakdown),
+            "memory_breakdown": dict(self.memory_breakdown),
+        }
+
+
+# ---- collectives ------------------------------------------------------------------------------
+def axis_layout(stride: int, size: int, devices_per_node: int) -> tuple[int, int]:
+    """(ranks of the axis group per node, nodes the group spans) for contiguous node-major ranks."""
+    if size <= 1:
+        return 1, 1
+    if stride >= devices_per_node:
+        return 1, size
+    k = max(1, min(size, devices_per_node // stride))
+    return k, math.ceil(size / k)
+
+
+@lru_cache(maxsize=65536)
+def _coll(kind: str, nbytes: float, k: int, m: int, bi: float, ai: float, be: float, ae: float) -> float:
+    """Seconds for one collective over a group of k ranks per node x m nodes (see module doc)."""
+    n = k * m
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    t = 0.0
+    if k > 1:
+        t += factor * (nbytes * (k - 1) / k / bi + (k - 1) * ai)
+    if m > 1:
+        t += factor * ((nbytes / k) * (m - 1) / m / be + math.ceil(math.log2(m)) * ae)
+    return t
+
+
+def collective_time(kind: str, nbytes: float, size: int, stride: int, group: NodeGroup) -> float:
+    """Seconds for `kind` in {'all_gather', 'reduce_scatter', 'all_reduce'} of a full array of
+    `nbytes` over a mesh axis of `size` ranks at rank stride `stride` (alpha-beta, hierarchical)."""
+    k, m = axis_layout(stride, size, group.devices_per_node)
+    return _coll(kind, float(nbytes), k, m, group.intra.bandwidth * group.intra.efficiency, group.intra.latency,
+                 group.inter.bandwidth * group.inter.efficiency, group.inter.latency)
+
+
+def p2p_time(nbytes: float, stride: int, group: NodeGroup) -> float:
+    """Seconds to send `nbytes` to the neighbour `stride` ranks away."""
+    link = group.intra if stride < group.devices_per_node else group.inter
+    return nbytes / (link.bandwidth * link.efficiency) + link.latency
+
+
+# ---- compute ----------------------------------------------------------------------------------
+def shape_factor(width: float, rows: float, c: CostConstants = DEFAULT_CONSTANTS) -> float:
+    """GEMM-shape efficiency factor in (0, 1]: x/(x + x0) for per-rank width and rows."""
+    return (width / (width + c.gemm_width_half)) * (rows / (rows + c.gemm_rows_half))
+
+
+def base_efficiency(group: NodeGroup, c: CostConstants = DEFAULT_CONSTANTS) -> float:
+    for name, eff in c.device_efficiency:
+        if name == group.device.name:
+            return eff
+    return group.device.matmul_efficiency
+
+
+def stage_layers(num_layers: int, pp: int) -> tuple[int, int]:
+    """(blocks on the first stage, blocks on the last stage) for an even-as-possible split that
+    gives the remainder to the first stages (the last one also holds the output head)."""
+    base, rem = divmod(num_layers, pp)
+    return base + (1 if rem else 0), base
+
+
+def activation_in_flight(plan: Plan) -> float:
+    """Micro-batches of activations the fullest (first) pipeline stage holds at peak."""
+    p, m, v = plan.pp, plan.num_microbatches, plan.virtual_stages
+    if p == 1:
+        return 1.0
+    if plan.schedule == "gpipe":
+        return float(m)
+    if v > 1:
+        return min(float(m), p * (1.0 + (p - 1) / (p * v)))
+    return float(min(p, m))
+
+
+def bubble_fraction_of_microbatch(plan: Plan) -> float:
+    """Bubble length in units of one micro-batch's stage time (fwd+bwd)."""
+    p, v = plan.pp, plan.virtual_stages
+    if p == 1:
+        return 0.0
+    if plan.schedule == "gpipe":
+        return float(p - 1)
+    if plan.schedule == "zero_bubble":
+        return (p - 1) / (3.0 * v)
+    return (p - 1) / float(v)
+
+
+def model_state_bytes(plan: Plan, profile: ModelProfile) -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes on the fullest rank (mixed-precision Adam)."""
+    return _states(plan, profile)[0]
+
+
+def _states(plan: Plan, profile: ModelProfile) -> tuple[dict[str, int], float, float]:
+    """(model-state bytes on the fullest rank, params of the fullest stage per TP rank, params of
+    one block per TP rank)."""
+    first, last = stage_layers(profile.num_layers, plan.pp)
+    tp = plan.tp
+    block = profile.params_per_block / tp
+    if plan.pp == 1:
+        p_stage = profile.num_layers * block + (profile.params_embedding + profile.params_head) / tp
+    else:
+        p_stage = max(first * block + profile.params_embedding / tp, last * block + profile.params_head / tp)
+    shard = plan.dp_shard
+    grad_bytes = DTYPE_BYTES[plan.reduce_dtype]
+    params = 0.0 if plan.offload == "params" else 4.0 * p_stage / shard
+    grads = 0.0 if plan.offload == "params" else grad_bytes * p_stage / shard
+    if plan.pp > 1 and shard > 1 and plan.num_microbatches > 1 and plan.offload != "params":
+        # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter before)
+        grads += DTYPE_BYTES[plan.param_dtype] * p_stage
+    optim = 0.0 if plan.offload in ("optimizer", "params") else 8.0 * p_stage / shard
+    return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}, p_stage, block
+
+
+def _exposed(comm: float, compute: float, c: CostConstants) -> float:
+    """Exposed seconds of `comm` overlapped with `compute`: what does not fit under the overlappable
+    share of compute, and never less than the contention floor."""
+    return max(c.dp_exposed_floor * comm, comm - c.fsdp_overlap * compute)
+
+
+# ---- the estimate -----------------------------------------------------------------------------
+def estimate(
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    dtype: str = "bfloat16",
+    *,
+    compiled: bool = False,
+    async_tp: bool = False,
+    constants: CostConstants = DEFAULT_CONSTANTS,
+) -> Estimate:
+    """Predict step time, throughput, MFU and per-rank memory of `plan` (see module doc).
+
+    `dtype` is the compute dtype ('bfloat16', 'float16', 'float32' or 'float8' for float8 linear
+    layers); `compiled` / `async_tp` model torch.compile and async TP. The plan's degrees must
+    multiply to the cluster's world size."""
+    if plan.world_size != cluster.world_size:
+        raise ConfigError(
+            "degrees", plan.mesh_shape,
+            f"pp*dp_replicate*dp_shard*cp*tp = {plan.world_size} but the cluster has {cluster.world_size} devices",
+        )
+    c = constants
+    g = cluster.slowest_group()
+    dev = g.device
+    s = profile.seq_len
+    h = profile.hidden
+    tp, cp, pp, v = plan.tp, plan.cp, plan.pp, plan.virtual_stages
+    dps, dpr = plan.dp_shard, plan.dp_replicate
+    mbs, m = plan.microbatch_size, plan.num_microbatches
+    st_tp, st_cp, st_dps = 1, tp, tp * cp
+    st_dpr, st_pp = tp * cp * dps, tp * cp * dps * dpr
+    act_b = DTYPE_BYTES.get(dtype if dtype != "float8" else "bfloat16", 2)
+    param_b = DTYPE_BYTES[plan.param_dtype]
+    red_b = DTYPE_BYTES[plan.reduce_dtype]
+
+    # -- compute of one micro-batch on the worst stage (fwd + bwd) --
+    first, last = stage_layers(profile.num_layers, pp)
+    fb, fh = profile.flops_per_token_block, profile.flops_per_token_head
+    if pp == 1:
+        stage_blocks, stage_flops = profile.num_layers, profile.num_layers * fb + fh
+    else:
+        stage_blocks = first
+        stage_flops = max(first * fb, last * fb + fh)
+    tokens_mb = mbs * s
+    rows = tokens_mb / cp
+    eff = base_efficiency(g, c) * shape_factor(h / tp, rows, c)
+    peak = dev.peak("bfloat16" if dtype == "float8" else dtype)
+    speed = peak * eff
+    attn_fwd = 4.0 * h * s  # per token per block, full s^2 (selective recompute; float8 leaves it bf16)
+    flops_mb = tokens_mb * stage_flops / (tp * cp)
+    if dtype == "float8":
+        attn_part = tokens_mb * stage_blocks * 3 * attn_fwd / (tp * cp)
+        t_compute = (flops_mb - attn_part) / (speed * c.float8_linear_speedup) + attn_part / speed
+    else:
+        t_compute = flops_mb / speed
+    # memory-bound element-wise work, forward + backward (and forward again under full AC)
+    per_tok = profile.act_bytes_per_token_block
+    a_none = per_tok.get("none", 34.0 * h)
+    mem_bytes = tokens_mb * (stage_blocks * a_none + (profile.act_bytes_per_token_head if pp == 1 or last * fb + fh
+                                                      >= first * fb else 0.0)) / (tp * cp)
+    passes = c.elementwise_passes * (c.compile_elementwise_factor if compiled else 1.0)
+    t_elem = passes * mem_bytes / dev.memory_bandwidth
+    t_compute += t_elem
+    if plan.ac == "full":
+        rec_flops = tokens_mb * stage_blocks * fb / 3.0 / (tp * cp)
+        t_recompute = t_compute * (rec_flops / flops_mb) if flops_mb else 0.0
+    elif plan.ac == "selective":
+        t_recompute = tokens_mb * stage_blocks * attn_fwd / (tp * cp) / speed
+    else:
+        t_recompute = 0.0
+
+    # -- TP / CP per micro-batch --
+    act_full = tokens_mb / cp * h * act_b  # one activation tensor of the micro-batch, full over TP
+    t_tp = 0.0
+    if tp > 1:
+        n_ops = 8 + (4 if plan.ac == "full" else 0)
+        t_tp = stage_blocks * n_ops * collective_time("all_gather", act_full, tp, st_tp, g)
+        t_tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
+    t_cp = 0.0
+    if cp > 1:
+        kv_dim = h * profile.num_kv_heads / profile.num_heads
+        kv_bytes = 2.0 * tokens_mb * kv_dim * act_b / tp
+        n_ops = 3 + (1 if plan.ac == "full" else 0)
+        comm = stage_blocks * n_ops * collective_time("all_gather", kv_bytes, cp, st_cp, g)
+        attn_time = tokens_mb * stage_blocks * 3 * attn_fwd / (tp * cp) / speed
+        t_cp = max(0.0, comm - attn_time)
+    t_mb = t_compute + t_recompute + t_tp + t_cp
+
+    # -- data parallel --
+    states, p_stage, p_block = _states(plan, profile)
+    t_fsdp = 0.0
+    if dps > 1:
+        ag = collective_time("all_gather", p_stage * param_b, dps, st_dps, g)
+        rs = collective_time("reduce_scatter", p_stage * red_b, dps, st_dps, g)
+        ag_block = collective_time("all_gather", p_block * param_b, dps, st_dps, g)
+        if pp == 1:
+            comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
+            t_fsdp = _exposed(comm, m * (t_compute + t_recompute), c) + m * ag_block
+        else:
+            gathers = m * v * 2 if plan.reshard_after_forward else 1
+            comm = ag * gathers
+            t_fsdp = _exposed(comm, m * (t_compute + t_recompute), c) + ag_block
+            # gradients sync on the last micro-batch only: hidden behind its backward at best
+            t_fsdp += _exposed(rs, (2.0 / 3.0) * t_compute, c)
+    t_dp = 0.0
+    if dpr > 1:
+        ar = collective_time("all_reduce", p_stage * red_b / dps, dpr, st_dpr, g)
+        t_dp = _exposed(ar, (2.0 / 3.0) * t_compute, c)
+
+    # -- pipeline --
+    t_p2p = 0.0
+    t_bubble = 0.0
+    if pp > 1:
+        p2p_bytes = act_full / (tp if plan.sp or tp == 1 else 1)
+        t_p2p = c.pp_p2p_exposed * 2.0 * p2p_time(p2p_bytes, st_pp, g) * (m * v + pp - 1)
+        t_bubble = bubble_fraction_of_microbatch(plan) * t_mb
+
+    # -- optimizer and offload --
+    p_local = p_stage / dps
+    t_opt = 0.0
+    t_off = 0.0
+    if plan.offload == "none":
+        t_opt = p_local * c.optimizer_bytes_per_param / (dev.memory_bandwidth * 0.8)
+    else:
+        t_off = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
+        t_off += p_local * (red_b + param_b) / c.host_link_bandwidth  # grads down, params up
+        if plan.offload == "params":
+            n_ag = m * (2 if plan.reshard_after_forward else 1) if pp == 1 else m * v * 2
+            t_off += n_ag * p_local * param_b / c.host_link_bandwidth
+            t_off += m * p_local * red_b / c.host_link_bandwidth
+
+    step = m * t_mb + t_bubble + t_p2p + t_fsdp + t_dp + t_opt + t_off
+    tokens = plan.dp * mbs * m * s
+    tps = tokens / step
+    mfu = tps * profile.flops_per_token / (cluster.world_size * dev.peak("bfloat16"))
+
+    # -- memory on the fullest rank --
+    a_pol = per_tok.get(plan.ac, a_none)
+    rows_rank = tokens_mb / cp
+    if tp > 1 and not plan.sp:
+        shard_act = 10.0 / 34.0 + (24.0 / 34.0) / tp  # Korthikanti Table 2, "TP only"
+        shard_full = 1.0
+    else:
+        shard_act = shard_full = 1.0 / tp
+    a_layer = a_pol * rows_rank * (shard_full if plan.ac == "full" else shard_act)
+    acts = a_layer * stage_blocks * activation_in_flight(plan)
+    if plan.ac == "full":
+        acts += a_none * rows_rank * shard_act  # one block re-materialised during its backward
+    head_acts = profile.act_bytes_per_token_head * rows_rank / tp
+    acts_first = acts + (head_acts if pp == 1 else 0.0)
+    acts_last = a_layer * last * 1.0 + head_acts if pp > 1 else acts_first
+    activations = max(acts_first, acts_last)
+    buffers = 0.0
+    if dps > 1:
+        if plan.reshard_after_forward or plan.offload == "params":
+            buffers = 2 * p_block * param_b + p_block * red_b  # gathered block + prefetch, one grad block
+        else:
+            buffers = p_stage * param_b + p_block * red_b  # whole stage stays gathered fwd -> bwd
+    elif dpr > 1:
+        buffers = 2 * 25 * 2**20  # DDP's default 25 MiB buckets, two in flight
+    sub = sum(states.values()) + activations + buffers
+    margin = c.fixed_overhead_bytes + c.fragmentation * sub
+    total = sub + margin
+    cap = dev.memory_bytes
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=tps,
+        tokens_per_s_per_gpu=tps / cluster.world_size,
+        mfu=mfu,
+        time_breakdown={
+            "compute": m * t_compute,
+            "recompute": m * t_recompute,
+            "tp": m * t_tp,
+            "cp": m * t_cp,
+            "fsdp": t_fsdp,
+            "dp": t_dp,
+            "pp_p2p": t_p2p,
+            "bubble": t_bubble,
+            "optimizer": t_opt,
+            "offload": t_off,
+        },
+        memory_bytes_per_rank=int(total),
+        memory_breakdown={**states, "activations": int(activations), "buffers": int(buffers), "margin": int(margin)},
+        memory_capacity=int(cap),
+        fits=total <= cap,
+        efficiency=eff,
+    )
+
+
+def with_constants(**kw) -> CostConstants:
+    """DEFAULT_CONSTANTS with some fields replaced (for calibration and what-if studies)."""
+    return replace(DEFAULT_CONSTANTS, **kw)

@@ -1,0 +1,120 @@
+"""Model profiles for the planner without torch: the model room's profiler when it is there, else an
+analytic profile from the torch-free configs in `dtorch.models.configs`.
+
+`get_profile(spec, seq_len)` is what the CLI and the recommender call. `analytic_profile(...)`
+builds a ModelProfile from hyper-parameters alone; the calibration uses it for the published
+shapes (Megatron GPT, MPT), which are no presets.
+
+Analytic conventions (documented so that the calibrated efficiencies mean something):
+- FLOPs per token per block = 6 x matmul parameters + 12 h s (torchtitan; full s^2 attention);
+  head = 6 V h (the output projection; the embedding lookup is free).
+- Activation bytes per token per block, 16-bit:
+  * GPT without flash attention: Korthikanti et al. 2022 Table 2, none 34h + 5as, selective 34h,
+    full 2h (input of the block only).
+  * flash attention (Llama, or GPT with flash=True): no s^2 term. Llama SwiGLU/GQA counted tensor by
+    tensor: norm inputs 2h+2h, norm outputs 2h+2h, q,k,v 2h+4h_kv, attention output 2h,
+    w1/w3 outputs, SiLU output and product 4 x 2f  -> 12h + 4h_kv + 8f. Selective recomputes the norm
+    outputs and the SwiGLU element-wise products: 8h + 4h_kv + 4f. Full keeps the block input 2h.
+- Head activations per token: final-norm input/output 4h + bf16 logits 2V + fp32 logits and their
+  gradient 8V.
+"""
+
+from __future__ import annotations
+
+import types
+
+from dtorch.errors import ConfigError
+from dtorch.model.profile import ModelProfile
+
+
+def analytic_profile(
+    name: str,
+    family: str,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    vocab: int,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    tied: bool = False,
+    flash: bool | None = None,
+    biases: bool | None = None,
+) -> ModelProfile:
+    """A ModelProfile from hyper-parameters (see module doc for every count)."""
+    kv_heads = kv_heads or heads
+    kv_dim = hidden * kv_heads // heads
+    h, s, V = hidden, seq_len, vocab
+    if family == "llama":
+        ffn = ffn or 256 * ((int(8 * h / 3) + 255) // 256)
+        mm = 2 * h * h + 2 * h * kv_dim + 3 * h * ffn
+        block = mm + 2 * h
+        flash = True if flash is None else flash
+        acts = {"none": 12.0 * h + 4.0 * kv_dim + 8.0 * ffn,
+                "selective": 8.0 * h + 4.0 * kv_dim + 4.0 * ffn,
+                "full": 2.0 * h}
+        emb = V * h
+    else:
+        ffn = ffn or 4 * h
+        biases = True if biases is None else biases
+        mm = 4 * h * h + 2 * h * ffn
+        block = mm + 4 * h + ((4 * h + ffn + h) if biases else 0)
+        flash = False if flash is None else flash
+        a_s = 0.0 if flash else 5.0 * heads * s
+        acts = {"none": 34.0 * h + a_s, "selective": 34.0 * h, "full": 2.0 * h}
+        emb = V * h + (s * h if family == "gpt" else 0)
+    head_params = (0 if tied else V * h) + 2 * h
+    return ModelProfile(
+        name=name,
+        family=family,
+        num_layers=layers,
+        hidden=h,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        ffn_hidden=ffn,
+        vocab_size=V,
+        seq_len=s,
+        params_total=layers * block + emb + head_params,
+        params_per_block=block,
+        params_embedding=emb,
+        params_head=head_params,
+        flops_per_token_block=6.0 * mm + 12.0 * h * s,
+        flops_per_token_head=6.0 * V * h,
+        act_bytes_per_token_block=acts,
+        act_bytes_per_token_head=4.0 * h + 10.0 * V,
+        tp_roles={},
+        tied_embeddings=tied,
+    )
+
+
+def _model_room_profiler():
+    """`dtorch.model.profile(spec, seq_len)` if the model room provides it, else None."""
+    try:
+        import dtorch.model as model_pkg
+    except ImportError:
+        return None
+    fn = getattr(model_pkg, "profile", None)
+    if callable(fn) and not isinstance(fn, types.ModuleType):
+        return fn
+    return None
+
+
+def get_profile(spec: str, seq_len: int) -> ModelProfile:
+    """The profile of a model spec (preset, ``llama:...``/``gpt:...``, or anything the model room
+    accepts) at `seq_len` tokens. Never imports torch for presets and hyper-parameter specs."""
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ConfigError("seq_len", seq_len, "must be a positive integer")
+    fn = _model_room_profiler()
+    if fn is not None:
+        return fn(spec, seq_len)
+    from dtorch.models.configs import model_config
+
+    cfg = model_config(spec)
+    family = getattr(cfg, "family", "llama")
+    return analytic_profile(
+        spec, family,
+        layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
+        ffn=cfg.ffn_hidden, vocab=cfg.vocab_size, seq_len=seq_len,
+        flash=True,  # both reference models use scaled_dot_product_attention
+    )
