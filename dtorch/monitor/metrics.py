@@ -1,0 +1,130 @@
+"""Per-step training metrics: loss, gradient norm, tokens/s, MFU, step time, peak memory.
+
+One `MetricsLogger` per process. Every rank measures; rank 0 writes the JSONL log, draws the console
+progress line and (when installed) TensorBoard scalars. Units: seconds, tokens/s, bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device | None = None) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, else the resident-set high-water mark."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_bytes: int
+    world_size: int
+    epoch: int = 0
+    """Membership epoch (elastic restarts) the step ran in."""
+
+
+class MetricsLogger:
+    """Writes StepMetrics as JSON lines (rank 0), a console progress line, and TensorBoard if present."""
+
+    def __init__(self, log_dir: str | Path | None, *, rank: int = 0, total_steps: int | None = None,
+                 console: bool = True, tensorboard: bool = True):
+        self.rank = rank
+        self.total_steps = total_steps
+        self.console = console and rank == 0
+        self._jsonl = None
+        self._tb = None
+        self._t0 = time.perf_counter()
+        if log_dir is not None and rank == 0:
+            path = Path(log_dir)
+            path.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._tb = SummaryWriter(str(path / "tb"))
+                except Exception:  # noqa: BLE001 - tensorboard is optional
+                    self._tb = None
+
+    def log(self, m: StepMetrics) -> None:
+        if self.rank != 0:
+            return
+        record = asdict(m)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu"):
+                self._tb.add_scalar(k, record[k], m.step)
+        if self.console:
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            width = 24
+            frac = (m.step / self.total_steps) if self.total_steps else 0.0
+            bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
+            line = (f"\r[{bar}] step {m.step}{total} loss {m.loss:.4f} gnorm {m.grad_norm:.3f} "
+                    f"{m.tokens_per_s:,.0f} tok/s mfu {m.mfu * 100:.1f}% {m.step_time_s * 1e3:.0f} ms "
+                    f"mem {m.peak_memory_bytes / 2**20:,.0f} MiB")
+            end = "\n" if (not sys.stderr.isatty() or m.step == self.total_steps) else ""
+            print(line if sys.stderr.isatty() else line.lstrip("\r"), end=end, file=sys.stderr, flush=True)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """A non-step record (plan chosen, checkpoint saved, resume, recovery) in the same JSONL log."""
+        if self.rank != 0:
+            return
+        record = {"event": kind, "time_s": round(time.perf_counter() - self._t0, 6), **fields}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record, default=str) + "\n")
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+_GEMM_PEAK_CACHE: dict[tuple[str, str], float] = {}
+
+
+def measured_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """Achieved FLOP/s of an n x n x n matmul on `device` (the MFU denominator on CPU, where no spec
+    sheet exists). Measured once per process and cached; `dtorch probe` measures a full curve."""
+    key = (str(device), str(dtype))
+    if key in _GEMM_PEAK_CACHE:
+        return _GEMM_PEAK_CACHE[key]
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps = 5
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    peak = 2 * n**3 * reps / (time.perf_counter() - t)
+    _GEMM_PEAK_CACHE[key] = peak
+    return peak
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
