@@ -1,0 +1,57 @@
+"""Activation checkpointing per block.
+
+`full` keeps only each block's input and recomputes the block in backward. `selective` is op-level
+selective checkpointing: the outputs of matrix multiplications (the expensive ops) are saved, the
+cheap element-wise ops (norms, activations, RoPE, softmax pieces) are recomputed - most of the
+memory of full checkpointing for a small part of its recompute.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from dtorch.parallel.structure import block_items, find_blocks
+
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def apply_ac(model: nn.Module, policy: str) -> None:
+    """Wrap every block of `model` (a pipeline stage or the whole model) in place.
+
+    The wrapper adds `_checkpoint_wrapped_module` to parameter paths; its state-dict hooks remove
+    it again, so checkpoints keep the plain names.
+    """
+    if policy == "none":
+        return
+    assert policy in ("full", "selective"), policy
+    _, blocks = find_blocks(model)
+    for name, block in block_items(blocks):
+        if policy == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=partial(_selective_context))
+        if isinstance(blocks, nn.ModuleDict):
+            blocks[name] = wrapped
+        else:
+            blocks[int(name)] = wrapped

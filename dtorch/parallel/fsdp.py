@@ -1,0 +1,47 @@
+"""Data parallelism: FSDP2 per block then the root; HSDP over (dp_replicate, dp_shard); DDP.
+
+Every block is its own FSDP unit so that only one block's parameters are gathered at a time and
+the all-gather of block i+1 overlaps the compute of block i; the root unit holds the embedding,
+final norm and head. DDP (dp_replicate only) uses the FSDP-based `replicate`, which composes with
+tensor parallelism and shares FSDP2's mixed-precision and hook machinery.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from dtorch.parallel.structure import block_items, find_blocks
+from dtorch.plan.plan import Plan
+
+
+def mp_policy(plan: Plan) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, plan.param_dtype), reduce_dtype=getattr(torch, plan.reduce_dtype)
+    )
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, last_stage: bool) -> None:
+    """Shard `model` (one pipeline stage or the whole model) over `dp_mesh`: 1-D for FSDP, 2-D
+    (dp_replicate, dp_shard) for HSDP."""
+    offload: OffloadPolicy = CPUOffloadPolicy() if plan.offload == "params" else OffloadPolicy()
+    kw = dict(mesh=dp_mesh, mp_policy=mp_policy(plan), offload_policy=offload)
+    _, blocks = find_blocks(model)
+    items = block_items(blocks)
+    for i, (_, block) in enumerate(items):
+        # The last block's parameters are needed again at once by backward: keeping them saves an
+        # all-gather. With pipelining, micro-batches re-enter every block, so follow the plan.
+        reshard = plan.reshard_after_forward and not (last_stage and i == len(items) - 1 and plan.pp == 1)
+        fully_shard(block, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=plan.reshard_after_forward and plan.pp > 1, **kw)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:
+    """Replicate `model` over `dp_mesh`; gradients are all-reduced per block as backward goes."""
+    _, blocks = find_blocks(model)
+    for _, block in block_items(blocks):
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy(plan))
+    replicate(model, mesh=dp_mesh, mp_policy=mp_policy(plan))

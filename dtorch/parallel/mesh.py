@@ -1,0 +1,69 @@
+"""The DeviceMesh of a plan: named axes ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first).
+
+Only axes with degree > 1 are built (a size-1 axis would cost a process group and mean nothing);
+the data-parallel axes are flattened into ``dp`` (data loading, loss averaging) and
+``dp_replicate`` x ``dp_shard`` stay a 2-D sub-mesh for HSDP. TP is innermost so that it lands on
+a node's contiguous (fastest-linked) ranks. The backend follows the device: nccl on CUDA, gloo on
+CPU, chosen from the environment, never from the plan.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dtorch.plan.plan import MESH_AXES, Plan
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """Join the default process group from the launcher's environment if nobody did yet."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+    """World mesh over the plan's enabled axes, with the flattened ``dp`` axis registered.
+
+    Meshes are cached per (process group, shape) so that re-applying a plan (tests, a re-plan of
+    the same world) reuses its process groups instead of creating new ones.
+    """
+    names = tuple(a for a in MESH_AXES if getattr(plan, a) > 1)
+    if not names:  # one rank, or a plan that replicates nothing: a 1-D mesh over the world
+        names = ("dp_replicate",)
+    shape = tuple(getattr(plan, a) for a in names)
+    key = (id(dist.group.WORLD), device_type, names, shape)
+    if key not in _MESHES:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if a in names)
+        if len(dp_axes) == 2:
+            mesh[dp_axes]._flatten("dp")
+        _MESHES[key] = mesh
+    return _MESHES[key]
+
+
+def sub_mesh(mesh: DeviceMesh | None, *axes: str) -> DeviceMesh | None:
+    """The sub-mesh over `axes` that exist in `mesh` (None if none do). ``dp`` is the flattened one."""
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    present = tuple(a for a in axes if a in names)
+    if axes == ("dp",):
+        if "dp_replicate" in names and "dp_shard" in names:
+            return mesh["dp"]
+        present = tuple(a for a in ("dp_replicate", "dp_shard") if a in names)
+    if not present:
+        return None
+    return mesh[present]

@@ -1,0 +1,182 @@
+"""ParallelModel: what `parallelize` returns, and the contract the trainer builds on.
+
+- `model_parts`: this rank's modules (one, or `virtual_stages` pipeline stages), already sharded;
+  call them only through `forward_backward`.
+- `dp_rank`, `dp_size`: this rank's data shard. Feed every step a local batch of
+  `plan.microbatch_size * plan.num_microbatches` samples (``[local_batch, seq]`` token ids and
+  labels, same shape): TP, CP and PP ranks of one data-parallel group get the SAME local batch.
+- `forward_backward(inputs, labels) -> loss`: runs all micro-batches (the pipeline schedule when
+  pp > 1, gradient accumulation when pp == 1), leaves in `.grad` the gradients of the mean loss
+  over the GLOBAL batch (all data-parallel ranks, all micro-batches), and returns that mean loss
+  as a float32 0-d CPU tensor, identical on every rank. It is one all-reduce over the world.
+- `parameters()`: this rank's parameters (DTensors when sharded); give them to the optimizer.
+- `clip_grad_norm_(max_norm, norm_type=2.0) -> total_norm`: the norm of the whole model's
+  gradient (across shards, replicas and pipeline stages), identical on every rank; scales in place.
+- `state_dict_for_checkpoint()`: {fully qualified name of the unsplit model: tensor or DTensor},
+  the same keys whatever the plan; pass it to `torch.distributed.checkpoint.save/load`, which
+  reshards on load. Optimizer state: `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict
+  (part, optim)` per part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.parallel import loss_parallel
+
+from dtorch.plan.plan import Plan
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ParallelModel:
+    def __init__(
+        self,
+        plan: Plan,
+        mesh: DeviceMesh | None,
+        model_parts: list[nn.Module],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        *,
+        schedule=None,
+        has_first_stage: bool = True,
+        has_last_stage: bool = True,
+        loss_parallel: bool = False,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
+        self.plan = plan
+        self.mesh = mesh
+        self.model_parts = model_parts
+        self.loss_fn = loss_fn
+        self.device = device
+        self.schedule = schedule
+        self.has_first_stage = has_first_stage
+        self.has_last_stage = has_last_stage
+        self.loss_parallel = loss_parallel
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.distributed = mesh is not None and dist.is_initialized()
+
+    # ---- step ----------------------------------------------------------------------------------
+    def _compute_context(self):
+        stack = contextlib.ExitStack()
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        if self.plan.param_dtype != "float32" and self.plan.dp_shard == 1 and self.plan.dp_replicate == 1:
+            # No FSDP to cast parameters: autocast gives the same compute dtype.
+            stack.enter_context(torch.autocast(self.device.type, dtype=getattr(torch, self.plan.param_dtype)))
+        return stack
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        with self._compute_context():
+            if self.schedule is not None:
+                local = self._pipeline_step(inputs, labels)
+            else:
+                local = self._accumulate(inputs, labels)
+        self._reduce_partial_grads()
+        return self._global_mean(local)
+
+    @torch.no_grad()
+    def _reduce_partial_grads(self) -> None:
+        """Sequence-parallel norm weights get Partial (unreduced) DTensor gradients. Reduce them
+        once here; otherwise every optimizer op would all-reduce them again, and a norm over
+        local values would be wrong."""
+        for p in self.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+    def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        (model,) = self.model_parts
+        n = self.plan.num_microbatches
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), labels.chunk(n))):
+            if isinstance(model, FSDPModule):
+                # Reduce gradients once, after the last micro-batch; FSDP2 accumulates the rest locally.
+                model.set_requires_gradient_sync(i == n - 1)
+            loss = self.loss_fn(model(x), y) / n
+            loss.backward()
+            total += _local(loss.detach()).float()
+        return total
+
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        target = labels if self.has_last_stage else None
+        if self.has_first_stage:
+            self.schedule.step(inputs, target=target, losses=losses)
+        else:
+            self.schedule.step(target=target, losses=losses)
+        if not self.has_last_stage:
+            return torch.zeros((), device=self.device)
+        return torch.stack([_local(x.detach()).float() for x in losses]).mean()
+
+    def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
+        """Mean over data-parallel ranks of the last pipeline stage's loss; replicas (TP, CP)
+        hold the same value and the other stages contribute zero."""
+        if not self.distributed:
+            return local.detach().cpu()
+        buf = local.detach().clone()
+        dist.all_reduce(buf)
+        return (buf / (dist.get_world_size() // self.plan.pp)).cpu()
+
+    # ---- parameters ----------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for part in self.model_parts:
+            yield from part.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        from dtorch.parallel.materialize import clean_name
+
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                yield clean_name(name), p
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        total = self._grad_norm(grads, float(norm_type))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            _local(g).mul_(coef.to(_local(g).device, _local(g).dtype))
+        return total
+
+    def _grad_norm(self, grads: list[torch.Tensor], p: float) -> torch.Tensor:
+        """One all-reduce over the world: each rank adds its local |g|^p, weighted by
+        (distinct shards / ranks holding this stage) so every element counts exactly once."""
+        holders = dist.get_world_size() // self.plan.pp if self.distributed else 1
+        acc = torch.zeros((), device=self.device, dtype=torch.float64)
+        for g in grads:
+            local = _local(g).detach()
+            if math.isinf(p):
+                acc = torch.maximum(acc, local.abs().max().double())
+                continue
+            shards = 1
+            if isinstance(g, DTensor):
+                for size, pl in zip(g.device_mesh.shape, g.placements):
+                    if isinstance(pl, Shard | _StridedShard):
+                        shards *= size
+            acc += local.double().abs().pow(p).sum() * (shards / holders)
+        if self.distributed:
+            dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
+        return (acc if math.isinf(p) else acc.pow(1.0 / p)).float()
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+    def state_dict_for_checkpoint(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state: dict[str, torch.Tensor] = {}
+        for part in self.model_parts:
+            state.update(get_model_state_dict(part) if self.distributed else part.state_dict())
+        return state

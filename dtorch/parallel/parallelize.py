@@ -1,0 +1,106 @@
+"""`parallelize(model_or_factory, plan)`: apply a Plan with PyTorch's own distributed stack.
+
+Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> activation
+checkpointing -> FSDP2 / HSDP / DDP -> materialise from meta -> pipeline schedule. Everything up
+to materialisation runs on the meta device, so no rank ever holds more than its shard (plus the
+one CPU reference copy used for initialisation, see materialize.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtorch.errors import ConfigError
+from dtorch.parallel.ac import apply_ac
+from dtorch.parallel.check import check_plan, model_dims
+from dtorch.parallel.cp import check_cp
+from dtorch.parallel.fsdp import apply_ddp, apply_fsdp
+from dtorch.parallel.materialize import materialize, reference_state
+from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, sub_mesh
+from dtorch.parallel.model import ParallelModel
+from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
+from dtorch.parallel.tp import apply_tp
+from dtorch.plan.plan import Plan
+
+
+def meta_model(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    """The model on the meta device (a copy: the caller's module is never modified)."""
+    if isinstance(model_or_factory, nn.Module):
+        return copy.deepcopy(model_or_factory).to("meta")
+    with torch.device("meta"):
+        model = model_or_factory()
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__, "the factory must return an nn.Module")
+    return model
+
+
+def parallelize(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    plan: Plan,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    seq_len: int | None = None,
+) -> ParallelModel:
+    """Shard `model_or_factory` as `plan` says, on this process's rank; see ParallelModel.
+
+    Inside a launched process (torchrun / `dtorch run`) the default process group is joined from
+    the environment if needed; with no process group and a one-rank plan it runs single-process.
+    `loss_fn(logits, labels)` returns the mean loss of one micro-batch (e.g.
+    `dtorch.train.losses.next_token`). Initial weights equal those of the single-device model
+    initialised with `seed`. Raises ConfigError before any process group exists if the plan cannot
+    run this model (or `seq_len`, when given).
+    """
+    model = meta_model(model_or_factory)
+    world = dist.get_world_size() if dist.is_initialized() else plan.world_size
+    check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
+    check_cp(plan)
+    device = torch.device(device) if device is not None else default_device()
+    full_state = reference_state(model_or_factory, model, seed)
+
+    mesh = None
+    if plan.world_size > 1 or dist.is_initialized():
+        ensure_process_group(device)
+        mesh = build_mesh(plan, device.type)
+    # The same seed on every rank: tensor-parallel replicas then draw identical dropout masks.
+    torch.manual_seed(seed)
+    if device.type == "cuda" and plan.tp > 1:
+        from torch.distributed.tensor._random import manual_seed as dtensor_manual_seed
+
+        dtensor_manual_seed(seed, sub_mesh(mesh, "tp"))
+
+    pp_rank = sub_mesh(mesh, "pp").get_local_rank() if plan.pp > 1 else 0
+    parts = apply_pipeline_split(model, plan, pp_rank) if plan.pp > 1 else [(0, model)]
+    loss_par = plan.tp > 1 and plan.pp == 1
+    for stage, part in parts:
+        last = stage == plan.num_stages - 1
+        if plan.tp > 1:
+            apply_tp(part, sub_mesh(mesh, "tp"), sp=plan.sp, loss_parallel=loss_par, last_stage=last)
+        apply_ac(part, plan.ac)
+        if plan.dp_shard > 1:
+            apply_fsdp(part, sub_mesh(mesh, "dp_replicate", "dp_shard"), plan, last_stage=last)
+        elif plan.dp_replicate > 1:
+            apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
+    init_device = torch.device("cpu") if plan.offload == "params" else device
+    materialize([m for _, m in parts], full_state, init_device)
+    for _, part in parts:
+        part.train()
+
+    stage_ids = [s for s, _ in parts]
+    schedule = build_schedule(parts, plan, sub_mesh(mesh, "pp"), device, loss_fn) if plan.pp > 1 else None
+    dp_mesh = sub_mesh(mesh, "dp")
+    return ParallelModel(
+        plan, mesh, [m for _, m in parts], loss_fn, device,
+        schedule=schedule,
+        has_first_stage=0 in stage_ids,
+        has_last_stage=plan.num_stages - 1 in stage_ids,
+        loss_parallel=loss_par,
+        dp_rank=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
+        dp_size=dp_mesh.size() if dp_mesh is not None else 1,
+    )

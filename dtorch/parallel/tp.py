@@ -1,0 +1,137 @@
+"""Tensor and sequence parallelism with `parallelize_module`, styles derived from layer roles.
+
+Roles (Megatron's column -> row chain): q/k/v and MLP up/gate are column-wise (each rank owns whole
+heads / a slice of the hidden units), the attention output and MLP down projections are row-wise
+(their partial sums are reduced once per sub-layer). The embedding is vocabulary-parallel
+(row-wise over the vocabulary) and the output head column-wise over the vocabulary, its logits left
+sharded for the loss-parallel cross entropy. With sequence parallelism the norms run on
+sequence shards and the row-wise outputs are reduce-scattered instead of all-reduced.
+
+Roles come from layer names (DTorch reference models, Hugging Face Llama) or from
+`annotate(module, role)`; a linear layer without a role is an error that names it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dtorch.errors import ConfigError
+from dtorch.parallel.structure import ANNOTATION_HELP, block_items, find_blocks
+
+ROLES = ("colwise", "rowwise", "embedding", "output", "replicate")
+ROLE_BY_NAME = {
+    # DTorch reference models (torchtitan names)
+    "wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise",
+    "w1": "colwise", "w3": "colwise", "w2": "rowwise",
+    # Hugging Face Llama
+    "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+    "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise",
+}
+TOP_ROLE_BY_NAME = {
+    "tok_embeddings": "embedding", "embed_tokens": "embedding",
+    "output": "output", "lm_head": "output",
+}
+
+
+def annotate(module: nn.Module, role: str) -> nn.Module:
+    """Declare the tensor-parallel role of a layer the executor cannot name: one of ROLES.
+    'colwise' splits output features, 'rowwise' input features (it must follow a colwise layer),
+    'replicate' keeps the layer whole on every TP rank."""
+    if role not in ROLES:
+        raise ConfigError("role", role, "use one of {" + ", ".join(ROLES) + "}")
+    module._dtorch_tp_role = role
+    return module
+
+
+def _role(name: str, module: nn.Module, table: dict[str, str]) -> str | None:
+    return getattr(module, "_dtorch_tp_role", None) or table.get(name.rsplit(".", 1)[-1])
+
+
+def _num_positional_inputs(module: nn.Module) -> int:
+    params = inspect.signature(module.forward).parameters.values()
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+
+
+def block_plan(block: nn.Module, block_name: str, sp: bool) -> dict[str, object]:
+    """The parallelize_module plan of one block, from its layers' roles."""
+    plan: dict[str, object] = {}
+    rowwise_out = Shard(1) if sp else Replicate()
+    for name, mod in block.named_modules():
+        if isinstance(mod, nn.Linear) or getattr(mod, "_dtorch_tp_role", None):
+            role = _role(name, mod, ROLE_BY_NAME)
+            if role is None:
+                raise ConfigError(
+                    "model", f"{block_name}.{name}",
+                    f"no tensor-parallel role for this {type(mod).__name__}; {ANNOTATION_HELP}",
+                )
+            if role == "colwise":
+                plan[name] = ColwiseParallel()
+            elif role == "rowwise":
+                plan[name] = RowwiseParallel(output_layouts=rowwise_out)
+        elif sp and "norm" in name.rsplit(".", 1)[-1] and not list(mod.children()):
+            plan[name] = SequenceParallel()
+    if sp:
+        # The module that owns a column-wise layer receives the sequence shards of the norm and
+        # needs the whole sequence: gather it on entry (one all-gather per sub-layer).
+        owners = {name.rsplit(".", 1)[0] for name, style in plan.items()
+                  if isinstance(style, ColwiseParallel) and "." in name}
+        for owner in owners:
+            n = _num_positional_inputs(block.get_submodule(owner))
+            plan[owner] = PrepareModuleInput(
+                input_layouts=(Shard(1),) + (None,) * (n - 1),
+                desired_input_layouts=(Replicate(),) + (None,) * (n - 1),
+            )
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: bool, last_stage: bool = True) -> None:
+    """Parallelise `model` (one pipeline stage or the whole model) in place over `tp_mesh`.
+
+    With sequence parallelism, the sequence-sharded region is the stage's run of blocks: the
+    model's own code (RoPE tables sliced to the input length, GPT's position embeddings, a
+    pipeline stage's input shape) then always sees whole sequences. The first block of the stage
+    takes its shard by a local slice; the last block of a non-final stage all-gathers its output.
+    """
+    top: dict[str, object] = {}
+    for name, mod in model.named_children():
+        role = _role(name, mod, TOP_ROLE_BY_NAME) if mod is not None else None
+        if role == "embedding":
+            top[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif role == "output":
+            top[name] = ColwiseParallel(
+                input_layouts=Shard(1) if sp else Replicate(),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
+        elif sp and name in ("norm", "ln_f") and mod is not None:
+            top[name] = SequenceParallel()
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    path, blocks = find_blocks(model)
+    items = block_items(blocks)
+    for name, block in items:
+        parallelize_module(block, tp_mesh, block_plan(block, f"{path}.{name}", sp))
+    if sp:
+        first, last = items[0][1], items[-1][1]
+        n = _num_positional_inputs(first)
+        parallelize_module(first, tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),) + (None,) * (n - 1),
+            desired_input_layouts=(Shard(1),) + (None,) * (n - 1),
+            use_local_output=True,
+        ))
+        if not last_stage:
+            parallelize_module(last, tp_mesh, PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True,
+            ))

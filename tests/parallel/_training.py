@@ -1,0 +1,64 @@
+"""The training loop both sides of the loss-equivalence test run: 5 AdamW steps in float32."""
+
+from __future__ import annotations
+
+import torch
+
+from dtorch.plan.plan import Plan
+from dtorch.train.losses import next_token
+
+STEPS = 5
+SEQ = 16
+VOCAB = 256
+LR = 3e-3
+
+
+def factory(name: str = "llama-tiny"):
+    """The tiny reference model with 8 query / 4 key-value heads, so that tp=4 divides both."""
+    from dtorch.models import build_model
+
+    return build_model(name, heads=8, kv_heads=4) if name.startswith("llama") else build_model(name)
+
+
+def batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (global_batch, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def single_process(global_batch: int, seed: int = 0) -> dict:
+    """Reference: the whole global batch in one forward on one process."""
+    from dtorch.parallel.materialize import init_model
+
+    model = factory()
+    init_model(model, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, global_batch)
+        loss = next_token(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms}
+
+
+def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
+    from dtorch.parallel import parallelize
+
+    plan = Plan(**plan_kwargs)
+    pm = parallelize(factory, plan, loss_fn=next_token, seed=seed, seq_len=SEQ)
+    opt = torch.optim.AdamW(list(pm.parameters()), lr=LR, foreach=False)
+    local = plan.local_batch()
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, plan.dp * local)
+        rows = slice(pm.dp_rank * local, (pm.dp_rank + 1) * local)
+        loss = pm.forward_backward(x[rows], y[rows])
+        norms.append(float(pm.clip_grad_norm_(1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms}
