@@ -19,6 +19,7 @@ _LAZY = {
     "Trainer": "dtorch.train",
     "losses": "dtorch.train.losses",
     "optim": "dtorch.train.optim",
+    "models": "dtorch.models",
 }
 
 

@@ -5,6 +5,7 @@
 """
 
 from dtorch.cluster.load import detect, load_cluster, save_cluster
+from dtorch.cluster.local import local_cluster
 from dtorch.cluster.spec import Cluster, DeviceType, Link, NodeGroup
 
-__all__ = ["Cluster", "DeviceType", "Link", "NodeGroup", "detect", "load_cluster", "save_cluster"]
+__all__ = ["Cluster", "DeviceType", "Link", "NodeGroup", "detect", "load_cluster", "local_cluster", "save_cluster"]

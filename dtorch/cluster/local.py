@@ -1,0 +1,37 @@
+"""The cluster a launched job actually runs on, as the planner should see it.
+
+`detect()` describes this machine; a job of `world_size` ranks with `LOCAL_WORLD_SIZE` ranks per
+node is `world_size / LOCAL_WORLD_SIZE` such nodes. On a CPU machine every rank is a "device" that
+gets an equal share of the cores' FLOP/s and of the memory (they run side by side).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from dtorch.cluster.load import detect
+from dtorch.cluster.spec import Cluster
+from dtorch.errors import ConfigError
+
+
+def local_cluster(world_size: int, local_world_size: int | None = None) -> Cluster:
+    """This machine (times the number of nodes of the job) for a job of `world_size` ranks."""
+    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % local:
+        raise ConfigError("world_size", world_size, f"must be a multiple of the ranks per node ({local})")
+    base = detect()
+    group = base.groups[0]
+    dev = group.device
+    if dev.kind == "cpu":
+        dev = dataclasses.replace(
+            dev,
+            name=f"{dev.name}/{local}",
+            peak_flops={k: v / local for k, v in dev.peak_flops.items()},
+            memory_bytes=dev.memory_bytes // local,
+            memory_bandwidth=dev.memory_bandwidth / local,
+        )
+    elif local > group.devices_per_node:
+        raise ConfigError("nproc_per_node", local, f"this node has {group.devices_per_node} GPUs")
+    group = dataclasses.replace(group, device=dev, devices_per_node=local, num_nodes=world_size // local)
+    return Cluster([group], name=f"local:{world_size // local}x{local}", calibration=base.calibration)

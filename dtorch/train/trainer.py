@@ -1,0 +1,388 @@
+"""`dtorch.Trainer`: where a user's run lives.
+
+    trainer = dtorch.Trainer(model=lambda: GPT(cfg), data=dataset, loss=dtorch.losses.next_token,
+                             optimizer=dtorch.optim.AdamW(lr=3e-4), global_batch=16, seq_len=128,
+                             checkpoint_dir="runs/a", plan="auto")
+    trainer.fit(steps=200)
+
+One process per rank (launched by `dtorch run` / `dtorch train` / torchrun, or alone). The
+trainer (1) joins the process group, (2) chooses the plan ("auto" = detect the cluster, profile the
+model, search; or a Plan / a path / a dict of fixed fields searched around), (3) applies it with
+`dtorch.parallel.parallelize`, (4) restores the newest good checkpoint (resharded if the world or
+the plan changed), (5) runs steps whose data is a pure function of the global step, and
+(6) checkpoints every `checkpoint_every` steps, never torn.
+
+Resuming is automatic: the same command picks up from `checkpoint_dir`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtorch.errors import ConfigError
+from dtorch.plan.plan import Plan
+from dtorch.train import hooks
+from dtorch.train.losses import next_token
+from dtorch.train.optim import AdamW, WarmupCosine
+from dtorch.train.state import ModelState, OptimizerState, TrainState
+
+log = logging.getLogger("dtorch.train")
+
+
+@dataclass
+class FitResult:
+    """What `fit` did on this rank."""
+
+    steps_run: int
+    """Optimizer steps executed by this call (excluding those restored from a checkpoint)."""
+    final_step: int
+    resumed_from: int | None
+    losses: dict[int, float] = field(default_factory=dict)
+    """Per-step global mean loss, keyed by the 1-based step number."""
+    plan: Plan | None = None
+    wall_s: float = 0.0
+
+
+class Trainer:
+    """Train `model` on `data` with a plan chosen for the machines this process runs on.
+
+    Arguments (all keyword):
+      model: a factory returning an nn.Module (called on the meta device; weights are initialised
+        by `init_weights(seed)` when the module has it), or a module.
+      data: a map-style dataset whose items are (input, target), a 1-D tensor of seq_len+1 tokens
+        or a dict with input_ids; None = the default byte-level corpus (no download).
+      loss: `loss(logits, labels) -> mean loss of a micro-batch`.
+      optimizer: an optimizer spec with `build(params)` (dtorch.optim.AdamW, SGD).
+      lr_schedule: a schedule spec with `build(optimizer, total_steps)`; default warm-up + cosine.
+      global_batch: samples per optimizer step over all data-parallel ranks.
+      seq_len: tokens per sample.
+      checkpoint_dir: where checkpoints live; the run resumes from it automatically. None = none.
+      checkpoint_every: steps between checkpoints (and one at the end of `fit`).
+      plan: "auto" | Plan | path to a plan JSON/YAML | dict of fixed fields (e.g. {"tp": 2}).
+      cluster: a cluster spec (preset, shorthand, file) for planning; default: this machine.
+      seed: initial weights and data order.
+      max_grad_norm: gradient clipping (None = off).
+      log_dir: metrics.jsonl (+ TensorBoard); default: checkpoint_dir.
+      async_checkpoint: write checkpoints in the background (the blocking stall is logged).
+      keep_last: committed checkpoints to keep.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Callable[[], nn.Module] | nn.Module,
+        data: Any = None,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token,
+        optimizer: Any = None,
+        lr_schedule: Any = None,
+        global_batch: int = 8,
+        seq_len: int = 128,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 50,
+        plan: str | Plan | dict | os.PathLike = "auto",
+        cluster: str | None = None,
+        seed: int = 0,
+        max_grad_norm: float | None = 1.0,
+        log_dir: str | os.PathLike | None = None,
+        async_checkpoint: bool = True,
+        keep_last: int = 3,
+        console: bool = True,
+    ):
+        if int(global_batch) < 1:
+            raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
+        if int(seq_len) < 1:
+            raise ConfigError("seq_len", seq_len, "use a positive sequence length")
+        if int(checkpoint_every) < 1:
+            raise ConfigError("checkpoint_every", checkpoint_every, "use a positive number of steps")
+        self.model_factory = model
+        self.data = data
+        self.loss_fn = loss
+        self.optimizer_spec = optimizer or AdamW()
+        self.lr_spec = lr_schedule or WarmupCosine()
+        self.global_batch = int(global_batch)
+        self.seq_len = int(seq_len)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = int(checkpoint_every)
+        self.plan_request = plan
+        self.cluster_spec = cluster
+        self.seed = int(seed)
+        self.max_grad_norm = max_grad_norm
+        self.log_dir = Path(log_dir) if log_dir is not None else self.checkpoint_dir
+        self.async_checkpoint = async_checkpoint
+        self.keep_last = keep_last
+        self.console = console
+        # set up in _setup()
+        self.plan: Plan | None = None
+        self._profile = None
+        self.parallel = None
+        self.step = 0
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _join(self) -> tuple[int, int, torch.device]:
+        """Join the default process group when launched with several ranks; pick the device."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            device = torch.device("cpu")
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return rank, world, device
+
+    def _dataset(self):
+        if self.data is None:
+            from dtorch.train.data import default_corpus
+
+            return default_corpus(self.seq_len)
+        return self.data
+
+    def _choose_plan(self, world: int, rank: int) -> Plan:
+        """The plan for this world: given, loaded, or searched (fixed fields kept)."""
+        req = self.plan_request
+        if isinstance(req, Plan):
+            plan = dataclasses.replace(req)
+        elif isinstance(req, (str, os.PathLike)) and req != "auto":
+            plan = Plan.load(req)
+        else:
+            fixed = dict(req) if isinstance(req, dict) else {}
+            plan = self._search(world, fixed)
+        if plan.global_batch is None:
+            # A hand-written plan may leave micro-batching open: fill it from the global batch.
+            local, rem = divmod(self.global_batch, plan.dp)
+            if plan.local_batch() != local and not rem and local % plan.microbatch_size == 0:
+                plan.num_microbatches = local // plan.microbatch_size
+            plan.global_batch = self.global_batch
+        plan.seq_len = plan.seq_len or self.seq_len
+        plan.validate(world_size=world)
+        if plan.global_batch != self.global_batch:
+            raise ConfigError("global_batch", self.global_batch,
+                              f"the plan is for global_batch={plan.global_batch}; make them agree")
+        return plan
+
+    def _search(self, world: int, fixed: dict) -> Plan:
+        from dtorch.cluster import load_cluster, local_cluster
+        from dtorch.model import profile_module
+        from dtorch.plan.search import search
+
+        cluster = load_cluster(self.cluster_spec) if self.cluster_spec else local_cluster(world)
+        if cluster.world_size != world:
+            raise ConfigError("cluster", self.cluster_spec,
+                              f"it has {cluster.world_size} devices but {world} processes were launched")
+        profile = profile_module(self.model_factory, self.seq_len)
+        self._profile = profile
+        result = search(profile, cluster, global_batch=self.global_batch, seq_len=self.seq_len,
+                        fixed=fixed or None, top_k=3)
+        if result.best is None:
+            raise ConfigError("plan", "auto", "no plan fits this model on this machine: "
+                              + "; ".join(result.suggestions or ["use a smaller model or more devices"]))
+        return result.best
+
+    def _setup(self, total_steps: int) -> None:
+        from dtorch.monitor.metrics import MetricsLogger
+        from dtorch.parallel import parallelize
+
+        self.rank, self.world, self.device = self._join()
+        self.plan = self._choose_plan(self.world, self.rank)
+        self.metrics = MetricsLogger(self.log_dir, rank=self.rank, total_steps=total_steps, console=self.console)
+        pred = self.plan.predicted or {}
+        self.metrics.event("plan", plan=self.plan.describe(), family=self.plan.family(),
+                           predicted_step_time_s=pred.get("step_time_s"),
+                           predicted_memory_bytes_per_rank=pred.get("memory_bytes_per_rank"))
+        if self.rank == 0 and self.console:
+            extra = ""
+            if pred:
+                extra = (f" (predicted {pred.get('step_time_s', float('nan')) * 1e3:.0f} ms/step, "
+                         f"{pred.get('memory_bytes_per_rank', 0) / 2**20:,.0f} MiB/rank)")
+            print(f"dtorch: plan {self.plan.family()}: {self.plan.describe()}{extra}", flush=True)
+
+        self.parallel = parallelize(self.model_factory, self.plan, loss_fn=self.loss_fn,
+                                    device=self.device, seed=self.seed, seq_len=self.seq_len)
+        # One optimizer per model part (pipeline chunks): the optimizer state dict then maps
+        # cleanly onto each part's fully qualified names.
+        self.optimizers = [self.optimizer_spec.build(p.parameters()) for p in self.parallel.model_parts]
+        self.schedulers = [self.lr_spec.build(o, total_steps) for o in self.optimizers]
+        self.dataset = self._dataset()
+        from dtorch.train.sampler import GlobalSampler
+
+        self.sampler = GlobalSampler(len(self.dataset), self.global_batch, seed=self.seed)
+        self.train_state = TrainState()
+        self.ckpt = None
+        if self.checkpoint_dir is not None:
+            from dtorch.checkpoint import CheckpointManager
+
+            self.ckpt = CheckpointManager(self.checkpoint_dir, keep_last=self.keep_last)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything a resumed run needs; tensors reshard on load (DCP)."""
+        from dtorch.checkpoint.state import RNGState
+
+        return {
+            "model": ModelState(self.parallel),
+            "optim": OptimizerState(self.parallel, self.optimizers),
+            "lr": _SchedulersState(self.schedulers),
+            "train": self.train_state,
+            "rng": RNGState(),
+        }
+
+    def _restore(self) -> int | None:
+        if self.ckpt is None:
+            return None
+        t = time.perf_counter()
+        with hooks.phase("load"):
+            step = self.ckpt.load_latest(self.checkpoint_state())
+        if step is None:
+            return None
+        self.step = self.train_state.step
+        info = self.ckpt.loaded
+        old = Plan.from_dict(info.plan) if info and info.plan else None
+        changed = old is not None and (old.world_size != self.plan.world_size or old.mesh_shape != self.plan.mesh_shape)
+        self.metrics.event("resume", step=self.step, seconds=time.perf_counter() - t,
+                           from_plan=old.describe() if old else None, resharded=changed)
+        if self.rank == 0 and self.console:
+            how = f", resharded from {old.family()} at world size {old.world_size}" if changed else ""
+            print(f"dtorch: resumed from step {self.step}{how}", flush=True)
+        return self.step
+
+    def _save(self, final: bool = False) -> None:
+        if self.ckpt is None:
+            return
+        with hooks.phase("checkpoint"):
+            res = self.ckpt.save(self.step, self.checkpoint_state(), async_=self.async_checkpoint and not final,
+                                 plan=self.plan, extra={"tokens_seen": self.train_state.tokens_seen})
+            if final:
+                self.ckpt.wait()
+        self.metrics.event("checkpoint", step=self.step, stall_s=res.stall_s, async_=res.async_)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def fit(self, steps: int) -> FitResult:
+        """Train until the global step reaches `steps` (a resumed run does only what is left)."""
+        if int(steps) < 1:
+            raise ConfigError("steps", steps, "train for at least one step")
+        steps = int(steps)
+        t_start = time.perf_counter()
+        self._setup(steps)
+        resumed = self._restore()
+        from dtorch.monitor.metrics import StepMetrics, measured_gemm_peak, peak_memory_bytes
+        from dtorch.train.data import batch_for
+
+        tokens_per_step = self.global_batch * self.seq_len
+        # MFU denominator: the spec-sheet peak on GPUs; on CPU the GEMM peak measured now, with all
+        # ranks measuring at once (they share the cores).
+        peak = self._device_peak() or measured_gemm_peak(self.device)
+        flops_per_token = self._flops_per_token()
+        result = FitResult(0, self.step, resumed, plan=self.plan)
+        hooks.started(self)
+        try:
+            while self.step < steps:
+                t0 = time.perf_counter()
+                hooks.before_step(self.step + 1)
+                idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size)
+                inputs, labels = batch_for(self.dataset, idx)
+                with hooks.phase("forward_backward"):
+                    loss = self.parallel.forward_backward(inputs, labels)
+                gnorm = (self.parallel.clip_grad_norm_(self.max_grad_norm) if self.max_grad_norm
+                         else torch.zeros(()))
+                with hooks.phase("optimizer"):
+                    for o in self.optimizers:
+                        o.step()
+                        o.zero_grad(set_to_none=True)
+                    lr = self.schedulers[0].get_last_lr()[0]
+                    for s in self.schedulers:
+                        s.step()
+                self.step += 1
+                self.train_state.step = self.step
+                self.train_state.tokens_seen += tokens_per_step
+                dt = time.perf_counter() - t0
+                loss_f = float(loss)
+                result.losses[self.step] = loss_f
+                result.steps_run += 1
+                tps = tokens_per_step / dt
+                self.metrics.log(StepMetrics(
+                    step=self.step, loss=loss_f, grad_norm=float(gnorm), lr=lr, step_time_s=dt,
+                    tokens_per_s=tps, mfu=tps * flops_per_token / (peak * self.world),
+                    peak_memory_bytes=peak_memory_bytes(self.device), world_size=self.world,
+                    epoch=int(os.environ.get("DTORCH_EPOCH", "0"))))
+                hooks.after_step(self.step, loss_f)
+                if self.step % self.checkpoint_every == 0 and self.step < steps:
+                    self._save()
+            if self.ckpt is not None and (resumed is None or resumed < steps):
+                self._save(final=True)
+        finally:
+            if self.ckpt is not None:
+                self.ckpt.wait(raise_on_error=False)
+            self.metrics.close()
+        result.final_step = self.step
+        result.wall_s = time.perf_counter() - t_start
+        return result
+
+    def _device_peak(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        from dtorch.cluster import local_cluster
+
+        return local_cluster(self.world).slowest_group().device.peak(self.plan.param_dtype)
+
+    def _flops_per_token(self) -> float:
+        """Training FLOPs per token: the profile's when the plan was searched, else 6 x parameters."""
+        if self._profile is not None:
+            return self._profile.flops_per_token
+        return 6.0 * sum(p.numel() for p in self._meta_params())
+
+    def _meta_params(self):
+        from dtorch.parallel.parallelize import meta_model
+
+        return meta_model(self.model_factory).parameters()
+
+    # ---- after training ---------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights as plain CPU tensors on rank 0 (None elsewhere). Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        if dist.is_initialized():
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            for part in self.parallel.model_parts:
+                full.update(get_model_state_dict(part, options=opts))
+            if self.plan.pp > 1:  # each pipeline rank holds other blocks: gather them on rank 0
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, full if self.rank != 0 else {})
+                for g in gathered:
+                    full.update(g or {})
+        else:
+            for part in self.parallel.model_parts:
+                full.update({k: v.detach().cpu() for k, v in part.state_dict().items()})
+        from dtorch.parallel.materialize import clean_name
+
+        return {clean_name(k): v for k, v in full.items()} if self.rank == 0 else None
+
+
+class _SchedulersState:
+    """LR schedulers of all model parts (identical schedules); saved once."""
+
+    def __init__(self, schedulers: list):
+        self.schedulers = schedulers
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.schedulers[0].state_dict()
+        return {k: v for k, v in sd.items() if k != "lr_lambdas"}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for s in self.schedulers:
+            cur = s.state_dict()
+            cur.update({k: v for k, v in sd.items() if k in cur})
+            s.load_state_dict(cur)
