@@ -1,0 +1,97 @@
+"""What the model is, for the planner: `profile(spec, seq_len) -> ModelProfile`.
+
+A spec is one of
+- a reference-model spec (`llama3-8b`, `llama3-8b:layers=2`, `gpt:layers=..,hidden=..,heads=..`):
+  profiled by formula (`dtorch.model.analytic`), instantly and without importing torch;
+- a factory `pkg.module:function` returning an nn.Module: measured on meta/fake tensors
+  (`dtorch.model.profiler`);
+- a path to a Hugging Face `config.json` (Llama or GPT-2 architectures): the transformers model is
+  built from the config on meta and measured (needs the optional extra `hf`: transformers).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from dtorch.errors import ConfigError
+from dtorch.model.analytic import profile_from_config
+from dtorch.model.profile import ModelProfile
+from dtorch.models.configs import FAMILIES, PRESETS, SPEC_FORMS, model_config
+
+__all__ = ["ModelProfile", "profile", "profile_from_config", "profile_module"]
+
+SPEC_HELP = (SPEC_FORMS + ", a factory 'pkg.module:function' returning an nn.Module, "
+             "or a path to a Hugging Face config.json (LlamaForCausalLM / GPT2LMHeadModel)")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "profile_module":  # imports torch: only on demand
+        from dtorch.model.profiler import profile_module
+
+        return profile_module
+    raise AttributeError(f"module 'dtorch.model' has no attribute {name!r}")
+
+
+def profile(spec: str, seq_len: int) -> ModelProfile:
+    """The ModelProfile of `spec` (see the module docstring) at `seq_len` tokens per sequence.
+
+    Raises ConfigError naming the spec and the valid forms when it is none of them."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("model", spec, "use " + SPEC_HELP)
+    spec = spec.strip()
+    head = spec.partition(":")[0]
+    if head in PRESETS or head in FAMILIES:
+        return profile_from_config(model_config(spec), seq_len, name=spec)
+    if spec.endswith(".json") or Path(spec).is_file():
+        return _profile_hf_config(Path(spec), seq_len)
+    if _FACTORY.match(spec):
+        return _profile_factory(spec, seq_len)
+    raise ConfigError("model", spec, "unknown model; use " + SPEC_HELP)
+
+
+def _profile_factory(spec: str, seq_len: int) -> ModelProfile:
+    module_name, _, func_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError("model", spec, f"cannot import '{module_name}' ({e}); use " + SPEC_HELP) from None
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise ConfigError("model", spec, f"'{module_name}' has no callable '{func_name}'")
+    from dtorch.model.profiler import profile_module
+
+    return profile_module(factory, seq_len, name=spec)
+
+
+def _profile_hf_config(path: Path, seq_len: int) -> ModelProfile:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("model", str(path), "no such file; use " + SPEC_HELP) from None
+    except (OSError, ValueError) as e:
+        raise ConfigError("model", str(path), f"not a readable JSON config ({e})") from None
+    archs = data.get("architectures") or []
+    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None and data.get("model_type") in HF_ARCHITECTURES.values():
+        arch = {v: k for k, v in HF_ARCHITECTURES.items()}[data["model_type"]]
+    if arch is None:
+        raise ConfigError("model", str(path), f"architectures={archs} model_type={data.get('model_type')!r}: "
+                          "supported Hugging Face models are " + ", ".join(HF_ARCHITECTURES))
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model", str(path), "Hugging Face configs need transformers: "
+                          "pip install 'dtorch-os[hf]'") from None
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in data.items() if k != "architectures"})
+    # SDPA attention, as a training run would use (eager attention would keep the s x s scores).
+    config._attn_implementation = "sdpa"
+    model_cls = getattr(transformers, arch)
+    from dtorch.model.profiler import profile_module
+
+    return profile_module(lambda: model_cls(config), seq_len, name=str(path))

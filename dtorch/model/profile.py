@@ -42,8 +42,35 @@ class ModelProfile:
     """Module path (relative to a block, or top level) -> role: 'colwise', 'rowwise', 'embedding',
     'output', 'norm', 'attention'."""
     tied_embeddings: bool = False
+    # ---- added by the model room (all optional, backwards compatible) -------------------------
+    block_path: str = "layers"
+    """Module path of the container of repeated blocks (e.g. 'layers', 'model.layers'); block-relative
+    keys of `tp_roles` apply under f'{block_path}.{i}.'."""
+    tp_roles_reason: str = ""
+    """Why `tp_roles` is empty (roles could not be derived), else ''."""
+    source: str = "analytic"
+    """'analytic' (formulas from the config) or 'measured' (meta/fake-tensor profiler)."""
+    flops_convention: str = "6N+12lhs"
+    """6 x matmul params (embeddings excluded, output head included) + attention 12*h*s per block per
+    token over the full s^2 (causal mask not halved), as torchtitan reports MFU."""
+    max_seq_len: int = 0
+    """Longest sequence the model accepts (learned positions / RoPE table); 0 if unknown."""
 
     @property
     def flops_per_token(self) -> float:
         """Training FLOPs per token for the whole model (6N + attention convention, see docs)."""
         return self.num_layers * self.flops_per_token_block + self.flops_per_token_head
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict of all fields."""
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelProfile:
+        """Inverse of to_dict; unknown keys are ignored so that older readers accept newer profiles."""
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

@@ -1,0 +1,141 @@
+"""ModelProfile from hyper-parameters alone, by formula. Torch-free and instant (the planner's path).
+
+Notation (all per token, per block unless said): h = dim, a = query heads, d = head_dim, q = a*d
+(query width, = h for every preset), kv = kv_heads*d, f = MLP hidden width, V = vocab, S =
+max_seq_len (GPT positions), s = the profile's sequence length. The formulas describe exactly
+the reference modules in `dtorch.models` and are checked against the measuring profiler
+(`dtorch.model.profiler`) in tests/model.
+
+Parameters
+  Llama block  h*q + 2*h*kv + q*h + 3*h*f  (wq, wk, wv, wo, SwiGLU w1/w2/w3)  + 2h (two RMSNorms)
+  GPT block    4*h^2 + 4h (q,k,v,o + biases) + 2*h*f + f + h (MLP + biases) + 4h (two LayerNorms)
+  embedding    V*h (+ S*h learned positions for GPT);  head  h*V + norm (h Llama, 2h GPT); untied.
+
+Training FLOPs per token (convention "6N+12lhs", the one torchtitan uses to report MFU, and the
+one the MFU figures in /work/shared/reference/CALIBRATION.md were computed with; checked: Llama
+3.1 8B at seq 8192 and 5,762 tok/s/GPU gives 33.8% of 989 TFLOP/s, the quoted "33%"):
+  block  6 * (matmul params of the block) + 12 * q * s    (attention QK^T and PV, forward 4*q*s,
+         backward twice that, over the FULL s x s score matrix: the causal mask is NOT halved,
+         unlike Megatron's convention; torch's FlopCounterMode counts SDPA the same way)
+  head   6 * h * V  (output projection; embedding lookups are not FLOPs)
+Recomputation (activation checkpointing) is not included: these are "model FLOPs".
+
+Activation bytes kept for backward, per token per block, 16-bit activations, batch- and
+TP-independent (the cost model divides by tp where TP/SP shards them). Korthikanti et al. 2022
+Table 2 give 34*h + 5*a*s bytes for a GPT block without recompute; we adjust it for how the
+reference models run today:
+  - fused attention (flash / SDPA): the a*s^2 score, softmax and dropout-mask terms vanish;
+    the kernel keeps q, k, v, the output (2q, shared with wo's input) and a float32
+    log-sum-exp per head (4a);
+  - no dropout masks when dropout p = 0 (the default; with p > 0 a GPT block adds 2h bytes of
+    bool masks for the two residual dropouts);
+  - GQA: k and v are kv wide, not h (the kernel broadcasts them, `enable_gqa`);
+  - SwiGLU keeps w1 out, w3 out, silu out and their product: 4 tensors of f (GPT's GeLU: 2);
+  - norms keep their input (2h) and float32 statistics (RMSNorm rstd 4 B; LayerNorm mean+rstd 8 B),
+    as the fused CUDA kernels do.
+  none       Llama  2*(4h + 2q + 2kv + 4f) + 4a + 8      GPT  2*(8h + 2f) + 4a + 16 (= 32h + 4a + 16
+             for f = 4h: Korthikanti's 34h minus the two dropout masks, no s^2 term)
+  selective  op-level policy: keep the outputs of matmuls and of attention, recompute the rest
+             (norms, RoPE, activations); plus the block input:
+             Llama  2*(3h + 2q + 2kv + 2f) + 4a          GPT  2*(7h + f) + 4a
+  full       the block input only: 2h
+Head (embedding + final norm + output + loss): 2h norm input + stats, 2h output-projection input,
+4V float32 log-probabilities kept by cross-entropy (logits are upcast for the loss), 16 B of token
+ids and targets (int64).
+"""
+
+from __future__ import annotations
+
+from dtorch.errors import ConfigError
+from dtorch.model.profile import ModelProfile
+from dtorch.models.configs import GPTConfig, LlamaConfig, ModelConfig
+
+ACT_BYTES = 2
+"""Bytes per activation element: profiles are stated at 16-bit activations."""
+
+LLAMA_BLOCK_ROLES = {
+    "attention_norm": "norm", "attention": "attention",
+    "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+    "ffn_norm": "norm",
+    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+}
+GPT_BLOCK_ROLES = {k: v for k, v in LLAMA_BLOCK_ROLES.items() if k != "feed_forward.w3"}
+TOP_ROLES = {"tok_embeddings": "embedding", "norm": "norm", "output": "output"}
+
+
+def block_matmul_params(config: ModelConfig) -> int:
+    """Weights of the block's linear layers (the N of 6N), biases and norms excluded."""
+    h, q, kv, f = config.dim, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.ffn_hidden
+    mlp = 3 * h * f if isinstance(config, LlamaConfig) else 2 * h * f
+    return h * q + 2 * h * kv + q * h + mlp
+
+
+def block_params(config: ModelConfig) -> int:
+    """All parameters of one block (see the module docstring)."""
+    h, f = config.dim, config.ffn_hidden
+    if isinstance(config, LlamaConfig):
+        return block_matmul_params(config) + 2 * h
+    return block_matmul_params(config) + 4 * h + f + h + 4 * h
+
+
+def block_act_bytes(config: ModelConfig) -> dict[str, float]:
+    """Activation bytes per token per block by AC policy (16-bit; see the module docstring)."""
+    h, a, f = config.dim, config.n_heads, config.ffn_hidden
+    q, kv = a * config.head_dim, config.n_kv_heads * config.head_dim
+    lse = 4 * a
+    if isinstance(config, LlamaConfig):
+        none = ACT_BYTES * (4 * h + 2 * q + 2 * kv + 4 * f) + lse + 2 * 4
+        selective = ACT_BYTES * (3 * h + 2 * q + 2 * kv + 2 * f) + lse
+    else:
+        none = ACT_BYTES * (8 * h + 2 * f) + lse + 2 * 8 + (2 * h if config.dropout > 0 else 0)
+        selective = ACT_BYTES * (7 * h + f) + lse
+    return {"none": float(none), "selective": float(selective), "full": float(ACT_BYTES * h)}
+
+
+def head_act_bytes(config: ModelConfig) -> float:
+    """Activation bytes per token of embedding, final norm, output projection and cross-entropy."""
+    stats = 4 if isinstance(config, LlamaConfig) else 8
+    return float(ACT_BYTES * 2 * config.dim + stats + 4 * config.vocab_size + 16)
+
+
+def profile_from_config(config: ModelConfig, seq_len: int, name: str | None = None) -> ModelProfile:
+    """The profile of a reference model at `seq_len` tokens per sequence, by formula (no torch).
+
+    Raises ConfigError when seq_len is not positive or exceeds a GPT's learned positions."""
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise ConfigError("seq_len", seq_len, "must be a positive integer (tokens per sequence)")
+    is_llama = isinstance(config, LlamaConfig)
+    assert is_llama or isinstance(config, GPTConfig), type(config)
+    if not is_llama and seq_len > config.max_seq_len:
+        raise ConfigError("seq_len", seq_len, f"this GPT has {config.max_seq_len} learned positions; use "
+                          f"seq_len <= {config.max_seq_len} or a model spec with seq={seq_len}")
+    h, V = config.dim, config.vocab_size
+    q = config.n_heads * config.head_dim
+    per_block = block_params(config)
+    embedding = V * h + (0 if is_llama else config.max_seq_len * h)
+    head = h * V + (h if is_llama else 2 * h)
+    top_roles = dict(TOP_ROLES) if is_llama else {**TOP_ROLES, "pos_embeddings": "embedding"}
+    return ModelProfile(
+        name=name or config.family,
+        family=config.family,
+        num_layers=config.n_layers,
+        hidden=h,
+        num_heads=config.n_heads,
+        num_kv_heads=config.n_kv_heads,
+        ffn_hidden=config.ffn_hidden,
+        vocab_size=V,
+        seq_len=seq_len,
+        params_total=config.n_layers * per_block + embedding + head,
+        params_per_block=per_block,
+        params_embedding=embedding,
+        params_head=head,
+        flops_per_token_block=float(6 * block_matmul_params(config) + 12 * q * seq_len),
+        flops_per_token_head=float(6 * h * V),
+        act_bytes_per_token_block=block_act_bytes(config),
+        act_bytes_per_token_head=head_act_bytes(config),
+        tp_roles={**(LLAMA_BLOCK_ROLES if is_llama else GPT_BLOCK_ROLES), **top_roles},
+        tied_embeddings=False,
+        block_path="layers",
+        source="analytic",
+        max_seq_len=config.max_seq_len,
+    )
