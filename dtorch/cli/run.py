@@ -1,0 +1,85 @@
+"""`dtorch run`: elastic, fault-tolerant launch of a training script (torchrun-compatible flags).
+
+    dtorch run --nnodes 1:4 --nproc-per-node 8 --rdzv-endpoint head:29400 --rdzv-id job7 train.py --lr 3e-4
+    dtorch run --nproc-per-node 4 --chaos "kill:rank=1:step=5" train.py      # a chaos drill
+
+See `dtorch.elastic.launch` for what is added to torchrun's agent, `dtorch.elastic.chaos` for the
+drill syntax.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dtorch.errors import ConfigError
+
+
+def _conf(text: str) -> dict[str, str]:
+    out = {}
+    for kv in filter(None, text.split(",")):
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ConfigError("rdzv_conf", text, "use KEY=VALUE[,KEY=VALUE...], e.g. last_call_timeout=1")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+    p = sub.add_parser("run", help=help_text, description=help_text)
+    g = p.add_argument_group("torchrun-compatible")
+    g.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (elastic between MIN and MAX)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                   help="workers per node: a number, or 'auto' (one per GPU, else 1)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", help="rendezvous backend (default c10d)")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="127.0.0.1:0",
+                   help="HOST:PORT of the rendezvous store; default loopback with a free port (one node). "
+                        "The store has no authentication: use a private address for many nodes")
+    g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by every node")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", default="", type=_conf,
+                   help="KEY=VALUE,... rendezvous settings (override DTorch's fast defaults)")
+    g.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility (the default)")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
+                   help="restarts of the worker group before the job fails (default 3)")
+    g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
+                   help="seconds between checks of the workers (default 0.1)")
+    g.add_argument("--local-addr", "--local_addr", default=None, help="this node's address for the others")
+    g.add_argument("-m", "--module", action="store_true", help="run TARGET as a module (python -m)")
+    g.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run TARGET as an executable (it should call dtorch.elastic.worker.setup())")
+    d = p.add_argument_group("DTorch")
+    d.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds without training-loop progress before a rank is declared hung (default 30; 0 = off)")
+    d.add_argument("--startup-timeout", type=float, default=None,
+                   help="seconds a rank may take to its first beat once others beat (default 10x heartbeat)")
+    d.add_argument("--chaos", default="", help="fault-injection drill, e.g. 'kill:rank=1:step=5;every=20:kill'")
+    d.add_argument("--run-dir", default=None, help="heartbeats, dumps and events.jsonl (default $TMPDIR/dtorch-ID)")
+    d.add_argument("--shutdown-timeout", type=int, default=5, help="seconds from SIGTERM to SIGKILL (default 5)")
+    p.add_argument("target", help="training script (or module with -m, executable with --no-python)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=run)
+
+
+def _nproc(text: str) -> int:
+    if text in ("auto", "gpu"):
+        import torch
+
+        return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+    if text == "cpu":
+        return 1
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError("nproc_per_node", text, "use a number, 'auto', 'gpu' or 'cpu'") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from dtorch.elastic.launch import LaunchSpec, launch, parse_nnodes
+
+    lo, hi = parse_nnodes(args.nnodes)
+    spec = LaunchSpec(min_nodes=lo, max_nodes=hi, nproc_per_node=_nproc(args.nproc_per_node),
+                      rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                      rdzv_conf=args.rdzv_conf, max_restarts=args.max_restarts,
+                      monitor_interval=args.monitor_interval, heartbeat_timeout=args.heartbeat_timeout,
+                      startup_timeout=args.startup_timeout, chaos=args.chaos, run_dir=args.run_dir,
+                      local_addr=args.local_addr, shutdown_timeout=args.shutdown_timeout)
+    return launch(spec, args.target, list(args.args), module=args.module, no_python=args.no_python)

@@ -1,0 +1,155 @@
+"""The run's event log: one JSON object per line in `<run_dir>/events.jsonl`.
+
+Written by the launcher (agent side: failure detected, rendezvous, workers started, recovery) and
+by the workers (phases such as `load` and `replan`, the first step after a (re)start, injected
+faults). Every record has `kind`, `t` (wall-clock seconds since the epoch, `time.time()`), `pid`
+and, where known, `rank` and `epoch` (the membership epoch, see `dtorch.elastic.worker`).
+
+Lines are appended with one `write` on a file opened with O_APPEND, so records from many processes
+on one host never interleave (POSIX guarantees this for regular files; lines are far below a page).
+
+`recoveries(path)` turns the log into one record per recovery with its phases timed:
+detect, stop, rendezvous, start, replan, load, first_step (seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+# Worker-side phases that belong to a recovery; the trainer reports them with `phase(name)`.
+RECOVERY_PHASES = ("replan", "load")
+
+
+def events_path(run_dir: str | None = None) -> str | None:
+    """Path of the event log in `run_dir` (default: `$DTORCH_RUN_DIR`), or None when not under `dtorch run`."""
+    run_dir = run_dir or os.environ.get("DTORCH_RUN_DIR")
+    return os.path.join(run_dir, EVENTS_FILE) if run_dir else None
+
+
+def log(kind: str, path: str | None = None, **fields: Any) -> dict[str, Any] | None:
+    """Append one event `{"kind": kind, "t": now, "pid": ..., **fields}`; returns it (None if no log).
+
+    Workers fill `rank` and `epoch` from their environment when the caller does not.
+    """
+    path = path or events_path()
+    if path is None:
+        return None
+    rec: dict[str, Any] = {"kind": kind, "t": time.time(), "pid": os.getpid()}
+    if "RANK" in os.environ and "rank" not in fields:
+        rec["rank"] = int(os.environ["RANK"])
+    if "DTORCH_EPOCH" in os.environ and "epoch" not in fields:
+        rec["epoch"] = int(os.environ["DTORCH_EPOCH"])
+    rec.update(fields)
+    line = (json.dumps(rec, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return rec
+
+
+@contextlib.contextmanager
+def phase(name: str, path: str | None = None, **fields: Any) -> Iterator[None]:
+    """Time a phase of this worker (`with events.phase("load"): ...`) and log it as
+    `{"kind": "phase", "name": name, "start": t0, "seconds": dt}` when it ends (also on error,
+    with `"ok": false`). Also marks the phase in the heartbeat so a hang inside it is named.
+    """
+    from dtorch.elastic import heartbeat  # local: heartbeat imports nothing of this module
+
+    t0 = time.time()
+    heartbeat.mark(phase=name)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        log("phase", path, name=name, start=t0, seconds=time.time() - t0, ok=ok, **fields)
+        heartbeat.mark(phase="step")
+
+
+def read(path: str) -> list[dict[str, Any]]:
+    """All events of a log, in file order; a torn last line (writer killed mid-write) is skipped."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def recoveries(path: str) -> list[dict[str, Any]]:
+    """One record per recovery found in the log, phases in seconds (None when not reported).
+
+    A recovery starts at a `detected` event (agent side; fields `epoch`, `fault_t`) and ends at the
+    last `first_step` of the next epoch whose rendezvous followed it. Phases, on one time line:
+    detect = detected - fault, stop = rendezvous start - detected, rendezvous, start = workers
+    spawned until their first reported phase or step, replan / load = longest rank, first_step =
+    longest rank's first step. `total` = end of the first step - fault.
+    """
+    evs = read(path)
+    detections: dict[int, dict[str, Any]] = {}
+    for e in evs:
+        if e["kind"] == "detected":
+            ep = e.get("epoch", -1)
+            if ep not in detections or e["t"] < detections[ep]["t"]:
+                detections[ep] = e
+    out = []
+    for ep, d in sorted(detections.items()):
+        rdzv = next((e for e in evs if e["kind"] == "rendezvous" and e["end"] >= d["t"]
+                     and e.get("epoch", -1) > ep), None)
+        if rdzv is None:
+            continue
+        new = rdzv["epoch"]
+        mine = [e for e in evs if e.get("epoch") == new]
+        firsts = [e for e in mine if e["kind"] == "first_step"]
+        world = rdzv.get("world_size")
+        if not firsts or (world is not None and len({e["rank"] for e in firsts}) < world):
+            continue  # this recovery has not finished its first step yet
+        starts = [e["start"] for e in mine if e["kind"] in ("phase", "first_step")]
+        spawned = min((e["t"] for e in mine if e["kind"] == "workers_started"), default=rdzv["end"])
+
+        def longest(name: str, mine: list[dict[str, Any]] = mine) -> float | None:
+            xs = [e["seconds"] for e in mine if e["kind"] == "phase" and e["name"] == name]
+            return max(xs) if xs else None
+
+        fault_t = d.get("fault_t") or d["t"]
+        end = max(e["start"] + e["seconds"] for e in firsts)
+        out.append({
+            "epoch_failed": ep,
+            "epoch": new,
+            "cause": d.get("cause"),
+            "ranks": d.get("ranks"),
+            "world_size": world,
+            "detect": d["t"] - fault_t,
+            "stop": rdzv["start"] - d["t"],
+            "rendezvous": rdzv["end"] - rdzv["start"],
+            "start": (min(starts) - spawned) if starts else None,
+            "replan": longest("replan"),
+            "load": longest("load"),
+            "first_step": max(e["seconds"] for e in firsts),
+            "total": end - fault_t,
+        })
+    return out
+
+
+def format_recovery(r: dict[str, Any]) -> str:
+    """One line for a recovery record: `recovered in 4.21 s (detect 0.10 s, ...)`."""
+    parts = []
+    for k in ("detect", "stop", "rendezvous", "start", "replan", "load", "first_step"):
+        v = r.get(k)
+        parts.append(f"{k} {v:.2f} s" if v is not None else f"{k} -")
+    return (f"recovered from {r.get('cause')} of rank(s) {r.get('ranks')} in {r['total']:.2f} s "
+            f"at world size {r.get('world_size')} ({', '.join(parts)})")

@@ -1,0 +1,359 @@
+"""Heartbeats that find hung ranks, and the diagnosis printed when one is found.
+
+Worker side. The training loop calls `mark(step=..., phase=...)` (directly, or through
+`dtorch.elastic.worker.beat` / `phase`). That only updates a small in-memory record: the step, the
+phase and `progress_t`, the wall time of the last call *from the training loop*. A writer thread
+publishes the record to `<run_dir>/hb/rank<R>.json` every `interval` seconds (tmp file + rename,
+so a reader never sees half a record), together with `written_t`.
+
+Why both: a SIGSTOPped process stops all its threads, so `written_t` stops moving; a busy loop or a
+collective that never returns leaves the thread running, so `written_t` moves but `progress_t`
+does not. The monitor judges `progress_t` only, which catches all three.
+
+Agent side. `HangWatch.check()` (called from the agent's monitor loop) returns the local ranks
+whose progress is older than the timeout. Then `dump_and_kill()` asks every local rank for its
+Python stacks (SIGUSR1 -> faulthandler, installed by the worker bootstrap; a stopped rank is sent
+SIGCONT so that it can answer) and, from the writer thread, the flight recorder
+(`torch._C._distributed_c10d._dump_fr_trace`, gloo and NCCL); then SIGKILLs them so the elastic
+agent restarts the group. `diagnose()` builds the one line that names the stuck rank: the rank
+that is furthest behind (lowest step, then oldest progress), its phase, and what the others wait in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+HB_DIR = "hb"
+DUMP_DIR = "dumps"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"step": -1, "phase": "start", "progress_t": time.time(), "beats": 0,
+                          "steps_done": 0, "committed_step": None}
+_writer: _Writer | None = None
+
+
+def mark(step: int | None = None, phase: str | None = None, committed_step: int | None = None,
+         step_done: bool = False) -> None:
+    """Record progress of the training loop (cheap: no I/O). Call at least once per step;
+    `step_done=True` once a step has finished (the strict timeout applies from the first one)."""
+    with _lock:
+        if step_done:
+            _state["steps_done"] += 1
+        if step is not None:
+            _state["step"] = int(step)
+        if phase is not None:
+            _state["phase"] = phase
+        if committed_step is not None:
+            _state["committed_step"] = int(committed_step)
+        _state["progress_t"] = time.time()
+        _state["beats"] += 1
+
+
+def snapshot() -> dict[str, Any]:
+    """A copy of this process's heartbeat record."""
+    with _lock:
+        return dict(_state)
+
+
+def flush() -> None:
+    """Publish the record now (before a deliberate stop, so the monitor sees where it happened)."""
+    if _writer is not None:
+        _writer.write_once()
+
+
+def hb_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, HB_DIR, f"rank{rank}.json")
+
+
+def dump_dir(run_dir: str, epoch: int) -> str:
+    return os.path.join(run_dir, DUMP_DIR, f"epoch{epoch}")
+
+
+class _Writer(threading.Thread):
+    """Publishes the record every `interval` s; answers dump requests; exits if the agent is gone."""
+
+    def __init__(self, run_dir: str, rank: int, epoch: int, interval: float, agent_pid: int | None):
+        super().__init__(name="dtorch-heartbeat", daemon=True)
+        self.run_dir, self.rank, self.epoch = run_dir, rank, epoch
+        self.interval, self.agent_pid = interval, agent_pid
+        self.path = hb_path(run_dir, rank)
+        self._dumped = False
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+
+    def write_once(self) -> None:
+        rec = snapshot()
+        rec.update(rank=self.rank, epoch=self.epoch, pid=os.getpid(), written_t=time.time(),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, self.path)
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.write_once()
+                self._maybe_dump()
+            except Exception:  # a full disk must not kill training; the monitor will see stale beats
+                pass
+            if self.agent_pid is not None and os.getppid() != self.agent_pid:
+                # Our agent died (PR_SET_PDEATHSIG covers Linux; this covers the rest): do not linger.
+                os._exit(70)
+            time.sleep(self.interval)
+
+    def _maybe_dump(self) -> None:
+        d = dump_dir(self.run_dir, self.epoch)
+        if self._dumped or not os.path.exists(os.path.join(d, "REQUEST")):
+            return
+        self._dumped = True
+        write_dumps(d, self.rank)
+
+
+def write_dumps(directory: str, rank: int) -> None:
+    """Write this process's Python stacks (all threads) and flight-recorder entries into `directory`.
+
+    Runs on the heartbeat thread, so it works while the main thread is blocked in a collective
+    (which releases the GIL) or busy in Python.
+    """
+    os.makedirs(directory, exist_ok=True)
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    with open(os.path.join(directory, f"rank{rank}.py-stacks.txt"), "w") as f:
+        for ident, frame in frames.items():
+            f.write(f"--- thread {names.get(ident, ident)} ---\n")
+            f.write("".join(traceback.format_stack(frame)))
+    fr = flight_recorder()
+    if fr is not None:
+        with open(os.path.join(directory, f"rank{rank}.flight-recorder.json"), "w") as f:
+            json.dump(fr, f, default=str)
+
+
+def flight_recorder() -> dict[str, Any] | None:
+    """This process's flight-recorder entries (collectives issued, their state), or None if torch or
+    the recorder is not in use. Enabled by TORCH_FR_BUFFER_SIZE (the launcher sets it)."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    try:
+        import pickle
+
+        import torch._C._distributed_c10d as c10d
+
+        data = pickle.loads(c10d._dump_fr_trace(True, False, False))
+    except Exception:
+        return None
+    entries = [{k: e.get(k) for k in ("record_id", "pg_id", "collective_seq_id", "profiling_name",
+                                      "state", "input_sizes", "time_created_ns", "retired")}
+               for e in data.get("entries", [])]
+    return {"entries": entries[-32:]}
+
+
+def start(run_dir: str, rank: int, epoch: int, interval: float, agent_pid: int | None) -> None:
+    """Start the writer thread of this process (idempotent)."""
+    global _writer
+    if _writer is not None:
+        return
+    with _lock:
+        _state["progress_t"] = time.time()
+    _writer = _Writer(run_dir, rank, epoch, interval, agent_pid)
+    _writer.write_once()
+    _writer.start()
+
+
+# ---------------------------------------------------------------------------- agent side
+
+
+def read_beats(run_dir: str, epoch: int | None = None) -> dict[int, dict[str, Any]]:
+    """Every rank's last published record in `run_dir` (only those of `epoch` when given)."""
+    d = os.path.join(run_dir, HB_DIR)
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return out
+    for n in names:
+        if not (n.startswith("rank") and n.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(d, n)) as f:
+                rec = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if epoch is None or rec.get("epoch") == epoch:
+            out[int(rec["rank"])] = rec
+    return out
+
+
+def proc_state(pid: int) -> str | None:
+    """Linux process state letter (R, S, D, T stopped, Z zombie, ...) or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+@dataclass
+class Hang:
+    """Local ranks found hung, with how long each has made no progress (seconds)."""
+
+    ranks: dict[int, float]
+    epoch: int
+
+
+class HangWatch:
+    """Judges the local workers of one epoch.
+
+    Until every local rank has finished a step in this epoch the group is starting (imports,
+    process-group init, loading, compiling, peers on slower nodes): then only `startup_timeout`
+    applies, counted from the group's start. Afterwards each rank must make progress within
+    `timeout` seconds. A script that never beats is never judged."""
+
+    def __init__(self, run_dir: str, timeout: float, startup_timeout: float, period: float = 0.25):
+        self.run_dir, self.timeout, self.startup_timeout, self.period = run_dir, timeout, startup_timeout, period
+        self.epoch = -1
+        self.local: dict[int, int] = {}
+        self.t_start = time.time()
+        self._next = 0.0
+
+    def reset(self, epoch: int, local: dict[int, int]) -> None:
+        """New worker group: `local` maps global rank -> pid."""
+        self.epoch, self.local, self.t_start, self._next = epoch, dict(local), time.time(), 0.0
+
+    def check(self) -> Hang | None:
+        now = time.time()
+        if self.timeout <= 0 or now < self._next:
+            return None
+        self._next = now + self.period
+        beats = read_beats(self.run_dir, self.epoch)
+        if not any(b.get("beats", 0) > 0 for b in beats.values()):
+            return None
+        steady = all(beats.get(r, {}).get("steps_done", 0) > 0 for r in self.local)
+        stuck = {}
+        for rank in self.local:
+            b = beats.get(rank, {})
+            if steady:
+                age, limit = now - b["progress_t"], self.timeout
+            else:
+                age, limit = now - self.t_start, self.startup_timeout
+            if age > limit and not (not steady and b.get("steps_done", 0) > 0):
+                stuck[rank] = age
+        return Hang(stuck, self.epoch) if stuck else None
+
+
+def dump_and_kill(run_dir: str, epoch: int, pids: dict[int, int], states: dict[int, str | None],
+                  wait: float = 2.0) -> str:
+    """Collect stacks + flight recorder from every local rank, then SIGKILL them all; returns the
+    dump directory.
+
+    SIGUSR1 makes faulthandler (installed by the worker bootstrap) write the C-level view of all
+    threads to `rank<R>.faulthandler.txt`; the REQUEST file makes the heartbeat thread write the
+    Python stacks and the flight recorder. A stopped rank can only answer once continued, and a
+    continued rank would make progress: so the running ranks are killed first, then the stopped
+    ones get SIGCONT (their pending SIGUSR1 dumps the stack where they stopped) and die too.
+    """
+    d = dump_dir(run_dir, epoch)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "REQUEST"), "w") as f:
+        f.write(str(time.time()))
+    stopped = {r: p for r, p in pids.items() if states.get(r) in ("T", "t")}
+    running = {r: p for r, p in pids.items() if r not in stopped}
+    _signal(pids, signal.SIGUSR1)
+    deadline = time.time() + wait
+    want = {f"rank{r}.py-stacks.txt" for r in running}
+    while time.time() < deadline and not want <= set(os.listdir(d)):
+        time.sleep(0.05)
+    kill_all(running)
+    if stopped:
+        _signal(stopped, signal.SIGCONT)
+        time.sleep(0.3)  # faulthandler writes from the signal handler at once; give it the CPU
+        kill_all(stopped)
+    return d
+
+
+def _signal(pids: dict[int, int], sig: signal.Signals) -> None:
+    for pid in pids.values():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def kill_all(pids: dict[int, int]) -> None:
+    """SIGKILL the given workers, and SIGCONT them: a stopped process is only reaped once continued
+    on some kernels."""
+    _signal(pids, signal.SIGKILL)
+    _signal(pids, signal.SIGCONT)
+
+
+def _last_collective(dump: str, rank: int) -> str | None:
+    try:
+        with open(os.path.join(dump, f"rank{rank}.flight-recorder.json")) as f:
+            entries = json.load(f).get("entries", [])
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not entries:
+        return None
+    e = entries[-1]
+    done = "completed" if e.get("retired") else f"not completed ({e.get('state')})"
+    return f"{e.get('profiling_name')} #{e.get('collective_seq_id')} {done}"
+
+
+COLLECTIVE_WORDS = ("allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather", "barrier",
+                    "broadcast", "collective", "alltoall", "send", "recv", "wait")
+
+
+def _in_collective(phase: str | None) -> bool:
+    return any(w in (phase or "").lower() for w in COLLECTIVE_WORDS)
+
+
+def diagnose(hang: Hang, beats: dict[int, dict[str, Any]], pids: dict[int, int],
+             states: dict[int, str | None], dump: str | None) -> tuple[str, dict[str, Any]]:
+    """The one-line diagnosis and its fields.
+
+    Ranks in a collective wait for someone; the culprit is the rank that is not where the others
+    are. Among all ranks that published a beat in this epoch it is, in order of evidence: a stopped
+    process (state T), a rank that did not answer the dump request, a rank outside a collective
+    phase, then the lowest step and the oldest progress. `beats` and `states` are snapshots taken
+    when the hang was found (before the dump disturbed anything)."""
+    now = time.time()
+    candidates = beats or {r: {"step": -1, "phase": "?", "progress_t": now - a} for r, a in hang.ranks.items()}
+    answered = set()
+    if dump and os.path.isdir(dump):
+        answered = {int(n[4:].split(".")[0]) for n in os.listdir(dump) if n.endswith(".py-stacks.txt")}
+
+    def suspicion(r: int) -> tuple:
+        b = candidates[r]
+        return (states.get(r) not in ("T", "t"), bool(dump) and r in answered, _in_collective(b.get("phase")),
+                b.get("step", -1), b.get("progress_t", now))
+
+    culprit = min(candidates, key=suspicion)
+    b = candidates[culprit]
+    st = states.get(culprit)
+    what = {"T": "stopped (SIGSTOP)", "t": "stopped by a tracer", "D": "in uninterruptible sleep",
+            "R": "running (busy?)", "S": "sleeping (blocked?)", None: "not on this node or gone"}.get(st, st)
+    others: dict[str, list[int]] = {}
+    for r, ob in sorted(beats.items()):
+        if r != culprit:
+            others.setdefault(f"'{ob.get('phase')}' at step {ob.get('step')}", []).append(r)
+    coll = _last_collective(dump, culprit) if dump else None
+    line = (f"dtorch: HANG: rank {culprit} (pid {b.get('pid', pids.get(culprit))}, {what}) made no progress "
+            f"for {now - b.get('progress_t', now):.1f} s at step {b.get('step')} in phase '{b.get('phase')}'")
+    if coll:
+        line += f", last collective {coll}"
+    if others:
+        line += "; " + "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} in {k}"
+                                 for k, rs in others.items())
+    if dump:
+        line += f"; stacks: {dump}"
+    fields = {"rank": culprit, "step": b.get("step"), "phase": b.get("phase"), "state": st,
+              "no_progress_s": now - b.get("progress_t", now), "collective": coll, "dump": dump,
+              "fault_t": b.get("progress_t")}
+    return line, fields

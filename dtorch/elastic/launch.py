@@ -1,0 +1,356 @@
+"""`dtorch run`: an elastic, fault-tolerant launcher on torch.distributed.elastic's agent.
+
+This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configured and extended:
+
+- Known defects worked around (see shared/reference/RELIABILITY.md):
+  * restarts reading a stale master address from the agent's shared TCPStore (pytorch#135712):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, workers get a fresh store per round;
+  * workers orphaned by a SIGKILLed agent: every worker starts through `dtorch.elastic.bootstrap`,
+    which sets PR_SET_PDEATHSIG (and the heartbeat thread exits when the agent pid disappears);
+  * slow scale-down (~41 s by default): last_call_timeout=1 s, keep-alive every 1 s with 3 misses
+    (a dead node leaves the rendezvous after ~3 s instead of 15 s), join_timeout=120 s.
+- Control plane bound to loopback by default: `--rdzv-endpoint 127.0.0.1:0` and, when the endpoint
+  is loopback, workers' MASTER_ADDR is 127.0.0.1 too. Multi-node runs must name a reachable
+  endpoint explicitly (c10d's TCPStore has no authentication: keep it on a private network).
+- Hang detection: the agent's monitor loop also reads the workers' heartbeats
+  (`dtorch.elastic.heartbeat`); a rank without progress for `--heartbeat-timeout` seconds gets its
+  stacks and flight recorder dumped, ONE line names it, and the local group is SIGKILLed so the
+  agent restarts it (counts as a restart, like a crash).
+- Membership epoch: the rendezvous round, given to workers as DTORCH_EPOCH.
+- Growing back waits for a checkpoint boundary: a waiting node is admitted (the agent restarts its
+  workers into a bigger group) once every local rank has reported a newer committed checkpoint
+  (`worker.checkpoint_committed`) or after `grow_wait` seconds; scripts that never report commit
+  are not held back.
+- Every detection, rendezvous and worker start goes to `<run_dir>/events.jsonl`; each recovery is
+  summarised there (and printed) with its phases timed (`dtorch.elastic.events.recoveries`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtorch.elastic import chaos, events, heartbeat
+from dtorch.errors import ConfigError
+
+log = logging.getLogger("dtorch.elastic")
+
+# Rendezvous settings that make recovery fast; any of them can be overridden with --rdzv-conf.
+FAST_RDZV_CONF: dict[str, Any] = {
+    "last_call_timeout": 1,  # seconds to wait for more nodes once min is reached (default 30)
+    "join_timeout": 120,  # seconds a rendezvous may take in all (default 600)
+    "keep_alive_interval": 1,  # agent keep-alive period (default 5)
+    "keep_alive_max_attempt": 3,  # missed keep-alives before a node is dropped (default 3)
+}
+
+
+@dataclass
+class LaunchSpec:
+    """Everything `dtorch run` needs besides the script. Field names follow torchrun's flags."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "127.0.0.1:0"
+    """host:port of the rendezvous store. Port 0 = pick a free one (single node only)."""
+    rdzv_id: str | None = None
+    """Job id shared by all nodes. Default: a fresh id on one node; "none" (torchrun's) on many."""
+    rdzv_conf: dict[str, Any] = field(default_factory=dict)
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    """Seconds between two checks of the workers by the agent."""
+    heartbeat_timeout: float = 30.0
+    """Seconds without progress after which a rank is declared hung; 0 disables the check."""
+    startup_timeout: float | None = None
+    """Seconds a rank may take to its first beat once others beat (default 10x heartbeat_timeout)."""
+    chaos: str = ""
+    """Fault-injection spec, see `dtorch.elastic.chaos`."""
+    run_dir: str | None = None
+    """Where heartbeats, dumps, chaos marks and events.jsonl go. Default: $TMPDIR/dtorch-<rdzv_id>.
+    Share it between nodes (or not) as you like: each agent only judges its own workers."""
+    local_addr: str | None = None
+    shutdown_timeout: int = 5
+    """Seconds between SIGTERM and SIGKILL when the agent stops its workers (torchrun: 30)."""
+    grow_wait: float = 300.0
+    """Longest time a waiting node is held back for a checkpoint boundary (seconds)."""
+    start_method: str = "spawn"
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.min_nodes <= self.max_nodes):
+            raise ConfigError("nnodes", f"{self.min_nodes}:{self.max_nodes}", "use N or MIN:MAX with 1 <= MIN <= MAX")
+        if self.nproc_per_node < 1:
+            raise ConfigError("nproc_per_node", self.nproc_per_node, "use a positive number of workers per node")
+        if self.max_restarts < 0:
+            raise ConfigError("max_restarts", self.max_restarts, "use 0 or more")
+        if self.heartbeat_timeout < 0:
+            raise ConfigError("heartbeat_timeout", self.heartbeat_timeout, "use seconds > 0, or 0 to disable")
+        host, port = split_endpoint(self.rdzv_endpoint)
+        if self.rdzv_backend == "c10d" and port == 0 and self.max_nodes > 1:
+            raise ConfigError("rdzv_endpoint", self.rdzv_endpoint,
+                              "several nodes need a fixed port every node can reach, e.g. --rdzv-endpoint HOST:29400")
+        if self.local_addr is None and _is_loopback(host):
+            self.local_addr = "127.0.0.1"  # keep MASTER_ADDR off the network when the job is local
+        if self.rdzv_id is None:
+            self.rdzv_id = f"dtorch-{uuid.uuid4().hex[:12]}" if self.max_nodes == 1 else "none"
+        if self.run_dir is None:
+            self.run_dir = os.path.join(tempfile.gettempdir(), f"dtorch-{self.rdzv_id}")
+        if self.startup_timeout is None:
+            self.startup_timeout = 10 * self.heartbeat_timeout
+        chaos.parse(self.chaos)  # fail now, not in every worker
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """`host:port` -> (host, port); a missing port is 29400 (torchrun's default)."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep:
+        return endpoint, 29400
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise ConfigError("rdzv_endpoint", endpoint, "use HOST:PORT, e.g. 127.0.0.1:29400") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """torchrun's `--nnodes`: "N" or "MIN:MAX"."""
+    try:
+        lo, _, hi = text.partition(":")
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError("nnodes", text, "use N or MIN:MAX, e.g. --nnodes 1:4") from None
+
+
+def _agent_class():
+    """Built on first use: importing torch.distributed.elastic costs ~1 s."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class DTorchAgent(LocalElasticAgent):
+        """LocalElasticAgent + membership epoch, heartbeat hang detection, event log, grow gating."""
+
+        def __init__(self, *args: Any, dspec: LaunchSpec, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.dspec = dspec
+            self.run_dir: str = dspec.run_dir  # type: ignore[assignment]
+            self.events_path = os.path.join(self.run_dir, events.EVENTS_FILE)
+            self.epoch = -1
+            self.watch = heartbeat.HangWatch(self.run_dir, dspec.heartbeat_timeout, dspec.startup_timeout or 0)
+            self.local_pids: dict[int, int] = {}
+            self.recoveries_reported = 0
+            self._next_recovery_check = 0.0
+            self._grow_since: float | None = None
+            self._grow_base: int | None = None
+
+        # -- membership
+        def _round(self) -> int:
+            holder = getattr(self._worker_group.spec.rdzv_handler, "_state_holder", None)
+            try:
+                return int(holder.state.round)  # type: ignore[union-attr]
+            except AttributeError:  # another rendezvous backend: fall back to this agent's count
+                return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+        def _rendezvous(self, worker_group: Any) -> None:
+            t0 = time.time()
+            super()._rendezvous(worker_group)
+            self.epoch = self._round()
+            events.log("rendezvous", self.events_path, start=t0, end=time.time(), epoch=self.epoch,
+                       world_size=worker_group.workers[0].world_size if worker_group.workers else None,
+                       nodes=worker_group.group_world_size, node_rank=worker_group.group_rank)
+
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+            os.environ["DTORCH_EPOCH"] = str(self.epoch)
+            pids = super()._start_workers(worker_group)
+            self.local_pids = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}
+            self.watch.reset(self.epoch, self.local_pids)
+            events.log("workers_started", self.events_path, epoch=self.epoch, ranks=sorted(self.local_pids),
+                       node_rank=worker_group.group_rank)
+            return pids
+
+        def _stop_workers(self, worker_group: Any) -> None:
+            # SIGCONT first: a stopped worker cannot act on SIGTERM, and torch would wait 30 s for it.
+            for pid in self.local_pids.values():
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            self._shutdown(timeout=self.dspec.shutdown_timeout)
+
+        # -- detection
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED:
+                self._on_exit_failure(result)
+            elif result.state == WorkerState.HEALTHY:
+                hang = self.watch.check()
+                if hang is not None:
+                    self._on_hang(hang)
+                    return RunResult(state=WorkerState.UNHEALTHY)
+                self._maybe_report_recovery()
+            return result
+
+        def _fault_time(self, ranks: list[int]) -> float | None:
+            """When the fault happened: the chaos mark if one fired, else the last progress seen."""
+            faults = [e["t"] for e in events.read(self.events_path)
+                      if e["kind"] == "fault" and e.get("epoch") == self.epoch and e.get("rank") in ranks]
+            if faults:
+                return min(faults)
+            beats = heartbeat.read_beats(self.run_dir, self.epoch)
+            ts = [beats[r]["progress_t"] for r in ranks if r in beats]
+            return min(ts) if ts else None
+
+        def _on_exit_failure(self, result: Any) -> None:
+            codes = {r: f.exitcode for r, f in sorted(result.failures.items())}
+            # Ranks the agent itself SIGTERMed while stopping the group are victims, not causes.
+            ranks = [r for r, c in codes.items() if c != -signal.SIGTERM] or sorted(codes)
+            fault_t = self._fault_time(ranks)
+            events.log("detected", self.events_path, cause="exit", ranks=ranks, exitcodes=codes,
+                       epoch=self.epoch, fault_t=fault_t)
+            why = {r: (signal.Signals(-codes[r]).name if codes[r] < 0 else f"exit code {codes[r]}") for r in ranks}
+            print(f"dtorch: worker failure in epoch {self.epoch}: "
+                  + ", ".join(f"rank {r} ({s})" for r, s in why.items())
+                  + f"; {len(codes) - len(ranks)} other local ranks stopped; "
+                  + f"{self._remaining_restarts} restarts left", file=sys.stderr, flush=True)
+
+        def _on_hang(self, hang: heartbeat.Hang) -> None:
+            t_detect = time.time()
+            states = {r: heartbeat.proc_state(p) for r, p in self.local_pids.items()}
+            beats = heartbeat.read_beats(self.run_dir, hang.epoch)
+            dump = heartbeat.dump_and_kill(self.run_dir, hang.epoch, self.local_pids, states)
+            line, fields = heartbeat.diagnose(hang, beats, self.local_pids, states, dump)
+            culprit = fields.pop("rank")
+            events.log("detected", self.events_path, cause="hang", ranks=[culprit], epoch=self.epoch,
+                       detect_t=t_detect, diagnosis=line, **fields)
+            print(line, file=sys.stderr, flush=True)
+
+        def _maybe_report_recovery(self) -> None:
+            now = time.time()
+            if now < self._next_recovery_check:
+                return
+            self._next_recovery_check = now + 1.0
+            if self._worker_group.group_rank != 0:
+                return  # one agent reports
+            recs = events.recoveries(self.events_path)
+            for r in recs[self.recoveries_reported:]:
+                events.log("recovery", self.events_path, **r)
+                print("dtorch: " + events.format_recovery(r), file=sys.stderr, flush=True)
+            self.recoveries_reported = max(self.recoveries_reported, len(recs))
+
+        # -- growing at a checkpoint boundary
+        def grow_gate(self, waiting: int) -> int:
+            """How many waiting nodes to report to the agent loop now (0 = not yet)."""
+            if waiting <= 0:
+                self._grow_since = None
+                return 0
+            beats = heartbeat.read_beats(self.run_dir, self.epoch)
+            mine = [beats[r].get("committed_step") for r in self.local_pids if r in beats]
+            now = time.time()
+            if not mine or any(c is None for c in mine):
+                return waiting  # this script does not report commits: do not hold the job back
+            if self._grow_since is None:
+                self._grow_since, self._grow_base = now, min(mine)
+                events.log("grow_waiting", self.events_path, epoch=self.epoch, waiting=waiting,
+                           committed_step=self._grow_base)
+            if min(mine) > (self._grow_base or 0) or now - self._grow_since > self.dspec.grow_wait:
+                events.log("grow", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=min(mine))
+                self._grow_since = None
+                return waiting
+            return 0
+
+    return DTorchAgent
+
+
+class _GatedRendezvous:
+    """The rendezvous handler, except that `num_nodes_waiting` goes through the agent's grow gate."""
+
+    def __init__(self, handler: Any):
+        self._handler = handler
+        self.gate = None
+
+    def num_nodes_waiting(self) -> int:
+        n = self._handler.num_nodes_waiting()
+        return self.gate(n) if self.gate is not None else n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
+
+
+def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False, no_python: bool = False) -> int:
+    """Run `target` (a script path, a module with `module=True`, or an executable with `no_python`)
+    on `spec.nproc_per_node` workers per node under the elastic agent. Returns the exit code:
+    0 when every worker succeeded, 1 when the job failed after its restarts."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    run_dir: str = spec.run_dir  # type: ignore[assignment]
+    os.makedirs(run_dir, exist_ok=True)
+    env = {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "DTORCH_RUN_DIR": run_dir,
+        "DTORCH_AGENT_PID": str(os.getpid()),
+        "DTORCH_CHAOS": spec.chaos,
+        "DTORCH_HEARTBEAT_INTERVAL": str(max(0.05, min(0.5, spec.heartbeat_timeout / 10 or 0.5))),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    }
+    # The flight recorder (gloo and NCCL) is what names the collective a hung rank is in.
+    env.setdefault("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"))
+    saved = {k: os.environ.get(k) for k in [*env, "DTORCH_EPOCH"]}
+    os.environ.update(env)
+
+    conf = {**FAST_RDZV_CONF, **spec.rdzv_conf}
+    params = RendezvousParameters(backend=spec.rdzv_backend, endpoint=spec.rdzv_endpoint, run_id=spec.rdzv_id,
+                                  min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                                  local_addr=spec.local_addr, **conf)
+    if no_python:
+        entrypoint, wargs = target, list(args)
+    else:
+        entrypoint = sys.executable
+        wargs = ["-u", "-m", "dtorch.elastic.bootstrap", *(["-m"] if module else []), target, *args]
+    handler = _GatedRendezvous(rdzv_registry.get_rendezvous_handler(params))
+    wspec = WorkerSpec(role="dtorch", local_world_size=spec.nproc_per_node, entrypoint=entrypoint,
+                       args=tuple(wargs), rdzv_handler=handler, max_restarts=spec.max_restarts,  # type: ignore[arg-type]
+                       monitor_interval=spec.monitor_interval, local_addr=spec.local_addr)
+    agent = _agent_class()(spec=wspec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
+                           start_method=spec.start_method, shutdown_timeout=spec.shutdown_timeout, dspec=spec)
+    handler.gate = agent.grow_gate
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        agent._maybe_report_recovery()
+        if result is None:  # the rendezvous was closed by another node: nothing left to do here
+            return 0
+        if result.is_failed():
+            ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(result.failures.items()))
+            print(f"dtorch: job failed after {spec.max_restarts} restarts: {ranks or 'unhealthy workers'}",
+                  file=sys.stderr, flush=True)
+            return 1
+        return 0
+    except SignalException as e:
+        shutdown_rdzv = False  # closing the rendezvous would stop the other nodes from carrying on
+        return 128 + int(e.sigval)
+    finally:
+        if shutdown_rdzv:
+            handler.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

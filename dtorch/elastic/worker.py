@@ -1,0 +1,173 @@
+"""What a worker started by `dtorch run` sees, and the hooks the training loop calls.
+
+    from dtorch.elastic import worker
+    w = worker.info()                # rank, world_size, epoch (membership epoch), run_dir, ...
+    for step in range(start, steps):
+        worker.beat(step)            # progress for the hang detector; also fires chaos faults
+        with worker.phase("allreduce", step):
+            ...                      # a hang in here is reported as "in phase 'allreduce'"
+        worker.step_done(step)       # the first one after a (re)start closes the recovery record
+    worker.checkpoint_committed(step)   # lets the agent grow the job at this boundary
+
+`setup()` runs once per process (the launcher's bootstrap calls it before the user script; every
+hook calls it lazily too, so `--no-python` scripts work): parent-death signal, faulthandler on
+SIGUSR1, heartbeat thread. Outside `dtorch run` (no DTORCH_RUN_DIR) every hook is a cheap no-op
+apart from `info()`, which then describes a single process (or torchrun's environment).
+
+Environment set by the launcher: DTORCH_RUN_DIR, DTORCH_EPOCH, DTORCH_AGENT_PID, DTORCH_CHAOS,
+DTORCH_HEARTBEAT_INTERVAL, plus torchelastic's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from dtorch.elastic import chaos, events, heartbeat
+
+_PR_SET_PDEATHSIG = 1
+_setup_done = False
+_first_step_logged = False
+_faulthandler_file = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """This worker's place in the job. `epoch` is the membership epoch: it changes whenever the
+    worker group is (re)started (a failure or a resize), and is equal on every rank of a group."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    epoch: int
+    restart_count: int
+    run_id: str
+    run_dir: str | None
+
+
+def info() -> WorkerInfo:
+    """This worker's rank, world size and membership epoch, from the launcher's environment."""
+    env = os.environ
+    return WorkerInfo(
+        rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size=int(env.get("WORLD_SIZE", "1")), local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+        node_rank=int(env.get("GROUP_RANK", "0")),
+        epoch=int(env.get("DTORCH_EPOCH", env.get("TORCHELASTIC_RESTART_COUNT", "0"))),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        run_id=env.get("TORCHELASTIC_RUN_ID", "local"), run_dir=env.get("DTORCH_RUN_DIR"))
+
+
+def _set_pdeathsig() -> None:
+    """Ask the kernel to SIGKILL us when our parent (the agent) dies, so no worker is orphaned
+    when its agent is killed with SIGKILL. Linux only; elsewhere the heartbeat thread's parent
+    check does the same job within one interval."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    agent = os.environ.get("DTORCH_AGENT_PID")
+    if agent is not None and os.getppid() != int(agent):
+        os._exit(70)  # the agent died between fork and prctl: the signal will never come
+
+
+def setup() -> None:
+    """Prepare this process as a DTorch worker (idempotent; no-op outside `dtorch run`)."""
+    global _setup_done, _faulthandler_file
+    if _setup_done:
+        return
+    _setup_done = True
+    run_dir = os.environ.get("DTORCH_RUN_DIR")
+    if not run_dir:
+        return
+    _set_pdeathsig()
+    w = info()
+    d = heartbeat.dump_dir(run_dir, w.epoch)
+    os.makedirs(d, exist_ok=True)
+    # faulthandler needs a file that stays open; it writes from the signal handler without the GIL,
+    # so the C-level view of every thread appears even when Python cannot run.
+    _faulthandler_file = open(os.path.join(d, f"rank{w.rank}.faulthandler.txt"), "a")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_faulthandler_file, all_threads=True, chain=False)
+    agent = os.environ.get("DTORCH_AGENT_PID")
+    heartbeat.start(run_dir, w.rank, w.epoch, float(os.environ.get("DTORCH_HEARTBEAT_INTERVAL", "0.5")),
+                    int(agent) if agent else None)
+    events.log("worker_started", rank=w.rank, epoch=w.epoch, world_size=w.world_size)
+
+
+def beat(step: int, phase: str = "step") -> None:
+    """Mark progress of the training loop at `step` (call at least once per step), then give the
+    chaos drill its chance to strike here."""
+    setup()
+    heartbeat.mark(step=step, phase=phase)
+    chaos.maybe_inject(step, phase)
+
+
+@contextlib.contextmanager
+def phase(name: str, step: int | None = None) -> Iterator[None]:
+    """Mark the training loop as inside `name` (e.g. "forward", "allreduce", "checkpoint").
+
+    Recovery phases ("replan", "load") are also timed into the event log. Chaos faults with
+    `phase=name` fire on entry."""
+    setup()
+    s = heartbeat.snapshot()["step"] if step is None else step
+    heartbeat.mark(step=s, phase=name)
+    chaos.maybe_inject(s, name)
+    if name in events.RECOVERY_PHASES:
+        with events.phase(name):
+            yield
+    else:
+        yield
+        heartbeat.mark(phase="step")
+
+
+def step_done(step: int, start_t: float | None = None) -> None:
+    """Report that `step` finished; the first call after a (re)start logs `first_step` with the
+    step's duration (from `start_t`, wall seconds, default: the last phase mark)."""
+    global _first_step_logged
+    setup()
+    heartbeat.mark(step=step, phase="step", step_done=True)
+    if not _first_step_logged:
+        _first_step_logged = True
+        t0 = start_t if start_t is not None else _step_start_t
+        events.log("first_step", step=step, start=t0, seconds=time.time() - t0)
+
+
+_step_start_t = time.time()
+
+
+def step_begin(step: int) -> None:
+    """Mark the start of `step` (sets the start time `step_done` measures from) and beat."""
+    global _step_start_t
+    _step_start_t = time.time()
+    beat(step, "forward")
+
+
+def checkpoint_committed(step: int) -> None:
+    """Report that the checkpoint of `step` is durable; the agent lets waiting nodes join the job
+    (grow) only at such a boundary, so growing loses no work."""
+    setup()
+    heartbeat.mark(committed_step=step)
+
+
+def set_collective_timeout(seconds: float, group: Any = None) -> None:
+    """Shorten (or lengthen) the timeout of the process group's collectives, e.g. after the first
+    step, so a dead or stopped peer fails a collective in seconds instead of 30 minutes (gloo's
+    default). Works for gloo and NCCL in torch 2.13 (`_set_pg_timeout`, which sets the backend's
+    default timeout: it applies to collectives issued after the call)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), group)
