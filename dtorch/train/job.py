@@ -1,0 +1,101 @@
+"""The main job: a small GPT trained on the default corpus of this machine, end to end.
+
+`dtorch train` launches this module on every worker (under the elastic agent), or runs it in
+process for a single worker. Each worker builds the same `Trainer`; rank 0 prints a sample of
+generated text at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Training flags shared by `dtorch train` and the worker entry point."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model preset or spec (gpt:..., llama:...); default: a 4-layer byte-level GPT")
+    p.add_argument("--steps", type=int, default=300, help="train until this global step (default 300)")
+    p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
+    p.add_argument("--checkpoint-dir", default="runs/train", help="checkpoints; the run resumes from here")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
+    p.add_argument("--plan", default="auto",
+                   help="auto | a plan JSON/YAML file | fixed fields like tp=2,ac=full (the rest is searched)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="a token file (uint16 .bin); default: the stdlib byte corpus")
+    p.add_argument("--sample-tokens", type=int, default=200, help="tokens of text to generate at the end")
+    p.add_argument("--no-progress", action="store_true", help="no console progress line")
+
+
+def parse_plan(text: str):
+    """'auto', a file path, or 'k=v,k=v' fixed fields (ints/bools/strings)."""
+    if text == "auto":
+        return "auto"
+    if "=" not in text:
+        return text
+    from dtorch.plan.search import parse_fixed
+
+    return parse_fixed(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dtorch.models import build_model
+    from dtorch.train.optim import AdamW, WarmupCosine
+    from dtorch.train.trainer import Trainer
+
+    data = None
+    if args.data:
+        from dtorch.train.data import TokenFile
+
+        data = TokenFile(args.data, args.seq_len)
+    trainer = Trainer(
+        model=lambda: build_model(args.model),
+        data=data,
+        optimizer=AdamW(lr=args.lr, weight_decay=0.0),
+        lr_schedule=WarmupCosine(warmup_steps=args.warmup),
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        plan=parse_plan(args.plan),
+        seed=args.seed,
+        console=not args.no_progress,
+    )
+    result = trainer.fit(steps=args.steps)
+    full = trainer.full_state_dict() if args.sample_tokens > 0 else None
+    if trainer.rank == 0:
+        summary = {"final_step": result.final_step, "steps_run": result.steps_run,
+                   "resumed_from": result.resumed_from, "plan": trainer.plan.describe(),
+                   "final_loss": result.losses.get(result.final_step), "wall_s": round(result.wall_s, 2)}
+        print("dtorch: " + json.dumps(summary), flush=True)
+        if full is not None:
+            from dtorch.train.data import ByteTokenizer
+            from dtorch.train.generate import generate
+
+            model = build_model(args.model)
+            model.load_state_dict(full)
+            tok = ByteTokenizer()
+            prompt = torch.tensor(tok.encode("def "), dtype=torch.long)
+            out = generate(model, prompt, args.sample_tokens, context=args.seq_len, seed=args.seed)
+            print("---- generated text ----\n" + tok.decode(out) + "\n------------------------", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dtorch.train.job")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
