@@ -1,0 +1,188 @@
+"""`dtorch plan`: rank parallelism plans for a model on a cluster and explain the choice.
+
+    dtorch plan --model llama3-70b --cluster h100:8x8 --seq-len 8192 --global-batch 512
+    dtorch plan ... --fix tp=8,pp=2,microbatch=1,ac=full      # what-if: pin fields, search the rest
+    dtorch plan ... --json --out plan.json                    # the Plan document with `predicted`
+    dtorch plan --model llama3-405b --recommend --device-type h100 --tokens 15T --deadline 60d
+
+Never imports torch for preset models and clusters (the planner is pure arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+
+from dtorch.errors import ConfigError
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
+_TIME = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_count(text: str, field: str = "tokens") -> float:
+    """``2e12``, ``2T``, ``500B``, ``1.5t`` -> a number."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([kmbgtp]?)\s*", str(text).lower())
+    if not m:
+        raise ConfigError(field, text, "give a number like 2e12, 2T or 500B")
+    try:
+        return float(m.group(1)) * _SUFFIX.get(m.group(2), 1.0)
+    except ValueError:
+        raise ConfigError(field, text, "give a number like 2e12, 2T or 500B") from None
+
+
+def parse_duration(text: str) -> float:
+    """``30d``, ``12h``, ``90min``, ``3600`` (seconds) -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(s|min|m|h|d|w)?\s*", str(text).lower())
+    if not m:
+        raise ConfigError("deadline", text, "give a duration like 30d, 12h, 90min or seconds")
+    return float(m.group(1)) * _TIME[m.group(2) or "s"]
+
+
+def add_parser(sub, help_text: str) -> None:
+    p = sub.add_parser("plan", help=help_text, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="preset (llama3-70b, gpt2-xl, ...), llama:/gpt: spec, factory or HF config")
+    p.add_argument("--cluster", default=None,
+                   help="preset shorthand (h100:8x8, h100:4x8+a100:2x8), cluster YAML/JSON, or 'detect' (default)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default: one per device)")
+    p.add_argument("--fix", default=None, help="pin plan fields, e.g. tp=8,pp=2,microbatch=1,ac=full")
+    p.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8"],
+                   help="compute dtype (float8: float8 linear layers)")
+    p.add_argument("--json", action="store_true", help="print the chosen Plan as JSON (with `predicted`)")
+    p.add_argument("--out", default=None, help="write the chosen Plan to this .json/.yaml file")
+    p.add_argument("--recommend", action="store_true", help="size a cluster: GPUs/nodes, plan, time to train")
+    p.add_argument("--device-type", default=None, help="--recommend: device preset (h100, a100, h200, b200, mi300x)")
+    p.add_argument("--tokens", default=None, help="--recommend: training budget in tokens (2e12, 2T)")
+    p.add_argument("--deadline", default=None, help="--recommend: wall-clock budget (30d, 12h)")
+    p.add_argument("--max-nodes", type=int, default=2048, help="--recommend: largest cluster to consider")
+    p.add_argument("--verify", action="store_true",
+                   help="dry-run the chosen plan at full world size on a fake process group and compare memory")
+    p.set_defaults(func=run)
+
+
+def _predicted(est) -> dict:
+    return {
+        "step_time_s": est.step_time_s,
+        "tokens_per_s": est.tokens_per_s,
+        "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
+        "mfu": est.mfu,
+        "memory_bytes_per_rank": est.memory_bytes_per_rank,
+        "memory_breakdown": dict(est.memory_breakdown),
+        "time_breakdown": dict(est.time_breakdown),
+        "memory_capacity": est.memory_capacity,
+        "fits": est.fits,
+    }
+
+
+def _verify(plan, args, cluster, est) -> tuple[object | None, str]:
+    """Call `dtorch.parallel.dryrun.verify` if the executor room provides it (imported lazily: it
+    needs torch). Returns (result, message)."""
+    try:
+        from dtorch.parallel.dryrun import verify
+    except ImportError as e:
+        return None, f"verify: not available yet ({e})"
+    kwargs = {"seq_len": args.seq_len, "cluster": cluster, "estimate": est, "profile": None}
+    try:
+        params = inspect.signature(verify).parameters
+        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and (accepts_any or k in params)}
+    except (TypeError, ValueError):
+        kwargs = {}
+    result = verify(plan, args.model, **kwargs)
+    return result, ""
+
+
+def _format_verify(result) -> str:
+    if result is None:
+        return ""
+    if hasattr(result, "format"):
+        try:
+            return str(result.format())
+        except TypeError:
+            pass
+    if hasattr(result, "to_dict"):
+        result = result.to_dict()
+    if isinstance(result, dict):
+        return "verify:\n" + "\n".join(f"  {k}: {v}" for k, v in result.items())
+    return f"verify: {result}"
+
+
+def _jsonable(result):
+    if result is None:
+        return None
+    if hasattr(result, "to_dict"):
+        return result.to_dict()
+    if isinstance(result, dict):
+        return result
+    return str(result)
+
+
+def run(args) -> int:
+    from dtorch.plan.profiles import get_profile
+
+    if args.seq_len is None or args.seq_len < 1:
+        raise ConfigError("seq-len", args.seq_len, "must be a positive integer")
+    if args.top < 1:
+        raise ConfigError("top", args.top, "must be a positive integer")
+    profile = get_profile(args.model, args.seq_len)
+
+    if args.recommend:
+        from dtorch.plan.recommend import format_recommendation, recommend
+
+        if not args.device_type:
+            raise ConfigError("device-type", None, "--recommend needs --device-type (h100, a100, h200, b200, mi300x)")
+        if args.tokens is None:
+            raise ConfigError("tokens", None, "--recommend needs --tokens (the training budget, e.g. 2T)")
+        rec = recommend(
+            profile, args.device_type, global_batch=args.global_batch or 1024,
+            tokens=parse_count(args.tokens), deadline_s=parse_duration(args.deadline) if args.deadline else None,
+            max_nodes=args.max_nodes, dtype=args.dtype,
+        )
+        if args.json:
+            print(json.dumps(rec.to_dict(), indent=2))
+        else:
+            print(format_recommendation(rec))
+        return 0 if rec.chosen else 1
+
+    from dtorch.cluster.load import load_cluster
+    from dtorch.plan.explain import explain
+    from dtorch.plan.search import parse_fix, search
+
+    cluster = load_cluster(args.cluster or "detect")
+    gb = args.global_batch or cluster.world_size
+    result = search(profile, cluster, global_batch=gb, fixed=parse_fix(args.fix), top_k=args.top, dtype=args.dtype)
+    if not result.ranked:
+        if args.json:
+            print(json.dumps({"error": "no plan fits in memory", "suggestions": result.suggestions,
+                              "rejected": result.rejected}, indent=2))
+        else:
+            print(explain(result))
+        return 1
+    plan, est = result.ranked[0]
+    plan.model = args.model
+    plan.cluster = args.cluster or cluster.name
+    plan.predicted = _predicted(est)
+    verify_result, verify_msg = (None, "")
+    if args.verify:
+        verify_result, verify_msg = _verify(plan, args, cluster, est)
+    if args.out:
+        plan.save(args.out)
+    if args.json:
+        doc = plan.to_dict()
+        if args.verify:
+            doc["verify"] = _jsonable(verify_result) if verify_result is not None else {"available": False,
+                                                                                       "message": verify_msg}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(explain(result))
+        if args.verify:
+            print()
+            print(verify_msg or _format_verify(verify_result))
+        if args.out:
+            print(f"\nplan written to {args.out}")
+    return 0

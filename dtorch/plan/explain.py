@@ -1,0 +1,100 @@
+"""Explain a search: the ranked table, the chosen plan's time and memory breakdown, one line per
+losing family (what made it slower, or why it does not fit), and when nothing fits, the smallest
+changes that would. Plain text (fast, greppable, the same in a log and a terminal)."""
+
+from __future__ import annotations
+
+from dtorch.plan.cost import Estimate
+from dtorch.plan.plan import Plan
+from dtorch.plan.search import SearchResult
+
+GiB = 2**30
+TIME_LABELS = {
+    "compute": "compute", "recompute": "recompute", "tp": "TP comm", "cp": "CP comm", "fsdp": "FSDP comm",
+    "dp": "DP all-reduce", "pp_p2p": "PP send/recv", "bubble": "PP bubble", "optimizer": "optimizer",
+    "offload": "CPU offload",
+}
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.1f}"
+
+
+def table(result: SearchResult) -> str:
+    """The ranked plans as an aligned text table."""
+    rows = [("#", "plan", "family", "step s", "tok/s/GPU", "MFU", "GiB/rank")]
+    for i, (plan, est) in enumerate(result.ranked, 1):
+        rows.append((str(i), plan.describe(), plan.family(), f"{est.step_time_s:.2f}",
+                     f"{est.tokens_per_s_per_gpu:,.0f}", f"{est.mfu:.1%}", _gib(est.memory_bytes_per_rank)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    right = {0, 3, 4, 5, 6}
+    lines = []
+    for j, r in enumerate(rows):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def time_breakdown(est: Estimate) -> str:
+    parts = [f"{TIME_LABELS[k]} {v:.2f} ({v / est.step_time_s:.0%})"
+             for k, v in sorted(est.time_breakdown.items(), key=lambda kv: -kv[1]) if v > 0.0005 * est.step_time_s]
+    return ", ".join(parts)
+
+
+def memory_breakdown(est: Estimate) -> str:
+    return ", ".join(f"{k} {_gib(v)}" for k, v in est.memory_breakdown.items() if v > 0)
+
+
+def why_slower(plan: Plan, est: Estimate, best: Estimate) -> str:
+    """What a slower plan spends more time on than the best one (the two largest differences)."""
+    diffs = sorted(((est.time_breakdown[k] - best.time_breakdown.get(k, 0.0), k) for k in est.time_breakdown),
+                   reverse=True)
+    parts = [f"+{d:.2f} s {TIME_LABELS[k]}" for d, k in diffs[:2] if d > 0.005 * best.step_time_s]
+    return ", ".join(parts) or "slightly more of everything"
+
+
+def explain(result: SearchResult, *, show_families: bool = True) -> str:
+    """The whole explanation as text (see module doc)."""
+    prof, cl = result.profile, result.cluster
+    tokens = result.global_batch * result.seq_len
+    out = [
+        f"{prof.name} ({prof.params_total / 1e9:.1f}B params) on {cl.describe()}",
+        f"seq_len {result.seq_len}, global batch {result.global_batch} ({tokens:,} tokens/step)"
+        + (f", fixed {', '.join(f'{k}={v}' for k, v in result.fixed.items())}" if result.fixed else ""),
+        f"searched {result.meshes} meshes ({result.meshes_pruned} pruned by bound), "
+        f"{result.evaluated:,} plans in {result.seconds:.2f} s",
+        "",
+    ]
+    if not result.ranked:
+        out.append("no plan fits in memory.")
+        for s in result.suggestions:
+            out.append(f"  - {s}")
+        if result.rejected:
+            out.append("")
+            out.append("families tried:")
+            for fam, why in result.rejected.items():
+                out.append(f"  {fam}: {why}")
+        return "\n".join(out)
+    out.append(table(result))
+    plan, est = result.ranked[0]
+    out += [
+        "",
+        f"chosen: {plan.family()}  {plan.describe()}",
+        f"  step {est.step_time_s:.2f} s, {est.tokens_per_s:,.0f} tokens/s ({est.tokens_per_s_per_gpu:,.0f} per GPU), "
+        f"MFU {est.mfu:.1%}",
+        f"  time: {time_breakdown(est)}",
+        f"  memory per rank {_gib(est.memory_bytes_per_rank)} of {_gib(est.memory_capacity)} GiB: {memory_breakdown(est)}",
+    ]
+    if show_families:
+        others = [(f, pe) for f, pe in result.best_by_family.items() if f != plan.family()]
+        if others or result.rejected:
+            out += ["", "why not the other families:"]
+        for fam, (p, e) in others:
+            slower = e.step_time_s / est.step_time_s - 1.0
+            out.append(f"  {fam:20s} {slower:+.0%} step time ({e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
+                       f"{p.describe()}): {why_slower(p, e, est)}")
+        for fam, why in result.rejected.items():
+            out.append(f"  {fam:20s} {why}")
+    return "\n".join(out)
