@@ -368,7 +368,10 @@ class CheckpointManager:
                         drop.pop(i)
                         break
         for _, p in drop:
-            shutil.rmtree(p)
+            # Rename first so that a crash mid-delete never leaves a half-deleted step-* directory.
+            trash = p.with_name(f"{p.name}.old-{secrets.token_hex(4)}")
+            os.rename(p, trash)
+            shutil.rmtree(trash, ignore_errors=True)
             log.info("checkpoint retention: removed %s", p)
         if drop:
             F.fsync_dir(self.root)
