@@ -34,7 +34,7 @@ def ensure_process_group(device: torch.device) -> None:
 _MESHES: dict[tuple, DeviceMesh] = {}
 
 
-def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
+def build_mesh(plan: Plan, device_type: str, *, cache: bool = True) -> DeviceMesh:
     """World mesh over the plan's enabled axes, with the flattened ``dp`` axis registered.
 
     Meshes are cached per (process group, shape) so that re-applying a plan (tests, a re-plan of
@@ -44,8 +44,8 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     if not names:  # one rank, or a plan that replicates nothing: a 1-D mesh over the world
         names = ("dp_replicate",)
     shape = tuple(getattr(plan, a) for a in names)
-    key = (id(dist.group.WORLD), device_type, names, shape)
-    if key not in _MESHES:
+    key = (id(dist.group.WORLD), dist.get_rank(), device_type, names, shape)
+    if not cache or key not in _MESHES:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if a in names)
         if len(dp_axes) == 2:

@@ -1,0 +1,51 @@
+"""Impossible plans are rejected with the field and the fix, before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from dtorch.errors import ConfigError
+from dtorch.models import build_model
+from dtorch.parallel import parallelize
+from dtorch.plan.plan import Plan
+from dtorch.train.losses import next_token
+
+
+def _factory():
+    return build_model("llama-tiny")  # 4 heads, 2 kv heads, 4 blocks
+
+
+@pytest.mark.parametrize(
+    ("plan", "seq_len", "field", "words"),
+    [
+        (Plan(tp=4), 16, "tp", "does not divide 2 key/value heads"),
+        (Plan(tp=3), 16, "tp", "use tp in {1, 2, 4}"),
+        (Plan(pp=4, schedule="1f1b", num_microbatches=2), 16, "num_microbatches", "schedule=gpipe"),
+        (Plan(pp=2, virtual_stages=4, schedule="interleaved_1f1b", num_microbatches=4), 16, "pp", "at most 4 stages"),
+        (Plan(pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=3), 16, "num_microbatches",
+         "multiple of 2"),
+        (Plan(tp=2, sp=True), 15, "seq_len", "multiple of 2"),
+        (Plan(tp=2, cp=2), 20, "seq_len", "tp*2*cp = 8"),
+        (Plan(cp=2), 16, "cp", "use cp=1"),
+        (Plan(pp=2, layer_partition=[1, 2], num_microbatches=2), 16, "layer_partition", "model has 4 blocks"),
+    ],
+)
+def test_invalid_plan_is_rejected_before_any_process_group(plan: Plan, seq_len: int, field: str, words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parallelize(_factory, plan, loss_fn=next_token, seq_len=seq_len)
+    assert err.value.field == field
+    assert words in str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_single_process_plan_runs_without_a_process_group() -> None:
+    import torch
+
+    pm = parallelize(_factory, Plan(num_microbatches=2), loss_fn=next_token, seed=3)
+    x = torch.randint(0, 256, (4, 16))
+    ref = build_model("llama-tiny")
+    ref.init_weights(3)
+    assert float(pm.forward_backward(x, x)) == pytest.approx(float(next_token(ref(x), x).detach()), rel=1e-6)
+    assert set(pm.state_dict_for_checkpoint()) == set(ref.state_dict())
+    assert not dist.is_initialized()
