@@ -302,8 +302,8 @@ def _last_collective(dump: str, rank: int) -> str | None:
     if not entries:
         return None
     e = entries[-1]
-    done = "completed" if e.get("retired") else f"not completed ({e.get('state')})"
-    return f"{e.get('profiling_name')} #{e.get('collective_seq_id')} {done}"
+    # gloo marks entries "scheduled" and retires them lazily: only the sequence number is reliable.
+    return f"{e.get('profiling_name')} #{e.get('collective_seq_id')}"
 
 
 COLLECTIVE_WORDS = ("allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather", "barrier",
@@ -347,7 +347,7 @@ def diagnose(hang: Hang, beats: dict[int, dict[str, Any]], pids: dict[int, int],
     line = (f"dtorch: HANG: rank {culprit} (pid {b.get('pid', pids.get(culprit))}, {what}) made no progress "
             f"for {now - b.get('progress_t', now):.1f} s at step {b.get('step')} in phase '{b.get('phase')}'")
     if coll:
-        line += f", last collective {coll}"
+        line += f", last collective issued {coll}"
     if others:
         line += "; " + "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} in {k}"
                                  for k, rs in others.items())

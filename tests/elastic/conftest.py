@@ -1,0 +1,85 @@
+"""Shared helpers for the elastic tests: launching `dtorch run` on the toy worker, and the check
+that no process of a test survives it (scan /proc for the test's marker in command lines)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOY = os.path.join(HERE, "toy_worker.py")
+CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
+
+
+def pids_with(marker: str) -> list[int]:
+    """Pids (other than ours) whose command line contains `marker`."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    out.append(int(d))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.fixture
+def marker():
+    """A unique string put on every command line of the test; after the test no process may carry it."""
+    m = f"dtorchtest-{uuid.uuid4().hex[:10]}"
+    yield m
+    deadline = time.time() + 10
+    left = pids_with(m)
+    while left and time.time() < deadline:
+        time.sleep(0.2)
+        left = pids_with(m)
+    for p in left:  # clean up before failing, so one failure does not poison the next tests
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left running after the test: {left}"
+
+
+def dtorch_run(out: str, marker: str, *flags: str, steps: int = 12, nproc: int = 4, step_sleep: float = 0.0,
+               timeout: float = 150, wait: bool = True):
+    """Run (or start, with wait=False) `dtorch run` on the toy worker writing into `out`."""
+    os.makedirs(out, exist_ok=True)
+    cmd = [*CLI, "--nproc-per-node", str(nproc), "--run-dir", os.path.join(out, "run"), *flags,
+           TOY, "--out", out, "--steps", str(steps), "--step-sleep", str(step_sleep), "--marker", marker]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(name="dtorch_run")
+def _dtorch_run_fixture():
+    """`dtorch_run(out, marker, *flags, ...)`: see `dtorch_run` in this file."""
+    return dtorch_run
+
+
+@pytest.fixture(name="pids_with")
+def _pids_with_fixture():
+    return pids_with
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory):
+    """Final weights of an uninterrupted 4-worker run of the toy (12 steps), shared by the tests."""
+    import torch
+
+    out = str(tmp_path_factory.mktemp("baseline"))
+    m = f"dtorchtest-{uuid.uuid4().hex[:10]}"
+    r = dtorch_run(out, m)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not pids_with(m)
+    return torch.load(os.path.join(out, "final.pt"), weights_only=True)
