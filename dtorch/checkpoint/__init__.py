@@ -11,13 +11,14 @@ from dtorch.checkpoint.manager import (
     SaveResult,
     VerifyReport,
 )
-from dtorch.checkpoint.state import RNGState
+from dtorch.checkpoint.state import ModelState, RNGState
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointWarning",
+    "ModelState",
     "RNGState",
     "SaveResult",
     "VerifyReport",

@@ -20,6 +20,7 @@ backend it needs even when training runs on NCCL.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -203,6 +204,10 @@ class CheckpointManager:
         local = {k: v.state_dict() for k, v in state.items() if is_rank_local(v)}
         plan_dict = plan.to_dict() if hasattr(plan, "to_dict") else plan
         meta = {"extra": dict(extra or {}), "plan": plan_dict}
+        try:
+            json.dumps(meta)  # it goes into the JSON manifest: refuse now, not after the write
+        except (TypeError, ValueError) as e:
+            raise ConfigError("extra", extra, f"extra and plan must be JSON-serialisable ({e})") from None
         path = self.root / F.step_dirname(step)
         if async_:
             staged = stage(materialize(dcp_state))

@@ -100,3 +100,30 @@ def stage(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(stage(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+class ModelState:
+    """A model and (optionally) its optimizer as one Stateful, through
+    `torch.distributed.checkpoint.state_dict` so that FSDP2/TP-sharded parameters and their
+    optimizer states are saved as DTensors (resharded on load) and optimizer state is keyed by
+    parameter name, not by position."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None:
+            set_model_state_dict(self.model, sd["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])

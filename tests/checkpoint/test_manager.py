@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dtorch.checkpoint import CheckpointError, CheckpointManager, CheckpointWarning, RNGState
 from dtorch.cli import main as cli_main
+from dtorch.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -183,3 +184,33 @@ def test_export_safetensors_and_cli(tmp_path, capsys):
     assert cli_main(["ckpt", "verify", str(tmp_path / "run")]) == 1
     assert ".metadata" in capsys.readouterr().out
     assert cli_main(["ckpt", "ls", str(tmp_path / "missing")]) == 2
+
+
+def test_optimizer_lr_schedule_and_sampler_round_trip_through_an_async_save(tmp_path):
+    from dtorch.checkpoint import ModelState
+    from dtorch.train.sampler import GlobalSampler
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    model, opt, sched = make()
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(3, {"train": ModelState(model, opt), "sched": sched, "sampler": GlobalSampler(100, 8, 1)}, async_=True)
+    mgr.wait()
+    model2, opt2, sched2 = make()
+    assert mgr.load_latest({"train": ModelState(model2, opt2), "sched": sched2, "sampler": GlobalSampler(100, 8, 1)}) == 3
+    assert sched2.state_dict() == sched.state_dict() and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg_sq"], opt.state_dict()["state"][0]["exp_avg_sq"])
+    with pytest.raises(Exception, match="sampler.seed"):
+        mgr.load_latest({"train": ModelState(model2, opt2), "sched": sched2, "sampler": GlobalSampler(100, 8, 2)})
+    with pytest.raises(ConfigError, match="JSON"):
+        mgr.save(4, {"sched": sched}, extra={"bad": object()})
