@@ -100,11 +100,20 @@ def _verify(plan, args, cluster, est) -> tuple[object | None, str]:
 def _format_verify(result) -> str:
     if result is None:
         return ""
-    if hasattr(result, "format"):
-        try:
-            return str(result.format())
-        except TypeError:
-            pass
+    if isinstance(result, dict) and "measured" in result:
+        gib = 2**30
+        meas = result["measured"].get("max", {})
+        est = result.get("estimated") or {}
+        lines = [f"verify (fake process group, world size {result.get('world_size')}, "
+                 f"{result.get('seconds', 0):.1f} s): model-state bytes on the fullest rank",
+                 f"  {'':10s} {'measured GiB':>13s} {'estimated GiB':>14s}"]
+        for key in ("params", "grads", "optimizer", "total"):
+            m, e = meas.get(key), est.get(key)
+            lines.append(f"  {key:10s} {m / gib if m is not None else float('nan'):13.2f} "
+                         f"{e / gib if e is not None else float('nan'):14.2f}")
+        if result.get("relative_error") is not None:
+            lines.append(f"  estimate vs measurement: {result['relative_error']:+.2%}")
+        return "\n".join(lines)
     if hasattr(result, "to_dict"):
         result = result.to_dict()
     if isinstance(result, dict):

@@ -19,12 +19,13 @@ from dtorch.cluster.load import load_cluster
 from dtorch.model.profile import ModelProfile
 from dtorch.plan.cost import DEFAULT_CONSTANTS, CostConstants, estimate
 from dtorch.plan.plan import Plan
-from dtorch.plan.profiles import analytic_profile
+from dtorch.plan.profiles import analytic_profile, get_profile
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, seq: int) -> ModelProfile:
-    return analytic_profile(name, "llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn,
-                            vocab=128256, seq_len=seq)
+    # the same profile `dtorch plan` uses for the llama presets (the model room's, when present)
+    spec = f"llama:layers={layers},hidden={hidden},heads={heads},kv_heads={kv},ffn={ffn},vocab=128256,seq={seq}"
+    return get_profile(spec, seq)
 
 
 def _megatron(name: str, layers: int, hidden: int, heads: int) -> ModelProfile:

@@ -105,10 +105,10 @@ class CostConstants:
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=64.0,
     gemm_rows_half=256.0,
-    device_efficiency=(("A100-SXM-80GB", 0.8112), ("H100-96GB-500W", 0.4746), ("H100-SXM-80GB", 0.6564)),
+    device_efficiency=(("A100-SXM-80GB", 0.8611), ("H100-96GB-500W", 0.4876), ("H100-SXM-80GB", 0.7148)),
     dp_exposed_floor=0.4,
     tp_exposed=0.5,
-    elementwise_passes=12.0,
+    elementwise_passes=16.0,
 )
 
 
@@ -247,7 +247,7 @@ def _states(plan: Plan, profile: ModelProfile) -> tuple[dict[str, int], float, f
     else:
         p_stage = max(first * block + profile.params_embedding / tp, last * block + profile.params_head / tp)
     shard = plan.dp_shard
-    grad_bytes = DTYPE_BYTES[plan.reduce_dtype]
+    grad_bytes = 4  # FSDP2/DDP keep gradients in the float32 master parameters' dtype (reduce_dtype is the wire)
     params = 0.0 if plan.offload == "params" else 4.0 * p_stage / shard
     grads = 0.0 if plan.offload == "params" else grad_bytes * p_stage / shard
     if plan.pp > 1 and shard > 1 and plan.num_microbatches > 1 and plan.offload != "params":

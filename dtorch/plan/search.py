@@ -442,8 +442,8 @@ def search(
     for fam, (plan, est) in sorted(least_mem.items()):
         if fam in best_family:
             continue
-        rejected[fam] = (f"does not fit: needs {est.memory_bytes_per_rank / GiB:.1f} GiB per rank at best "
-                         f"({plan.describe()}), {cap / GiB:.0f} GiB available")
+        rejected[fam] = (f"does not fit: its leanest plan tried needs {est.memory_bytes_per_rank / GiB:.1f} GiB "
+                         f"per rank ({plan.describe()}), {cap / GiB:.0f} GiB available")
     return SearchResult(
         ranked=[(p, e) for _, _, p, e in ranked],
         best_by_family=dict(sorted(best_family.items(), key=lambda kv: kv[1][1].step_time_s)),

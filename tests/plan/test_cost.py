@@ -1,0 +1,199 @@
+"""The cost model's formulas against hand-computed cases, and its properties."""
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtorch.cluster import load_cluster
+from dtorch.errors import ConfigError
+from dtorch.plan.cost import (
+    DEFAULT_CONSTANTS,
+    axis_layout,
+    collective_time,
+    estimate,
+    model_state_bytes,
+    shape_factor,
+    with_constants,
+)
+from dtorch.plan.plan import Plan
+from dtorch.plan.profiles import analytic_profile
+
+GB = 1e9
+
+
+def llama(layers=8, hidden=1024, heads=16, kv=4, ffn=4096, seq=2048, vocab=32000):
+    return analytic_profile("t", "llama", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn,
+                            vocab=vocab, seq_len=seq)
+
+
+H100 = load_cluster("h100:2x8").groups[0]
+
+
+def test_axis_layout_places_tp_inside_a_node_and_outer_axes_across():
+    assert axis_layout(1, 8, 8) == (8, 1)  # tp=8: one node
+    assert axis_layout(8, 4, 8) == (1, 4)  # next axis at stride 8: one rank per node
+    assert axis_layout(2, 8, 8) == (4, 2)  # stride 2, size 8: 4 ranks per node over 2 nodes
+
+
+def test_all_gather_inside_a_node_is_ring_alpha_beta():
+    bw = 450e9 * 0.8
+    expect = 1 * GB * 7 / 8 / bw + 7 * 2e-6
+    assert collective_time("all_gather", 1 * GB, 8, 1, H100) == pytest.approx(expect)
+
+
+def test_all_reduce_across_nodes_is_hierarchical():
+    bi, be = 450e9 * 0.8, 50e9 * 0.85
+    S = 4 * GB
+    intra = 2 * (S * 7 / 8 / bi + 7 * 2e-6)
+    inter = 2 * ((S / 8) * (1 / 2) / be + 1 * 5e-6)  # 2 nodes, each GPU's NIC carries 1/8 of S
+    assert collective_time("all_reduce", S, 16, 1, H100) == pytest.approx(intra + inter)
+    # the same array over ranks one per node uses only the NICs
+    flat = 2 * (S * 1 / 2 / be + 5e-6)
+    assert collective_time("all_reduce", S, 2, 8, H100) == pytest.approx(flat)
+
+
+def test_compute_time_is_flops_over_peak_times_efficiency():
+    prof = llama()
+    cl = load_cluster("h100:1")
+    c = with_constants(elementwise_passes=0.0)
+    plan = Plan(microbatch_size=2, num_microbatches=3)
+    est = estimate(plan, prof, cl, constants=c)
+    eff = 0.7148 * shape_factor(prof.hidden, 2 * prof.seq_len, c)
+    flops = 2 * 3 * prof.seq_len * prof.flops_per_token  # tokens per step x FLOPs per token
+    assert est.time_breakdown["compute"] == pytest.approx(flops / (989e12 * eff))
+    assert est.efficiency == pytest.approx(eff)
+    # MFU counts model FLOPs (no recompute) over the bf16 peak
+    assert est.mfu == pytest.approx(est.tokens_per_s * prof.flops_per_token / 989e12)
+
+
+def test_full_recompute_adds_a_third_of_block_compute():
+    prof = llama()
+    cl = load_cluster("h100:1")
+    c = with_constants(elementwise_passes=0.0)
+    base = estimate(Plan(), prof, cl, constants=c)
+    full = estimate(Plan(ac="full"), prof, cl, constants=c)
+    blocks = prof.num_layers * prof.flops_per_token_block / prof.flops_per_token
+    assert full.time_breakdown["recompute"] == pytest.approx(base.time_breakdown["compute"] * blocks / 3)
+
+
+def test_model_state_memory_follows_zero_formulas():
+    prof = llama()
+    psi = prof.params_total
+    ddp = model_state_bytes(Plan(dp_replicate=8), prof)
+    fsdp = model_state_bytes(Plan(dp_shard=8), prof)
+    off = model_state_bytes(Plan(dp_shard=8, offload="optimizer"), prof)
+    assert sum(ddp.values()) == pytest.approx(16 * psi, rel=1e-6)  # 4 + 4 + 8 bytes/param
+    assert sum(fsdp.values()) == pytest.approx(16 * psi / 8, rel=1e-6)  # ZeRO-3: 16 psi / N
+    assert off["optimizer"] == 0 and sum(off.values()) == pytest.approx(8 * psi / 8, rel=1e-6)
+    assert sum(model_state_bytes(Plan(dp_shard=8, offload="params"), prof).values()) == 0
+
+
+def test_pipeline_bubble_matches_the_1f1b_share_and_interleaving_divides_it():
+    prof = llama(layers=8)
+    cl = load_cluster("h100:4")
+    c = with_constants(pp_p2p_exposed=0.0)
+    p, m = 4, 8
+    one = estimate(Plan(pp=4, num_microbatches=m, schedule="1f1b"), prof, cl, constants=c)
+    busy = sum(one.time_breakdown[k] for k in ("compute", "recompute", "tp", "cp"))
+    share = one.time_breakdown["bubble"] / (busy + one.time_breakdown["bubble"])
+    assert share == pytest.approx((p - 1) / (m + p - 1))
+    inter = estimate(Plan(pp=4, num_microbatches=m, schedule="interleaved_1f1b", virtual_stages=2), prof, cl,
+                     constants=c)
+    assert inter.time_breakdown["bubble"] == pytest.approx(one.time_breakdown["bubble"] / 2)
+    gpipe = estimate(Plan(pp=4, num_microbatches=m, schedule="gpipe"), prof, cl, constants=c)
+    assert gpipe.time_breakdown["bubble"] == pytest.approx(one.time_breakdown["bubble"])
+
+
+def test_gpipe_keeps_all_microbatches_in_flight_1f1b_only_p():
+    prof = llama(layers=8, vocab=256)  # a small head: the first stage holds the most
+    cl = load_cluster("h100:4")
+    p, m = 4, 16
+    one = estimate(Plan(pp=p, num_microbatches=m, schedule="1f1b"), prof, cl)
+    gp = estimate(Plan(pp=p, num_microbatches=m, schedule="gpipe"), prof, cl)
+    per_mb = one.memory_breakdown["activations"] / p
+    assert gp.memory_breakdown["activations"] == pytest.approx(per_mb * m, rel=1e-6)
+
+
+def test_full_checkpointing_keeps_the_block_input_plus_one_block():
+    prof = llama(layers=8)
+    cl = load_cluster("h100:1")
+    est = estimate(Plan(ac="full", microbatch_size=2), prof, cl)
+    tokens = 2 * prof.seq_len
+    expect = (2 * prof.hidden * tokens * prof.num_layers  # Korthikanti: 2 s b h per block
+              + prof.act_bytes_per_token_block["none"] * tokens  # the block being recomputed
+              + prof.act_bytes_per_token_head * tokens)
+    assert est.memory_breakdown["activations"] == pytest.approx(expect, rel=1e-6)
+
+
+def test_sequence_parallel_divides_activations_by_tp():
+    prof = llama(layers=8)
+    cl = load_cluster("h100:4")
+    sp = estimate(Plan(tp=4, sp=True), prof, cl)
+    single = estimate(Plan(), prof, load_cluster("h100:1"))
+    blocks = prof.act_bytes_per_token_block["none"] * prof.seq_len * prof.num_layers
+    assert sp.memory_breakdown["activations"] == pytest.approx(
+        (single.memory_breakdown["activations"] - blocks) / 4 + blocks / 4, rel=1e-6)
+
+
+def test_tp_traffic_is_eight_activation_collectives_per_block():
+    prof = llama(layers=8)
+    cl = load_cluster("h100:1x4")
+    est = estimate(Plan(tp=4, sp=True), prof, cl)
+    act = prof.seq_len * prof.hidden * 2
+    ag = collective_time("all_gather", act, 4, 1, cl.groups[0])
+    assert est.time_breakdown["tp"] == pytest.approx(8 * prof.num_layers * ag * DEFAULT_CONSTANTS.tp_exposed)
+
+
+def test_degrees_must_match_the_cluster():
+    with pytest.raises(ConfigError) as err:
+        estimate(Plan(dp_shard=4), llama(), load_cluster("h100:8"))
+    assert err.value.field == "degrees"
+
+
+# ---- properties -----------------------------------------------------------------------------------
+profiles = st.builds(
+    lambda layers, width, heads_pow, kv_div, vocab: analytic_profile(
+        "p", "llama", layers=layers, hidden=width * 2**heads_pow, heads=2**heads_pow,
+        kv_heads=max(1, 2**heads_pow // kv_div), vocab=vocab, seq_len=1024),
+    st.integers(2, 64), st.sampled_from([64, 128]), st.integers(1, 6), st.sampled_from([1, 2, 4]),
+    st.integers(1000, 200000),
+)
+plans = st.builds(
+    Plan,
+    dp_replicate=st.sampled_from([1, 2, 4]), dp_shard=st.sampled_from([1, 2, 4, 8]), tp=st.sampled_from([1, 2]),
+    pp=st.sampled_from([1, 2]), offload=st.sampled_from(["none", "optimizer", "params"]),
+    num_microbatches=st.sampled_from([2, 4]),
+)
+
+
+def _states(plan, prof):
+    return sum(model_state_bytes(plan, prof).values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(prof=profiles, plan=plans)
+def test_more_sharding_never_increases_model_state_memory(prof, plan):
+    base = _states(plan, prof)
+    assert _states(dataclasses.replace(plan, dp_shard=plan.dp_shard * 2), prof) <= base
+    if prof.num_heads % (plan.tp * 2) == 0 and prof.num_kv_heads % (plan.tp * 2) == 0:
+        assert _states(dataclasses.replace(plan, tp=plan.tp * 2), prof) <= base
+    if plan.dp_shard == 1 and plan.pp * 2 <= prof.num_layers:
+        assert _states(dataclasses.replace(plan, pp=plan.pp * 2), prof) <= base
+    order = ["none", "optimizer", "params"]
+    for stronger in order[order.index(plan.offload) + 1:]:
+        assert _states(dataclasses.replace(plan, offload=stronger), prof) <= base
+
+
+@settings(max_examples=100, deadline=None)
+@given(prof=profiles, plan=plans)
+def test_estimates_are_finite_and_positive(prof, plan):
+    if plan.pp > prof.num_layers:
+        return
+    cl = load_cluster(f"h100:{plan.world_size}x1")
+    est = estimate(plan, prof, cl)
+    assert math.isfinite(est.step_time_s) and est.step_time_s > 0
+    assert all(v >= 0 for v in est.time_breakdown.values())
+    assert est.memory_bytes_per_rank == pytest.approx(sum(est.memory_breakdown.values()), abs=16)
