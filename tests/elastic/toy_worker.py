@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dtorch.elastic import worker
+from dtorch.monitor.straggler import StragglerDetector, gather_compute_times
 
 GLOBAL_BATCH = 8
 
@@ -48,6 +49,7 @@ def main() -> None:
             model.load_state_dict(st["model"])
             opt.load_state_dict(st["opt"])
             start = st["step"] + 1
+    detector = StragglerDetector(w.world_size)
     for step in range(start, a.steps):
         t0 = time.time()
         worker.step_begin(step)
@@ -56,6 +58,10 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(xs), ys)
         opt.zero_grad()
         loss.backward()
+        with worker.phase("allgather_times", step):
+            report = detector.update(gather_compute_times(time.time() - t0))
+        if w.rank == 0 and report.new:
+            print(report.warning(), flush=True)
         with worker.phase("allreduce", step):
             flat = torch.cat([q.grad.reshape(-1) for q in model.parameters()])
             dist.all_reduce(flat)
