@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dtorch.checkpoint import files as F
-from dtorch.checkpoint.state import is_rank_local, is_stateful, materialize, stage
+from dtorch.checkpoint.state import Stager, is_rank_local, is_stateful, materialize, stage
 from dtorch.errors import ConfigError
 
 log = logging.getLogger("dtorch.checkpoint")
@@ -153,6 +153,7 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-ckpt")
         self._pending: tuple[Future, SaveResult] | None = None
+        self._stager = Stager()
         self._lock = threading.Lock()
         self.loaded: CheckpointInfo | None = None
         """The checkpoint the last successful `load_latest`/`load` restored (its extra, plan)."""
@@ -210,7 +211,7 @@ class CheckpointManager:
             raise ConfigError("extra", extra, f"extra and plan must be JSON-serialisable ({e})") from None
         path = self.root / F.step_dirname(step)
         if async_:
-            staged = stage(materialize(dcp_state))
+            staged = self._stager.stage(materialize(dcp_state))
             local = stage(local)
             result = SaveResult(step=int(step), path=path, stall_s=time.perf_counter() - t0, async_=True)
             fut = self._executor.submit(self._write_and_commit, int(step), staged, local, meta, t0, result)
@@ -526,11 +527,12 @@ class CheckpointManager:
         return export_safetensors(src, Path(path), keys=keys)
 
     def close(self) -> None:
-        """Join any pending save and stop the background thread."""
+        """Join any pending save, stop the background thread and free the staging buffers."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self._stager.clear()
 
 
 _SAVE_FIX = "the previous checkpoints are untouched; check free disk space and permissions, then save again"

@@ -91,15 +91,55 @@ def stage(obj: Any) -> Any:
     """A copy of a state tree that training can no longer change: every tensor (DTensor
     included, which keeps its mesh and placements) is copied to CPU memory, other leaves are
     deep-copied. This copy is the blocking part of an async save."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: stage(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [stage(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(stage(v) for v in obj)
-    return copy.deepcopy(obj)
+    return Stager().stage(obj)
+
+
+class Stager:
+    """`stage` with CPU buffers kept between saves (the next save copies into them).
+
+    Fresh multi-hundred-MB allocations cost page faults and zeroing on every save; reusing the
+    buffers leaves only the memory copy in the training stall. Buffers are reused only when the
+    name, shape, dtype and (for DTensors) placements match; reuse is safe because the manager
+    joins the previous save before staging the next.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    @torch.no_grad()
+    def stage(self, obj: Any, path: str = "") -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, path)
+        if isinstance(obj, dict):
+            return {k: self.stage(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self.stage(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(self.stage(v, f"{path}/{i}") for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def _tensor(self, t: torch.Tensor, path: str) -> torch.Tensor:
+        t = t.detach()
+        local = getattr(t, "_local_tensor", None)  # a DTensor: copy its shard, keep its spec
+        old = self._cache.get(path)
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+            if local is None and type(old) is torch.Tensor and type(t) is torch.Tensor:
+                old.copy_(t)
+                return old
+            if (
+                local is not None
+                and getattr(old, "placements", None) == t.placements
+                and old.device_mesh == t.device_mesh
+                and old._local_tensor.shape == local.shape
+            ):
+                old._local_tensor.copy_(local)
+                return old
+        new = t.to("cpu", copy=True)
+        self._cache[path] = new
+        return new
+
+    def clear(self) -> None:
+        self._cache.clear()
 
 
 class ModelState:
