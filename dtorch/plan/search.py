@@ -305,15 +305,15 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     tokens = local * s
     t = tokens * flops / (m.tp * m.cp) / (peak * eff)
     a_none = profile.act_bytes_per_token_block.get("none", 34.0 * profile.hidden)
-    t += c.elementwise_passes * c.compile_elementwise_factor * tokens * blocks * a_none / (m.tp * m.cp) \
-        / group.device.memory_bandwidth
+    # the search estimates eager (uncompiled) runs, so the element-wise passes count in full
+    t += c.elementwise_passes * tokens * blocks * a_none / (m.tp * m.cp) / group.device.memory_bandwidth
     if m.tp > 1:
         nmb = local // (mbs or local)
         act = (mbs or local) * s / m.cp * profile.hidden * 2
         t += nmb * blocks * 8 * collective_time("all_gather", act, m.tp, 1, group) * c.tp_exposed * 0.5
     if m.pp > 1:
         nmb_max = local // mbs if mbs else local
-        t *= 1.0 + (m.pp - 1) / (3.0 * 4 * nmb_max)
+        t *= 1.0 + (m.pp - 1) / (3.0 * 2 * nmb_max)  # zero-bubble with 2 virtual stages leaves the least
     # data-parallel traffic is never less exposed than the contention floor
     p_stage = profile.params_total / (m.tp * m.pp)
     if m.dp_shard > 1:
@@ -378,10 +378,16 @@ def search(
     def kth() -> float:
         return ranked[top_k - 1][0] if len(ranked) >= top_k else math.inf
 
+    seen: dict[tuple, Estimate] = {}
+
     def consider(plan: Plan) -> Estimate:
         nonlocal evaluated, counter
+        key = (plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,
+               plan.schedule, plan.virtual_stages, plan.ac, plan.offload, plan.reshard_after_forward)
+        if key in seen:
+            return seen[key]
         evaluated += 1
-        est = estimate(plan, profile, cluster, dtype, constants=constants)
+        est = seen[key] = estimate(plan, profile, cluster, dtype, constants=constants)
         fam = plan.family()
         if est.fits:
             counter += 1
@@ -411,14 +417,28 @@ def search(
         mbss = [fixed["microbatch_size"]] if "microbatch_size" in fixed else _divisors(local)
         mbss = [b for b in sorted(mbss, reverse=True) if local % b == 0]
         offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOAD_POLICIES)
+        if mesh.dp_shard == 1 and "offload" not in fixed:
+            offloads.remove("params")  # CPU offload of parameters is an FSDP feature
+
         for offload in offloads:
             fitted = False
+            # a whole offload level is skipped when even its leanest plan (smallest micro-batch, full
+            # checkpointing, resharding) does not fit
+            if offload == "params" and mesh.dp_shard == 1:
+                continue
+            lean = _leanest(mesh, local, offload, mbss[-1], L, fixed, param_dtype, profile, global_batch) if mbss else None
+            if lean is None or not consider(lean).fits:
+                continue
             for mbs in mbss:
                 nmb = local // mbs
                 if "num_microbatches" in fixed and fixed["num_microbatches"] != nmb:
                     continue
                 if not worth(_bound(mesh, mbs, profile, group, global_batch, dtype, constants), fam):
                     continue
+                if mbs != mbss[-1]:
+                    lean = _leanest(mesh, local, offload, mbs, L, fixed, param_dtype, profile, global_batch)
+                    if lean is None or not consider(lean).fits:
+                        continue  # activations grow with the micro-batch: try a smaller one
                 for sched, v in _schedules(mesh.pp, nmb, L, fixed):
                     base = Plan(
                         pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
@@ -459,6 +479,24 @@ def search(
         meshes_pruned=pruned,
         seconds=time.perf_counter() - t0,
         closest=closest,
+    )
+
+
+def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dict[str, Any], param_dtype: str,
+             profile: ModelProfile, global_batch: int) -> Plan | None:
+    """The plan of this mesh, offload level and micro-batch size that needs the least memory: full
+    checkpointing (unless ac is fixed), resharding, the schedule with the fewest micro-batches in flight."""
+    nmb = local // mbs
+    sched = _schedules(mesh.pp, nmb, L, fixed)
+    if not sched:
+        return None
+    return Plan(
+        pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
+        sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs, num_microbatches=nmb,
+        schedule=sched[0][0], virtual_stages=sched[0][1], offload=offload,
+        ac=fixed.get("ac", "full"),
+        reshard_after_forward=fixed.get("reshard_after_forward", True) if mesh.dp_shard > 1 else False,
+        param_dtype=param_dtype, reduce_dtype="float32", seq_len=profile.seq_len, global_batch=global_batch,
     )
 
 
