@@ -39,9 +39,9 @@ def parse_plan(text: str):
         return "auto"
     if "=" not in text:
         return text
-    from dtorch.plan.search import parse_fixed
+    from dtorch.plan.search import parse_fix
 
-    return parse_fixed(text)
+    return parse_fix(text)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ Resuming is automatic: the same command picks up from `checkpoint_dir`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -160,7 +161,7 @@ class Trainer:
             plan = Plan.load(req)
         else:
             fixed = dict(req) if isinstance(req, dict) else {}
-            plan = self._search(world, fixed)
+            plan = (self._checkpointed_plan(world) if not fixed else None) or self._search(world, fixed)
         if plan.global_batch is None:
             # A hand-written plan may leave micro-batching open: fill it from the global batch.
             local, rem = divmod(self.global_batch, plan.dp)
@@ -190,13 +191,34 @@ class Trainer:
         if result.best is None:
             raise ConfigError("plan", "auto", "no plan fits this model on this machine: "
                               + "; ".join(result.suggestions or ["use a smaller model or more devices"]))
-        return result.best
+        plan, estimate = result.best
+        plan.predicted = estimate.to_dict()
+        return plan
+
+    def _checkpointed_plan(self, world: int) -> Plan | None:
+        """The plan of the newest checkpoint when it was made for this world size and batch: an
+        "auto" run that resumes on the same machines keeps its plan, so the continuation is
+        bit-identical even if the planner's calibration moved in between."""
+        if self.ckpt is None:
+            return None
+        for info in self.ckpt.list():
+            if info.manifest_ok and info.plan:
+                old = Plan.from_dict(info.plan)
+                if old.world_size == world and old.global_batch == self.global_batch:
+                    return old
+                return None
+        return None
 
     def _setup(self, total_steps: int) -> None:
         from dtorch.monitor.metrics import MetricsLogger
         from dtorch.parallel import parallelize
 
         self.rank, self.world, self.device = self._join()
+        self.ckpt = None
+        if self.checkpoint_dir is not None:
+            from dtorch.checkpoint import CheckpointManager
+
+            self.ckpt = CheckpointManager(self.checkpoint_dir, keep_last=self.keep_last)
         self.plan = self._choose_plan(self.world, self.rank)
         self.metrics = MetricsLogger(self.log_dir, rank=self.rank, total_steps=total_steps, console=self.console)
         pred = self.plan.predicted or {}
@@ -221,11 +243,6 @@ class Trainer:
 
         self.sampler = GlobalSampler(len(self.dataset), self.global_batch, seed=self.seed)
         self.train_state = TrainState()
-        self.ckpt = None
-        if self.checkpoint_dir is not None:
-            from dtorch.checkpoint import CheckpointManager
-
-            self.ckpt = CheckpointManager(self.checkpoint_dir, keep_last=self.keep_last)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything a resumed run needs; tensors reshard on load (DCP)."""
@@ -286,12 +303,19 @@ class Trainer:
         peak = self._device_peak() or measured_gemm_peak(self.device)
         flops_per_token = self._flops_per_token()
         result = FitResult(0, self.step, resumed, plan=self.plan)
+        samples_log = None
+        if os.environ.get("DTORCH_RECORD_SAMPLES") and self.log_dir is not None:
+            # Audit trail of the data order: which sample indices each rank consumed at each step.
+            samples_log = open(self.log_dir / f"samples-rank{self.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
         hooks.started(self)
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
                 hooks.before_step(self.step + 1)
                 idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size)
+                if samples_log is not None:
+                    samples_log.write(json.dumps({"step": self.step + 1, "dp_rank": self.parallel.dp_rank,
+                                                  "indices": idx}) + "\n")
                 inputs, labels = batch_for(self.dataset, idx)
                 with hooks.phase("forward_backward"):
                     loss = self.parallel.forward_backward(inputs, labels)
@@ -325,6 +349,8 @@ class Trainer:
         finally:
             if self.ckpt is not None:
                 self.ckpt.wait(raise_on_error=False)
+            if samples_log is not None:
+                samples_log.close()
             self.metrics.close()
         result.final_step = self.step
         result.wall_s = time.perf_counter() - t_start

@@ -1,0 +1,5 @@
+import sys
+
+from dtorch.cli import main
+
+sys.exit(main())

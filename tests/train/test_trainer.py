@@ -1,0 +1,169 @@
+"""The trainer end to end: real `dtorch train` jobs (elastic agent, gloo workers, real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtorch.errors import ConfigError
+from dtorch.plan.plan import Plan
+
+MODEL = "gpt-tiny"
+COMMON = ["--model", MODEL, "--seq-len", "32", "--global-batch", "8", "--lr", "3e-3", "--warmup", "3",
+          "--sample-tokens", "0", "--no-progress"]
+
+
+def _train_cmd(ckpt: Path, steps: int, nproc: int, plan: str = "auto", every: int = 3) -> list[str]:
+    return [sys.executable, "-m", "dtorch.cli", "train", *COMMON, "--nproc", str(nproc), "--steps", str(steps),
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every), "--plan", plan]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "DTORCH_RECORD_SAMPLES": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    """Per-step loss; a step re-run after a resume overwrites the record of the killed attempt."""
+    out: dict[int, float] = {}
+    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "step" in rec and "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _global_samples(log_dir: Path) -> dict[int, list[int]]:
+    """Global sample order per step, reassembled from every rank's audit log (dp ranks in order)."""
+    per_step: dict[int, dict[int, list[int]]] = {}
+    for f in log_dir.glob("samples-rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            per_step.setdefault(rec["step"], {})[rec["dp_rank"]] = rec["indices"]
+    return {s: [i for r in sorted(d) for i in d[r]] for s, d in per_step.items()}
+
+
+def _summary(out: subprocess.CompletedProcess) -> dict:
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("dtorch: {"))
+    return json.loads(line.removeprefix("dtorch: "))
+
+
+def _leftovers(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append(f"{pid}: {cmd[:120]}")
+    return found
+
+
+@pytest.mark.slow
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
+    steps = 10
+    ref = tmp_path / "reference"
+    _run(_train_cmd(ref, steps, nproc=2))
+    reference = _losses(ref)
+    assert sorted(reference) == list(range(1, steps + 1))
+
+    run = tmp_path / "killed"
+    kill_at = random.Random(os.getpid()).randint(4, 8)
+    proc = subprocess.Popen(_train_cmd(run, steps, nproc=2), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= kill_at:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job: agent and workers
+    proc.wait()
+    time.sleep(0.5)
+    assert _leftovers(str(run)) == []
+    done_before = max(_losses(run))
+    assert done_before < steps
+
+    out = _run(_train_cmd(run, steps, nproc=2))
+    assert 0 < _summary(out)["resumed_from"] <= done_before
+    resumed = _losses(run)
+    # bit-identical: the same float, not just close
+    assert resumed == reference, f"killed at step {done_before}: {resumed} != {reference}"
+    assert _global_samples(run) == _global_samples(ref)
+    assert _leftovers(str(run)) == []
+
+
+@pytest.mark.slow
+def test_resume_at_other_world_size_keeps_sample_order_and_loss(tmp_path):
+    ref = tmp_path / "w4"
+    # FSDP x TP at world size 4; checkpoints at 10 and 20
+    _run(_train_cmd(ref, 20, nproc=4, plan="dp_shard=2,tp=2", every=10))
+    reference = _losses(ref)
+    ref_samples = _global_samples(ref)
+    assert sorted(reference) == list(range(1, 21))
+
+    for nproc, plan in ((2, "dp_shard=2"), (1, "auto")):
+        run = tmp_path / f"w{nproc}"
+        shutil.copytree(ref, run, ignore=shutil.ignore_patterns("step-00000020*", "metrics.jsonl", "samples-*"))
+        (run / "LATEST").write_text("step-00000010")
+        out = _run(_train_cmd(run, 20, nproc=nproc, plan=plan, every=10))
+        assert _summary(out)["resumed_from"] == 10
+        losses = _losses(run)
+        assert sorted(losses) == list(range(11, 21))
+        for step, loss in losses.items():
+            assert abs(loss - reference[step]) <= 0.01 * abs(reference[step]), (nproc, step, loss, reference[step])
+        samples = _global_samples(run)
+        assert samples == {s: ref_samples[s] for s in range(11, 21)}, f"world {nproc}: sample order changed"
+
+
+def test_single_process_resume_is_bit_identical(tmp_path):
+    from dtorch.models import build_model
+    from dtorch.train import Trainer
+
+    def fit(ckpt: Path, steps: int) -> dict[int, float]:
+        trainer = Trainer(model=lambda: build_model(MODEL), global_batch=4, seq_len=16, checkpoint_dir=ckpt,
+                          checkpoint_every=2, plan=Plan(), console=False)
+        return trainer.fit(steps=steps).losses
+
+    straight = fit(tmp_path / "a", 6)
+    first = fit(tmp_path / "b", 3)
+    rest = fit(tmp_path / "b", 6)
+    assert {**first, **rest} == straight
+    assert sorted(rest) == [4, 5, 6]
+
+
+def test_plan_that_disagrees_with_global_batch_is_rejected_before_training(tmp_path):
+    from dtorch.models import build_model
+    from dtorch.train import Trainer
+
+    trainer = Trainer(model=lambda: build_model(MODEL), global_batch=6, seq_len=16, checkpoint_dir=tmp_path,
+                      plan=Plan(microbatch_size=4, num_microbatches=1, global_batch=4), console=False)
+    with pytest.raises(ConfigError, match="global_batch"):
+        trainer.fit(steps=2)
+    assert not list(tmp_path.glob("step-*"))
+
+
+def test_bad_trainer_arguments_name_the_field():
+    from dtorch.train import Trainer
+
+    with pytest.raises(ConfigError, match="global_batch"):
+        Trainer(model=lambda: None, global_batch=0)
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        Trainer(model=lambda: None, checkpoint_every=0)
