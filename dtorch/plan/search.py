@@ -208,6 +208,10 @@ def check(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
                           "use a cp whose 2*cp*tp divides the sequence length")
     if plan.tp > 1 and plan.sp and seq % plan.tp:
         raise ConfigError("sp", plan.sp, f"sequence parallelism needs seq_len {seq} divisible by tp={plan.tp}")
+    if plan.pp > 1 and plan.schedule in ("interleaved_1f1b", "zero_bubble") and plan.num_microbatches % plan.pp:
+        raise ConfigError("num_microbatches", plan.num_microbatches,
+                          f"schedule {plan.schedule} runs micro-batches in rounds of pp={plan.pp}; "
+                          f"use a multiple of {plan.pp}")
     if plan.layer_partition is not None and sum(plan.layer_partition) != L:
         raise ConfigError("layer_partition", plan.layer_partition,
                           f"sums to {sum(plan.layer_partition)} but the model has {L} blocks")
@@ -520,8 +524,8 @@ def _schedules(pp: int, nmb: int, L: int, fixed: dict[str, Any]) -> list[tuple[s
                 continue
             if sched == "interleaved_1f1b" and (v == 1 or nmb % pp):
                 continue
-            if sched == "zero_bubble" and v > 2:
-                continue
+            if sched == "zero_bubble" and (v > 2 or nmb % pp):
+                continue  # torch's interleaved zero-bubble schedule runs micro-batches in rounds of pp
             out.append((sched, v))
     return out
 

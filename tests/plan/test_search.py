@@ -87,6 +87,7 @@ def test_context_parallel_needs_a_divisible_sequence():
         (Plan(dp_shard=32), "degrees"),
         (Plan(cp=16, dp_shard=4, microbatch_size=1), "cp"),  # seq 1000 is not divisible by 2*cp = 32
         (Plan(pp=8, virtual_stages=8, schedule="interleaved_1f1b", num_microbatches=8, dp_shard=8), "virtual_stages"),
+        (Plan(pp=4, schedule="zero_bubble", num_microbatches=6, dp_shard=16), "num_microbatches"),
     ],
 )
 def test_check_rejects_invalid_combinations(plan, field):
