@@ -1,11 +1,13 @@
 """Context parallelism: rejected with a reason (torch 2.13, this executor).
 
-`torch.distributed.tensor.experimental.context_parallel` shards the sequence inside
-scaled_dot_product_attention by ring attention. In torch 2.13 its ring kernels dispatch only the
-flash / efficient / cuDNN SDPA ops, which exist on CUDA: on CPU SDPA takes the math path, which
-the context-parallel dispatcher does not handle, so gloo runs cannot test it; and it requires
-every buffer indexed by position (RoPE tables) to be sharded the same way, which the reference
-models do not declare yet. Until both are solved a plan with cp > 1 is refused up front.
+`torch.distributed.tensor.experimental.context_parallel` shards the sequence and runs ring
+attention by intercepting the flash / efficient / cuDNN SDPA ops, which exist on CUDA only. On CPU
+SDPA lowers to `aten._scaled_dot_product_flash_attention_for_cpu`, and torch 2.13 has no sharding
+rule for it: a 2-rank gloo run raises "Operator aten._scaled_dot_product_flash_attention_for_cpu
+.default does not have a sharding strategy registered." (measured), so the CPU path cannot be
+tested and the one-code-path rule forbids a CUDA-only feature. Context parallelism also needs the
+models' RoPE tables indexed by global position on each sequence shard (the reference models slice
+them by the local length). Until both are solved a plan with cp > 1 is refused up front.
 """
 
 from __future__ import annotations

@@ -54,10 +54,13 @@ def split_stage(model: nn.Module, plan: Plan, stage: int) -> nn.Module:
     assert isinstance(blocks, nn.ModuleDict), "pipeline split needs blocks in an nn.ModuleDict (stable names)"
     for name in [n for n, _ in block_items(blocks) if n not in keep]:
         del blocks[name]
-    for attr in FIRST_STAGE_ONLY if stage > 0 else ():
+    # Reference models declare their first/last-stage modules; otherwise the usual names.
+    first_only = getattr(part, "input_modules", FIRST_STAGE_ONLY)
+    last_only = getattr(part, "output_modules", LAST_STAGE_ONLY)
+    for attr in first_only if stage > 0 else ():
         if hasattr(part, attr):
             setattr(part, attr, None)
-    for attr in LAST_STAGE_ONLY if stage < plan.num_stages - 1 else ():
+    for attr in last_only if stage < plan.num_stages - 1 else ():
         if hasattr(part, attr):
             setattr(part, attr, None)
     return part

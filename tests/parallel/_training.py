@@ -26,11 +26,11 @@ def batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def single_process(global_batch: int, seed: int = 0) -> dict:
+def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int = 0) -> dict:
     """Reference: the whole global batch in one forward on one process."""
     from dtorch.parallel.materialize import init_model
 
-    model = factory()
+    model = factory(model_name)
     init_model(model, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
@@ -46,10 +46,15 @@ def single_process(global_batch: int, seed: int = 0) -> dict:
 
 
 def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
+    """`plan_kwargs`: Plan fields, plus optionally "model" (a reference model spec)."""
+    from functools import partial
+
     from dtorch.parallel import parallelize
 
+    plan_kwargs = dict(plan_kwargs)
+    model_name = plan_kwargs.pop("model", "llama-tiny")
     plan = Plan(**plan_kwargs)
-    pm = parallelize(factory, plan, loss_fn=next_token, seed=seed, seq_len=SEQ)
+    pm = parallelize(partial(factory, model_name), plan, loss_fn=next_token, seed=seed, seq_len=SEQ)
     opt = torch.optim.AdamW(list(pm.parameters()), lr=LR, foreach=False)
     local = plan.local_batch()
     losses, norms = [], []

@@ -46,6 +46,7 @@ CASES_4 = {
     "ac_full_tp": dict(tp=4, ac="full", microbatch_size=4),
     "ac_selective_tp_sp": dict(tp=4, sp=True, ac="selective", microbatch_size=4),
     "fsdp_grad_accumulation": dict(dp_shard=4, microbatch_size=1, num_microbatches=3),
+    "gpt_fsdp_x_tp_sp": dict(model="gpt-tiny", dp_shard=2, tp=2, sp=True, microbatch_size=2),
     "hsdp_no_reshard_accumulation": dict(dp_replicate=2, dp_shard=2, num_microbatches=2,
                                          reshard_after_forward=False),
 }
@@ -57,6 +58,9 @@ CASES_2 = {
     "pp_interleaved": dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=4),
     "pp_zero_bubble_interleaved": dict(pp=2, virtual_stages=2, schedule="zero_bubble", num_microbatches=2),
     "ac_full_fsdp_accumulation": dict(dp_shard=2, ac="full", num_microbatches=2, microbatch_size=2),
+    "gpt_tp_sp": dict(model="gpt-tiny", tp=2, sp=True, microbatch_size=4),
+    "gpt_pp_interleaved": dict(model="gpt-tiny", pp=2, virtual_stages=2, schedule="interleaved_1f1b",
+                               num_microbatches=2),
 }
 
 
@@ -65,8 +69,8 @@ def _worker(case: tuple[str, dict], rank: int) -> dict:
 
 
 @cache
-def _reference(global_batch: int) -> dict:
-    return _training.single_process(global_batch)
+def _reference(global_batch: int, model_name: str) -> dict:
+    return _training.single_process(global_batch, model_name)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +86,10 @@ def world2() -> dict:
 def _assert_matches_single_process(plan_kwargs: dict, per_rank: list[dict]) -> None:
     for r, res in enumerate(per_rank):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
-    plan = Plan(**plan_kwargs)
-    ref = _reference(plan.dp * plan.local_batch())
+    kwargs = dict(plan_kwargs)
+    model_name = kwargs.pop("model", "llama-tiny")
+    plan = Plan(**kwargs)
+    ref = _reference(plan.dp * plan.local_batch(), model_name)
     for r, res in enumerate(per_rank):
         for key in ("losses", "norms"):
             assert res[key] == pytest.approx(ref[key], rel=REL), f"rank {r} {key}"
