@@ -1,6 +1,6 @@
 """One rank of a multi-process checkpoint scenario (launched by test_distributed.py).
 
-    python _dist_worker.py save3 ROOT    world 3: DTensor + FSDP2 state, sync save at step 1, async at step 2
+    python _dist_worker.py save3 ROOT    world 3: DTensor + FSDP2 state, async saves at steps 1 and 2
     python _dist_worker.py load2 ROOT    world 2: resharded load of step 2, round trip at step 3,
                                          then a damaged rank-1 shard of step 3 -> both ranks fall back
 
@@ -57,11 +57,11 @@ def main(scenario: str, root: Path) -> None:
         with torch.no_grad():
             for p in net.parameters():
                 p.mul_(2.0)  # a state that differs from the initial weights
-        res = mgr.save(1, {"t": sharded_state(mesh, 1, place), "model": net.state_dict(), "meta": {"step": 1}})
-        check(res.committed, "sync save committed")
+        mgr.save(1, {"t": sharded_state(mesh, 1, place), "model": net.state_dict(), "meta": {"step": 1}}, async_=True)
+        check(mgr.wait().committed, "async save committed")  # step 2 then reuses its staging buffers
         torch.manual_seed(100 + rank)
         state = {"t": sharded_state(mesh, 2, place), "model": net.state_dict(), "meta": {"step": 2}, "rng": RNGState()}
-        res = mgr.save(2, state, async_=True, extra={"world": world})
+        mgr.save(2, state, async_=True, extra={"world": world})
         done = mgr.wait()
         check(done.committed and done.stall_s <= done.persist_s, "async save committed")
     elif scenario == "load2":

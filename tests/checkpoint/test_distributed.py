@@ -65,4 +65,5 @@ def test_save_at_3_load_at_2_and_1_bit_exact_round_trip_and_shared_fallback(tmp_
     assert all(torch.equal(state["t"][k], v) for k, v in w.full_tensors(2).items())
     ref = w.model().state_dict()
     assert all(torch.equal(net.state_dict()[k], ref[k] * 2.0) for k in ref)
+    assert mgr.load(1, state) == 1 and all(torch.equal(state["t"][k], v) for k, v in w.full_tensors(1).items())
     assert not mgr.verify(3).ok and mgr.verify(2).ok  # step 3's rank-1 shard was damaged by the workers

@@ -138,6 +138,12 @@ def test_async_save_returns_before_the_write_and_saves_the_state_at_call_time(tm
     dst = _blank()
     assert mgr.load_latest(dst) == 7
     _assert_same(_state(7), dst)
+    # A second async save reuses the staging buffers; the first checkpoint keeps its values.
+    mgr.save(8, src, async_=True)
+    mgr.wait()
+    dst8 = _blank()
+    assert mgr.load(8, dst8) == 8 and torch.equal(dst8["model"]["w"], src["model"]["w"])
+    assert mgr.load(7, dst) == 7 and torch.equal(dst["model"]["w"], _state(7)["model"]["w"])
     # Identical bytes to a sync save of the same state.
     sync = CheckpointManager(tmp_path / "sync")
     sync.save(7, _state(7))
