@@ -100,12 +100,12 @@ class CostConstants:
     """Share of pipeline send/recv time on the critical path (isend/irecv overlap the next op)."""
 
 
-# Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module);
-# the per-device base efficiencies are the fitted ones, the rest stayed at their sourced defaults.
+# Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
+# fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
+# H100 SXM 0.7148, H100 96GB/500 W 0.4876), so that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=64.0,
     gemm_rows_half=256.0,
-    device_efficiency=(("A100-SXM-80GB", 0.8611), ("H100-96GB-500W", 0.4876), ("H100-SXM-80GB", 0.7148)),
     dp_exposed_floor=0.4,
     tp_exposed=0.5,
     elementwise_passes=16.0,
