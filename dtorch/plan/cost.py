@@ -121,7 +121,7 @@ class Estimate:
     """Whole-cluster tokens per second."""
     tokens_per_s_per_gpu: float
     mfu: float
-    """Model FLOPs (no recompute) per second over the cluster's bf16 peak."""
+    """Model FLOPs (no recompute) per second over the cluster's bf16 peak (summed over all devices)."""
     time_breakdown: dict[str, float]
     """compute, recompute, tp, cp, fsdp, dp, pp_p2p, bubble, optimizer, offload (exposed seconds)."""
     memory_bytes_per_rank: int
@@ -397,7 +397,8 @@ def estimate(
     step = m * t_mb + t_bubble + t_p2p + t_fsdp + t_dp + t_opt + t_off
     tokens = plan.dp * mbs * m * s
     tps = tokens / step
-    mfu = tps * profile.flops_per_token / (cluster.world_size * dev.peak("bfloat16"))
+    # MFU over the whole cluster's peak: in a mixed cluster the faster devices wait for the slowest
+    mfu = tps * profile.flops_per_token / sum(gr.num_devices * gr.device.peak("bfloat16") for gr in cluster.groups)
 
     # -- memory on the fullest rank --
     a_pol = per_tok.get(plan.ac, a_none)

@@ -197,3 +197,11 @@ def test_estimates_are_finite_and_positive(prof, plan):
     assert math.isfinite(est.step_time_s) and est.step_time_s > 0
     assert all(v >= 0 for v in est.time_breakdown.values())
     assert est.memory_bytes_per_rank == pytest.approx(sum(est.memory_breakdown.values()), abs=16)
+
+
+def test_mixed_cluster_runs_at_the_slowest_device_and_mfu_counts_every_peak():
+    prof = llama()
+    mixed = estimate(Plan(dp_shard=16), prof, load_cluster("h100:1x8+a100:1x8"))
+    a100 = estimate(Plan(dp_shard=16), prof, load_cluster("a100:2x8"))
+    assert mixed.step_time_s == pytest.approx(a100.step_time_s, rel=0.05)
+    assert mixed.mfu == pytest.approx(mixed.tokens_per_s * prof.flops_per_token / (8 * 989e12 + 8 * 312e12))
