@@ -136,6 +136,8 @@ def run(args) -> int:
 
     if args.seq_len is None or args.seq_len < 1:
         raise ConfigError("seq-len", args.seq_len, "must be a positive integer")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise ConfigError("global-batch", args.global_batch, "must be a positive integer (sequences per step)")
     if args.top < 1:
         raise ConfigError("top", args.top, "must be a positive integer")
     profile = get_profile(args.model, args.seq_len)

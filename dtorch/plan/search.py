@@ -178,6 +178,12 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
     if "virtual_stages" in fixed and fixed["virtual_stages"] > 1 and fixed.get("schedule") in ("gpipe", "1f1b"):
         raise ConfigError("virtual_stages", fixed["virtual_stages"],
                           f"schedule {fixed['schedule']} runs one stage per rank; use schedule=interleaved_1f1b")
+    per_dp = fixed.get("num_microbatches", 1) * fixed.get("microbatch_size", 1)
+    if global_batch % per_dp:
+        raise ConfigError("num_microbatches" if "num_microbatches" in fixed else "microbatch_size",
+                          fixed.get("num_microbatches", fixed.get("microbatch_size")),
+                          f"microbatch_size x num_microbatches = {per_dp} does not divide the global batch "
+                          f"{global_batch}; use values whose product divides it")
     dp_fixed = fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1)
     if global_batch % dp_fixed:
         raise ConfigError("global_batch", global_batch,
@@ -419,7 +425,8 @@ def search(
         dp = mesh.dp_replicate * mesh.dp_shard
         local = global_batch // dp
         mbss = [fixed["microbatch_size"]] if "microbatch_size" in fixed else _divisors(local)
-        mbss = [b for b in sorted(mbss, reverse=True) if local % b == 0]
+        mbss = [b for b in sorted(mbss, reverse=True) if local % b == 0
+                and ("num_microbatches" not in fixed or local // b == fixed["num_microbatches"])]
         offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOAD_POLICIES)
         if mesh.dp_shard == 1 and "offload" not in fixed:
             offloads.remove("params")  # CPU offload of parameters is an FSDP feature

@@ -42,6 +42,11 @@ def test_fixed_fields_restrict_the_search(l70):
         assert (plan.tp, plan.pp, plan.microbatch_size, plan.ac) == (8, 2, 1, "full")
 
 
+def test_fixed_microbatch_count_is_respected(l70):
+    r = search(l70, load_cluster("h100:8x8"), global_batch=512, fixed={"num_microbatches": 4})
+    assert r.ranked and all(p.num_microbatches == 4 for p, _ in [*r.ranked, *r.best_by_family.values()])
+
+
 def test_fully_fixed_plan_is_simply_evaluated(l70):
     fixed = dict(tp=8, pp=1, cp=1, dp_shard=8, dp_replicate=1, microbatch=2, ac="full", reshard="true",
                  offload="none")
@@ -63,6 +68,7 @@ def test_fully_fixed_plan_is_simply_evaluated(l70):
         ("tensor=2", "fix", "unknown plan field"),
         ("tp", "fix", "key=value"),
         ("microbatch=3", "microbatch_size", "does not divide the global batch 512"),
+        ("nmb=3", "num_microbatches", "does not divide the global batch 512"),
     ],
 )
 def test_impossible_fixed_fields_name_field_value_and_choices(l70, fix, field, hint):
