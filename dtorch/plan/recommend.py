@@ -111,7 +111,7 @@ def recommend(
                           f"({_duration(rec.chosen.time_to_train_s)})")
     else:
         rec.chosen = min(feasible, key=lambda o: (round(o.gpu_hours, -1), o.time_to_train_s))
-        rec.reason = "fewest GPU-hours for the token budget"
+        rec.reason = "fewest GPU-hours for the token budget (give --deadline to trade GPU-hours for time)"
     return rec
 
 
@@ -137,7 +137,7 @@ def format_recommendation(rec: Recommendation) -> str:
                      f"{_duration(o.time_to_train_s):>14} {o.gpu_hours:>11,.0f}  {o.plan.describe()}{mark}")
     lines.append("")
     if rec.chosen:
-        lines.append(f"recommended: {rec.chosen.nodes} nodes ({rec.chosen.gpus} GPUs), "
+        lines.append(f"recommended: {rec.chosen.nodes} node{'s' if rec.chosen.nodes > 1 else ''} ({rec.chosen.gpus} GPUs), "
                      f"{_duration(rec.chosen.time_to_train_s)}: {rec.reason}")
     else:
         lines.append(rec.reason)
