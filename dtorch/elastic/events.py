@@ -153,3 +153,24 @@ def format_recovery(r: dict[str, Any]) -> str:
         parts.append(f"{k} {v:.2f} s" if v is not None else f"{k} -")
     return (f"recovered from {r.get('cause')} of rank(s) {r.get('ranks')} in {r['total']:.2f} s "
             f"at world size {r.get('world_size')} ({', '.join(parts)})")
+
+
+def drill_report(path: str, steps: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """Summary of a chaos drill: `steps` are the committed step records of the run (each with `step`,
+    `epoch` and `seconds`, the step's duration; a step recorded twice counts once, the last time).
+
+    effective_ratio = useful step time / wall time; steps_lost_per_failure = for each injected fault,
+    the steps executed again after it (the interrupted step included), averaged.
+    """
+    last = {s["step"]: s for s in steps}
+    useful = sum(s["seconds"] for s in last.values())
+    faults = [e for e in read(path) if e["kind"] == "fault" and e.get("fault_kind") in ("kill", "hang")]
+    lost = []
+    for f in faults:
+        resumed = [s["step"] for s in steps if s.get("epoch", -1) > f.get("epoch", -1)]
+        if resumed:
+            lost.append(f["step"] - min(resumed) + 1)
+    return {"steps": len(last), "failures": len(faults), "useful_s": useful, "wall_s": wall_s,
+            "effective_ratio": useful / wall_s if wall_s > 0 else None,
+            "steps_lost_per_failure": sum(lost) / len(lost) if lost else None,
+            "recoveries": recoveries(path)}

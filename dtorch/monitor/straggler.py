@@ -58,16 +58,18 @@ class StragglerDetector:
     z_threshold: robust z-score above which slowness is "new" for this rank (default 4).
     window: history length per rank (steps). min_history: samples before z-scores are used.
     patience: consecutive slow steps before a rank is named (one slow step is noise).
+    min_gap: seconds behind the fastest rank below which nothing is flagged (timer noise on
+    millisecond steps would otherwise make every rank a "straggler" now and then).
     """
 
     def __init__(self, world_size: int, ratio_threshold: float = 1.5, z_threshold: float = 4.0,
-                 window: int = 50, min_history: int = 5, patience: int = 3):
+                 window: int = 50, min_history: int = 5, patience: int = 3, min_gap: float = 0.01):
         if world_size < 1:
             raise ConfigError("world_size", world_size, "use 1 or more ranks")
         if ratio_threshold <= 1.0:
             raise ConfigError("ratio_threshold", ratio_threshold, "use a ratio > 1, e.g. 1.5")
         self.world_size, self.ratio_threshold, self.z_threshold = world_size, ratio_threshold, z_threshold
-        self.min_history, self.patience = min_history, patience
+        self.min_history, self.patience, self.min_gap = min_history, patience, min_gap
         self.history: list[deque[float]] = [deque(maxlen=window) for _ in range(world_size)]
         self.slow_streak = [0] * world_size
         self.step = 0
@@ -82,8 +84,11 @@ class StragglerDetector:
         # jitter into an infinite z-score.
         return (t - med) / max(1.4826 * mad, 0.01 * med, 1e-9)
 
-    def update(self, times: Sequence[float]) -> StragglerReport:
-        """Score one step's compute times (seconds, one per rank) and remember them."""
+    def update(self, times: Sequence[float], step: int | None = None) -> StragglerReport:
+        """Score one step's compute times (seconds, one per rank) and remember them. `step` labels
+        the report (default: a count of updates)."""
+        if step is not None:
+            self.step = step
         if len(times) != self.world_size:
             raise ConfigError("times", len(times), f"give one time per rank ({self.world_size})")
         fastest = max(min(times), 1e-9)
@@ -93,7 +98,8 @@ class StragglerDetector:
         half = 1.0 + (self.ratio_threshold - 1.0) / 2
         for r in range(self.world_size):
             z = zs[r]
-            slow = ratio[r] >= self.ratio_threshold or (z is not None and z >= self.z_threshold and ratio[r] >= half)
+            slow = times[r] - fastest >= self.min_gap and (
+                ratio[r] >= self.ratio_threshold or (z is not None and z >= self.z_threshold and ratio[r] >= half))
             self.slow_streak[r] = self.slow_streak[r] + 1 if slow else 0
             if self.slow_streak[r] >= self.patience:
                 flagged.append(r)

@@ -55,11 +55,17 @@ def main() -> None:
         worker.step_begin(step)
         x, y = batch(step)
         xs, ys = x[w.rank::w.world_size], y[w.rank::w.world_size]
+        # The samples this rank consumed, gathered so rank 0 can log the step's real global batch.
+        mine = torch.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)[w.rank::w.world_size]
+        seen = [torch.zeros_like(mine) for _ in range(w.world_size)]
+        dist.all_gather(seen, mine)
         loss = torch.nn.functional.mse_loss(model(xs), ys)
         opt.zero_grad()
         loss.backward()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)  # stands for real compute (a chaos `slow` fault stretches it)
         with worker.phase("allgather_times", step):
-            report = detector.update(gather_compute_times(time.time() - t0))
+            report = detector.update(gather_compute_times(time.time() - t0), step)
         if w.rank == 0 and report.new:
             print(report.warning(), flush=True)
         with worker.phase("allreduce", step):
@@ -71,8 +77,6 @@ def main() -> None:
                 q.grad.copy_(flat[i:i + q.numel()].view_as(q))
                 i += q.numel()
         opt.step()
-        if a.step_sleep:
-            time.sleep(a.step_sleep)
         with worker.phase("checkpoint", step):
             if w.rank == 0:
                 tmp = state_path + ".tmp"
@@ -80,7 +84,8 @@ def main() -> None:
                 os.replace(tmp, state_path)
                 with open(os.path.join(a.out, "steps.jsonl"), "a") as f:
                     f.write(json.dumps({"step": step, "epoch": w.epoch, "world": w.world_size,
-                                        "samples": list(range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)),
+                                        "samples": sorted(torch.cat(seen).tolist()),
+                                        "t": time.time(), "seconds": time.time() - t0,
                                         "loss": loss.item()}) + "\n")
         worker.checkpoint_committed(step)
         worker.step_done(step, t0)

@@ -1,0 +1,103 @@
+"""Long elastic runs (opt-in, DTORCH_LONG_TESTS=1): two agents as two "nodes" losing and regaining
+one node, and a 200-step chaos drill with a failure every 50 steps."""
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dtorch.elastic import events
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("DTORCH_LONG_TESTS") != "1", reason="set DTORCH_LONG_TESTS=1 (~1.5 min each)")]
+
+
+def _steps(out) -> list[dict]:
+    try:
+        with open(os.path.join(out, "steps.jsonl")) as f:
+            return [json.loads(x) for x in f if x.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_for(pred, timeout: float, what: str) -> float:
+    t0 = time.time()
+    while not pred():
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.25)
+    return time.time() - t0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path, marker, dtorch_run):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    out = str(tmp_path)
+    flags = ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker,
+             "--heartbeat-timeout", "10", "--max-restarts", "5"]
+    kw = {"steps": 80, "nproc": 2, "step_sleep": 0.25, "wait": False}
+    a = dtorch_run(out, marker, *flags, **kw)
+    time.sleep(2)  # agent A hosts the rendezvous store; B joins it
+    b = dtorch_run(out, marker, *flags, **kw)
+    t_up = _wait_for(lambda: any(x["world"] == 4 for x in _steps(out)), 120, "world size 4")
+    time.sleep(1)
+    b_workers = _children(b.pid)
+    assert len(b_workers) == 2
+    b.send_signal(signal.SIGKILL)
+    b.wait()
+    _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                              for p in b_workers), 5, "node B's workers to die with their agent")
+    t_down = _wait_for(lambda: _steps(out)[-1]["world"] == 2, 120, "the job to continue on 2 workers")
+    time.sleep(1)
+    b2 = dtorch_run(out, marker, *flags, **kw)
+    t_grow = _wait_for(lambda: _steps(out)[-1]["world"] == 4, 120, "the job to grow back to 4 workers")
+    for p in (a, b2):
+        p.wait(timeout=120)
+        assert p.returncode == 0, p.stdout.read()
+    steps = _steps(out)
+    worlds = [x["world"] for x in steps]
+    assert [x["step"] for x in steps] == list(range(80))
+    assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4
+    # the global sample sequence does not depend on the world size
+    assert all(x["samples"] == list(range(8 * x["step"], 8 * x["step"] + 8)) for x in steps)
+    print(f"world 4 after {t_up:.1f} s; 4->2 after agent kill: {t_down:.1f} s; 2->4 after restart: {t_grow:.1f} s")
+
+
+def test_chaos_drill_failure_every_50_steps_over_200_steps(tmp_path, marker, dtorch_run):
+    t0 = time.time()
+    r = dtorch_run(str(tmp_path), marker, "--chaos", "every=50:kill:seed=1", "--max-restarts", "5",
+                   steps=200, step_sleep=0.05, timeout=400)
+    wall = time.time() - t0
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = _steps(str(tmp_path))
+    assert [x["step"] for x in steps] == list(range(200))
+    rep = events.drill_report(str(tmp_path / "run" / events.EVENTS_FILE), steps, wall)
+    assert rep["failures"] == 3 and len(rep["recoveries"]) == 3
+    assert rep["steps_lost_per_failure"] == 1.0  # the toy commits every step: only the interrupted one
+    med = {k: statistics.median(x[k] for x in rep["recoveries"]) for k in ("detect", "rendezvous", "start", "total")}
+    print(f"drill: {rep['steps']} steps, {rep['failures']} failures, useful {rep['useful_s']:.1f} s / wall "
+          f"{wall:.1f} s = {rep['effective_ratio']:.2f}; steps lost per failure {rep['steps_lost_per_failure']}; "
+          f"median recovery {med}")
+
+
+if __name__ == "__main__":
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", __file__, "-s", "-q"]))
