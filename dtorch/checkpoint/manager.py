@@ -277,11 +277,21 @@ class CheckpointManager:
                         mine[p.name] = {"sha256": digest, "size": size}
         except _FAILURES as e:
             error = error or f"rank {self.rank}: {type(e).__name__}: {e}"
-        reports = self._all_gather((error, mine))
-        outcome: tuple[bool, str | None, int] = (False, None, 0)
-        if self.rank == 0:
+        try:
+            reports = self._all_gather((error, mine))
+        except _FAILURES as e:  # a rank died or the group broke: no agreement, so no commit
+            reports = None
+            lost = f"lost the other ranks before the commit ({type(e).__name__}: {e}); nothing was committed"
+        outcome: tuple[bool, str | None, int] = (False, None if reports else lost, 0)
+        if self.rank == 0 and reports is not None:
             outcome = self._commit(step, tmp, reports, meta)
-        committed, problem, nbytes = self._broadcast(outcome)
+        if reports is not None:
+            try:
+                outcome = self._broadcast(outcome)
+            except _FAILURES as e:
+                if self.rank != 0:  # rank 0 knows what it did; the others cannot tell
+                    outcome = (False, f"lost rank 0 during the commit ({type(e).__name__}: {e}); outcome unknown", 0)
+        committed, problem, nbytes = outcome
         result.committed, result.error, result.bytes = committed, problem, nbytes
         result.persist_s = time.perf_counter() - t0
         if committed:

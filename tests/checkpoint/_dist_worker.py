@@ -2,7 +2,8 @@
 
     python _dist_worker.py save3 ROOT    world 3: DTensor + FSDP2 state, async saves at steps 1 and 2
     python _dist_worker.py load2 ROOT    world 2: resharded load of step 2, round trip at step 3,
-                                         then a damaged rank-1 shard of step 3 -> both ranks fall back
+                                         then a damaged rank-1 shard of step 3 -> both ranks fall back,
+                                         then rank 1 is SIGKILLed mid-save of step 4 -> no commit
 
 Rank/world/rendezvous come from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
@@ -10,6 +11,7 @@ Rank/world/rendezvous come from the environment (RANK, WORLD_SIZE, MASTER_ADDR, 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import warnings
@@ -21,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dtorch.checkpoint import CheckpointManager, CheckpointWarning, RNGState
+from dtorch.checkpoint import CheckpointError, CheckpointManager, CheckpointWarning, RNGState
 
 
 def full_tensors(step: int) -> dict[str, torch.Tensor]:
@@ -99,6 +101,22 @@ def main(scenario: str, root: Path) -> None:
               "warning names the damaged shard")
         for k, v in full_tensors(2).items():
             check(torch.equal(fresh["t"][k].full_tensor(), v), f"tensor {k} from the fallback")
+        # Rank 1 dies after its DCP writes (DCP's .metadata is already complete) but before the
+        # agreement: rank 0 must not commit step 4.
+        def die(phase: str) -> None:
+            if phase == "rank_file" and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        mgr.fault_hook = die
+        try:
+            mgr.save(4, state3)
+        except CheckpointError as e:
+            check("nothing was committed" in str(e), f"error says nothing was committed: {e}")
+        else:
+            check(False, "save with a dead rank raised")
+        check(not (root / "step-00000004").exists(), "step 4 not committed")
+        print(f"rank {rank} ok in {time.perf_counter() - t0:.1f} s", flush=True)
+        os._exit(0)  # the group is broken: no barrier, no teardown
     mgr.close()
     dist.barrier()
     dist.destroy_process_group()

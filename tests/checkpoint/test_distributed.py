@@ -1,5 +1,6 @@
 """Multi-process checkpoints over gloo with real files: save at world size 3, load at 2 and 1
-bit-exact (DTensor and FSDP2 state), a round trip at 2, and a damaged shard seen by all ranks."""
+bit-exact (DTensor and FSDP2 state), a round trip at 2, a damaged shard seen by all ranks, and a
+rank killed mid-save (no commit)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, world: int, root: Path) -> None:
+def _launch(scenario: str, world: int, root: Path, killed: tuple[int, ...] = ()) -> None:
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -42,7 +43,8 @@ def _launch(scenario: str, world: int, root: Path) -> None:
             raise
         outs.append(out)
     for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"{scenario} rank {rank} failed:\n{out[-4000:]}"
+        want = -9 if rank in killed else 0
+        assert p.returncode == want, f"{scenario} rank {rank} exit {p.returncode}, expected {want}:\n{out[-4000:]}"
 
 
 @pytest.mark.slow
@@ -55,7 +57,8 @@ def test_save_at_3_load_at_2_and_1_bit_exact_round_trip_and_shared_fallback(tmp_
     _launch("save3", 3, tmp_path)
     info = CheckpointManager(tmp_path).list()
     assert [(i.step, i.world_size) for i in info] == [(2, 3), (1, 3)]
-    _launch("load2", 2, tmp_path)
+    _launch("load2", 2, tmp_path, killed=(1,))
+    assert [i.step for i in CheckpointManager(tmp_path, keep_last=None).list()] == [3, 2, 1]
     # World size 1 (this process, no process group): plain tensors and a plain model.
     net = w.model()
     state = {"t": {k: torch.zeros_like(v) for k, v in w.full_tensors(0).items()}, "model": net.state_dict(),
