@@ -296,8 +296,9 @@ class CheckpointManager:
         result.persist_s = time.perf_counter() - t0
         if committed:
             log.info(
-                "checkpoint step %d committed: %.1f MB, stall %.3f s, persist %.3f s",
-                step, nbytes / 1e6, result.stall_s, result.persist_s,
+                "checkpoint step %d committed: %.1f MB in %.3f s%s",
+                step, nbytes / 1e6, result.persist_s,
+                f" (training blocked {result.stall_s:.3f} s)" if result.async_ else "",
             )
         else:
             log.error("checkpoint step %d did not commit: %s", step, problem)
