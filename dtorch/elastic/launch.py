@@ -10,8 +10,11 @@ This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configu
   * slow scale-down (~41 s by default): last_call_timeout=1 s, keep-alive every 1 s with 3 misses
     (a dead node leaves the rendezvous after ~3 s instead of 15 s), join_timeout=120 s.
 - Control plane bound to loopback by default: `--rdzv-endpoint 127.0.0.1:0` and, when the endpoint
-  is loopback, workers' MASTER_ADDR is 127.0.0.1 too. Multi-node runs must name a reachable
-  endpoint explicitly (c10d's TCPStore has no authentication: keep it on a private network).
+  is loopback, workers' MASTER_ADDR is 127.0.0.1 too. torch's TCPStore listens on all interfaces
+  whatever host it is given, so the rendezvous store is built here on a socket bound to the
+  endpoint's address only (`dtorch.elastic.store`); workers should create their process group
+  with `dtorch.elastic.worker.init_process_group` for the same reason. Multi-node runs must name a
+  reachable endpoint explicitly (the store has no authentication: keep it on a private network).
 - Hang detection: the agent's monitor loop also reads the workers' heartbeats
   (`dtorch.elastic.heartbeat`); a rank without progress for `--heartbeat-timeout` seconds gets its
   stacks and flight recorder dumped, ONE line names it, and the local group is SIGKILLed so the
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtorch.elastic import chaos, events, heartbeat
+from dtorch.elastic import store as rdzv_store
 from dtorch.errors import ConfigError
 
 log = logging.getLogger("dtorch.elastic")
@@ -324,7 +328,11 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     else:
         entrypoint = sys.executable
         wargs = ["-u", "-m", "dtorch.elastic.bootstrap", *(["-m"] if module else []), target, *args]
-    handler = _GatedRendezvous(rdzv_registry.get_rendezvous_handler(params))
+    if spec.rdzv_backend == "c10d" and conf.get("store_type", "tcp") == "tcp":
+        inner = rdzv_store.rendezvous_handler(params)  # listens on the endpoint's address only
+    else:
+        inner = rdzv_registry.get_rendezvous_handler(params)
+    handler = _GatedRendezvous(inner)
     wspec = WorkerSpec(role="dtorch", local_world_size=spec.nproc_per_node, entrypoint=entrypoint,
                        args=tuple(wargs), rdzv_handler=handler, max_restarts=spec.max_restarts,  # type: ignore[arg-type]
                        monitor_interval=spec.monitor_interval, local_addr=spec.local_addr)

@@ -171,3 +171,24 @@ def set_collective_timeout(seconds: float, group: Any = None) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def init_process_group(backend: str | None = None, timeout: float | None = None) -> None:
+    """`torch.distributed.init_process_group` for a worker of `dtorch run`, with its store listening
+    on MASTER_ADDR only (torch's own env:// store listens on every interface; see
+    `dtorch.elastic.store`). Backend default: nccl when CUDA is available, else gloo. `timeout` in
+    seconds (default torch's); shorten it after the first step with `set_collective_timeout`."""
+    import torch
+    import torch.distributed as dist
+
+    from dtorch.elastic import store as _store
+
+    setup()
+    w = info()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(w.local_rank)
+    t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
+    s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
+    kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
+    dist.init_process_group(backend, store=s, rank=w.rank, world_size=w.world_size, **kw)

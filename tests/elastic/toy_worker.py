@@ -35,7 +35,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     w = worker.info()
-    dist.init_process_group("gloo")
+    worker.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -58,7 +58,8 @@ def main() -> None:
         # The samples this rank consumed, gathered so rank 0 can log the step's real global batch.
         mine = torch.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)[w.rank::w.world_size]
         seen = [torch.zeros_like(mine) for _ in range(w.world_size)]
-        dist.all_gather(seen, mine)
+        with worker.phase("allgather_ids", step):
+            dist.all_gather(seen, mine)
         loss = torch.nn.functional.mse_loss(model(xs), ys)
         opt.zero_grad()
         loss.backward()
