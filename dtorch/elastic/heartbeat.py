@@ -149,10 +149,15 @@ def flight_recorder() -> dict[str, Any] | None:
         data = pickle.loads(c10d._dump_fr_trace(True, False, False))
     except Exception:
         return None
+    raw = data.get("entries", [])
     entries = [{k: e.get(k) for k in ("record_id", "pg_id", "collective_seq_id", "profiling_name",
-                                      "state", "input_sizes", "time_created_ns", "retired")}
-               for e in data.get("entries", [])]
-    return {"entries": entries[-32:]}
+                                      "state", "input_sizes", "time_created_ns", "retired")} for e in raw]
+    max_seq: dict[str, int] = {}
+    for e in raw:
+        if not e.get("is_p2p"):
+            key = str(e.get("process_group", (e.get("pg_id"),))[0])
+            max_seq[key] = max(max_seq.get(key, 0), int(e.get("collective_seq_id") or 0))
+    return {"entries": entries[-32:], "max_seq_by_pg": max_seq}
 
 
 def start(run_dir: str, rank: int, epoch: int, interval: float, agent_pid: int | None) -> None:
@@ -198,6 +203,27 @@ def proc_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def sample_states(pids: dict[int, int], samples: int = 5, every: float = 0.02) -> dict[int, str | None]:
+    """Each rank's process state, sampled a few times: T (stopped) if ever seen stopped, R if
+    running in most samples (a busy loop), else the last state seen. One look could catch a
+    waiting rank in a brief R."""
+    seen: dict[int, list[str | None]] = {r: [] for r in pids}
+    for i in range(samples):
+        for r, p in pids.items():
+            seen[r].append(proc_state(p))
+        if i + 1 < samples:
+            time.sleep(every)
+    out: dict[int, str | None] = {}
+    for r, xs in seen.items():
+        if any(x in ("T", "t") for x in xs):
+            out[r] = next(x for x in xs if x in ("T", "t"))
+        elif sum(x == "R" for x in xs) * 2 > len(xs):
+            out[r] = "R"
+        else:
+            out[r] = next((x for x in reversed(xs) if x not in (None, "R")), xs[-1])
+    return out
 
 
 @dataclass
@@ -293,12 +319,29 @@ def kill_all(pids: dict[int, int]) -> None:
     _signal(pids, signal.SIGCONT)
 
 
-def _last_collective(dump: str, rank: int) -> str | None:
+def _fr(dump: str | None, rank: int) -> dict[str, Any]:
+    if not dump:
+        return {}
     try:
         with open(os.path.join(dump, f"rank{rank}.flight-recorder.json")) as f:
-            entries = json.load(f).get("entries", [])
+            return json.load(f)
     except (OSError, json.JSONDecodeError):
-        return None
+        return {}
+
+
+def collectives_behind(dump: str | None, ranks: list[int]) -> dict[int, int]:
+    """For each rank, in how many process groups it has issued fewer collectives than the most
+    advanced rank of that group (flight recorder). The ranks the others wait for are behind."""
+    seqs = {r: _fr(dump, r).get("max_seq_by_pg", {}) for r in ranks}
+    top: dict[str, int] = {}
+    for m in seqs.values():
+        for pg, n in m.items():
+            top[pg] = max(top.get(pg, 0), n)
+    return {r: sum(1 for pg, n in m.items() if n < top[pg]) for r, m in seqs.items()}
+
+
+def _last_collective(dump: str, rank: int) -> str | None:
+    entries = _fr(dump, rank).get("entries", [])
     if not entries:
         return None
     e = entries[-1]
@@ -320,19 +363,22 @@ def diagnose(hang: Hang, beats: dict[int, dict[str, Any]], pids: dict[int, int],
 
     Ranks in a collective wait for someone; the culprit is the rank that is not where the others
     are. Among all ranks that published a beat in this epoch it is, in order of evidence: a stopped
-    process (state T), a rank that did not answer the dump request, a rank outside a collective
-    phase, then the lowest step and the oldest progress. `beats` and `states` are snapshots taken
-    when the hang was found (before the dump disturbed anything)."""
+    process (state T), a rank that issued fewer collectives than its peers (flight recorder), a
+    rank that did not answer the dump request, a rank outside a collective phase, a rank burning
+    CPU (state R) while the others sleep, then the lowest step and the oldest progress. `beats`
+    and `states` are snapshots taken when the hang was found (before the dump disturbed anything)."""
     now = time.time()
     candidates = beats or {r: {"step": -1, "phase": "?", "progress_t": now - a} for r, a in hang.ranks.items()}
     answered = set()
     if dump and os.path.isdir(dump):
         answered = {int(n[4:].split(".")[0]) for n in os.listdir(dump) if n.endswith(".py-stacks.txt")}
 
+    behind = collectives_behind(dump, list(candidates))
+
     def suspicion(r: int) -> tuple:
         b = candidates[r]
-        return (states.get(r) not in ("T", "t"), bool(dump) and r in answered, _in_collective(b.get("phase")),
-                b.get("step", -1), b.get("progress_t", now))
+        return (states.get(r) not in ("T", "t"), -behind.get(r, 0), bool(dump) and r in answered,
+                _in_collective(b.get("phase")), states.get(r) != "R", b.get("step", -1), b.get("progress_t", now))
 
     culprit = min(candidates, key=suspicion)
     b = candidates[culprit]

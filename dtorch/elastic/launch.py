@@ -158,6 +158,8 @@ def _agent_class():
             self.watch = heartbeat.HangWatch(self.run_dir, dspec.heartbeat_timeout, dspec.startup_timeout or 0)
             self.local_pids: dict[int, int] = {}
             self.recoveries_reported = 0
+            self.detections = 0  # failures this agent saw; each should end in a reported recovery
+            self.recovery_pending = False
             self._next_recovery_check = 0.0
             self._grow_since: float | None = None
             self._grow_base: int | None = None
@@ -224,6 +226,8 @@ def _agent_class():
             # Ranks the agent itself SIGTERMed while stopping the group are victims, not causes.
             ranks = [r for r, c in codes.items() if c != -signal.SIGTERM] or sorted(codes)
             fault_t = self._fault_time(ranks)
+            self.detections += 1
+            self.recovery_pending = True
             events.log("detected", self.events_path, cause="exit", ranks=ranks, exitcodes=codes,
                        epoch=self.epoch, fault_t=fault_t)
             why = {r: (signal.Signals(-codes[r]).name if codes[r] < 0 else f"exit code {codes[r]}") for r in ranks}
@@ -234,18 +238,20 @@ def _agent_class():
 
         def _on_hang(self, hang: heartbeat.Hang) -> None:
             t_detect = time.time()
-            states = {r: heartbeat.proc_state(p) for r, p in self.local_pids.items()}
+            states = heartbeat.sample_states(self.local_pids)
             beats = heartbeat.read_beats(self.run_dir, hang.epoch)
             dump = heartbeat.dump_and_kill(self.run_dir, hang.epoch, self.local_pids, states)
             line, fields = heartbeat.diagnose(hang, beats, self.local_pids, states, dump)
             culprit = fields.pop("rank")
+            self.detections += 1
+            self.recovery_pending = True
             events.log("detected", self.events_path, cause="hang", ranks=[culprit], epoch=self.epoch,
                        detect_t=t_detect, diagnosis=line, **fields)
             print(line, file=sys.stderr, flush=True)
 
         def _maybe_report_recovery(self) -> None:
             now = time.time()
-            if now < self._next_recovery_check:
+            if not self.recovery_pending or now < self._next_recovery_check:
                 return
             self._next_recovery_check = now + 1.0
             if self._worker_group.group_rank != 0:
@@ -255,6 +261,7 @@ def _agent_class():
                 events.log("recovery", self.events_path, **r)
                 print("dtorch: " + events.format_recovery(r), file=sys.stderr, flush=True)
             self.recoveries_reported = max(self.recoveries_reported, len(recs))
+            self.recovery_pending = len(recs) < self.detections
 
         # -- growing at a checkpoint boundary
         def grow_gate(self, waiting: int) -> int:

@@ -57,3 +57,15 @@ def test_sigstop_one_worker_is_detected_named_and_run_recovers(tmp_path, marker,
     assert len(recs) == 1 and recs[0]["cause"] == "hang"
     print(hang_lines[0])
     print(events.format_recovery(recs[0]))
+
+
+@pytest.mark.slow
+def test_busy_loop_inside_a_phase_is_detected_though_its_thread_still_beats(tmp_path, marker, dtorch_run):
+    # world size 2: the point is the busy loop (heartbeat thread alive, no progress), not the scale
+    r = dtorch_run(str(tmp_path), marker, "--heartbeat-timeout", "3",
+                   "--chaos", "hang:rank=1:phase=allreduce:step=3:mode=busy", nproc=2, steps=8)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "HANG:" in x]
+    assert "HANG: rank 1 " in line and "phase 'allreduce'" in line and "running" in line
+    steps = [json.loads(x) for x in open(tmp_path / "steps.jsonl")]
+    assert [s["step"] for s in steps] == list(range(8))

@@ -188,3 +188,20 @@ def test_steady_jitter_is_not_a_straggler():
     rng = random.Random(0)
     flagged = [det.update([0.1 * (1 + 0.05 * rng.random()) for _ in range(3)]).stragglers for _ in range(200)]
     assert not any(flagged)
+
+
+def test_diagnosis_names_the_rank_behind_in_the_flight_recorder(tmp_path):
+    d = str(tmp_path)
+    now = time.time()
+    for r in range(3):  # all three say 'allreduce', rank 1's progress is even the newest
+        _beat(d, r, progress_t=now - (1 if r == 1 else 5))
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for r, seq in ((0, 12), (1, 11), (2, 12)):
+        (dump / f"rank{r}.flight-recorder.json").write_text(json.dumps(
+            {"entries": [{"profiling_name": "gloo:all_reduce", "collective_seq_id": seq}],
+             "max_seq_by_pg": {"0": seq}}))
+        (dump / f"rank{r}.py-stacks.txt").write_text("...")
+    line, f = heartbeat.diagnose(heartbeat.Hang({0: 5}, 0), heartbeat.read_beats(d, 0), {0: 1000},
+                                 {0: "S", 1: "S", 2: "S"}, str(dump))
+    assert f["rank"] == 1 and "gloo:all_reduce #11" in line
