@@ -276,12 +276,13 @@ class CheckpointManager:
                         digest, size = F.sha256_file(p)
                         mine[p.name] = {"sha256": digest, "size": size}
         except _FAILURES as e:
-            error = error or f"rank {self.rank}: {type(e).__name__}: {e}"
+            # DCP's CheckpointException already names the failing ranks.
+            error = error or (_describe(e) if isinstance(e, CheckpointException) else f"rank {self.rank}: {_describe(e)}")
         try:
             reports = self._all_gather((error, mine))
         except _FAILURES as e:  # a rank died or the group broke: no agreement, so no commit
             reports = None
-            lost = f"lost the other ranks before the commit ({type(e).__name__}: {e}); nothing was committed"
+            lost = f"lost the other ranks before the commit ({_describe(e)}); nothing was committed"
         outcome: tuple[bool, str | None, int] = (False, None if reports else lost, 0)
         if self.rank == 0 and reports is not None:
             outcome = self._commit(step, tmp, reports, meta)
@@ -290,7 +291,7 @@ class CheckpointManager:
                 outcome = self._broadcast(outcome)
             except _FAILURES as e:
                 if self.rank != 0:  # rank 0 knows what it did; the others cannot tell
-                    outcome = (False, f"lost rank 0 during the commit ({type(e).__name__}: {e}); outcome unknown", 0)
+                    outcome = (False, f"lost rank 0 during the commit ({_describe(e)}); outcome unknown", 0)
         committed, problem, nbytes = outcome
         result.committed, result.error, result.bytes = committed, problem, nbytes
         result.persist_s = time.perf_counter() - t0
@@ -305,10 +306,11 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: Path, reports: list[Any], meta: dict[str, Any]) -> tuple[bool, str | None, int]:
         """Rank 0: manifest -> fsync -> rename -> fsync parent -> LATEST -> retention."""
-        errors = [e for e, _ in reports if e]
+        errors = list(dict.fromkeys(e for e, _ in reports if e))  # DCP reports one failure on every rank
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False, "; ".join(errors), 0
         try:
-            if errors:
-                raise RuntimeError("; ".join(errors))
             files: dict[str, dict[str, Any]] = {}
             for _, mine in reports:
                 files.update(mine)
@@ -347,7 +349,7 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
         except _FAILURES as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            return False, f"{type(e).__name__}: {e}", 0
+            return False, _describe(e), 0
         try:
             # The step just committed was hashed a moment ago: it is the newest good one and
             # retention counts it first, so it is never deleted here.
@@ -357,10 +359,13 @@ class CheckpointManager:
         return True, None, manifest.total_bytes
 
     def _remove_debris(self, keep: Path) -> None:
-        """Remove directories of crashed saves (``*.tmp-*``) and replaced steps (``*.old-*``)."""
+        """Remove directories of crashed saves (``*.tmp-*``), replaced or pruned steps
+        (``*.old-*``) and a LATEST temp file left by a crash mid-replace."""
         for p in self.root.iterdir():
             if p != keep and p.is_dir() and (".tmp-" in p.name or ".old-" in p.name):
                 shutil.rmtree(p, ignore_errors=True)
+            elif p.name.startswith(f".{F.LATEST}.tmp-") and p.is_file():
+                p.unlink(missing_ok=True)
 
     # ---- retention -------------------------------------------------------------------------------
     def prune(self, keep_last: int | None = None) -> list[Path]:
@@ -544,6 +549,16 @@ class CheckpointManager:
         finally:
             self._executor.shutdown(wait=True)
             self._stager.clear()
+
+
+def _describe(e: BaseException) -> str:
+    """One line per failure: DCP's CheckpointException prints whole tracebacks of every rank."""
+    if isinstance(e, CheckpointException):
+        parts = []
+        for rank, (exc, _trace) in sorted(e.failures.items()):
+            parts.append(f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+        return "; ".join(parts) or "CheckpointException"
+    return f"{type(e).__name__}: {e}"
 
 
 _SAVE_FIX = "the previous checkpoints are untouched; check free disk space and permissions, then save again"

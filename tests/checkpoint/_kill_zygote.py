@@ -6,7 +6,8 @@ Imports torch once, then per trial forks a child that saves steps 1, 2, 3, ... i
 BASE/trial-NN (odd steps sync, even steps async; a writer slowed at write_data and finish and a
 fault hook that sleeps at every commit phase spread the save over time). The child appends
 "phase <name>" and "committed <step>" lines to BASE/trial-NN.log with O_APPEND writes, which
-survive SIGKILL. The zygote SIGKILLs the child after a random delay. The zygote itself runs no
+survive SIGKILL. The zygote SIGKILLs the child after a random delay. A last child writes under a
+file-size limit (EFBIG, as on a full disk) and logs to BASE/disk-full.log. The zygote itself runs no
 torch ops, so forking it is safe (no thread pools exist yet).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import signal
 import sys
 import time
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dtorch.checkpoint import CheckpointManager
+from dtorch.checkpoint import CheckpointError, CheckpointManager
 
 
 def child(root: Path, log_path: Path, seed: int) -> None:
@@ -61,6 +63,21 @@ def child(root: Path, log_path: Path, seed: int) -> None:
         note(f"committed {step}")
 
 
+def disk_full_child(root: Path, log_path: Path) -> None:
+    """Commit step 1, then hit a 256 KiB file-size limit (EFBIG, like a full disk) in step 2."""
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of dying
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    mgr = CheckpointManager(root, keep_last=2)
+    mgr.save(1, {"model": {"w": torch.full((16,), 1.0)}, "meta": {"step": 1}})
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        mgr.save(2, {"model": {"w": torch.full((1 << 20,), 2.0)}, "meta": {"step": 2}})
+        os.write(fd, b"saved despite the limit\n")
+    except CheckpointError as e:
+        os.write(fd, f"refused {e}\n".encode())
+
+
 def main(base: Path, trials: int, seed: int) -> None:
     rng = random.Random(seed)
     for i in range(trials):
@@ -74,6 +91,13 @@ def main(base: Path, trials: int, seed: int) -> None:
         time.sleep(rng.uniform(0.05, 0.9))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            disk_full_child(base / "disk-full", base / "disk-full.log")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
     print("done", flush=True)
 
 

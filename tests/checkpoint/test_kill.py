@@ -1,5 +1,5 @@
 """SIGKILL the saving process at random moments: the next load returns the last fully committed
-checkpoint, never a mixed or partial one."""
+checkpoint, never a mixed or partial one. A save that hits a full disk is refused cleanly."""
 
 from __future__ import annotations
 
@@ -47,3 +47,10 @@ def test_kill_during_save_never_yields_a_torn_checkpoint(tmp_path):
         assert not [p for p in mgr.root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     assert len(set(killed_in)) >= 2, killed_in
     print("killed in phases:", sorted(killed_in))
+    # Disk full (file-size limit) during step 2: refused with the reason, step 1 intact, no debris.
+    log = (tmp_path / "disk-full.log").read_text()
+    assert log.startswith("refused") and "did not commit" in log, log
+    mgr = CheckpointManager(tmp_path / "disk-full")
+    state = {"model": {"w": torch.zeros(16)}, "meta": {"step": -1}}
+    assert mgr.load_latest(state) == 1 and torch.equal(state["model"]["w"], torch.ones(16))
+    assert sorted(p.name for p in mgr.root.iterdir()) == ["LATEST", "step-00000001"]
