@@ -106,6 +106,7 @@ def setup() -> None:
     heartbeat.start(run_dir, w.rank, w.epoch, float(os.environ.get("DTORCH_HEARTBEAT_INTERVAL", "0.5")),
                     int(agent) if agent else None)
     events.log("worker_started", rank=w.rank, epoch=w.epoch, world_size=w.world_size)
+    install_hooks()
 
 
 def beat(step: int, phase: str = "step") -> None:
@@ -149,11 +150,68 @@ def step_done(step: int, start_t: float | None = None) -> None:
 _step_start_t = time.time()
 
 
-def step_begin(step: int) -> None:
-    """Mark the start of `step` (sets the start time `step_done` measures from) and beat."""
+def step_begin(step: int, phase: str = "forward") -> None:
+    """Mark the start of `step` (sets the start time `step_done` measures from) and beat in `phase`."""
     global _step_start_t
     _step_start_t = time.time()
-    beat(step, "forward")
+    beat(step, phase)
+
+
+# ---- the trainer's seam (dtorch.train.hooks): entry-only phase callbacks --------------------------
+_hooks_installed = False
+_open_phase: tuple[str, float] | None = None
+_pending_commit: int | None = None
+
+
+def _close_phase() -> None:
+    """The trainer reports phase entries only: a phase ends at the next hook call."""
+    global _open_phase, _pending_commit
+    if _open_phase is not None:
+        name, t0 = _open_phase
+        _open_phase = None
+        if name in events.RECOVERY_PHASES:
+            events.log("phase", name=name, start=t0, seconds=time.time() - t0, ok=True)
+        if name == "checkpoint" and _pending_commit is not None:
+            # the save call returned (an async save is durable a little later; good enough for
+            # choosing when to grow)
+            checkpoint_committed(_pending_commit)
+            _pending_commit = None
+
+
+def _on_phase(name: str, step: int) -> None:
+    global _open_phase, _pending_commit
+    _close_phase()
+    if name == "checkpoint":
+        _pending_commit = step
+    heartbeat.mark(step=step, phase=name)
+    chaos.maybe_inject(step, name)
+    _open_phase = (name, time.time())
+
+
+def _on_before_step(step: int) -> None:
+    _close_phase()
+    step_begin(step, "step")
+
+
+def _on_after_step(step: int, loss: float) -> None:
+    _close_phase()
+    step_done(step)
+
+
+def install_hooks(trainer: Any = None) -> None:
+    """Connect this worker to DTorch's trainer through `dtorch.train.hooks` (idempotent): progress
+    beats and chaos points at every step and phase (`load`, `forward_backward`, `optimizer`,
+    `checkpoint`), the `load` phase timed into the recovery record, checkpoint boundaries for
+    growing, the first step after a restart. Called by `setup()` under `dtorch run` (so `load`
+    is seen) and by the trainer's `hooks.started(trainer)`."""
+    global _hooks_installed
+    _close_phase()
+    if _hooks_installed or not os.environ.get("DTORCH_RUN_DIR"):
+        return
+    _hooks_installed = True
+    from dtorch.train import hooks
+
+    hooks.register(before_step=_on_before_step, after_step=_on_after_step, on_phase=_on_phase)
 
 
 def checkpoint_committed(step: int) -> None:

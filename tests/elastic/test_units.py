@@ -205,3 +205,37 @@ def test_diagnosis_names_the_rank_behind_in_the_flight_recorder(tmp_path):
     line, f = heartbeat.diagnose(heartbeat.Hang({0: 5}, 0), heartbeat.read_beats(d, 0), {0: 1000},
                                  {0: "S", 1: "S", 2: "S"}, str(dump))
     assert f["rank"] == 1 and "gloo:all_reduce #11" in line
+
+
+def test_trainer_hooks_time_load_report_commits_and_the_first_step(tmp_path, monkeypatch):
+    from dtorch.elastic import worker
+    from dtorch.train import hooks
+
+    monkeypatch.setenv("DTORCH_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("DTORCH_EPOCH", "3")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(worker, "_setup_done", True)  # no heartbeat thread / parent-death signal in pytest
+    monkeypatch.setattr(worker, "_hooks_installed", False)
+    monkeypatch.setattr(worker, "_first_step_logged", False)
+    hooks.clear()
+    try:
+        worker.install_hooks()
+        with hooks.phase("load"):  # the trainer loads before `hooks.started`
+            time.sleep(0.01)
+        hooks.started(object())  # installs again: must not double-register
+        for step in (5, 6):
+            hooks.before_step(step)
+            with hooks.phase("forward_backward"):
+                pass
+            hooks.after_step(step, 1.0)
+            with hooks.phase("checkpoint"):
+                pass
+        hooks.before_step(7)
+    finally:
+        hooks.clear()
+    evs = events.read(str(tmp_path / events.EVENTS_FILE))
+    (load,) = [e for e in evs if e["kind"] == "phase"]
+    assert load["name"] == "load" and load["seconds"] >= 0.01 and load["epoch"] == 3
+    (first,) = [e for e in evs if e["kind"] == "first_step"]
+    assert first["step"] == 5
+    assert heartbeat.snapshot()["committed_step"] == 6 and heartbeat.snapshot()["step"] == 7
