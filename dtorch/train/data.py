@@ -91,6 +91,7 @@ class TokenFile(torch.utils.data.Dataset):
 def _atomic_write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache/token file is meant to be shared
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
