@@ -273,6 +273,7 @@ class CheckpointManager:
                 # hashes whatever no rank claimed (.metadata).
                 for p in sorted(tmp.iterdir()):
                     if p.name.startswith(f"__{self.rank}_") or p.name == rank_file:
+                        F.fsync_file(p)  # DCP's writer fsyncs already; a custom writer might not
                         digest, size = F.sha256_file(p)
                         mine[p.name] = {"sha256": digest, "size": size}
         except _FAILURES as e:
