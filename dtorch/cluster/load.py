@@ -258,7 +258,9 @@ def load_cluster(spec: str) -> Cluster:
         raise ConfigError("cluster", spec, "give a preset shorthand like h100:8x8 or a cluster file")
     s = spec.strip()
     if s in ("detect", "local", "this"):
-        return detect()
+        from dtorch.cluster.probe import with_stored_calibration  # torch-free at import
+
+        return with_stored_calibration(detect())  # measured numbers from `dtorch probe`, if stored
     if s.endswith((".yaml", ".yml", ".json")) or os.sep in s or Path(s).is_file():
         return read_cluster_file(s)
     return parse_shorthand(s)

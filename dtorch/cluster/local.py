@@ -15,8 +15,11 @@ from dtorch.cluster.spec import Cluster
 from dtorch.errors import ConfigError
 
 
-def local_cluster(world_size: int, local_world_size: int | None = None) -> Cluster:
-    """This machine (times the number of nodes of the job) for a job of `world_size` ranks."""
+def local_cluster(world_size: int, local_world_size: int | None = None, *, calibrated: bool = True) -> Cluster:
+    """This machine (times the number of nodes of the job) for a job of `world_size` ranks.
+
+    With `calibrated` (default), a calibration that `dtorch probe` stored for this cluster's name
+    (``local:<nodes>x<ranks per node>``) is merged over the nominal numbers."""
     local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % local:
         raise ConfigError("world_size", world_size, f"must be a multiple of the ranks per node ({local})")
@@ -34,4 +37,9 @@ def local_cluster(world_size: int, local_world_size: int | None = None) -> Clust
     elif local > group.devices_per_node:
         raise ConfigError("nproc_per_node", local, f"this node has {group.devices_per_node} GPUs")
     group = dataclasses.replace(group, device=dev, devices_per_node=local, num_nodes=world_size // local)
-    return Cluster([group], name=f"local:{world_size // local}x{local}", calibration=base.calibration)
+    cluster = Cluster([group], name=f"local:{world_size // local}x{local}", calibration=base.calibration)
+    if calibrated:
+        from dtorch.cluster.probe import with_stored_calibration  # torch-free at import
+
+        cluster = with_stored_calibration(cluster)
+    return cluster

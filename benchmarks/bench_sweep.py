@@ -1,0 +1,226 @@
+"""(a) Plan sweep: every feasible plan the planner emits for a reference model at world size 2 and 4
+on this machine, measured against its prediction.
+
+All plans of one world size run inside ONE group of spawned processes; each plan is built, warmed
+up, timed and torn down in turn, repetitions are interleaved (plan order reversed every other
+repetition, so slow drifts of a shared machine hit all plans alike) and medians are reported.
+Step time is barrier to barrier on rank 0 (the slowest rank bounds it); memory is the growth of
+the peak resident set of the fullest rank while the plan is built and stepped (CPU) or the CUDA
+allocator peak (GPU), compared with the predicted model memory (parameters, gradients, optimizer
+states, activations, buffers: the prediction without its fixed per-process margin).
+
+    python -m benchmarks --only sweep [--quick]
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from benchmarks import stats
+from benchmarks._group import peak_rss, reset_peak_rss, run_group
+
+MODEL = "llama-tiny:hidden=128,heads=8,kv_heads=4,layers=4,seq=128"
+SEQ = 128
+GLOBAL_BATCH = 8
+
+
+def _worker(payload: dict, rank: int, world: int) -> dict:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from dtorch.models import build_model, model_config
+    from dtorch.parallel import parallelize
+    from dtorch.plan.plan import Plan
+    from dtorch.train.losses import next_token
+
+    spec, seq = payload["model"], payload["seq"]
+    vocab = model_config(spec).vocab_size
+    plans = [Plan.from_dict(d) for d in payload["plans"]]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    n = len(plans)
+    times: list[list[float]] = [[] for _ in range(n)]
+    mem: list[int | None] = [None] * n
+    errors: dict[int, str] = {}
+    flag = torch.zeros(1, device=device)
+    for rep in range(payload["reps"]):
+        order = list(range(n)) if rep % 2 == 0 else list(reversed(range(n)))
+        for i in order:
+            if i in errors:
+                continue
+            plan = plans[i]
+            base = reset_peak_rss()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            try:
+                pm = parallelize(lambda: build_model(spec), plan, loss_fn=next_token, device=device, seed=0,
+                                 seq_len=seq)
+                opts = [torch.optim.AdamW(p.parameters(), lr=1e-4) for p in pm.model_parts]
+                g = torch.Generator().manual_seed(1000 + pm.dp_rank)
+                x = torch.randint(vocab, (plan.local_batch(), seq + 1), generator=g)
+                inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+                def step(pm=pm, opts=opts, inputs=inputs, labels=labels):
+                    pm.forward_backward(inputs, labels)
+                    for o in opts:
+                        o.step()
+                        o.zero_grad(set_to_none=True)
+
+                for _ in range(payload["warmup"] + (1 if rep == 0 else 0)):
+                    step()
+                for _ in range(payload["steps"]):
+                    dist.barrier()
+                    t = time.perf_counter()
+                    step()
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    dist.barrier()
+                    times[i].append(time.perf_counter() - t)
+                if rep == 0:
+                    mem[i] = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss()) - base
+                del pm, opts, step
+            except Exception as e:  # noqa: BLE001 - one plan failing must not end the sweep
+                errors[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                flag.fill_(1.0)
+            gc.collect()
+            # if a rank failed, every rank marks the plan failed (and skips it from then on)
+            dist.all_reduce(flag)
+            if flag.item() > 0 and i not in errors:
+                errors[i] = "failed on another rank"
+            flag.zero_()
+    return {"times": times, "mem": mem, "errors": {str(k): v for k, v in errors.items()}}
+
+
+def _model_memory(pred: dict) -> float:
+    b = pred["memory_breakdown"]
+    return float(sum(v for k, v in b.items() if k != "margin"))
+
+
+def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: bool, reps: int, steps: int,
+                log=print) -> dict[str, Any]:
+    """Search, run and compare every plan at one world size; returns the section dict."""
+    from dtorch.cluster import local_cluster
+    from dtorch.model import profile_module
+    from dtorch.models import build_model
+    from dtorch.plan.cost import estimate
+    from dtorch.plan.search import search
+
+    cluster = local_cluster(world)
+    raw = local_cluster(world, calibrated=False)
+    t0 = time.perf_counter()
+    profile = profile_module(lambda: build_model(model), seq)
+    res = search(profile, cluster, global_batch=global_batch, seq_len=seq, top_k=100_000, dtype="float32",
+                 suggest=False)
+    search_s = time.perf_counter() - t0
+    ranked = list(res.ranked)
+    chosen = ranked[0][0].describe() if ranked else None
+    if quick:
+        keep = [ranked[0]] + [pe for fam, pe in res.best_by_family.items() if pe[0] is not ranked[0][0]]
+        ranked = sorted(keep[:8], key=lambda pe: pe[1].step_time_s)
+    plans = []
+    for p, e in ranked:
+        p.predicted = {"step_time_s": e.step_time_s, "memory_bytes_per_rank": e.memory_bytes_per_rank,
+                       "memory_breakdown": dict(e.memory_breakdown), "time_breakdown": dict(e.time_breakdown)}
+        plans.append(p)
+    log(f"  world {world}: {len(plans)} plans (of {len(res.ranked)} feasible) on {cluster.describe()}; "
+        f"running {reps} interleaved repetitions x {steps} steps")
+    t1 = time.perf_counter()
+    out = run_group(world, _worker, {"model": model, "seq": seq, "plans": [p.to_dict() for p in plans],
+                                     "reps": reps, "steps": steps, "warmup": 1})
+    run_s = time.perf_counter() - t1
+    for r in out:
+        if "error" in r and "times" not in r:
+            raise RuntimeError(f"sweep worker failed:\n{r['error']}")
+    rows = []
+    for i, p in enumerate(plans):
+        err = out[0]["errors"].get(str(i))
+        t = out[0]["times"][i]
+        mems = [r["mem"][i] for r in out if r["mem"][i] is not None]
+        raw_est = estimate(p, res.profile, raw, "float32")
+        rows.append({
+            "plan": p.describe(), "family": p.family(), "chosen": p.describe() == chosen,
+            "predicted_step_time_s": p.predicted["step_time_s"],
+            "uncalibrated_predicted_step_time_s": raw_est.step_time_s,
+            "measured_step_time_s": stats.median(t) if t and not err else None,
+            "measured_step_times_s": t,
+            "predicted_time_breakdown": p.predicted["time_breakdown"],
+            "predicted_memory_bytes": p.predicted["memory_bytes_per_rank"],
+            "predicted_model_memory_bytes": _model_memory(p.predicted),
+            "measured_memory_bytes": max(mems) if mems and not err else None,
+            "error": err,
+        })
+    ok = [r for r in rows if r["measured_step_time_s"] is not None]
+    pred = [r["predicted_step_time_s"] for r in ok]
+    meas = [r["measured_step_time_s"] for r in ok]
+    rawp = [r["uncalibrated_predicted_step_time_s"] for r in ok]
+    memok = [r for r in ok if r["measured_memory_bytes"]]
+    summary = {
+        "world_size": world, "cluster": cluster.name, "calibrated": bool(cluster.calibration.get("version")),
+        "plans_feasible": len(res.ranked), "plans_run": len(rows), "plans_failed": len(rows) - len(ok),
+        "chosen": chosen,
+        "spearman": stats.spearman(pred, meas) if len(ok) > 1 else None,
+        "mape": stats.mape(pred, meas) if ok else None,
+        "regret": stats.regret(pred, meas) if ok else None,
+        "uncalibrated_spearman": stats.spearman(rawp, meas) if len(ok) > 1 else None,
+        "uncalibrated_mape": stats.mape(rawp, meas) if ok else None,
+        "memory_spearman": stats.spearman([r["predicted_model_memory_bytes"] for r in memok],
+                                          [r["measured_memory_bytes"] for r in memok]) if len(memok) > 1 else None,
+        "memory_mape": stats.mape([r["predicted_model_memory_bytes"] for r in memok],
+                                  [max(1, r["measured_memory_bytes"]) for r in memok]) if memok else None,
+        "best_measured": min(ok, key=lambda r: r["measured_step_time_s"])["plan"] if ok else None,
+        "search_s": search_s, "run_s": run_s,
+    }
+    return {"summary": summary, "plans": rows}
+
+
+def run(quick: bool = False, models: list[str] | None = None, worlds: tuple[int, ...] = (2, 4),
+        log=print) -> dict[str, Any]:
+    """The sweep for each model and world size. Returns {"config", "results": [{model, summary, plans}]}."""
+    reps, steps = (2, 2) if quick else (3, 3)
+    results = []
+    for model in models or [MODEL]:
+        for world in worlds:
+            log(f"sweep {model} world {world}")
+            sec = sweep_world(model, SEQ, GLOBAL_BATCH, world, quick=quick, reps=reps, steps=steps, log=log)
+            results.append({"model": model, **sec})
+    return {"config": {"models": models or [MODEL], "seq_len": SEQ, "global_batch": GLOBAL_BATCH,
+                       "worlds": list(worlds), "reps": reps, "steps_per_rep": steps, "quick": quick},
+            "results": results}
+
+
+def _f(x, fmt="{:.3f}"):
+    return "n/a" if x is None else fmt.format(x)
+
+
+def markdown(result: dict) -> str:
+    lines = ["## (a) Plan sweep: predicted vs measured", "",
+             f"Model `{result['config']['models'][0]}`, seq {result['config']['seq_len']}, global batch "
+             f"{result['config']['global_batch']}, {result['config']['reps']} interleaved repetitions x "
+             f"{result['config']['steps_per_rep']} steps, medians.", "",
+             "| model | world | plans run (feasible) | failed | Spearman | MAPE | regret | Spearman uncal. | MAPE uncal. "
+             "| memory Spearman | memory MAPE | planner's choice | best measured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        s = r["summary"]
+        lines.append(f"| {r['model'].split(':')[0]} | {s['world_size']} | {s['plans_run']} ({s['plans_feasible']}) | "
+                     f"{s['plans_failed']} | {_f(s['spearman'])} | {_f(s['mape'], '{:.1%}')} | "
+                     f"{_f(s['regret'], '{:.3f}')} | {_f(s['uncalibrated_spearman'])} | "
+                     f"{_f(s['uncalibrated_mape'], '{:.1%}')} | {_f(s['memory_spearman'])} | "
+                     f"{_f(s['memory_mape'], '{:.1%}')} | {s['chosen']} | {s['best_measured']} |")
+    for r in result["results"]:
+        lines += ["", f"### world {r['summary']['world_size']}: every plan (predicted order)", "",
+                  "| plan | predicted ms | measured ms | ratio | pred. model MiB | measured MiB | note |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in r["plans"]:
+            m = p["measured_step_time_s"]
+            ratio = m / p["predicted_step_time_s"] if m else None
+            mm = p["measured_memory_bytes"]
+            lines.append(f"| {p['plan']}{' **(chosen)**' if p['chosen'] else ''} | "
+                         f"{p['predicted_step_time_s'] * 1e3:.1f} | {_f(m and m * 1e3, '{:.1f}')} | "
+                         f"{_f(ratio, '{:.2f}')} | {p['predicted_model_memory_bytes'] / 2**20:.1f} | "
+                         f"{_f(mm and mm / 2**20, '{:.1f}')} | {p['error'] or ''} |")
+    return "\n".join(lines) + "\n"

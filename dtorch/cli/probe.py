@@ -1,0 +1,66 @@
+"""`dtorch probe`: measure this machine (or the launched job's cluster) and store a calibration.
+
+    dtorch probe                       # this machine, one process per GPU (one process on a CPU)
+    dtorch probe --nproc 4             # 4 ranks at once: the numbers a 4-rank job gets per rank
+    dtorch probe --nproc 2,4 --quick   # one calibration per job size, quick shapes
+    dtorch run --nproc-per-node 8 -m dtorch.cli probe   # inside a launched job (all ranks probe)
+
+The calibration goes to ~/.cache/dtorch/calibration/<cluster>.json (or --out); `local_cluster()`
+and `load_cluster("detect")` merge it over the nominal numbers, so the next plan uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dtorch.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+    p = sub.add_parser("probe", help=help_text, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", default=None,
+                   help="processes to spawn on this machine (comma list for several job sizes); "
+                        "ignored inside a launched job")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and sizes (a few seconds)")
+    p.add_argument("--out", default=None, help="calibration file (default: the cache path for the cluster name)")
+    p.add_argument("--dtypes", default=None, help="GEMM dtypes, comma list (default float32,bfloat16)")
+    p.add_argument("--json", action="store_true", help="print the calibration document")
+    p.set_defaults(func=run)
+
+
+def _nprocs(text: str | None) -> list[int | None]:
+    if text is None:
+        return [None]
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError("nproc", text, "give a process count or a comma list, e.g. 4 or 2,4") from None
+    if not out or any(n < 1 for n in out):
+        raise ConfigError("nproc", text, "process counts must be positive, e.g. 4 or 2,4")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from dtorch.cluster.probe import run_probe, summary
+
+    nprocs = _nprocs(args.nproc)
+    if args.out and len(nprocs) > 1:
+        raise ConfigError("out", args.out, "one --out file holds one calibration; give a single --nproc")
+    dtypes = [d.strip() for d in args.dtypes.split(",")] if args.dtypes else None
+    for d in dtypes or []:
+        if d not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("dtypes", d, "use float32, bfloat16 or float16")
+    for n in nprocs:
+        doc, path = run_probe(n, quick=args.quick, out=args.out, dtypes=dtypes)
+        if path is None:
+            continue  # not rank 0 of a launched job
+        if args.json:
+            print(json.dumps(doc, indent=1))
+        else:
+            print(summary(doc))
+            print(f"wrote {path}")
+        sys.stdout.flush()
+    return 0

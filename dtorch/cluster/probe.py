@@ -1,0 +1,647 @@
+"""`dtorch probe`: measure the cluster a job runs on and store a calibration the planner uses.
+
+What is measured, on every rank at once (on a CPU machine the ranks share the cores, so each rank's
+numbers are what it gets under the real concurrency of a job of that many ranks):
+
+- GEMM throughput by shape and dtype, ``[rows x k] @ [k x width]``, an efficiency curve;
+- memory bandwidth (a large tensor copy, bytes read + written per second);
+- collectives by message size for each link class present - all-reduce, all-gather,
+  reduce-scatter over the ranks of one node (``intra``) and over one rank per node (``inter``),
+  and point-to-point ping-pong between pairs of ranks.
+
+The calibration document (JSON; written atomically; one per cluster name)::
+
+    version: 1
+    cluster: local:1x4            # the name `local_cluster(world)` / `load_cluster("detect")` gives
+    world_size, local_world_size, backend, device_kind, num_threads, torch, host, created
+    device:                       # replaces the preset's numbers (per rank)
+      name, peak_flops: {float32: ..., bfloat16: ...}, matmul_efficiency, memory_bandwidth
+    links:                        # per link class present, the alpha-beta fit of all collectives
+      intra: {kind, bandwidth (bytes/s), latency (s per ring step), efficiency: 1.0}
+      inter: {...}
+    gemm: [{dtype, rows, width, k, flops}]       # the raw curve
+    memory_bandwidth: {bytes, seconds, bytes_per_s}
+    collectives: {intra: {all_reduce: [{bytes, seconds, busbw}], ...}, ...}
+    feedback: {...}               # written by dtorch.monitor.feedback: measured/predicted corrections
+
+How the cost model (`dtorch.plan.cost`) takes it: compute time = FLOPs / (peak x efficiency x
+shape factor (width, rows)); the probe fits `peak_flops` and `matmul_efficiency` so that
+peak x efficiency x shape factor matches the measured curve (least squares in log space, efficiency
+at most 1). The shape factor was fitted on GPUs; a CPU's curve is flatter, so there the fitted
+`peak_flops` is an effective scale above the best GEMM a rank achieved, which is stored apart as
+`measured_peak_flops` (the MFU denominator). Collectives are alpha-beta per link class with `bandwidth x efficiency` and
+`latency` per ring step: the probe fits both on all measured collectives of a link class together
+and stores them with efficiency 1 (they are achieved, not line-rate, numbers).
+
+This module's top level is torch-free: `apply_calibration` / `stored_calibration` run inside
+`load_cluster`, which `dtorch plan` calls and which must start fast. The measurement functions import
+torch when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dtorch.cluster.spec import Cluster, Link
+from dtorch.errors import ConfigError
+
+CALIBRATION_VERSION = 1
+ENV_DIR = "DTORCH_CALIBRATION_DIR"
+ENV_DISABLE = "DTORCH_NO_CALIBRATION"
+
+GEMM_ROWS = (128, 512, 2048)
+GEMM_WIDTHS = (32, 128, 512)
+GEMM_K = 512
+COLL_SIZES = tuple(4 ** i * 1024 for i in range(1, 7))  # 4 KiB .. 4 MiB
+COLL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+# ---- the calibration file (torch-free) ---------------------------------------------------------------
+def calibration_dir() -> Path:
+    """Where calibrations live: $DTORCH_CALIBRATION_DIR, else ~/.cache/dtorch/calibration."""
+    env = os.environ.get(ENV_DIR)
+    return Path(env) if env else Path.home() / ".cache" / "dtorch" / "calibration"
+
+
+def calibration_path(cluster_name: str) -> Path:
+    """The file for a cluster name (``local:1x4`` -> ``local_1x4.json``)."""
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", cluster_name).strip("_") or "cluster"
+    return calibration_dir() / f"{safe}.json"
+
+
+def validate_calibration(doc: Any, source: str = "calibration") -> dict:
+    """Check the fields the planner reads; raise ConfigError naming the field. Returns `doc`."""
+    if not isinstance(doc, dict):
+        raise ConfigError(source, type(doc).__name__, "a calibration is a JSON mapping written by `dtorch probe`")
+    if doc.get("version") != CALIBRATION_VERSION:
+        raise ConfigError(f"{source}.version", doc.get("version"),
+                          f"this DTorch reads calibration version {CALIBRATION_VERSION}; run `dtorch probe` again")
+    dev = doc.get("device", {})
+    if not isinstance(dev, dict):
+        raise ConfigError(f"{source}.device", dev, "must be a mapping")
+    for dtype, v in (dev.get("peak_flops") or {}).items():
+        if not (isinstance(v, (int, float)) and v > 0):
+            raise ConfigError(f"{source}.device.peak_flops.{dtype}", v, "must be a positive FLOP/s")
+    eff = dev.get("matmul_efficiency")
+    if eff is not None and not (isinstance(eff, (int, float)) and 0 < eff <= 1):
+        raise ConfigError(f"{source}.device.matmul_efficiency", eff, "a fraction in (0, 1]")
+    bw = dev.get("memory_bandwidth")
+    if bw is not None and not (isinstance(bw, (int, float)) and bw > 0):
+        raise ConfigError(f"{source}.device.memory_bandwidth", bw, "must be positive bytes/s")
+    for cls, link in (doc.get("links") or {}).items():
+        if cls not in ("intra", "inter") or not isinstance(link, dict):
+            raise ConfigError(f"{source}.links.{cls}", link, "link classes are intra and inter, each a mapping")
+        for key in ("bandwidth", "latency"):
+            v = link.get(key)
+            if not (isinstance(v, (int, float)) and v >= 0 and (key == "latency" or v > 0)):
+                raise ConfigError(f"{source}.links.{cls}.{key}", v, "must be a positive number")
+    return doc
+
+
+def read_calibration(path: str | Path) -> dict:
+    """Read and validate a calibration file (JSON, or YAML by suffix)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError("calibration", str(p), f"cannot read the calibration file ({e.strerror})") from None
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            doc = yaml.safe_load(text)
+        else:
+            doc = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error is a damaged file
+        raise ConfigError("calibration", str(p), f"not valid {p.suffix.lstrip('.') or 'JSON'}: {e}; "
+                          "delete it or run `dtorch probe` again") from None
+    return validate_calibration(doc, str(p))
+
+
+def write_calibration(doc: dict, path: str | Path) -> Path:
+    """Write `doc` atomically (temp file + rename) as JSON, or YAML by suffix. Returns the path."""
+    validate_calibration(doc)
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        text = yaml.safe_dump(doc, sort_keys=False)
+    else:
+        text = json.dumps(doc, indent=1) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)  # a reader never sees a half-written calibration
+    return p
+
+
+def stored_calibration(cluster_name: str) -> dict | None:
+    """The stored calibration for `cluster_name`, or None (none stored, disabled by
+    $DTORCH_NO_CALIBRATION, or unreadable: a broken cache file must not stop a job, so it is ignored)."""
+    if os.environ.get(ENV_DISABLE):
+        return None
+    p = calibration_path(cluster_name)
+    if not p.is_file():
+        return None
+    try:
+        return read_calibration(p)
+    except ConfigError:
+        return None
+
+
+def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
+    """A copy of `cluster` with the measured numbers of `doc` merged over the preset/nominal ones.
+
+    Device: measured peak FLOP/s per dtype (unmeasured dtypes keep the preset's), matmul efficiency
+    (times a runtime-feedback correction if one is stored), memory bandwidth; memory capacity is
+    lowered when feedback found memory above prediction (the planner then keeps that headroom).
+    Links: the measured alpha-beta per link class. The device name gets a ``*`` so that the cost
+    model's per-name efficiency table no longer overrides the measured efficiency. The whole
+    document is kept in `cluster.calibration`."""
+    dev_doc = doc.get("device") or {}
+    fb = doc.get("feedback") or {}
+    links = doc.get("links") or {}
+    groups = []
+    for g in cluster.groups:
+        dev = g.device
+        if dev_doc.get("device_kind", doc.get("device_kind", dev.kind)) != dev.kind:
+            groups.append(g)  # a calibration of another device kind says nothing about this group
+            continue
+        peak = {**dev.peak_flops, **(dev_doc.get("peak_flops") or {})}
+        eff = float(dev_doc.get("matmul_efficiency", dev.matmul_efficiency))
+        eff = min(1.0, max(1e-4, eff * float(fb.get("compute_scale", 1.0))))
+        mem = dev.memory_bytes
+        mscale = float(fb.get("memory_scale", 1.0))
+        if mscale > 1.0:
+            mem = int(mem / mscale)
+        dev = dataclasses.replace(
+            dev,
+            name=dev.name if dev.name.endswith("*") else dev.name + "*",
+            peak_flops=peak,
+            matmul_efficiency=eff,
+            memory_bandwidth=float(dev_doc.get("memory_bandwidth", dev.memory_bandwidth)),
+            memory_bytes=mem,
+        )
+        intra, inter = g.intra, g.inter
+        if "intra" in links:
+            intra = _link(links["intra"], intra)
+        if "inter" in links:
+            inter = _link(links["inter"], inter)
+        groups.append(dataclasses.replace(g, device=dev, intra=intra, inter=inter))
+    return Cluster(groups=groups, name=cluster.name, calibration={**cluster.calibration, **doc})
+
+
+def _link(d: dict, base: Link) -> Link:
+    return Link(kind=d.get("kind", base.kind), bandwidth=float(d["bandwidth"]), latency=float(d["latency"]),
+                efficiency=float(d.get("efficiency", 1.0)))
+
+
+def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:
+    """`cluster` with the calibration stored for `name` (default: its own name) applied, if any."""
+    doc = stored_calibration(name or cluster.name)
+    return apply_calibration(cluster, doc) if doc is not None else cluster
+
+
+# ---- fits (pure) -----------------------------------------------------------------------------------
+def collective_steps(op: str, n: int) -> tuple[float, float]:
+    """(bytes moved per rank per byte of the full array, latency steps) of a ring collective of n
+    ranks, as the cost model counts them: all-gather / reduce-scatter (n-1)/n and n-1 steps,
+    all-reduce twice that, point-to-point 1 and 1."""
+    if op == "p2p":
+        return 1.0, 1.0
+    f = 2.0 if op == "all_reduce" else 1.0
+    return f * (n - 1) / n, f * (n - 1)
+
+
+def fit_alpha_beta(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least-squares fit of ``seconds = alpha x steps + bytes_moved / beta`` on (steps, bytes_moved,
+    seconds) points, relative errors weighted equally. Returns (alpha seconds, beta bytes/s), both
+    positive (alpha may be 0 when latency is below the noise)."""
+    if not points:
+        raise ValueError("no points to fit")
+    # weighted normal equations for t = a*s + b*m with weights 1/t^2
+    saa = sab = sbb = sat = sbt = 0.0
+    for s, m, t in points:
+        w = 1.0 / max(t, 1e-12) ** 2
+        saa += w * s * s
+        sab += w * s * m
+        sbb += w * m * m
+        sat += w * s * t
+        sbt += w * m * t
+    det = saa * sbb - sab * sab
+    a = b = -1.0
+    if det > 0:
+        a = (sat * sbb - sbt * sab) / det
+        b = (saa * sbt - sab * sat) / det
+    if a < 0 or b <= 0:
+        # latency below the noise: fit bandwidth alone through the origin, then no alpha
+        b = sbt / sbb if sbb > 0 else 0.0
+        a = 0.0
+        if b <= 0:
+            b = max(m / t for _, m, t in points)
+            return 0.0, b
+        return 0.0, 1.0 / b
+    return a, 1.0 / b
+
+
+def fit_gemm_efficiency(records: Sequence[dict], shape_factor: Callable[[float, float], float] | None = None,
+                        dtype: str = "float32") -> tuple[float, float]:
+    """(peak FLOP/s, base efficiency) such that ``peak x eff x shape_factor(width, rows)`` matches the
+    measured GEMM curve of `dtype` best (least squares in log space). Peak is the best measured
+    throughput; eff is capped at 1 (then peak is raised to the fitted scale)."""
+    if shape_factor is None:
+        from dtorch.plan.cost import shape_factor as sf  # the planner's shape model (probe runs above plan)
+
+        shape_factor = sf
+    rs = [r for r in records if r["dtype"] == dtype and r["flops"] > 0]
+    if not rs:
+        raise ValueError(f"no GEMM measurements for {dtype}")
+    peak = max(r["flops"] for r in rs)
+    logs = [math.log(r["flops"] / (peak * shape_factor(r["width"], r["rows"]))) for r in rs]
+    eff = math.exp(sum(logs) / len(logs))
+    if eff > 1.0:
+        peak *= eff
+        eff = 1.0
+    return peak, eff
+
+
+# ---- measurement (torch, inside a process group or single-process) ----------------------------------
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _timeit(fn: Callable[[], Any], device, *, min_time: float, max_reps: int = 10_000, blocks: int = 3) -> float:
+    """Seconds per call of `fn`: the median over `blocks` blocks of back-to-back calls, each block
+    at least `min_time` long. Timing whole blocks (not single calls) keeps the time a rank spends
+    descheduled while other ranks share its cores: that is the throughput a job's rank gets."""
+    fn()
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - t, 1e-7)
+    reps = max(1, min(max_reps, int(min_time / one) + 1))
+    per_call = []
+    for _ in range(blocks):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        per_call.append((time.perf_counter() - t) / reps)
+    return statistics.median(per_call)
+
+
+def _timeit_collective(fn: Callable[[], Any], device, group, *, min_time: float, max_reps: int,
+                       blocks: int = 3) -> float:
+    """Like `_timeit` for a collective. Every rank of `group` must run it the same number of times
+    (a rank that stops early deadlocks the rest), so the count is agreed on first: the largest any
+    rank asks for after timing one warm call."""
+    import torch
+    import torch.distributed as dist
+
+    fn()
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - t, 1e-7)
+    reps = torch.tensor([min(max_reps, int(min_time / one) + 1)], dtype=torch.int64, device=device)
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
+    n = int(reps.item())
+    per_call = []
+    for _ in range(blocks):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        per_call.append((time.perf_counter() - t) / n)
+    return statistics.median(per_call)
+
+
+def measure_gemm(device, dtypes: Sequence[str], rows: Sequence[int] = GEMM_ROWS,
+                 widths: Sequence[int] = GEMM_WIDTHS, k: int = GEMM_K, min_time: float = 0.05) -> list[dict]:
+    """FLOP/s of ``[rows x k] @ [k x width]`` per dtype and shape; every rank runs the same shape at
+    the same time (a barrier before each), so the numbers hold under the job's concurrency."""
+    import torch
+
+    out = []
+    for dtype in dtypes:
+        dt = getattr(torch, dtype)
+        for r in rows:
+            for w in widths:
+                a = torch.randn(r, k, device=device).to(dt)
+                b = torch.randn(k, w, device=device).to(dt)
+                _barrier()
+                sec = _timeit(lambda a=a, b=b: a @ b, device, min_time=min_time)
+                out.append({"dtype": dtype, "rows": r, "width": w, "k": k, "flops": 2.0 * r * w * k / sec})
+    return out
+
+
+def measure_memory_bandwidth(device, nbytes: int = 64 * 2**20, min_time: float = 0.2) -> dict:
+    """Bytes/s of a tensor copy (each byte read once and written once)."""
+    import torch
+
+    n = nbytes // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    _barrier()
+    sec = _timeit(lambda: dst.copy_(src), device, min_time=min_time)
+    return {"bytes": 2 * n * 4, "seconds": sec, "bytes_per_s": 2 * n * 4 / sec}
+
+
+def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = COLL_SIZES,
+                        ops: Sequence[str] = COLL_OPS, min_time: float = 0.05) -> dict[str, list[dict]]:
+    """Seconds per collective by message size over the process group `group` (global `ranks`).
+    `bytes` is the full array (all-reduce / reduce-scatter input, all-gather output); point-to-point
+    is a ping-pong between rank pairs (2i, 2i+1) of the group, half the round trip."""
+    import torch
+    import torch.distributed as dist
+
+    n = len(ranks)
+    me = dist.get_rank()
+    idx = ranks.index(me)
+    out: dict[str, list[dict]] = {op: [] for op in ops}
+    # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    for size in sizes:
+        numel = max(n, size // 4 // n * n)
+        full = torch.ones(numel, device=device)
+        shard = torch.ones(numel // n, device=device)
+        for op in ops:
+            if op == "all_reduce":
+                def fn(full=full):
+                    dist.all_reduce(full, group=group)
+            elif op == "all_gather":
+                def fn(full=full, shard=shard):
+                    all_gather(full, shard, group=group)
+            elif op == "reduce_scatter":
+                def fn(full=full, shard=shard):
+                    reduce_scatter(shard, full, group=group)
+            else:
+                peer_idx = idx ^ 1
+                if peer_idx >= n:
+                    def fn():
+                        return None
+                else:
+                    peer = ranks[peer_idx]
+                    first = idx % 2 == 0
+
+                    def fn(full=full, peer=peer, first=first):
+                        if first:
+                            dist.send(full, peer)
+                            dist.recv(full, peer)
+                        else:
+                            dist.recv(full, peer)
+                            dist.send(full, peer)
+            dist.barrier(group=group)
+            try:
+                sec = _timeit_collective(fn, device, group, min_time=min_time, max_reps=50)
+            except (RuntimeError, NotImplementedError) as e:  # a backend without this collective
+                out[op].append({"bytes": numel * 4, "error": str(e).splitlines()[0][:200]})
+                continue
+            if op == "p2p":
+                sec /= 2.0
+            moved, _ = collective_steps(op, n)
+            out[op].append({"bytes": numel * 4, "seconds": sec, "busbw": numel * 4 * moved / sec})
+    return out
+
+
+def _link_fit(colls: dict[str, list[dict]], n: int, kind: str) -> dict:
+    points = []
+    for op, rows in colls.items():
+        moved, steps = collective_steps(op, 2 if op == "p2p" else n)
+        for r in rows:
+            if "seconds" in r:
+                points.append((steps, r["bytes"] * moved, r["seconds"]))
+    alpha, beta = fit_alpha_beta(points)
+    return {"kind": kind, "bandwidth": beta, "latency": alpha, "efficiency": 1.0, "ranks": n}
+
+
+def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
+                   dtypes: Sequence[str] | None = None) -> dict | None:
+    """Run every measurement on all ranks of the current job at once; returns the calibration
+    document on global rank 0 and None elsewhere. Works single-process (no collectives) too."""
+    import torch
+    import torch.distributed as dist
+
+    from dtorch.cluster.local import local_cluster
+
+    distributed = dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % local))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtypes = list(dtypes or (("float32", "bfloat16") if not cuda else ("bfloat16", "float32")))
+    t0 = time.perf_counter()
+    rows = GEMM_ROWS[::2] if quick else GEMM_ROWS
+    widths = GEMM_WIDTHS[::2] if quick else GEMM_WIDTHS
+    if cuda:  # GPU GEMMs need far larger shapes to approach peak
+        rows, widths, k = tuple(4 * r for r in rows), tuple(8 * w for w in widths), 4096
+    else:
+        k = GEMM_K
+    gemm = measure_gemm(device, dtypes, rows, widths, k, min_time=0.01 if quick else 0.03)
+    membw = measure_memory_bandwidth(device, (16 if quick else 64) * 2**20, 0.03 if quick else 0.1)
+
+    colls: dict[str, dict] = {}
+    links: dict[str, dict] = {}
+    if distributed and world > 1:
+        sizes = COLL_SIZES[::2] if quick else COLL_SIZES
+        nodes = world // local
+        # every rank must create every group, in the same order
+        intra_groups = [list(range(i * local, (i + 1) * local)) for i in range(nodes)]
+        inter_groups = [list(range(j, world, local)) for j in range(local)]
+        pg_intra = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in intra_groups]
+        pg_inter = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in inter_groups] if nodes > 1 else []
+        node, lr = rank // local, rank % local
+        backend = dist.get_backend()
+        intra_kind = "shm" if not cuda else "nvlink"
+        if local > 1:
+            colls["intra"] = measure_collectives(pg_intra[node], intra_groups[node], device, sizes,
+                                                 min_time=0.01 if quick else 0.03)
+            links["intra"] = _link_fit(colls["intra"], local, intra_kind)
+        if nodes > 1:
+            colls["inter"] = measure_collectives(pg_inter[lr], inter_groups[lr], device, sizes,
+                                                 min_time=0.01 if quick else 0.03)
+            links["inter"] = _link_fit(colls["inter"], nodes, "ib" if backend == "nccl" else "ethernet")
+
+    mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links}
+    gathered = [None] * world
+    if distributed and world > 1:
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
+    if rank != 0:
+        return None
+
+    # per rank the slowest rank bounds a synchronous step: take the minimum over ranks per shape
+    gemm_all: dict[tuple, dict] = {}
+    for res in gathered:
+        for r in res["gemm"]:
+            key = (r["dtype"], r["rows"], r["width"], r["k"])
+            if key not in gemm_all or r["flops"] < gemm_all[key]["flops"]:
+                gemm_all[key] = r
+    gemm_min = list(gemm_all.values())
+    peaks: dict[str, float] = {}
+    effs: dict[str, float] = {}
+    for dt in dtypes:
+        peaks[dt], effs[dt] = fit_gemm_efficiency(gemm_min, dtype=dt)
+    main = "float32" if not cuda else "bfloat16"
+    mem_bw = min(res["membw"]["bytes_per_s"] for res in gathered)
+    # the links are fitted per rank; the slowest (lowest bandwidth) rank's fit bounds the collective
+    links_all: dict[str, dict] = {}
+    for res in gathered:
+        for cls, link in res["links"].items():
+            if cls not in links_all or link["bandwidth"] < links_all[cls]["bandwidth"]:
+                links_all[cls] = link
+    cluster = local_cluster(world, local, calibrated=False)
+    base_dev = cluster.groups[0].device
+    # every dtype's peak is scaled to the main dtype's efficiency so that one matmul_efficiency holds
+    peak_flops = {dt: peaks[dt] * effs[dt] / effs[main] for dt in dtypes}
+    best = {dt: max(r["flops"] for r in gemm_min if r["dtype"] == dt) for dt in dtypes}
+    return validate_calibration({
+        "version": CALIBRATION_VERSION,
+        "cluster": cluster.name,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "backend": dist.get_backend() if distributed else ("nccl" if cuda else "gloo"),
+        "world_size": world,
+        "local_world_size": local,
+        "device_kind": base_dev.kind,
+        "num_threads": torch.get_num_threads(),
+        "probe_seconds": round(time.perf_counter() - t0, 2),
+        "device": {
+            "name": base_dev.name,
+            "device_kind": base_dev.kind,
+            "peak_flops": peak_flops,
+            "matmul_efficiency": effs[main],
+            "memory_bandwidth": mem_bw,
+            "measured_peak_flops": best,
+            "nominal_peak_flops": dict(base_dev.peak_flops),
+        },
+        "links": {cls: {k: v for k, v in d.items() if k != "ranks"} for cls, d in links_all.items()},
+        "gemm": sorted(gemm_min, key=lambda r: (r["dtype"], r["rows"], r["width"])),
+        "memory_bandwidth": {"per_rank_bytes_per_s": [res["membw"]["bytes_per_s"] for res in gathered]},
+        "collectives": gathered[0]["colls"],
+    })
+
+
+def _threads_per_rank(local: int) -> int:
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def _spawn_entry(rank: int, world: int, rdzv: str, out: str, quick: bool, dtypes) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(_threads_per_rank(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{rdzv}", rank=rank, world_size=world)
+    try:
+        doc = probe_in_group(quick=quick, local_world_size=world, dtypes=dtypes)
+        if doc is not None:
+            Path(out).write_text(json.dumps(doc))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_probe(nproc: int | None = None, *, quick: bool = False, out: str | Path | None = None,
+              dtypes: Sequence[str] | None = None, save: bool = True) -> tuple[dict, Path | None]:
+    """Probe and (when `save`) store the calibration; returns (document, path written).
+
+    Inside a launched job (RANK/WORLD_SIZE in the environment: `dtorch run`, torchrun) every rank
+    must call this; it joins the job's process group and measures there (`nproc` is ignored).
+    Otherwise `nproc` processes are spawned on this machine (default: its GPU count, or 1 on a
+    CPU machine), each with its share of the cores. The file goes to `out` or
+    `calibration_path(cluster name)`; other ranks return ({}, None)."""
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        doc = probe_in_group(quick=quick, dtypes=dtypes)
+        if doc is None:
+            return {}, None
+    else:
+        n = nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+        if n < 1:
+            raise ConfigError("nproc", n, "give at least 1 process")
+        if torch.cuda.is_available() and n > torch.cuda.device_count():
+            raise ConfigError("nproc", n, f"this machine has {torch.cuda.device_count()} GPUs")
+        if n == 1:
+            prev = torch.get_num_threads()
+            torch.set_num_threads(_threads_per_rank(1))
+            try:
+                doc = probe_in_group(quick=quick, local_world_size=1, dtypes=dtypes)
+            finally:
+                torch.set_num_threads(prev)
+            assert doc is not None
+            # a one-process probe describes `load_cluster("detect")` as well as `local_cluster(1)`
+            doc["cluster"] = "local-cpu" if doc["device_kind"] == "cpu" else doc["cluster"]
+        else:
+            import torch.multiprocessing as mp
+
+            with tempfile.TemporaryDirectory() as tmp:
+                res = os.path.join(tmp, "calibration.json")
+                mp.spawn(_spawn_entry, args=(n, os.path.join(tmp, "rdzv"), res, quick, dtypes), nprocs=n, join=True)
+                doc = json.loads(Path(res).read_text())
+    path = None
+    if save:
+        path = write_calibration(doc, out or calibration_path(doc["cluster"]))
+    return doc, path
+
+
+def summary(doc: dict) -> str:
+    """A few human lines: per-rank peak and efficiency, memory bandwidth, links."""
+    dev = doc["device"]
+    lines = [f"calibration for {doc['cluster']} ({doc['world_size']} ranks, {doc['backend']}, "
+             f"{doc.get('num_threads', '?')} threads/rank, probe {doc.get('probe_seconds', '?')} s)"]
+    for dt, v in dev["peak_flops"].items():
+        best = dev.get("measured_peak_flops", {}).get(dt, v)
+        lines.append(f"  GEMM {dt:9s} best {best / 1e9:8.1f} GFLOP/s per rank; cost-model scale {v / 1e9:.1f} GFLOP/s "
+                     f"x efficiency {dev['matmul_efficiency']:.2f} x shape factor")
+    lines.append(f"  memory bandwidth {dev['memory_bandwidth'] / 1e9:.2f} GB/s per rank")
+    for cls, link in doc.get("links", {}).items():
+        lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us per step")
+    for cls, colls in doc.get("collectives", {}).items():
+        for op, rows in colls.items():
+            ok = [r for r in rows if "seconds" in r]
+            if ok:
+                big = ok[-1]
+                lines.append(f"  {cls:5s} {op:14s} {ok[0]['bytes'] / 1024:.0f} KiB {ok[0]['seconds'] * 1e6:8.0f} us"
+                             f" .. {big['bytes'] / 2**20:.0f} MiB {big['seconds'] * 1e3:7.2f} ms"
+                             f" (busbw {big['busbw'] / 1e9:.2f} GB/s)")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""dtorch probe: the calibration file it writes is valid, read back, merged over the nominal
+cluster, and changes the planner's estimate; a damaged file is reported or ignored, never trusted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtorch.cluster import load_cluster, local_cluster
+from dtorch.cluster.probe import (
+    CALIBRATION_VERSION,
+    apply_calibration,
+    calibration_path,
+    collective_steps,
+    fit_alpha_beta,
+    fit_gemm_efficiency,
+    read_calibration,
+    run_probe,
+    stored_calibration,
+    write_calibration,
+)
+from dtorch.errors import ConfigError
+from dtorch.plan.cost import estimate, shape_factor
+from dtorch.plan.plan import Plan
+from dtorch.plan.profiles import get_profile
+
+
+@pytest.fixture
+def cal_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTORCH_CALIBRATION_DIR", str(tmp_path))
+    monkeypatch.delenv("DTORCH_NO_CALIBRATION", raising=False)
+    return tmp_path
+
+
+def _doc(cluster: str, peak: float = 1e10, eff: float = 0.5, bw: float = 1e9, lat: float = 1e-4) -> dict:
+    return {"version": CALIBRATION_VERSION, "cluster": cluster, "device_kind": "cpu",
+            "device": {"peak_flops": {"float32": peak}, "matmul_efficiency": eff, "memory_bandwidth": 2e9},
+            "links": {"intra": {"kind": "shm", "bandwidth": bw, "latency": lat, "efficiency": 1.0}}}
+
+
+def test_single_process_probe_writes_calibration_that_detect_reads_back_and_changes_the_estimate(cal_dir, monkeypatch):
+    doc, path = run_probe(1, quick=True, dtypes=["float32"])
+    assert path == calibration_path("local-cpu") and path.is_file()
+    back = read_calibration(path)
+    assert back["device"]["peak_flops"]["float32"] == pytest.approx(doc["device"]["peak_flops"]["float32"])
+    assert 0 < back["device"]["matmul_efficiency"] <= 1
+    assert len(back["gemm"]) >= 4 and all(r["flops"] > 0 for r in back["gemm"])
+
+    cal = load_cluster("detect")
+    monkeypatch.setenv("DTORCH_NO_CALIBRATION", "1")
+    nominal = load_cluster("detect")
+    dev = cal.groups[0].device
+    assert dev.peak("float32") == pytest.approx(back["device"]["peak_flops"]["float32"])
+    assert dev.memory_bandwidth == pytest.approx(back["device"]["memory_bandwidth"])
+    assert cal.calibration["cluster"] == "local-cpu"
+    prof = get_profile("llama-tiny", 128)
+    plan = Plan(microbatch_size=4, param_dtype="float32")
+    t_cal = estimate(plan, prof, cal, "float32").step_time_s
+    t_nom = estimate(plan, prof, nominal, "float32").step_time_s
+    assert t_cal != pytest.approx(t_nom, rel=1e-3)
+
+
+def test_local_cluster_merges_stored_links_and_device_over_the_nominal_ones(cal_dir):
+    nominal = local_cluster(4, calibrated=False)
+    write_calibration(_doc("local:1x4", peak=3e10, eff=0.4, bw=5e8, lat=2e-4), calibration_path("local:1x4"))
+    cal = local_cluster(4)
+    g = cal.groups[0]
+    assert g.device.peak("float32") == 3e10 and g.device.matmul_efficiency == 0.4
+    assert g.intra.bandwidth == 5e8 and g.intra.latency == 2e-4 and g.intra.efficiency == 1.0
+    # the preset's other dtypes and the memory capacity are kept: merged, not replaced
+    assert g.device.peak("bfloat16") == nominal.groups[0].device.peak("bfloat16")
+    assert g.device.memory_bytes == nominal.groups[0].device.memory_bytes
+    # more ranks per node is another cluster: not calibrated by this file
+    assert local_cluster(2).groups[0].device.peak("float32") == local_cluster(2, calibrated=False).groups[0].device.peak("float32")
+    prof = get_profile("llama-tiny", 128)
+    plan = Plan(tp=2, dp_shard=2, sp=True, microbatch_size=2, param_dtype="float32")
+    e_cal, e_nom = estimate(plan, prof, cal, "float32"), estimate(plan, prof, nominal, "float32")
+    assert e_cal.time_breakdown["tp"] != pytest.approx(e_nom.time_breakdown["tp"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_two_rank_probe_measures_every_collective_and_fits_the_intra_link(cal_dir):
+    doc, path = run_probe(2, quick=True, dtypes=["float32"])
+    assert doc["cluster"] == "local:1x2" and doc["world_size"] == 2 and path == calibration_path("local:1x2")
+    colls = doc["collectives"]["intra"]
+    assert set(colls) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    for op, rows in colls.items():
+        assert [r for r in rows if "seconds" in r], op
+        sizes = [r["bytes"] for r in rows]
+        assert sizes == sorted(sizes) and sizes[-1] >= 2**20
+    link = doc["links"]["intra"]
+    assert link["bandwidth"] > 0 and link["latency"] >= 0
+    assert local_cluster(2).groups[0].intra.bandwidth == pytest.approx(link["bandwidth"])
+
+
+def test_damaged_calibration_is_rejected_by_name_and_ignored_by_the_cluster_loader(cal_dir):
+    p = calibration_path("local:1x2")
+    bad = _doc("local:1x2")
+    bad["device"]["matmul_efficiency"] = 1.7
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="matmul_efficiency"):
+        read_calibration(p)
+    assert stored_calibration("local:1x2") is None
+    assert local_cluster(2).groups[0].device.matmul_efficiency == local_cluster(2, calibrated=False).groups[0].device.matmul_efficiency
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid json"):
+        read_calibration(p)
+    with pytest.raises(ConfigError, match="version"):
+        write_calibration({**_doc("x"), "version": 99}, cal_dir / "x.json")
+
+
+def test_apply_marks_the_device_so_the_cost_models_name_table_does_not_override_the_measurement():
+    h100 = load_cluster("h100:1x8")
+    cal = apply_calibration(h100, {**_doc("h100", peak=5e14, eff=0.3), "device_kind": "cuda",
+                                   "device": {"peak_flops": {"bfloat16": 5e14}, "matmul_efficiency": 0.3,
+                                              "device_kind": "cuda"}})
+    assert cal.groups[0].device.name.endswith("*")
+    prof = get_profile("llama3-8b", 2048)
+    plan = Plan(dp_shard=8, microbatch_size=1, param_dtype="bfloat16")
+    assert estimate(plan, prof, cal).efficiency < estimate(plan, prof, h100).efficiency
+
+
+def test_alpha_beta_fit_recovers_a_known_link():
+    alpha, beta = 50e-6, 2e9
+    pts = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        moved, steps = collective_steps(op, 4 if op != "p2p" else 2)
+        for size in (4096, 65536, 2**20, 2**24):
+            pts.append((steps, size * moved, alpha * steps + size * moved / beta))
+    a, b = fit_alpha_beta(pts)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+
+
+def test_gemm_fit_reproduces_a_curve_of_the_cost_models_shape():
+    recs = [{"dtype": "float32", "rows": r, "width": w, "flops": 4e10 * 0.7 * shape_factor(w, r)}
+            for r in (128, 512, 2048) for w in (32, 128, 512)]
+    peak, eff = fit_gemm_efficiency(recs, dtype="float32")
+    for r in recs:
+        assert peak * eff * shape_factor(r["width"], r["rows"]) == pytest.approx(r["flops"], rel=1e-9)
+    assert eff <= 1.0

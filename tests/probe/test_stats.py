@@ -1,0 +1,36 @@
+"""Statistics helpers of the benchmarks on hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
+
+from benchmarks.stats import mape, ranks, regret, spearman  # noqa: E402
+
+
+def test_ranks_average_ties():
+    assert ranks([10, 30, 20, 20]) == [1.0, 4.0, 2.5, 2.5]
+
+
+def test_spearman_on_hand_cases():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # one swapped pair of 4: 1 - 6*sum(d^2)/(n(n^2-1)) = 1 - 6*2/60 = 0.8
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+def test_mape_on_hand_case():
+    assert mape([110, 90, 50], [100, 100, 100]) == pytest.approx((0.1 + 0.1 + 0.5) / 3)
+
+
+def test_regret_is_the_measured_time_of_the_predicted_best_over_the_best_measured():
+    assert regret([1.0, 2.0, 3.0], [1.2, 1.0, 2.0]) == pytest.approx(1.2)
+    assert regret([3.0, 2.0, 1.0], [3.0, 2.0, 1.0]) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        regret([], [])
