@@ -131,6 +131,8 @@ class Estimate:
     fits: bool
     efficiency: float = 0.0
     """The matmul efficiency the compute time used."""
+    host_bytes_per_rank: int = 0
+    """Host (CPU) memory the rank's offloaded states take; `fits` requires the node's ranks to fit."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -141,6 +143,7 @@ class Estimate:
             "mfu": self.mfu,
             "memory_bytes_per_rank": self.memory_bytes_per_rank,
             "memory_capacity": self.memory_capacity,
+            "host_bytes_per_rank": self.host_bytes_per_rank,
             "fits": self.fits,
             "time_breakdown": dict(self.time_breakdown),
             "memory_breakdown": dict(self.memory_breakdown),
@@ -428,6 +431,17 @@ def estimate(
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
     total = sub + margin
     cap = dev.memory_bytes
+    # Offloaded states live in the node's host memory, shared by all its ranks (ZeRO-Offload:
+    # fp32 master params + Adam moments, plus fp32 grads when parameters are offloaded too).
+    host = 0.0
+    if plan.offload == "optimizer":
+        host = 12.0 * p_local
+    elif plan.offload == "params":
+        host = 16.0 * p_local
+    host_ok = g.host_memory_bytes <= 0 or host * g.devices_per_node <= 0.9 * g.host_memory_bytes
+    notes = [] if host_ok else [
+        f"offloaded states need {host * g.devices_per_node / 2**30:,.0f} GiB of host memory per node, "
+        f"{g.host_memory_bytes / 2**30:,.0f} GiB available"]
     return Estimate(
         step_time_s=step,
         tokens_per_s=tps,
@@ -448,8 +462,10 @@ def estimate(
         memory_bytes_per_rank=int(total),
         memory_breakdown={**states, "activations": int(activations), "buffers": int(buffers), "margin": int(margin)},
         memory_capacity=int(cap),
-        fits=total <= cap,
+        fits=total <= cap and host_ok,
         efficiency=eff,
+        host_bytes_per_rank=int(host),
+        notes=notes,
     )
 
 

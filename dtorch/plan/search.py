@@ -474,7 +474,8 @@ def search(
         if fam in best_family:
             continue
         rejected[fam] = (f"does not fit: its leanest plan tried needs {est.memory_bytes_per_rank / GiB:.1f} GiB "
-                         f"per rank ({plan.describe()}), {cap / GiB:.0f} GiB available")
+                         f"per rank ({plan.describe()}), {cap / GiB:.0f} GiB available"
+                         + "".join(f"; {n}" for n in est.notes))
     return SearchResult(
         ranked=[(p, e) for _, _, p, e in ranked],
         best_by_family=dict(sorted(best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
@@ -584,7 +585,8 @@ def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: 
     if closest is not None:
         plan, est = closest
         out.append(f"closest plan needs {est.memory_bytes_per_rank / GiB:.1f} GiB per rank "
-                   f"({plan.describe()}); {est.memory_capacity / GiB:.0f} GiB available")
+                   f"({plan.describe()}); {est.memory_capacity / GiB:.0f} GiB available"
+                   + "".join(f"; {n}" for n in est.notes))
 
     def fits(prof: ModelProfile, cl: Cluster, fx: dict[str, Any], gb: int) -> SearchResult | None:
         try:

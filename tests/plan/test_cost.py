@@ -205,3 +205,20 @@ def test_mixed_cluster_runs_at_the_slowest_device_and_mfu_counts_every_peak():
     a100 = estimate(Plan(dp_shard=16), prof, load_cluster("a100:2x8"))
     assert mixed.step_time_s == pytest.approx(a100.step_time_s, rel=0.05)
     assert mixed.mfu == pytest.approx(mixed.tokens_per_s * prof.flops_per_token / (8 * 989e12 + 8 * 312e12))
+
+
+def test_offload_must_fit_in_the_nodes_host_memory():
+    from dtorch.cluster import load_cluster
+    from dtorch.model import profile
+    from dtorch.plan.cost import estimate
+    from dtorch.plan.plan import Plan
+
+    prof = profile("llama3-405b", 8192)
+    plan = Plan(dp_shard=2, microbatch_size=1, num_microbatches=4, ac="full", offload="params")
+    est = estimate(plan, prof, load_cluster("h100:1x2"))
+    # 405B x 16 bytes / 2 ranks x 2 ranks per node = 6.5 TB > the 2 TiB of a DGX H100
+    assert abs(est.host_bytes_per_rank - 16 * prof.params_total / 2) / (8 * prof.params_total) < 0.01
+    assert not est.fits
+    assert "host memory" in est.notes[0]
+    small = estimate(plan, profile("llama3-8b", 8192), load_cluster("h100:1x2"))
+    assert small.host_bytes_per_rank > 0 and small.fits
