@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="seconds a rank may take to its first beat once others beat (default 10x heartbeat)")
     d.add_argument("--chaos", default="", help="fault-injection drill, e.g. 'kill:rank=1:step=5;every=20:kill'")
     d.add_argument("--run-dir", default=None, help="heartbeats, dumps and events.jsonl (default $TMPDIR/dtorch-ID)")
+    d.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"),
+                   help="forkserver (default): workers fork from a server that imported torch once, so a "
+                        "restart takes a fork; spawn: a fresh interpreter per worker, as torchrun")
     d.add_argument("--shutdown-timeout", type=int, default=5, help="seconds from SIGTERM to SIGKILL (default 5)")
     p.add_argument("target", help="training script (or module with -m, executable with --no-python)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -81,5 +84,6 @@ def run(args: argparse.Namespace) -> int:
                       rdzv_conf=args.rdzv_conf, max_restarts=args.max_restarts,
                       monitor_interval=args.monitor_interval, heartbeat_timeout=args.heartbeat_timeout,
                       startup_timeout=args.startup_timeout, chaos=args.chaos, run_dir=args.run_dir,
-                      local_addr=args.local_addr, shutdown_timeout=args.shutdown_timeout)
+                      local_addr=args.local_addr, shutdown_timeout=args.shutdown_timeout,
+                      start_method=args.start_method)
     return launch(spec, args.target, list(args.args), module=args.module, no_python=args.no_python)

@@ -1,10 +1,15 @@
-"""Worker bootstrap: `python -m dtorch.elastic.bootstrap [-m] TARGET ARGS...`.
+"""Worker bootstrap: how `dtorch run` starts every worker.
 
-The launcher starts every worker through this module so that any script (not only DTorch's
-trainer) gets the worker setup before its first line runs: parent-death signal (no orphans when the
-agent is SIGKILLed), faulthandler on SIGUSR1 (stack dumps of a hung rank) and the heartbeat thread.
-Then it runs TARGET as `__main__` (a path, or a module with `-m`), with `sys.argv` as the script
-would see it under torchrun. Imports nothing heavy: the script pays for torch itself.
+Two ways, same effect. With `--start-method forkserver` (the default) the agent's forkserver has
+imported torch once and forks each worker from it, then calls `run_target` (a restart costs a
+fork, not a Python start plus a torch import: ~10 s of a recovery on a small machine). With
+`--start-method spawn` each worker is a fresh `python -m dtorch.elastic.bootstrap [-m] TARGET ARGS`
+(torchrun's way).
+
+Either way the worker setup runs before the script's first line, so any script (not only DTorch's
+trainer) gets it: parent-death signal (no orphans when the agent is SIGKILLed), faulthandler on
+SIGUSR1 (stack dumps of a hung rank), the heartbeat thread. Then TARGET runs as `__main__` (a path,
+or a module with `-m`), with `sys.argv` as the script would see it under torchrun.
 """
 
 from __future__ import annotations
@@ -14,18 +19,30 @@ import runpy
 import sys
 
 
-def main(argv: list[str]) -> None:
+def _run(target: str, args: list[str], module: bool) -> None:
     from dtorch.elastic import worker
 
     worker.setup()
-    if argv and argv[0] == "-m":
-        mod, rest = argv[1], argv[2:]
-        sys.argv = [mod, *rest]
-        runpy.run_module(mod, run_name="__main__", alter_sys=True)
+    if module:
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python script.py` does
-        runpy.run_path(argv[0], run_name="__main__")
+        sys.argv = [target, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python script.py` does
+        runpy.run_path(target, run_name="__main__")
+
+
+def run_target(env: dict[str, str], target: str, args: list[str], module: bool) -> None:
+    """Entry point of a forked worker: `env` carries what changes per start (the epoch)."""
+    os.environ.update(env)
+    _run(target, list(args), module)
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "-m":
+        _run(argv[1], argv[2:], True)
+    else:
+        _run(argv[0], argv[1:], False)
 
 
 if __name__ == "__main__":

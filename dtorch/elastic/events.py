@@ -93,9 +93,9 @@ def read(path: str) -> list[dict[str, Any]]:
 def recoveries(path: str) -> list[dict[str, Any]]:
     """One record per recovery found in the log, phases in seconds (None when not reported).
 
-    A recovery starts at a `detected` event (agent side; fields `epoch`, `fault_t`) and ends at the
+    A recovery starts at a `detected` event (agent side; `epoch`, `fault_t`, `detect_t`) and ends at the
     last `first_step` of the next epoch whose rendezvous followed it. Phases, on one time line:
-    detect = detected - fault, stop = rendezvous start - detected, rendezvous, start = workers
+    detect = detected - fault, stop = rendezvous start - detected (stopping the survivors), rendezvous, start = workers
     spawned until their first reported phase or step, replan / load = longest rank, first_step =
     longest rank's first step. `total` = end of the first step - fault.
     """
@@ -126,6 +126,7 @@ def recoveries(path: str) -> list[dict[str, Any]]:
             return max(xs) if xs else None
 
         fault_t = d.get("fault_t") or d["t"]
+        detect_t = d.get("detect_t") or d["t"]  # when the agent saw it (it logs after stopping the rest)
         end = max(e["start"] + e["seconds"] for e in firsts)
         out.append({
             "epoch_failed": ep,
@@ -133,8 +134,8 @@ def recoveries(path: str) -> list[dict[str, Any]]:
             "cause": d.get("cause"),
             "ranks": d.get("ranks"),
             "world_size": world,
-            "detect": d["t"] - fault_t,
-            "stop": rdzv["start"] - d["t"],
+            "detect": detect_t - fault_t,
+            "stop": rdzv["start"] - detect_t,
             "rendezvous": rdzv["end"] - rdzv["start"],
             "start": (min(starts) - spawned) if starts else None,
             "replan": longest("replan"),

@@ -77,6 +77,16 @@ def dump_dir(run_dir: str, epoch: int) -> str:
     return os.path.join(run_dir, DUMP_DIR, f"epoch{epoch}")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 class _Writer(threading.Thread):
     """Publishes the record every `interval` s; answers dump requests; exits if the agent is gone."""
 
@@ -104,7 +114,7 @@ class _Writer(threading.Thread):
                 self._maybe_dump()
             except Exception:  # a full disk must not kill training; the monitor will see stale beats
                 pass
-            if self.agent_pid is not None and os.getppid() != self.agent_pid:
+            if self.agent_pid is not None and not _alive(self.agent_pid):
                 # Our agent died (PR_SET_PDEATHSIG covers Linux; this covers the rest): do not linger.
                 os._exit(70)
             time.sleep(self.interval)

@@ -56,6 +56,13 @@ FAST_RDZV_CONF: dict[str, Any] = {
 }
 
 
+START_METHODS = ("forkserver", "spawn")
+# What the forkserver imports once, so that a worker (re)start is a fork instead of a torch import.
+# torch._dynamo alone is ~4 s: it is imported lazily by the first optimizer a worker builds.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+                      "torch.distributed.tensor", "torch.distributed.fsdp", "dtorch.elastic.bootstrap"]
+
+
 @dataclass
 class LaunchSpec:
     """Everything `dtorch run` needs besides the script. Field names follow torchrun's flags."""
@@ -86,9 +93,13 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when the agent stops its workers (torchrun: 30)."""
     grow_wait: float = 300.0
     """Longest time a waiting node is held back for a checkpoint boundary (seconds)."""
-    start_method: str = "spawn"
+    start_method: str = "forkserver"
+    """How workers start: "forkserver" forks them from a server that imported torch once (fast
+    restarts); "spawn" runs a fresh interpreter per worker, as torchrun does for scripts."""
 
     def __post_init__(self) -> None:
+        if self.start_method not in START_METHODS:
+            raise ConfigError("start_method", self.start_method, "use one of {forkserver, spawn}")
         if not (1 <= self.min_nodes <= self.max_nodes):
             raise ConfigError("nnodes", f"{self.min_nodes}:{self.max_nodes}", "use N or MIN:MAX with 1 <= MIN <= MAX")
         if self.nproc_per_node < 1:
@@ -181,7 +192,10 @@ def _agent_class():
                        nodes=worker_group.group_world_size, node_rank=worker_group.group_rank)
 
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
-            os.environ["DTORCH_EPOCH"] = str(self.epoch)
+            os.environ["DTORCH_EPOCH"] = str(self.epoch)  # for workers started as new processes
+            if callable(worker_group.spec.entrypoint):
+                # forked workers inherit the forkserver's environment: pass what changes per start
+                worker_group.spec.args = ({"DTORCH_EPOCH": str(self.epoch)}, *worker_group.spec.args[1:])
             pids = super()._start_workers(worker_group)
             self.local_pids = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}
             self.watch.reset(self.epoch, self.local_pids)
@@ -190,7 +204,7 @@ def _agent_class():
             return pids
 
         def _stop_workers(self, worker_group: Any) -> None:
-            # SIGCONT first: a stopped worker cannot act on SIGTERM, and torch would wait 30 s for it.
+            # SIGCONT first: a stopped worker cannot act on SIGTERM, and torch would wait for it.
             for pid in self.local_pids.values():
                 try:
                     os.kill(pid, signal.SIGCONT)
@@ -200,9 +214,12 @@ def _agent_class():
 
         # -- detection
         def _monitor_workers(self, worker_group: Any) -> Any:
+            t_check = time.time()
+            # For a failed group this call also stops the surviving workers (torch waits for them:
+            # ~1.8 s for forked workers here), so the failure was seen at t_check, not on return.
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
-                self._on_exit_failure(result)
+                self._on_exit_failure(result, t_check)
             elif result.state == WorkerState.HEALTHY:
                 hang = self.watch.check()
                 if hang is not None:
@@ -221,15 +238,30 @@ def _agent_class():
             ts = [beats[r]["progress_t"] for r in ranks if r in beats]
             return min(ts) if ts else None
 
-        def _on_exit_failure(self, result: Any) -> None:
-            codes = {r: f.exitcode for r, f in sorted(result.failures.items())}
-            # Ranks the agent itself SIGTERMed while stopping the group are victims, not causes.
+        def _exit_codes(self, result: Any) -> dict[int, int]:
+            """Exit codes of every local worker that has exited. torch reports one failure per group
+            for forked workers (the first it saw), which need not be the root cause."""
+            codes = {r: f.exitcode for r, f in result.failures.items()}
+            procs = getattr(getattr(self._pcontext, "_pc", None), "processes", None)
+            if procs:
+                for w in self._worker_group.workers:
+                    code = procs[w.local_rank].exitcode
+                    if code is not None and code != 0:
+                        codes.setdefault(w.global_rank, code)
+            return dict(sorted(codes.items()))
+
+        def _on_exit_failure(self, result: Any, t_check: float) -> None:
+            codes = self._exit_codes(result)
+            # Ranks the agent itself SIGTERMed while stopping the group are victims, not causes;
+            # so are ranks that raised because a peer vanished, when some rank died of a signal.
             ranks = [r for r, c in codes.items() if c != -signal.SIGTERM] or sorted(codes)
+            if any(codes[r] < 0 for r in ranks):
+                ranks = [r for r in ranks if codes[r] < 0]
             fault_t = self._fault_time(ranks)
             self.detections += 1
             self.recovery_pending = True
             events.log("detected", self.events_path, cause="exit", ranks=ranks, exitcodes=codes,
-                       epoch=self.epoch, fault_t=fault_t)
+                       epoch=self.epoch, fault_t=fault_t, detect_t=t_check)
             why = {r: (signal.Signals(-codes[r]).name if codes[r] < 0 else f"exit code {codes[r]}") for r in ranks}
             print(f"dtorch: worker failure in epoch {self.epoch}: "
                   + ", ".join(f"rank {r} ({s})" for r, s in why.items())
@@ -249,9 +281,9 @@ def _agent_class():
                        detect_t=t_detect, diagnosis=line, **fields)
             print(line, file=sys.stderr, flush=True)
 
-        def _maybe_report_recovery(self) -> None:
+        def _maybe_report_recovery(self, force: bool = False) -> None:
             now = time.time()
-            if not self.recovery_pending or now < self._next_recovery_check:
+            if not self.recovery_pending or (now < self._next_recovery_check and not force):
                 return
             self._next_recovery_check = now + 1.0
             if self._worker_group.group_rank != 0:
@@ -330,8 +362,16 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     params = RendezvousParameters(backend=spec.rdzv_backend, endpoint=spec.rdzv_endpoint, run_id=spec.rdzv_id,
                                   min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
                                   local_addr=spec.local_addr, **conf)
+    entrypoint: Any
     if no_python:
         entrypoint, wargs = target, list(args)
+    elif spec.start_method == "forkserver":
+        import multiprocessing
+
+        from dtorch.elastic.bootstrap import run_target
+
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+        entrypoint, wargs = run_target, [{}, target, list(args), module]
     else:
         entrypoint = sys.executable
         wargs = ["-u", "-m", "dtorch.elastic.bootstrap", *(["-m"] if module else []), target, *args]
@@ -344,12 +384,13 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
                        args=tuple(wargs), rdzv_handler=handler, max_restarts=spec.max_restarts,  # type: ignore[arg-type]
                        monitor_interval=spec.monitor_interval, local_addr=spec.local_addr)
     agent = _agent_class()(spec=wspec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
-                           start_method=spec.start_method, shutdown_timeout=spec.shutdown_timeout, dspec=spec)
+                           start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
+                           shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
     shutdown_rdzv = True
     try:
         result = agent.run()
-        agent._maybe_report_recovery()
+        agent._maybe_report_recovery(force=True)
         if result is None:  # the rendezvous was closed by another node: nothing left to do here
             return 0
         if result.is_failed():

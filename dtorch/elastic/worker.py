@@ -81,16 +81,30 @@ def _set_pdeathsig() -> None:
     except (OSError, AttributeError):
         return
     agent = os.environ.get("DTORCH_AGENT_PID")
-    if agent is not None and os.getppid() != int(agent):
-        os._exit(70)  # the agent died between fork and prctl: the signal will never come
+    if agent is not None and not agent_alive(int(agent)):
+        os._exit(70)  # the agent died before prctl: the signal will never come
+
+
+def agent_alive(pid: int) -> bool:
+    """Whether the agent process still exists. (Our parent is the agent, or with the forkserver
+    start method the agent's forkserver, which exits when the agent dies.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def setup() -> None:
     """Prepare this process as a DTorch worker (idempotent; no-op outside `dtorch run`)."""
     global _setup_done, _faulthandler_file
+    global _step_start_t
     if _setup_done:
         return
     _setup_done = True
+    _step_start_t = time.time()  # module globals may date from the forkserver's import
     run_dir = os.environ.get("DTORCH_RUN_DIR")
     if not run_dir:
         return

@@ -16,16 +16,24 @@ CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(
 
 
 def pids_with(marker: str) -> list[int]:
-    """Pids (other than ours) whose command line contains `marker`."""
+    """Live pids (other than ours) whose command line or initial environment contains `marker`.
+    Workers forked from the agent's forkserver carry the forkserver's command line, but its
+    environment, which has DTORCH_TEST_MARKER (see `dtorch_run`)."""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
             continue
         try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    out.append(int(d))
-        except OSError:
+            with open(f"/proc/{d}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # already dead, waiting to be reaped
+            found = False
+            for name in ("cmdline", "environ"):
+                with open(f"/proc/{d}/{name}", "rb") as f:
+                    found = found or marker.encode() in f.read()
+            if found:
+                out.append(int(d))
+        except (OSError, IndexError):
             continue
     return out
 
@@ -54,7 +62,7 @@ def dtorch_run(out: str, marker: str, *flags: str, steps: int = 12, nproc: int =
     os.makedirs(out, exist_ok=True)
     cmd = [*CLI, "--nproc-per-node", str(nproc), "--run-dir", os.path.join(out, "run"), *flags,
            TOY, "--out", out, "--steps", str(steps), "--step-sleep", str(step_sleep), "--marker", marker]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DTORCH_TEST_MARKER": marker}
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)

@@ -34,16 +34,28 @@ def _wait_for(pred, timeout: float, what: str) -> float:
     return time.time() - t0
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _descendants(pid: int) -> list[int]:
+    parent = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{d}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d))
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        out += kids
+        frontier = kids
     return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path, marker, dtorch_run):
@@ -60,12 +72,11 @@ def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path
     b = dtorch_run(out, marker, *flags, **kw)
     t_up = _wait_for(lambda: any(x["world"] == 4 for x in _steps(out)), 120, "world size 4")
     time.sleep(1)
-    b_workers = _children(b.pid)
-    assert len(b_workers) == 2
+    b_procs = _descendants(b.pid)  # its forkserver and 2 workers
+    assert len(b_procs) >= 2
     b.send_signal(signal.SIGKILL)
     b.wait()
-    _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
-                              for p in b_workers), 5, "node B's workers to die with their agent")
+    _wait_for(lambda: not any(_alive(p) for p in b_procs), 5, "node B's workers to die with their agent")
     t_down = _wait_for(lambda: _steps(out)[-1]["world"] == 2, 120, "the job to continue on 2 workers")
     time.sleep(1)
     b2 = dtorch_run(out, marker, *flags, **kw)
@@ -93,7 +104,8 @@ def test_chaos_drill_failure_every_50_steps_over_200_steps(tmp_path, marker, dto
     rep = events.drill_report(str(tmp_path / "run" / events.EVENTS_FILE), steps, wall)
     assert rep["failures"] == 3 and len(rep["recoveries"]) == 3
     assert rep["steps_lost_per_failure"] == 1.0  # the toy commits every step: only the interrupted one
-    med = {k: statistics.median(x[k] for x in rep["recoveries"]) for k in ("detect", "rendezvous", "start", "total")}
+    med = {k: round(statistics.median(x[k] for x in rep["recoveries"]), 2)
+           for k in ("detect", "stop", "rendezvous", "start", "load", "first_step", "total")}
     print(f"drill: {rep['steps']} steps, {rep['failures']} failures, useful {rep['useful_s']:.1f} s / wall "
           f"{wall:.1f} s = {rep['effective_ratio']:.2f}; steps lost per failure {rep['steps_lost_per_failure']}; "
           f"median recovery {med}")
