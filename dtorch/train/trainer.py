@@ -126,6 +126,7 @@ class Trainer:
         # set up in _setup()
         self.plan: Plan | None = None
         self._profile = None
+        self._cluster_name: str | None = None
         self.parallel = None
         self.step = 0
 
@@ -181,6 +182,7 @@ class Trainer:
         from dtorch.plan.search import search
 
         cluster = load_cluster(self.cluster_spec) if self.cluster_spec else local_cluster(world)
+        self._cluster_name = cluster.name
         if cluster.world_size != world:
             raise ConfigError("cluster", self.cluster_spec,
                               f"it has {cluster.world_size} devices but {world} processes were launched")
@@ -303,6 +305,7 @@ class Trainer:
         peak = self._device_peak() or measured_gemm_peak(self.device)
         flops_per_token = self._flops_per_token()
         result = FitResult(0, self.step, resumed, plan=self.plan)
+        step_times: list[float] = []
         samples_log = None
         if os.environ.get("DTORCH_RECORD_SAMPLES") and self.log_dir is not None:
             # Audit trail of the data order: which sample indices each rank consumed at each step.
@@ -334,6 +337,7 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 loss_f = float(loss)
                 result.losses[self.step] = loss_f
+                step_times.append(dt)
                 result.steps_run += 1
                 tps = tokens_per_step / dt
                 self.metrics.log(StepMetrics(
@@ -346,6 +350,7 @@ class Trainer:
                     self._save()
             if self.ckpt is not None and (resumed is None or resumed < steps):
                 self._save(final=True)
+            self._feedback(step_times)
         finally:
             if self.ckpt is not None:
                 self.ckpt.wait(raise_on_error=False)
@@ -355,6 +360,27 @@ class Trainer:
         result.final_step = self.step
         result.wall_s = time.perf_counter() - t_start
         return result
+
+    def _feedback(self, step_times: list[float]) -> None:
+        """Compare the measured step time and peak memory with the plan's prediction, log the gap,
+        and refine the stored calibration of this cluster (rank 0) so the next plan starts from it."""
+        if not (self.plan.predicted and self._cluster_name) or len(step_times) < 6:
+            return
+        from dtorch.monitor import feedback
+        from dtorch.monitor.metrics import peak_memory_bytes
+
+        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if self.rank != 0:
+            return
+        measured = sorted(step_times[3:])[len(step_times[3:]) // 2]  # median after warm-up
+        gap = feedback.record(self.plan, measured, int(peak.item()), self._cluster_name)
+        self.metrics.event("feedback", **{k: v for k, v in gap.items() if not isinstance(v, dict)})
+        if self.console and "skipped" not in gap:
+            print(f"dtorch: measured {measured * 1e3:.0f} ms/step vs predicted "
+                  f"{self.plan.predicted['step_time_s'] * 1e3:.0f} ms; calibration of {self._cluster_name} updated",
+                  flush=True)
 
     def _device_peak(self) -> float | None:
         if self.device.type != "cuda":

@@ -28,7 +28,8 @@ def _train_cmd(ckpt: Path, steps: int, nproc: int, plan: str = "auto", every: in
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "DTORCH_RECORD_SAMPLES": "1", "OMP_NUM_THREADS": "1"}
+    # no stored calibration: every "auto" run of a test plans the same way
+    return {**os.environ, "DTORCH_RECORD_SAMPLES": "1", "OMP_NUM_THREADS": "1", "DTORCH_NO_CALIBRATION": "1"}
 
 
 def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
