@@ -61,8 +61,13 @@ def model_dims(model: nn.Module) -> ModelDims:
     return ModelDims(len(blocks), heads, kv or heads, vocab)
 
 
-def check_plan(plan: Plan, dims: ModelDims, *, seq_len: int | None = None, world_size: int | None = None) -> None:
-    """Raise ConfigError if `plan` cannot run `dims` at `seq_len` on `world_size` ranks."""
+def check_plan(
+    plan: Plan, dims: ModelDims, *, seq_len: int | None = None, world_size: int | None = None,
+    executable: bool = True,
+) -> None:
+    """Raise ConfigError if `plan` cannot run `dims` at `seq_len` on `world_size` ranks.
+    `executable=False` checks only what the sharding itself needs (the dry run), not the limits of
+    this executor at run time (`check_executable`)."""
     plan.validate(world_size)
     if dims.num_heads % plan.tp:
         raise ConfigError(
@@ -104,3 +109,20 @@ def check_plan(plan: Plan, dims: ModelDims, *, seq_len: int | None = None, world
             why = (f"context parallel splits the sequence into tp*2*cp = {unit} load-balanced chunks"
                    if plan.cp > 1 else f"sequence parallelism splits the sequence over tp={plan.tp}")
             raise ConfigError("seq_len", seq_len, f"{why}; use a multiple of {unit}")
+    if executable:
+        check_executable(plan)
+
+
+def check_executable(plan: Plan) -> None:
+    """The limits of this executor on torch 2.13 (not of the plan): ConfigError if one is hit."""
+    from dtorch.parallel.cp import check_cp
+
+    check_cp(plan)
+    if plan.pp > 1 and plan.schedule == "zero_bubble" and plan.sp and plan.num_stages > 2:
+        # torch 2.13: the split input/weight backward of a middle stage fails on the sequence-parallel
+        # boundary ("Can't detach views in-place"), measured on gloo with pp=2, v=2.
+        raise ConfigError(
+            "schedule", plan.schedule,
+            "zero-bubble with sequence parallelism and middle pipeline stages fails in torch 2.13; "
+            "use schedule=interleaved_1f1b, sp=false, or pp*virtual_stages=2",
+        )

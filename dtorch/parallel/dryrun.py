@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtorch.parallel.check import check_plan, model_dims
-from dtorch.parallel.cp import check_cp
+from dtorch.errors import ConfigError
+from dtorch.parallel.check import check_executable, check_plan, model_dims
 from dtorch.parallel.fsdp import apply_ddp, apply_fsdp
 from dtorch.parallel.mesh import build_mesh, sub_mesh
 from dtorch.parallel.pipeline import apply_pipeline_split, stage_ids
@@ -106,12 +106,18 @@ def verify(plan: Plan, model_spec: str, seq_len: int, cluster: Any = None) -> di
     Returns {"measured": {"ranks": [per representative rank: rank, stages, params, grads,
     optimizer, total (bytes)], "max": {...}}, "estimated": {params, grads, optimizer, total} or
     None, "relative_error": (estimated total - measured max total) / measured max total,
-    "seconds": wall time}. `cluster` (optional) adds the full estimate (memory and time
+    "executable" / "not_executable_because": whether this executor can run the plan today,
+    "seconds": wall time}. Context parallelism adds no parameter sharding (parameters are
+    replicated over cp, as in the cost model), so cp > 1 plans are measured too. `cluster` (optional) adds the full estimate (memory and time
     breakdowns). Raises ConfigError if the plan cannot run this model."""
     t0 = time.perf_counter()
     with torch.device("meta"):
-        check_plan(plan, model_dims(_build_meta(model_spec, seq_len)), seq_len=seq_len)
-    check_cp(plan)
+        check_plan(plan, model_dims(_build_meta(model_spec, seq_len)), seq_len=seq_len, executable=False)
+    try:
+        check_executable(plan)
+        not_executable = None
+    except ConfigError as e:  # the sharding is measurable even where this executor cannot run it yet
+        not_executable = str(e)
     if dist.is_initialized():
         raise RuntimeError("verify() runs on its own fake process group; call it outside a launched job")
     ranks = [measure_rank(plan, model_spec, seq_len, r) for r in representative_ranks(plan)]
@@ -121,6 +127,8 @@ def verify(plan: Plan, model_spec: str, seq_len: int, cluster: Any = None) -> di
         "measured": {"ranks": ranks, "max": {k: fullest[k] for k in ("rank", "params", "grads", "optimizer", "total")}},
         "estimated": None,
         "relative_error": None,
+        "executable": not_executable is None,
+        "not_executable_because": not_executable,
     }
     try:
         from dtorch.plan import cost

@@ -27,7 +27,10 @@ def mp_policy(plan: Plan) -> MixedPrecisionPolicy:
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, last_stage: bool) -> None:
     """Shard `model` (one pipeline stage or the whole model) over `dp_mesh`: 1-D for FSDP, 2-D
     (dp_replicate, dp_shard) for HSDP."""
-    offload: OffloadPolicy = CPUOffloadPolicy() if plan.offload == "params" else OffloadPolicy()
+    # Pinned host memory speeds up host-device copies; there is nothing to pin for without CUDA.
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload == "params" else OffloadPolicy()
+    )
     kw = dict(mesh=dp_mesh, mp_policy=mp_policy(plan), offload_policy=offload)
     _, blocks = find_blocks(model)
     items = block_items(blocks)

@@ -18,25 +18,26 @@ from torch import nn
 from dtorch.errors import ConfigError
 from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_plan, model_dims
-from dtorch.parallel.cp import check_cp
 from dtorch.parallel.fsdp import apply_ddp, apply_fsdp
+from dtorch.parallel.hf import adapt
 from dtorch.parallel.materialize import materialize, reference_state
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, sub_mesh
 from dtorch.parallel.model import ParallelModel
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
-from dtorch.parallel.tp import apply_tp
+from dtorch.parallel.tp import apply_tp, check_roles
 from dtorch.plan.plan import Plan
 
 
 def meta_model(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
-    """The model on the meta device (a copy: the caller's module is never modified)."""
+    """The model on the meta device (a copy: the caller's module is never modified), transformers
+    models seen through their reference-shaped adapter (see hf.py)."""
     if isinstance(model_or_factory, nn.Module):
-        return copy.deepcopy(model_or_factory).to("meta")
+        return adapt(copy.deepcopy(model_or_factory).to("meta"))
     with torch.device("meta"):
         model = model_or_factory()
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "the factory must return an nn.Module")
-    return model
+    return adapt(model)
 
 
 def parallelize(
@@ -57,10 +58,19 @@ def parallelize(
     initialised with `seed`. Raises ConfigError before any process group exists if the plan cannot
     run this model (or `seq_len`, when given).
     """
+    if isinstance(model_or_factory, nn.Module):
+        model_or_factory = adapt(model_or_factory)
     model = meta_model(model_or_factory)
+    if getattr(model, "tied", None) and model.tied() and (plan.pp > 1 or plan.tp > 1):
+        raise ConfigError(
+            "model", "tied input/output embeddings",
+            "tied embeddings cannot be split over pipeline stages or tensor-parallel ranks; untie them "
+            "(transformers: tie_word_embeddings=False) or use pp=1 and tp=1",
+        )
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
-    check_cp(plan)
+    if plan.tp > 1:
+        check_roles(model, plan.sp)
     device = torch.device(device) if device is not None else default_device()
     full_state = reference_state(model_or_factory, model, seed)
 

@@ -14,10 +14,11 @@ Roles come from layer names (DTorch reference models, Hugging Face Llama) or fro
 from __future__ import annotations
 
 import inspect
+from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -69,6 +70,13 @@ def block_plan(block: nn.Module, block_name: str, sp: bool) -> dict[str, object]
     plan: dict[str, object] = {}
     rowwise_out = Shard(1) if sp else Replicate()
     for name, mod in block.named_modules():
+        if type(mod).__name__ == "Conv1D" and not getattr(mod, "_dtorch_tp_role", None):
+            # transformers' Conv1D stores the weight transposed, and GPT-2 fuses q, k, v in one:
+            # no column split of it is head-aligned.
+            raise ConfigError(
+                "tp", f"{block_name}.{name}",
+                "this fused Conv1D projection cannot be split head-aligned; use tp=1 (FSDP, DDP and PP work)",
+            )
         if isinstance(mod, nn.Linear) or getattr(mod, "_dtorch_tp_role", None):
             role = _role(name, mod, ROLE_BY_NAME)
             if role is None:
@@ -82,18 +90,36 @@ def block_plan(block: nn.Module, block_name: str, sp: bool) -> dict[str, object]
                 plan[name] = RowwiseParallel(output_layouts=rowwise_out)
         elif sp and "norm" in name.rsplit(".", 1)[-1] and not list(mod.children()):
             plan[name] = SequenceParallel()
-    if sp:
-        # The module that owns a column-wise layer receives the sequence shards of the norm and
-        # needs the whole sequence: gather it on entry (one all-gather per sub-layer).
-        owners = {name.rsplit(".", 1)[0] for name, style in plan.items()
-                  if isinstance(style, ColwiseParallel) and "." in name}
-        for owner in owners:
-            n = _num_positional_inputs(block.get_submodule(owner))
-            plan[owner] = PrepareModuleInput(
-                input_layouts=(Shard(1),) + (None,) * (n - 1),
-                desired_input_layouts=(Replicate(),) + (None,) * (n - 1),
-            )
     return plan
+
+
+def check_roles(model: nn.Module, sp: bool) -> None:
+    """Raise the ConfigError of the first layer without a tensor-parallel role (pure, no mesh)."""
+    path, blocks = find_blocks(model)
+    for name, block in block_items(blocks):
+        block_plan(block, f"{path}.{name}", sp)
+
+
+def gather_sequence_on_entry(block: nn.Module, plan: dict[str, object], tp_mesh: DeviceMesh) -> None:
+    """The module that owns a column-wise layer receives the sequence shards of the norm and needs
+    the whole sequence: all-gather its first input (positional or by keyword) on entry."""
+    owners = {name.rsplit(".", 1)[0] for name, style in plan.items()
+              if isinstance(style, ColwiseParallel) and "." in name}
+    for owner in owners:
+        mod = block.get_submodule(owner)
+        first = next(iter(inspect.signature(mod.forward).parameters))
+        mod.register_forward_pre_hook(partial(_gather_first_input, mesh=tp_mesh, name=first), with_kwargs=True)
+
+
+def _gather_first_input(module: nn.Module, args: tuple, kwargs: dict, *, mesh: DeviceMesh, name: str):
+    def gather(x):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        return x.redistribute(mesh, (Replicate(),))
+
+    if args:
+        return (gather(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, name: gather(kwargs[name])}
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: bool, last_stage: bool = True) -> None:
@@ -122,7 +148,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
     path, blocks = find_blocks(model)
     items = block_items(blocks)
     for name, block in items:
-        parallelize_module(block, tp_mesh, block_plan(block, f"{path}.{name}", sp))
+        bplan = block_plan(block, f"{path}.{name}", sp)
+        parallelize_module(block, tp_mesh, bplan)
+        if sp:
+            gather_sequence_on_entry(block, bplan, tp_mesh)
     if sp:
         first, last = items[0][1], items[-1][1]
         n = _num_positional_inputs(first)

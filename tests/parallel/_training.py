@@ -14,7 +14,22 @@ LR = 3e-3
 
 
 def factory(name: str = "llama-tiny"):
-    """The tiny reference model with 8 query / 4 key-value heads, so that tp=4 divides both."""
+    """A tiny model by name: reference models ("llama-tiny" with 8 query / 4 key-value heads, so
+    that tp=4 divides both; "gpt-tiny"), or transformers models from a config ("hf-llama",
+    "hf-gpt2"; no download), seen through DTorch's adapter."""
+    if name == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            bos_token_id=0, eos_token_id=1))
+    if name == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, tie_word_embeddings=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1))
     from dtorch.models import build_model
 
     return build_model(name, heads=8, kv_heads=4) if name.startswith("llama") else build_model(name)
@@ -28,9 +43,10 @@ def batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int = 0) -> dict:
     """Reference: the whole global batch in one forward on one process."""
+    from dtorch.parallel.hf import adapt
     from dtorch.parallel.materialize import init_model
 
-    model = factory(model_name)
+    model = adapt(factory(model_name))
     init_model(model, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
@@ -42,7 +58,7 @@ def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int 
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "keys": sorted(model.state_dict())}
 
 
 def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
@@ -66,4 +82,4 @@ def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "keys": sorted(pm.state_dict_for_checkpoint())}

@@ -28,6 +28,8 @@ def _factory():
         (Plan(tp=2, sp=True), 15, "seq_len", "multiple of 2"),
         (Plan(tp=2, cp=2), 20, "seq_len", "tp*2*cp = 8"),
         (Plan(cp=2), 16, "cp", "use cp=1"),
+        (Plan(tp=2, sp=True, pp=2, virtual_stages=2, schedule="zero_bubble", num_microbatches=2), 16,
+         "schedule", "interleaved_1f1b"),
         (Plan(pp=2, layer_partition=[1, 2], num_microbatches=2), 16, "layer_partition", "model has 4 blocks"),
     ],
 )

@@ -47,6 +47,7 @@ CASES_4 = {
     "ac_selective_tp_sp": dict(tp=4, sp=True, ac="selective", microbatch_size=4),
     "fsdp_grad_accumulation": dict(dp_shard=4, microbatch_size=1, num_microbatches=3),
     "gpt_fsdp_x_tp_sp": dict(model="gpt-tiny", dp_shard=2, tp=2, sp=True, microbatch_size=2),
+    "hf_llama_fsdp_x_tp_sp": dict(model="hf-llama", dp_shard=2, tp=2, sp=True, microbatch_size=2),
     "hsdp_no_reshard_accumulation": dict(dp_replicate=2, dp_shard=2, num_microbatches=2,
                                          reshard_after_forward=False),
 }
@@ -58,7 +59,12 @@ CASES_2 = {
     "pp_interleaved": dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=4),
     "pp_zero_bubble_interleaved": dict(pp=2, virtual_stages=2, schedule="zero_bubble", num_microbatches=2),
     "ac_full_fsdp_accumulation": dict(dp_shard=2, ac="full", num_microbatches=2, microbatch_size=2),
+    "fsdp_cpu_offload": dict(dp_shard=2, offload="params", microbatch_size=2),
     "gpt_tp_sp": dict(model="gpt-tiny", tp=2, sp=True, microbatch_size=4),
+    "hf_llama_tp": dict(model="hf-llama", tp=2, microbatch_size=4),
+    "hf_llama_pp": dict(model="hf-llama", pp=2, schedule="1f1b", num_microbatches=2, microbatch_size=2),
+    "hf_gpt2_fsdp": dict(model="hf-gpt2", dp_shard=2, microbatch_size=2),
+    "hf_gpt2_pp": dict(model="hf-gpt2", pp=2, schedule="gpipe", num_microbatches=2, microbatch_size=2),
     "gpt_pp_interleaved": dict(model="gpt-tiny", pp=2, virtual_stages=2, schedule="interleaved_1f1b",
                                num_microbatches=2),
 }
@@ -93,6 +99,8 @@ def _assert_matches_single_process(plan_kwargs: dict, per_rank: list[dict]) -> N
     for r, res in enumerate(per_rank):
         for key in ("losses", "norms"):
             assert res[key] == pytest.approx(ref[key], rel=REL), f"rank {r} {key}"
+    # the checkpoint state has the unsplit model's names whatever the plan (pipeline stages: union)
+    assert set().union(*(res["keys"] for res in per_rank)) == set(ref["keys"])
 
 
 @pytest.mark.slow
