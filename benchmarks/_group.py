@@ -20,7 +20,10 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _entry(rank: int, world_size: int, rdzv: str, out_dir: str, worker: Callable, payload: Any) -> None:
+def _entry(rank: int, world_size: int, rdzv: str, out_dir: str, worker: Callable, payload: Any,
+           timeout_s: float) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -30,8 +33,10 @@ def _entry(rank: int, world_size: int, rdzv: str, out_dir: str, worker: Callable
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
+    # a bounded collective timeout: a plan that fails on some ranks only (a pipeline stage raising
+    # while its peers wait in recv) then fails on every rank instead of hanging the whole sweep
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rdzv}", rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = worker(payload, rank, world_size)
     except Exception:  # noqa: BLE001 - reported to the runner, which prints it
@@ -40,11 +45,11 @@ def _entry(rank: int, world_size: int, rdzv: str, out_dir: str, worker: Callable
     dist.destroy_process_group()
 
 
-def run_group(world_size: int, worker: Callable, payload: Any) -> list[Any]:
+def run_group(world_size: int, worker: Callable, payload: Any, timeout_s: float = 120.0) -> list[Any]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "rdzv"), tmp, worker, payload),
+        mp.spawn(_entry, args=(world_size, os.path.join(tmp, "rdzv"), tmp, worker, payload, timeout_s),
                  nprocs=world_size, join=True)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
 

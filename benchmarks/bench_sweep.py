@@ -14,6 +14,7 @@ states, activations, buffers: the prediction without its fixed per-process margi
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -26,13 +27,20 @@ GLOBAL_BATCH = 8
 
 
 def _worker(payload: dict, rank: int, world: int) -> dict:
+    """Run `payload["tasks"]` ((repetition, plan index) pairs) in order on this rank. Each finished
+    task is appended to ``state_dir/rank<r>.jsonl`` at once, so that a group that dies keeps what it
+    measured. A plan that raises on this rank ends the process: its peers may be blocked in a
+    collective with it, and a gloo group does not recover from a half-finished collective, so the
+    runner starts a fresh group without that plan (see `_run_tasks`)."""
     import gc
+    import json
+    import os
 
     import torch
     import torch.distributed as dist
 
     from dtorch.models import build_model, model_config
-    from dtorch.parallel import parallelize
+    from dtorch.parallel.parallelize import parallelize
     from dtorch.plan.plan import Plan
     from dtorch.train.losses import next_token
 
@@ -41,58 +49,104 @@ def _worker(payload: dict, rank: int, world: int) -> dict:
     plans = [Plan.from_dict(d) for d in payload["plans"]]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    n = len(plans)
-    times: list[list[float]] = [[] for _ in range(n)]
-    mem: list[int | None] = [None] * n
-    errors: dict[int, str] = {}
-    flag = torch.zeros(1, device=device)
-    for rep in range(payload["reps"]):
-        order = list(range(n)) if rep % 2 == 0 else list(reversed(range(n)))
-        for i in order:
-            if i in errors:
-                continue
-            plan = plans[i]
-            base = reset_peak_rss()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
+    state = open(os.path.join(payload["state_dir"], f"rank{rank}.jsonl"), "a", buffering=1)  # noqa: SIM115
+    warmed: set[int] = set()
+    for k, (rep, i) in payload["tasks"]:
+        plan = plans[i]
+        base = reset_peak_rss()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        times: list[float] = []
+        mem = None
+        try:
+            pm = parallelize(lambda: build_model(spec), plan, loss_fn=next_token, device=device, seed=0,
+                             seq_len=seq)
+            opts = [torch.optim.AdamW(p.parameters(), lr=1e-4) for p in pm.model_parts]
+            g = torch.Generator().manual_seed(1000 + pm.dp_rank)
+            x = torch.randint(vocab, (plan.local_batch(), seq + 1), generator=g)
+            inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+            def step(pm=pm, opts=opts, inputs=inputs, labels=labels):
+                pm.forward_backward(inputs, labels)
+                for o in opts:
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+
+            for _ in range(payload["warmup"] + (0 if i in warmed else 1)):
+                step()
+            for _ in range(payload["steps"]):
+                dist.barrier()
+                t = time.perf_counter()
+                step()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                dist.barrier()
+                times.append(time.perf_counter() - t)
+            if i not in warmed:
+                mem = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss()) - base
+            warmed.add(i)
+            del pm, opts, step
+        except Exception as e:  # noqa: BLE001 - recorded; the runner restarts the group without this plan
+            msg = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            state.write(json.dumps({"task": k, "plan": i, "error": msg}) + "\n")
+            state.close()
+            os._exit(3)
+        state.write(json.dumps({"task": k, "plan": i, "rep": rep, "times": times, "mem": mem}) + "\n")
+        if rank == 0 and payload.get("progress"):
+            print(f"    rep {rep + 1} plan {i + 1}/{len(plans)} {plan.describe()}: "
+                  f"{statistics.median(times) * 1e3:.0f} ms", flush=True)
+        gc.collect()
+    state.close()
+    return {"ok": True}
+
+
+def _run_tasks(world: int, payload: dict, tasks: list[tuple[int, int]], log=print) -> tuple[dict, dict]:
+    """Run the (rep, plan) tasks in groups of `world` processes, restarting a fresh group without
+    a plan that broke one. Returns (per-plan records from every rank, {plan index: error})."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    records: dict[int, list[dict]] = {}
+    failed: dict[int, str] = {}
+    pos = 0
+    restarts = 0
+    while pos < len(tasks):
+        todo = [(k, t) for k, t in enumerate(tasks) if k >= pos and t[1] not in failed]
+        if not todo:
+            break
+        with tempfile.TemporaryDirectory() as state_dir:
             try:
-                pm = parallelize(lambda: build_model(spec), plan, loss_fn=next_token, device=device, seed=0,
-                                 seq_len=seq)
-                opts = [torch.optim.AdamW(p.parameters(), lr=1e-4) for p in pm.model_parts]
-                g = torch.Generator().manual_seed(1000 + pm.dp_rank)
-                x = torch.randint(vocab, (plan.local_batch(), seq + 1), generator=g)
-                inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-
-                def step(pm=pm, opts=opts, inputs=inputs, labels=labels):
-                    pm.forward_backward(inputs, labels)
-                    for o in opts:
-                        o.step()
-                        o.zero_grad(set_to_none=True)
-
-                for _ in range(payload["warmup"] + (1 if rep == 0 else 0)):
-                    step()
-                for _ in range(payload["steps"]):
-                    dist.barrier()
-                    t = time.perf_counter()
-                    step()
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                    dist.barrier()
-                    times[i].append(time.perf_counter() - t)
-                if rep == 0:
-                    mem[i] = (torch.cuda.max_memory_allocated(device) if cuda else peak_rss()) - base
-                del pm, opts, step
-            except Exception as e:  # noqa: BLE001 - one plan failing must not end the sweep
-                errors[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                flag.fill_(1.0)
-            gc.collect()
-            # if a rank failed, every rank marks the plan failed (and skips it from then on)
-            dist.all_reduce(flag)
-            if flag.item() > 0 and i not in errors:
-                errors[i] = "failed on another rank"
-            flag.zero_()
-    return {"times": times, "mem": mem, "errors": {str(k): v for k, v in errors.items()}}
+                run_group(world, _worker, {**payload, "tasks": todo, "state_dir": state_dir},
+                          timeout_s=payload.get("timeout_s", 120.0))
+            except Exception as e:  # noqa: BLE001 - a plan broke the group; see below which one
+                restarts += 1
+                log(f"    group ended early ({type(e).__name__}); restarting without the failing plan")
+            per_rank = []
+            for r in range(world):
+                f = Path(state_dir, f"rank{r}.jsonl")
+                per_rank.append([json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else [])
+        done_by_all = None
+        for recs in per_rank:
+            ks = {x["task"] for x in recs if "error" not in x}
+            done_by_all = ks if done_by_all is None else done_by_all & ks
+        for recs in per_rank:
+            for x in recs:
+                if x["task"] in done_by_all:
+                    records.setdefault(x["plan"], []).append(x)
+        missing = [k for k, _ in todo if k not in done_by_all]
+        if not missing:
+            break
+        k0 = missing[0]
+        i0 = tasks[k0][1]
+        errs = [x["error"] for recs in per_rank for x in recs if x.get("task") == k0 and "error" in x]
+        # the root cause is the rank that raised first; peers only report the connection it closed
+        root = [e for e in errs if "Connection closed" not in e and "Timed out" not in e]
+        failed[i0] = (root or errs or ["the group died without a message (crash or hang)"])[0]
+        log(f"    plan {i0 + 1} failed: {failed[i0][:160]}")
+        pos = k0 + 1
+    return records, failed
 
 
 def _model_memory(pred: dict) -> float:
@@ -128,18 +182,39 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
         plans.append(p)
     log(f"  world {world}: {len(plans)} plans (of {len(res.ranked)} feasible) on {cluster.describe()}; "
         f"running {reps} interleaved repetitions x {steps} steps")
+    # plans the executor rejects up front (the same verdict on every rank) are not run
+    from dtorch.parallel.check import check_plan, model_dims
+    from dtorch.parallel.cp import check_cp
+    from dtorch.parallel.parallelize import meta_model
+
+    dims = model_dims(meta_model(lambda: build_model(model)))
+    failed: dict[int, str] = {}
+    for i, p in enumerate(plans):
+        try:
+            check_plan(p, dims, seq_len=seq, world_size=world)
+            check_cp(p)
+        except Exception as e:  # noqa: BLE001 - ConfigError from the executor's checks
+            failed[i] = f"{type(e).__name__}: {str(e)[:300]}"
+    runnable = [i for i in range(len(plans)) if i not in failed]
+    tasks = []
+    for rep in range(reps):
+        tasks += [(rep, i) for i in (runnable if rep % 2 == 0 else runnable[::-1])]
     t1 = time.perf_counter()
-    out = run_group(world, _worker, {"model": model, "seq": seq, "plans": [p.to_dict() for p in plans],
-                                     "reps": reps, "steps": steps, "warmup": 1})
+    payload = {"model": model, "seq": seq, "plans": [p.to_dict() for p in plans], "steps": steps, "warmup": 1,
+               "progress": True}
+    records, run_failed = _run_tasks(world, payload, tasks, log=log)
+    failed.update(run_failed)
     run_s = time.perf_counter() - t1
-    for r in out:
-        if "error" in r and "times" not in r:
-            raise RuntimeError(f"sweep worker failed:\n{r['error']}")
     rows = []
     for i, p in enumerate(plans):
-        err = out[0]["errors"].get(str(i))
-        t = out[0]["times"][i]
-        mems = [r["mem"][i] for r in out if r["mem"][i] is not None]
+        err = failed.get(i)
+        recs = records.get(i, [])
+        # step time: rank 0's barrier-to-barrier times (all ranks agree to within the barrier)
+        by_rep: dict[int, list[float]] = {}
+        for r in recs:
+            by_rep.setdefault(r["rep"], []).append(r["times"])
+        t = [x for reps_times in by_rep.values() for x in reps_times[0]]
+        mems = [r["mem"] for r in recs if r.get("mem") is not None]
         raw_est = estimate(p, res.profile, raw, "float32")
         rows.append({
             "plan": p.describe(), "family": p.family(), "chosen": p.describe() == chosen,
@@ -172,6 +247,10 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
         "memory_mape": stats.mape([r["predicted_model_memory_bytes"] for r in memok],
                                   [max(1, r["measured_memory_bytes"]) for r in memok]) if memok else None,
         "best_measured": min(ok, key=lambda r: r["measured_step_time_s"])["plan"] if ok else None,
+        # where the error lives: measured / predicted step time by strategy family (median)
+        "ratio_by_family": {fam: stats.median([r["measured_step_time_s"] / r["predicted_step_time_s"]
+                                               for r in ok if r["family"] == fam])
+                            for fam in sorted({r["family"] for r in ok})},
         "search_s": search_s, "run_s": run_s,
     }
     return {"summary": summary, "plans": rows}
@@ -180,7 +259,7 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
 def run(quick: bool = False, models: list[str] | None = None, worlds: tuple[int, ...] = (2, 4),
         log=print) -> dict[str, Any]:
     """The sweep for each model and world size. Returns {"config", "results": [{model, summary, plans}]}."""
-    reps, steps = (2, 2) if quick else (3, 3)
+    reps, steps = (2, 2) if quick else (3, 2)
     results = []
     for model in models or [MODEL]:
         for world in worlds:
@@ -211,6 +290,11 @@ def markdown(result: dict) -> str:
                      f"{_f(s['regret'], '{:.3f}')} | {_f(s['uncalibrated_spearman'])} | "
                      f"{_f(s['uncalibrated_mape'], '{:.1%}')} | {_f(s['memory_spearman'])} | "
                      f"{_f(s['memory_mape'], '{:.1%}')} | {s['chosen']} | {s['best_measured']} |")
+    for r in result["results"]:
+        fams = r["summary"].get("ratio_by_family") or {}
+        if fams:
+            lines += ["", f"World {r['summary']['world_size']}, measured / predicted step time by family (median): "
+                      + ", ".join(f"{k} {v:.1f}x" for k, v in fams.items())]
     for r in result["results"]:
         lines += ["", f"### world {r['summary']['world_size']}: every plan (predicted order)", "",
                   "| plan | predicted ms | measured ms | ratio | pred. model MiB | measured MiB | note |",

@@ -357,7 +357,7 @@ def measure_gemm(device, dtypes: Sequence[str], rows: Sequence[int] = GEMM_ROWS,
                 a = torch.randn(r, k, device=device).to(dt)
                 b = torch.randn(k, w, device=device).to(dt)
                 _barrier()
-                sec = _timeit(lambda a=a, b=b: a @ b, device, min_time=min_time)
+                sec = _timeit(lambda a=a, b=b: a @ b, device, min_time=min_time, blocks=5)
                 out.append({"dtype": dtype, "rows": r, "width": w, "k": k, "flops": 2.0 * r * w * k / sec})
     return out
 
@@ -502,26 +502,25 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     if rank != 0:
         return None
 
-    # per rank the slowest rank bounds a synchronous step: take the minimum over ranks per shape
-    gemm_all: dict[tuple, dict] = {}
+    # one curve for all ranks: the median over ranks per shape (the minimum would follow whichever
+    # rank a neighbour's burst of load hit; on a dedicated machine the ranks agree anyway)
+    gemm_all: dict[tuple, list[dict]] = {}
     for res in gathered:
         for r in res["gemm"]:
-            key = (r["dtype"], r["rows"], r["width"], r["k"])
-            if key not in gemm_all or r["flops"] < gemm_all[key]["flops"]:
-                gemm_all[key] = r
-    gemm_min = list(gemm_all.values())
+            gemm_all.setdefault((r["dtype"], r["rows"], r["width"], r["k"]), []).append(r)
+    gemm_min = [{**rs[0], "flops": statistics.median(x["flops"] for x in rs),
+                 "flops_per_rank": [x["flops"] for x in rs]} for rs in gemm_all.values()]
     peaks: dict[str, float] = {}
     effs: dict[str, float] = {}
     for dt in dtypes:
         peaks[dt], effs[dt] = fit_gemm_efficiency(gemm_min, dtype=dt)
     main = "float32" if not cuda else "bfloat16"
-    mem_bw = min(res["membw"]["bytes_per_s"] for res in gathered)
-    # the links are fitted per rank; the slowest (lowest bandwidth) rank's fit bounds the collective
+    mem_bw = statistics.median(res["membw"]["bytes_per_s"] for res in gathered)
+    # the links are fitted per rank (each rank times the same collectives): take the median rank's fit
     links_all: dict[str, dict] = {}
-    for res in gathered:
-        for cls, link in res["links"].items():
-            if cls not in links_all or link["bandwidth"] < links_all[cls]["bandwidth"]:
-                links_all[cls] = link
+    for cls in {c for res in gathered for c in res["links"]}:
+        fits = sorted((res["links"][cls] for res in gathered if cls in res["links"]), key=lambda d: d["bandwidth"])
+        links_all[cls] = fits[len(fits) // 2]
     cluster = local_cluster(world, local, calibrated=False)
     base_dev = cluster.groups[0].device
     # every dtype's peak is scaled to the main dtype's efficiency so that one matmul_efficiency holds

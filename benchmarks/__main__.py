@@ -1,0 +1,240 @@
+"""One command for every DTorch benchmark:
+
+    python -m benchmarks                      # everything (probe first: the sweep uses its calibration)
+    python -m benchmarks --quick              # fewer plans, repetitions and sizes
+    python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
+                                              # d planner, e checkpoint, f recovery)
+
+Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
+Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
+$DTORCH_CALIBRATION_DIR is set. A section that fails is recorded with its traceback; the others run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import inspect
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ORDER = ("probe", "sweep", "overhead", "mfu", "planner", "checkpoint", "recovery")
+LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery"}
+OWN_FILES = ("planner", "checkpoint", "recovery")
+"""Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
+TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0}
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _call_run(module, **wanted) -> Any:
+    """module.run(**the wanted kwargs it accepts)."""
+    params = inspect.signature(module.run).parameters
+    return module.run(**{k: v for k, v in wanted.items() if k in params})
+
+
+# ---- sections ---------------------------------------------------------------------------------------
+def section_probe(quick: bool) -> dict:
+    from dtorch.cluster.probe import run_probe, summary
+
+    out = {}
+    for n in (1, 2, 4):
+        t = time.perf_counter()
+        doc, path = run_probe(n, quick=quick)
+        wall = time.perf_counter() - t
+        log(summary(doc))
+        out[doc["cluster"]] = {"wall_s": wall, "path": str(path), "summary": summary(doc),
+                               "device": doc["device"], "links": doc.get("links", {}),
+                               "probe_seconds": doc.get("probe_seconds")}
+    return {"results": out}
+
+
+def md_probe(r: dict) -> str:
+    lines = ["## Probe (calibration used by the sweep)", ""]
+    for name, d in r["results"].items():
+        lines += [f"**{name}** - wall {d['wall_s']:.1f} s (spawn + measure)", "", "```", d["summary"], "```", ""]
+    return "\n".join(lines)
+
+
+def section_sweep(quick: bool) -> dict:
+    from benchmarks import bench_sweep
+
+    return bench_sweep.run(quick=quick, log=log)
+
+
+def section_overhead(quick: bool) -> dict:
+    from benchmarks import bench_overhead
+
+    return bench_overhead.run(quick=quick, log=log)
+
+
+def section_mfu(quick: bool) -> dict:
+    from benchmarks import bench_mfu
+
+    return bench_mfu.run(quick=quick, log=log)
+
+
+def _optional(name: str):
+    try:
+        return importlib.import_module(f"benchmarks.bench_{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"benchmarks.bench_{name}":
+            return None
+        raise
+
+
+def section_planner(quick: bool) -> dict:
+    mod = _optional("planner")
+    if mod is None:
+        return {"skipped": "benchmarks/bench_planner.py is not there yet"}
+    return _call_run(mod, **({"sizes": [64, 1024, 16384], "repeats": 1} if quick else {}))
+
+
+def section_checkpoint(quick: bool) -> dict:
+    mod = _optional("checkpoint")
+    if mod is None:
+        return {"skipped": "benchmarks/bench_checkpoint.py is not there yet"}
+    return _call_run(mod, **({"repeats": 1} if quick else {}))
+
+
+def section_recovery(quick: bool) -> dict:
+    mod = _optional("recovery")
+    if mod is None:
+        return {"skipped": "benchmarks/bench_recovery.py is not there yet (the elastic engineer's drill hooks in "
+                           "here: a module with run() -> dict)"}
+    return _call_run(mod, quick=quick)
+
+
+SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}
+
+
+def _markdown(name: str, result: dict) -> str:
+    if "error" in result:
+        return f"## {name}\n\nFAILED:\n\n```\n{result['error'][-3000:]}\n```\n"
+    if "skipped" in result:
+        return f"## {name}\n\nskipped: {result['skipped']}\n"
+    if name == "probe":
+        return md_probe(result)
+    mod = _optional(name) if name in ("planner", "checkpoint", "recovery") else \
+        importlib.import_module({"sweep": "benchmarks.bench_sweep", "overhead": "benchmarks.bench_overhead",
+                                 "mfu": "benchmarks.bench_mfu"}[name])
+    if mod is not None and hasattr(mod, "markdown"):
+        try:
+            return mod.markdown(result)
+        except Exception:  # noqa: BLE001 - a section's own formatter must not lose its numbers
+            pass
+    own = RESULTS / f"{name}.md"  # a section module that writes its own report
+    if name in OWN_FILES and own.is_file():
+        return f"## ({'abcdef'[ORDER.index(name) - 1]}) {name}\n\n" + own.read_text()
+    return f"## {name}\n\n```json\n{json.dumps(result, indent=1, default=str)[:6000]}\n```\n"
+
+
+def _targets(sections: dict) -> list[str]:
+    """The issue's targets against this run's figures: one markdown table."""
+    rows = []
+    sweep = sections.get("sweep", {})
+    for r in sweep.get("results", []):
+        s = r["summary"]
+        tag = f"world {s['world_size']} ({r['model'].split(':')[0]})"
+        if s.get("spearman") is not None:
+            rows.append((f"Spearman, {tag}", f"{s['spearman']:.3f}", ">= 0.8" if s["world_size"] == 4 else "(info)",
+                         s["spearman"] >= TARGETS["spearman"] if s["world_size"] == 4 else None))
+        if s.get("regret") is not None:
+            rows.append((f"regret, {tag}", f"{s['regret']:.3f}", "<= 1.10" if s["world_size"] == 4 else "(info)",
+                         s["regret"] <= TARGETS["regret"] if s["world_size"] == 4 else None))
+        if s.get("mape") is not None:
+            rows.append((f"step-time MAPE, {tag}", f"{s['mape']:.1%}", "(info)", None))
+    for r in sections.get("overhead", {}).get("results", []):
+        if r.get("ratio") is not None:
+            rows.append((f"overhead {r['strategy']}", f"{r['ratio']:.3f}", "<= 1.03", r["ratio"] <= TARGETS["overhead"]))
+    for name, d in sections.get("probe", {}).get("results", {}).items():
+        rows.append((f"probe wall time, {name}", f"{d['wall_s']:.1f} s", "< 60 s", d["wall_s"] < TARGETS["probe_s"]))
+    mfu = sections.get("mfu", {}).get("mfu")
+    if mfu:
+        v = mfu.get("vs_probe_best_gemm") or mfu.get("vs_gemm_1024_now")
+        if v is not None and not math.isnan(v):
+            rows.append(("single-process MFU vs measured GEMM peak", f"{v:.1%}", "(info)", None))
+    lines = ["| figure | value | target | met |", "|---|---|---|---|"]
+    for fig, val, tgt, ok in rows:
+        lines.append(f"| {fig} | {val} | {tgt} | {'' if ok is None else ('yes' if ok else '**no**')} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=None, help="comma list of sections: " + ", ".join(ORDER) + " (or letters a-f)")
+    p.add_argument("--quick", action="store_true", help="fewer plans, repetitions and sizes")
+    p.add_argument("--out", default=str(RESULTS), help="results folder")
+    args = p.parse_args(argv)
+    names = list(ORDER)
+    if args.only:
+        names = []
+        for x in args.only.split(","):
+            x = LETTERS.get(x.strip(), x.strip())
+            if x not in SECTIONS:
+                p.error(f"--only: unknown section {x!r}; use {', '.join(ORDER)} or letters a-f")
+            names.append(x)
+        names = [n for n in ORDER if n in names]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DTORCH_CALIBRATION_DIR", str(out / "calibration"))
+    os.environ.pop("DTORCH_NO_CALIBRATION", None)
+
+    latest_json = out / "latest.json"
+    previous = json.loads(latest_json.read_text()) if latest_json.is_file() else {}
+    sections: dict[str, Any] = dict(previous.get("sections", {}))  # --only keeps the other sections' last results
+    ran = {}
+    t_all = time.perf_counter()
+    for name in names:
+        log(f"== {name}")
+        t = time.perf_counter()
+        try:
+            result = SECTIONS[name](args.quick)
+        except Exception:  # noqa: BLE001 - one failed section must not lose the others
+            result = {"error": traceback.format_exc()}
+            log(result["error"])
+        result = {**result, "wall_s": time.perf_counter() - t, "quick": args.quick,
+                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        sections[name] = ran[name] = result
+        if name not in OWN_FILES:
+            (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+            (out / f"{name}.md").write_text(_markdown(name, result))
+        log(f"== {name} done in {result['wall_s']:.0f} s")
+
+    import torch
+
+    doc = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "host": socket.gethostname(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+           "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+           "load_average": os.getloadavg(), "ran": list(ran), "sections": sections}
+    latest_json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    md = ["# DTorch benchmarks (latest)", "",
+          f"{doc['created']} on {doc['host']} ({doc['cpu_count']} CPUs, torch {doc['torch']}, "
+          f"load average {doc['load_average'][0]:.1f} at the end: the machine is shared, timings are noisy). "
+          f"This run: {', '.join(ran) or 'nothing'} in {time.perf_counter() - t_all:.0f} s; "
+          "other sections are from their last run (see each section's `created`).", "",
+          "## Targets", "", *_targets(sections), ""]
+    for name in ORDER:
+        if name in sections:
+            md += [_markdown(name, sections[name]), f"_section run {sections[name].get('created', '?')}, "
+                   f"{sections[name].get('wall_s', 0):.0f} s{', quick' if sections[name].get('quick') else ''}_", ""]
+    (out / "latest.md").write_text("\n".join(md) + "\n")
+    log(f"wrote {latest_json} and {out / 'latest.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
