@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("probe", "sweep", "overhead", "mfu", "planner", "checkpoint", "recovery")
+ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery"}
 OWN_FILES = ("planner", "checkpoint", "recovery")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
@@ -72,6 +72,16 @@ def section_sweep(quick: bool) -> dict:
     from benchmarks import bench_sweep
 
     return bench_sweep.run(quick=quick, log=log)
+
+
+def section_gap(quick: bool) -> dict:
+    """Op counts of the sweep's plans and the per-op fit (reads the sweep's last result)."""
+    from benchmarks import bench_sweep
+
+    f = Path(os.environ.get("DTORCH_BENCH_OUT", RESULTS)) / "sweep.json"
+    if not f.is_file():
+        return {"skipped": "run the sweep first"}
+    return bench_sweep.run_gap(json.loads(f.read_text()), log=log)
 
 
 def section_overhead(quick: bool) -> dict:
@@ -127,6 +137,10 @@ def _markdown(name: str, result: dict) -> str:
         return f"## {name}\n\nskipped: {result['skipped']}\n"
     if name == "probe":
         return md_probe(result)
+    if name == "gap":
+        from benchmarks import bench_sweep
+
+        return bench_sweep.markdown_gap(result)
     mod = _optional(name) if name in ("planner", "checkpoint", "recovery") else \
         importlib.import_module({"sweep": "benchmarks.bench_sweep", "overhead": "benchmarks.bench_overhead",
                                  "mfu": "benchmarks.bench_mfu"}[name])
@@ -137,7 +151,8 @@ def _markdown(name: str, result: dict) -> str:
             pass
     own = RESULTS / f"{name}.md"  # a section module that writes its own report
     if name in OWN_FILES and own.is_file():
-        return f"## ({'abcdef'[ORDER.index(name) - 1]}) {name}\n\n" + own.read_text()
+        letter = next(k for k, v in LETTERS.items() if v == name)
+        return f"## ({letter}) {name}\n\n" + own.read_text()
     return f"## {name}\n\n```json\n{json.dumps(result, indent=1, default=str)[:6000]}\n```\n"
 
 
@@ -191,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DTORCH_CALIBRATION_DIR", str(out / "calibration"))
+    os.environ["DTORCH_BENCH_OUT"] = str(out)
     os.environ.pop("DTORCH_NO_CALIBRATION", None)
 
     latest_json = out / "latest.json"

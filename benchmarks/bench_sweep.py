@@ -101,7 +101,8 @@ def _worker(payload: dict, rank: int, world: int) -> dict:
     return {"ok": True}
 
 
-def _run_tasks(world: int, payload: dict, tasks: list[tuple[int, int]], log=print) -> tuple[dict, dict]:
+def _run_tasks(world: int, payload: dict, tasks: list[tuple[int, int]], log=print,
+               worker=None) -> tuple[dict, dict]:
     """Run the (rep, plan) tasks in groups of `world` processes, restarting a fresh group without
     a plan that broke one. Returns (per-plan records from every rank, {plan index: error})."""
     import json
@@ -118,7 +119,7 @@ def _run_tasks(world: int, payload: dict, tasks: list[tuple[int, int]], log=prin
             break
         with tempfile.TemporaryDirectory() as state_dir:
             try:
-                run_group(world, _worker, {**payload, "tasks": todo, "state_dir": state_dir},
+                run_group(world, worker or _worker, {**payload, "tasks": todo, "state_dir": state_dir},
                           timeout_s=payload.get("timeout_s", 120.0))
             except Exception as e:  # noqa: BLE001 - a plan broke the group; see below which one
                 restarts += 1
@@ -227,6 +228,7 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
             "predicted_model_memory_bytes": _model_memory(p.predicted),
             "measured_memory_bytes": max(mems) if mems and not err else None,
             "error": err,
+            "plan_doc": p.to_dict(),
         })
     ok = [r for r in rows if r["measured_step_time_s"] is not None]
     pred = [r["predicted_step_time_s"] for r in ok]
@@ -307,4 +309,175 @@ def markdown(result: dict) -> str:
                          f"{p['predicted_step_time_s'] * 1e3:.1f} | {_f(m and m * 1e3, '{:.1f}')} | "
                          f"{_f(ratio, '{:.2f}')} | {p['predicted_model_memory_bytes'] / 2**20:.1f} | "
                          f"{_f(mm and mm / 2**20, '{:.1f}')} | {p['error'] or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- what the error is made of -----------------------------------------------------------------------
+def _count_worker(payload: dict, rank: int, world: int) -> dict:
+    """Per plan: the aten and c10d ops one training step dispatches on this rank (after a warm-up
+    step), counted with a TorchDispatchMode. Same task/record protocol as `_worker`."""
+    import contextlib
+    import gc
+    import json
+    import os
+    from collections import Counter
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dtorch.models import build_model, model_config
+    from dtorch.parallel.parallelize import parallelize
+    from dtorch.plan.plan import Plan
+    from dtorch.train.losses import next_token
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func._schema.name.split("::")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    spec, seq = payload["model"], payload["seq"]
+    vocab = model_config(spec).vocab_size
+    plans = [Plan.from_dict(d) for d in payload["plans"]]
+    state = open(os.path.join(payload["state_dir"], f"rank{rank}.jsonl"), "a", buffering=1)  # noqa: SIM115
+    for k, (rep, i) in payload["tasks"]:
+        plan = plans[i]
+        try:
+            pm = parallelize(lambda: build_model(spec), plan, loss_fn=next_token, device="cpu", seed=0, seq_len=seq)
+            opts = [torch.optim.AdamW(p.parameters(), lr=1e-4) for p in pm.model_parts]
+            x = torch.randint(vocab, (plan.local_batch(), seq + 1), generator=torch.Generator().manual_seed(1))
+            inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+            counts = None
+            for j in range(2):
+                mode = Count()
+                with mode if j == 1 else contextlib.nullcontext():
+                    pm.forward_backward(inputs, labels)
+                    for o in opts:
+                        o.step()
+                        o.zero_grad(set_to_none=True)
+                counts = dict(mode.n)
+            del pm, opts
+        except Exception as e:  # noqa: BLE001 - as in _worker
+            state.write(json.dumps({"task": k, "plan": i, "error": f"{type(e).__name__}: {str(e)[:200]}"}) + "\n")
+            state.close()
+            os._exit(3)
+        state.write(json.dumps({"task": k, "plan": i, "rep": rep, "counts": counts}) + "\n")
+        gc.collect()
+    state.close()
+    return {"ok": True}
+
+
+def _lstsq_nonneg(X: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares with non-negative coefficients (drop negative ones and refit; few columns)."""
+    import numpy as np
+
+    cols = list(range(len(X[0])))
+    A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    while True:
+        coef = np.zeros(A.shape[1])
+        if cols:
+            sol, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+            coef[cols] = sol
+        neg = [c for c in cols if coef[c] < 0]
+        if not neg:
+            return [float(c) for c in coef]
+        cols = [c for c in cols if c not in neg]
+
+
+def explain_gap(section: dict, world: int, log=print) -> dict:
+    """Count the ops every measured plan of one sweep section dispatches per step (one more group
+    run, not timed), then fit ``measured = a x predicted + b x aten ops + c x c10d ops + d`` across
+    the plans (non-negative least squares, relative residuals): the per-op costs the cost model
+    has no term for. Reports the fit in-sample and leave-one-out (each plan predicted by a fit on
+    the others) as Spearman / MAPE / regret."""
+    from dtorch.plan.plan import Plan
+
+    rows = [r for r in section["plans"] if r["measured_step_time_s"] is not None]
+    if not all(r.get("plan_doc") for r in rows):
+        # an older sweep result: search again on the same calibrated cluster, match by description
+        from dtorch.cluster import local_cluster
+        from dtorch.model import profile_module
+        from dtorch.models import build_model
+        from dtorch.plan.search import search
+
+        prof = profile_module(lambda: build_model(section["model"]), SEQ)
+        res = search(prof, local_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ, top_k=100_000,
+                     dtype="float32", suggest=False)
+        docs = {p.describe(): p.to_dict() for p, _ in res.ranked}
+        for r in rows:
+            r.setdefault("plan_doc", docs.get(r["plan"]))
+        rows = [r for r in rows if r.get("plan_doc")]
+    plans = [Plan.from_dict(r["plan_doc"]) for r in rows]
+    payload = {"model": section["model"], "seq": SEQ, "plans": [p.to_dict() for p in plans], "timeout_s": 120.0}
+    log(f"  world {world}: counting dispatched ops of {len(plans)} plans")
+    records, failed = _run_tasks(world, payload, [(0, i) for i in range(len(plans))], log=log, worker=_count_worker)
+    feats, meas, pred, names = [], [], [], []
+    for i, r in enumerate(rows):
+        recs = [x for x in records.get(i, []) if x.get("counts")]
+        if i in failed or not recs:
+            continue
+        aten = max(x["counts"].get("aten", 0) for x in recs)
+        c10d = max(x["counts"].get("c10d", 0) + x["counts"].get("_c10d_functional", 0) for x in recs)
+        m = r["measured_step_time_s"]
+        feats.append([r["predicted_step_time_s"], aten, c10d, 1.0])
+        meas.append(m)
+        pred.append(r["predicted_step_time_s"])
+        names.append(r["plan"])
+    if len(meas) < 5:
+        return {"skipped": "fewer than 5 plans with op counts"}
+    # relative residuals: divide each row by the measured time
+    Xw = [[f / m for f in row] for row, m in zip(feats, meas)]
+    yw = [1.0] * len(meas)
+    coef = _lstsq_nonneg(Xw, yw)
+    fit = [sum(c * f for c, f in zip(coef, row)) for row in feats]
+    loo = []
+    for j in range(len(meas)):
+        cj = _lstsq_nonneg([x for k, x in enumerate(Xw) if k != j], [1.0] * (len(meas) - 1))
+        loo.append(sum(c * f for c, f in zip(cj, feats[j])))
+    corr_ops = stats.spearman([f[1] for f in feats], meas)
+    return {
+        "world_size": world, "plans": len(meas),
+        "coefficients": {"predicted_scale": coef[0], "s_per_aten_op": coef[1], "s_per_c10d_op": coef[2],
+                         "s_fixed": coef[3]},
+        "spearman_aten_ops_vs_measured": corr_ops,
+        "spearman_c10d_ops_vs_measured": stats.spearman([f[2] for f in feats], meas),
+        "spearman_predicted_vs_measured": stats.spearman(pred, meas),
+        "fit_in_sample": {"spearman": stats.spearman(fit, meas), "mape": stats.mape(fit, meas),
+                          "regret": stats.regret(fit, meas)},
+        "fit_leave_one_out": {"spearman": stats.spearman(loo, meas), "mape": stats.mape(loo, meas),
+                              "regret": stats.regret(loo, meas)},
+        "per_plan": [{"plan": n, "aten_ops": f[1], "c10d_ops": f[2], "measured_s": m, "predicted_s": f[0],
+                      "fit_loo_s": lo} for n, f, m, lo in zip(names, feats, meas, loo)],
+        "failed": {names[i] if i < len(names) else str(i): e for i, e in failed.items()},
+    }
+
+
+def run_gap(sweep_result: dict, log=print) -> dict:
+    """`explain_gap` for every section of a sweep result."""
+    out = []
+    for sec in sweep_result.get("results", []):
+        out.append({"model": sec["model"], **explain_gap(sec, sec["summary"]["world_size"], log=log)})
+    return {"results": out}
+
+
+def markdown_gap(result: dict) -> str:
+    lines = ["## (a') What the sweep's error is made of", "",
+             "Per plan, the aten and c10d ops one step dispatches (max over ranks, TorchDispatchMode), then "
+             "measured = a x predicted + b x aten ops + c x c10d ops + d, fitted across plans (non-negative, "
+             "relative residuals). Leave-one-out predicts each plan from a fit on the others.", "",
+             "| world | plans | Spearman(pred) | Spearman(aten ops) | Spearman(c10d ops) | a | us/aten op | ms/c10d op "
+             "| d ms | LOO Spearman | LOO MAPE | LOO regret |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["results"]:
+        if "skipped" in r:
+            continue
+        c = r["coefficients"]
+        lo = r["fit_leave_one_out"]
+        lines.append(f"| {r['world_size']} | {r['plans']} | {r['spearman_predicted_vs_measured']:.3f} | "
+                     f"{r['spearman_aten_ops_vs_measured']:.3f} | {r['spearman_c10d_ops_vs_measured']:.3f} | "
+                     f"{c['predicted_scale']:.2f} | {c['s_per_aten_op'] * 1e6:.1f} | {c['s_per_c10d_op'] * 1e3:.2f} | "
+                     f"{c['s_fixed'] * 1e3:.1f} | {lo['spearman']:.3f} | {lo['mape']:.1%} | {lo['regret']:.3f} |")
     return "\n".join(lines) + "\n"

@@ -644,3 +644,12 @@ def summary(doc: dict) -> str:
                              f" .. {big['bytes'] / 2**20:.0f} MiB {big['seconds'] * 1e3:7.2f} ms"
                              f" (busbw {big['busbw'] / 1e9:.2f} GB/s)")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # `dtorch run --nproc-per-node N -m dtorch.cluster.probe [--quick]`: every rank of a launched job probes
+    import sys
+
+    from dtorch.cli import main
+
+    sys.exit(main(["probe", *sys.argv[1:]]))
