@@ -6,7 +6,8 @@ model (Llama, Mistral, Qwen2, ... : `model.embed_tokens`, `model.layers`, `model
 (`tok_embeddings`, `pos_embeddings`, `layers` as an nn.ModuleDict, `norm`, `output`), with a
 forward that takes token ids and returns logits. The executor then needs no hand-written plan:
 blocks are found by name, TP roles come from HF's projection names (q_proj ... down_proj), and a
-pipeline split deletes blocks without renumbering. Parameter names are the adapter's.
+pipeline split deletes blocks without renumbering. Parameter names are the adapter's. Initial
+weights: those of the model constructed on CPU after `torch.manual_seed(seed)` (materialize.py).
 
 GPT-2's attention uses one fused `c_attn` Conv1D for q, k and v, so column-wise sharding would not
 be head-aligned: tensor parallelism raises a ConfigError naming it (FSDP, DDP and PP work). Tied
@@ -34,11 +35,6 @@ class _HFAdapter(nn.Module):
         super().__init__()
         object.__setattr__(self, "_hf", hf)  # not a submodule: its parameters are ours by new names
         self.config = hf.config
-
-    def init_weights(self, seed: int = 0) -> None:
-        """The transformers initialisation, made deterministic by seeding torch first."""
-        torch.manual_seed(seed)
-        self._hf.init_weights()
 
     def tied(self) -> bool:
         out, emb = getattr(self, "output", None), getattr(self, "tok_embeddings", None)

@@ -27,14 +27,19 @@ def clean_name(name: str) -> str:
     return name
 
 
+def has_seeded_init(model: nn.Module) -> bool:
+    init = getattr(model, "init_weights", None)
+    return callable(init) and bool(inspect.signature(init).parameters)
+
+
 def init_model(model: nn.Module, seed: int) -> None:
     """Deterministic initialisation: `init_weights(seed)` of DTorch reference models; otherwise
     seed torch's RNG and call `init_weights()` (Hugging Face) or every `reset_parameters()`."""
-    init = getattr(model, "init_weights", None)
-    if callable(init) and inspect.signature(init).parameters:
-        init(seed)
+    if has_seeded_init(model):
+        model.init_weights(seed)
         return
     torch.manual_seed(seed)
+    init = getattr(model, "init_weights", None)
     if callable(init):
         init()
         return
@@ -46,11 +51,20 @@ def init_model(model: nn.Module, seed: int) -> None:
 def reference_state(
     model_or_factory: nn.Module | Callable[[], nn.Module], meta_model: nn.Module, seed: int
 ) -> dict[str, torch.Tensor]:
-    """The full single-device initial tensors (parameters and all buffers), by clean name."""
-    if isinstance(model_or_factory, nn.Module) and not any(
-        t.is_meta for t in model_or_factory.parameters()
-    ):
-        full = model_or_factory  # real weights given: they are the initial state
+    """The full single-device initial tensors (parameters and all buffers), by clean name.
+
+    Which single-device model: the given module's own weights if it has real ones; else the
+    model's `init_weights(seed)` (DTorch reference models); else the factory called on CPU after
+    `torch.manual_seed(seed)` (what a user gets by seeding and constructing, e.g. transformers);
+    else `init_model` of a meta module."""
+    from dtorch.parallel.hf import adapt
+
+    if isinstance(model_or_factory, nn.Module) and not any(t.is_meta for t in model_or_factory.parameters()):
+        full = model_or_factory
+    elif not has_seeded_init(meta_model) and not isinstance(model_or_factory, nn.Module):
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            full = adapt(model_or_factory())
     else:
         full = copy.deepcopy(meta_model).to_empty(device="cpu")
         init_model(full, seed)

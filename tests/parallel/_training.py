@@ -46,8 +46,12 @@ def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int 
     from dtorch.parallel.hf import adapt
     from dtorch.parallel.materialize import init_model
 
-    model = adapt(factory(model_name))
-    init_model(model, seed)
+    if model_name.startswith("hf-"):  # transformers: seed, then construct (its own init)
+        torch.manual_seed(seed)
+        model = adapt(factory(model_name))
+    else:
+        model = factory(model_name)
+        init_model(model, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
