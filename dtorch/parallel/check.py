@@ -114,15 +114,14 @@ def check_plan(
 
 
 def check_executable(plan: Plan) -> None:
-    """The limits of this executor on torch 2.13 (not of the plan): ConfigError if one is hit."""
-    from dtorch.parallel.cp import check_cp
+    """The limits of this executor on torch 2.13 (not of the plan): ConfigError if one is hit.
+    The list lives in `dtorch.plan.limits`, so that the planner ranks only runnable plans."""
+    from dtorch.plan.limits import unsupported
 
-    check_cp(plan)
-    if plan.pp > 1 and plan.schedule == "zero_bubble" and plan.sp and plan.num_stages > 2:
-        # torch 2.13: the split input/weight backward of a middle stage fails on the sequence-parallel
-        # boundary ("Can't detach views in-place"), measured on gloo with pp=2, v=2.
-        raise ConfigError(
-            "schedule", plan.schedule,
-            "zero-bubble with sequence parallelism and middle pipeline stages fails in torch 2.13; "
-            "use schedule=interleaved_1f1b, sp=false, or pp*virtual_stages=2",
-        )
+    why = unsupported(plan)
+    if why is None:
+        return
+    if plan.cp > 1:
+        raise ConfigError("cp", plan.cp, f"{why}; use cp=1 and put the degree into dp_shard or tp")
+    raise ConfigError("schedule", plan.schedule,
+                      f"{why}; use schedule=interleaved_1f1b, sp=false, or pp*virtual_stages=2")

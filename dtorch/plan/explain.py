@@ -65,6 +65,7 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         + (f", fixed {', '.join(f'{k}={v}' for k, v in result.fixed.items())}" if result.fixed else ""),
         f"searched {result.meshes} meshes ({result.meshes_pruned} pruned by bound), "
         f"{result.evaluated:,} plans in {result.seconds:.2f} s",
+        *(f"note: {n}" for n in result.notes),
         "",
     ]
     if not result.ranked:

@@ -34,6 +34,7 @@ from dtorch.plan.cost import (
     shape_factor,
     stage_layers,
 )
+from dtorch.plan.limits import unsupported
 from dtorch.plan.plan import AC_POLICIES, MESH_AXES, OFFLOAD_POLICIES, SCHEDULES, Plan
 
 GiB = 2**30
@@ -76,6 +77,8 @@ class SearchResult:
     seconds: float = 0.0
     closest: tuple[Plan, Estimate] | None = None
     """When nothing fits: the plan that came closest (least memory per rank)."""
+    notes: list[str] = field(default_factory=list)
+    """Caveats about the whole result (e.g. fixed fields this DTorch cannot execute)."""
 
     @property
     def best(self) -> tuple[Plan, Estimate] | None:
@@ -347,6 +350,7 @@ def search(
     dtype: str = "bfloat16",
     constants: CostConstants = DEFAULT_CONSTANTS,
     suggest: bool = True,
+    executable_only: bool = True,
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
     tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
@@ -361,6 +365,13 @@ def search(
         profile = rescale_seq(profile, seq_len)
     fixed = normalize_fixed(fixed)
     _check_fixed(fixed, profile, cluster, global_batch)
+    notes: list[str] = []
+    forced = unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule",
+                                                                        "virtual_stages")}))
+    if executable_only and forced:
+        # the user asked for it: evaluate, but say that this DTorch cannot run it
+        executable_only = False
+        notes.append(f"the fixed fields ask for what this DTorch cannot run yet: {forced}")
     group = cluster.slowest_group()
     cap = group.device.memory_bytes
     L = profile.num_layers
@@ -389,6 +400,7 @@ def search(
         return ranked[top_k - 1][0] if len(ranked) >= top_k else math.inf
 
     seen: dict[tuple, Estimate] = {}
+    not_runnable: dict[str, str] = {}
 
     def consider(plan: Plan) -> Estimate:
         nonlocal evaluated, counter
@@ -399,6 +411,9 @@ def search(
         evaluated += 1
         est = seen[key] = estimate(plan, profile, cluster, dtype, constants=constants)
         fam = plan.family()
+        if executable_only and est.fits and (why := unsupported(plan)):
+            not_runnable.setdefault(fam, why)
+            return est
         if est.fits:
             counter += 1
             if len(ranked) < top_k or est.step_time_s < ranked[-1][0]:
@@ -469,9 +484,10 @@ def search(
             closest = min(pool, key=lambda pe: pe[1].memory_bytes_per_rank)
         if suggest:
             suggestions = _suggest(profile, cluster, global_batch, fixed, dtype, constants, closest)
-    rejected = {}
+    rejected = {fam: f"fits, but cannot run here: {why}" for fam, why in sorted(not_runnable.items())
+                if fam not in best_family}
     for fam, (plan, est) in sorted(least_mem.items()):
-        if fam in best_family:
+        if fam in best_family or fam in rejected:
             continue
         rejected[fam] = (f"does not fit: its leanest plan tried needs {est.memory_bytes_per_rank / GiB:.1f} GiB "
                          f"per rank ({plan.describe()}), {cap / GiB:.0f} GiB available"
@@ -491,6 +507,7 @@ def search(
         meshes_pruned=pruned,
         seconds=time.perf_counter() - t0,
         closest=closest,
+        notes=notes,
     )
 
 

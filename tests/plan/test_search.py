@@ -183,3 +183,27 @@ def test_recommend_picks_a_size_meeting_the_deadline():
     assert all(o.time_to_train_s > 7 * 86400 for o in smaller)
     cheapest = recommend(prof, "h100", global_batch=256, tokens=1e11, max_nodes=4)
     assert cheapest.chosen.gpu_hours == min(o.gpu_hours for o in cheapest.options if o.gpu_hours)
+
+
+def test_planner_ranks_only_plans_this_executor_can_run():
+    from dtorch.cluster import load_cluster
+    from dtorch.model import profile
+    from dtorch.plan.limits import unsupported
+    from dtorch.plan.search import search
+
+    result = search(profile("llama3-70b", 8192), load_cluster("h100:8x8"), global_batch=512, top_k=10)
+    assert result.ranked
+    assert all(unsupported(p) is None for p, _ in result.ranked)
+    assert all(unsupported(p) is None for p, _ in result.best_by_family.values())
+    # context parallelism fits but cannot run yet: the explanation says so instead of hiding it
+    assert "cannot run here" in result.rejected.get("FSDPxCPxTP+SPxPP", "cannot run here")
+
+
+def test_fixing_an_unsupported_field_is_evaluated_with_a_note():
+    from dtorch.cluster import load_cluster
+    from dtorch.model import profile
+    from dtorch.plan.search import search
+
+    result = search(profile("llama3-8b", 8192), load_cluster("h100:1x8"), global_batch=16, fixed={"cp": 2})
+    assert result.ranked and all(p.cp == 2 for p, _ in result.ranked)
+    assert any("cannot run" in n for n in result.notes)

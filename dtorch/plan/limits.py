@@ -1,0 +1,21 @@
+"""What the executor of this DTorch version can run: the planner ranks only such plans.
+
+This is data about `dtorch.parallel` kept in the planner's room (the planner must not import the
+executor); `dtorch.parallel.check` enforces the same list before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dtorch.plan.plan import Plan
+
+
+def unsupported(plan: Plan) -> str | None:
+    """Why `plan` cannot run on this executor (torch 2.13), or None if it can."""
+    if plan.cp > 1:
+        return ("context parallelism is not supported by this executor yet (torch 2.13 ring attention "
+                "runs only on CUDA SDPA kernels and the models do not declare position buffers)")
+    if plan.pp > 1 and plan.schedule == "zero_bubble" and plan.sp and plan.num_stages > 2:
+        # the split input/weight backward of a middle stage fails on the sequence-parallel boundary
+        # ("Can't detach views in-place"), measured on gloo with pp=2, v=2
+        return "zero-bubble with sequence parallelism and middle pipeline stages fails in torch 2.13"
+    return None
