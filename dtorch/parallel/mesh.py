@@ -31,7 +31,7 @@ def ensure_process_group(device: torch.device) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-_MESHES: dict[tuple, DeviceMesh] = {}
+_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 
 
 def build_mesh(plan: Plan, device_type: str, *, cache: bool = True) -> DeviceMesh:
@@ -44,14 +44,19 @@ def build_mesh(plan: Plan, device_type: str, *, cache: bool = True) -> DeviceMes
     if not names:  # one rank, or a plan that replicates nothing: a 1-D mesh over the world
         names = ("dp_replicate",)
     shape = tuple(getattr(plan, a) for a in names)
-    key = (id(dist.group.WORLD), dist.get_rank(), device_type, names, shape)
-    if not cache or key not in _MESHES:
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if a in names)
-        if len(dp_axes) == 2:
-            mesh[dp_axes]._flatten("dp")
-        _MESHES[key] = mesh
-    return _MESHES[key]
+    world = dist.group.WORLD
+    # The cache holds the world group object itself, so a group destroyed and re-created (an
+    # elastic restart) can never be mistaken for the old one by a reused id().
+    key = (id(world), dist.get_rank(), device_type, names, shape)
+    if cache and key in _MESHES and _MESHES[key][0] is world:
+        return _MESHES[key][1]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if a in names)
+    if len(dp_axes) == 2:
+        mesh[dp_axes]._flatten("dp")
+    if cache:
+        _MESHES[key] = (world, mesh)
+    return mesh
 
 
 def sub_mesh(mesh: DeviceMesh | None, *axes: str) -> DeviceMesh | None:

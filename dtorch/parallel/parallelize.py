@@ -87,7 +87,7 @@ def parallelize(
 
     pp_rank = sub_mesh(mesh, "pp").get_local_rank() if plan.pp > 1 else 0
     parts = apply_pipeline_split(model, plan, pp_rank) if plan.pp > 1 else [(0, model)]
-    loss_par = plan.tp > 1 and plan.pp == 1
+    loss_par = plan.tp > 1
     for stage, part in parts:
         last = stage == plan.num_stages - 1
         if plan.tp > 1:

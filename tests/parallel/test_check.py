@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dtorch.errors import ConfigError
@@ -42,12 +43,61 @@ def test_invalid_plan_is_rejected_before_any_process_group(plan: Plan, seq_len: 
 
 
 def test_single_process_plan_runs_without_a_process_group() -> None:
-    import torch
-
     pm = parallelize(_factory, Plan(num_microbatches=2), loss_fn=next_token, seed=3)
     x = torch.randint(0, 256, (4, 16))
     ref = build_model("llama-tiny")
     ref.init_weights(3)
     assert float(pm.forward_backward(x, x)) == pytest.approx(float(next_token(ref(x), x).detach()), rel=1e-6)
     assert set(pm.state_dict_for_checkpoint()) == set(ref.state_dict())
+    assert not dist.is_initialized()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj_in = torch.nn.Linear(8, 16)
+        self.proj_out = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.proj_out(torch.relu(self.proj_in(x)))
+
+
+class _Custom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = {"n_heads": 2}
+        self.layers = torch.nn.ModuleDict({"0": _Block()})
+
+    def forward(self, x):
+        return self.layers["0"](x)
+
+
+def test_unknown_layer_role_names_the_module_and_the_annotation_that_fixes_it() -> None:
+    from dtorch.parallel import annotate
+    from dtorch.parallel.tp import check_roles
+
+    model = _Custom()
+    with pytest.raises(ConfigError) as err:
+        parallelize(model, Plan(tp=2), loss_fn=next_token)
+    assert err.value.value == "layers.0.proj_in"
+    assert "dtorch.parallel.annotate(module" in str(err.value)
+    assert not dist.is_initialized()
+    annotate(model.layers["0"].proj_in, "colwise")
+    annotate(model.layers["0"].proj_out, "rowwise")
+    check_roles(model, sp=False)  # no error once annotated
+
+
+def test_model_without_a_block_container_is_told_how_to_declare_one() -> None:
+    with pytest.raises(ConfigError) as err:
+        parallelize(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(), loss_fn=next_token)
+    assert "_dtorch_blocks" in str(err.value)
+
+
+def test_tied_embeddings_are_refused_for_pipeline_and_tensor_parallel() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=16,
+                                  bos_token_id=0, eos_token_id=1)
+    with pytest.raises(ConfigError) as err:
+        parallelize(lambda: transformers.GPT2LMHeadModel(cfg), Plan(pp=2, num_microbatches=2), loss_fn=next_token)
+    assert "tie_word_embeddings=False" in str(err.value)
     assert not dist.is_initialized()
