@@ -123,5 +123,7 @@ def check_executable(plan: Plan) -> None:
         return
     if plan.cp > 1:
         raise ConfigError("cp", plan.cp, f"{why}; use cp=1 and put the degree into dp_shard or tp")
+    if plan.offload == "optimizer":
+        raise ConfigError("offload", plan.offload, f"{why}; use offload=params (with dp_shard > 1) or none")
     raise ConfigError("schedule", plan.schedule,
                       f"{why}; use schedule=interleaved_1f1b, sp=false, or pp*virtual_stages=2")

@@ -9,7 +9,6 @@ one CPU reference copy used for initialisation, see materialize.py).
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -72,11 +71,6 @@ def parallelize(
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     if plan.tp > 1:
         check_roles(model, plan.sp)
-    if plan.offload == "optimizer":
-        warnings.warn(
-            "plan.offload='optimizer' is not applied by the executor: parameters and gradients stay on "
-            "the device; keeping optimizer states on the host is the optimizer's job", stacklevel=2,
-        )
     device = torch.device(device) if device is not None else default_device()
     full_state = reference_state(model_or_factory, model, seed)
 

@@ -14,6 +14,9 @@ def unsupported(plan: Plan) -> str | None:
     if plan.cp > 1:
         return ("context parallelism is not supported by this executor yet (torch 2.13 ring attention "
                 "runs only on CUDA SDPA kernels and the models do not declare position buffers)")
+    if plan.offload == "optimizer":
+        return ("optimizer-state offload (ZeRO-Offload) is not implemented by this executor; "
+                "offload=params (FSDP2 CPU offload) is")
     if plan.pp > 1 and plan.schedule == "zero_bubble" and plan.sp and plan.num_stages > 2:
         # the split input/weight backward of a middle stage fails on the sequence-parallel boundary
         # ("Can't detach views in-place"), measured on gloo with pp=2, v=2

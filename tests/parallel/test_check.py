@@ -101,3 +101,18 @@ def test_tied_embeddings_are_refused_for_pipeline_and_tensor_parallel() -> None:
         parallelize(lambda: transformers.GPT2LMHeadModel(cfg), Plan(pp=2, num_microbatches=2), loss_fn=next_token)
     assert "tie_word_embeddings=False" in str(err.value)
     assert not dist.is_initialized()
+
+
+def test_optimizer_offload_is_refused_before_any_process_group():
+    import pytest
+    import torch.distributed as dist
+
+    from dtorch.errors import ConfigError
+    from dtorch.models import build_model
+    from dtorch.parallel import parallelize
+    from dtorch.plan.plan import Plan
+    from dtorch.train.losses import next_token
+
+    with pytest.raises(ConfigError, match="offload"):
+        parallelize(lambda: build_model("llama-tiny"), Plan(dp_shard=2, offload="optimizer"), loss_fn=next_token)
+    assert not dist.is_initialized()
