@@ -20,7 +20,8 @@ The calibration document (JSON; written atomically; one per cluster name)::
       intra: {kind, bandwidth (bytes/s), latency (s per ring step), efficiency: 1.0}
       inter: {...}
     gemm: [{dtype, rows, width, k, flops}]       # the raw curve
-    memory_bandwidth: {bytes, seconds, bytes_per_s}
+    memory_bandwidth: {per_rank_bytes_per_s}
+    dispatch_overhead_s           # seconds per near-empty op (framework cost per kernel)
     collectives: {intra: {all_reduce: [{bytes, seconds, busbw}], ...}, ...}
     feedback: {...}               # written by dtorch.monitor.feedback: measured/predicted corrections
 
@@ -374,6 +375,17 @@ def measure_memory_bandwidth(device, nbytes: int = 64 * 2**20, min_time: float =
     return {"bytes": 2 * n * 4, "seconds": sec, "bytes_per_s": 2 * n * 4 / sec}
 
 
+def measure_dispatch_overhead(device, min_time: float = 0.05) -> float:
+    """Seconds per dispatched op that does (almost) no work: the framework's fixed cost per op,
+    which small per-rank shapes pay on every kernel (the cost model has no term for it yet)."""
+    import torch
+
+    x = torch.ones(8, device=device)
+    y = torch.ones(8, device=device)
+    _barrier()
+    return _timeit(lambda: torch.add(x, y), device, min_time=min_time)
+
+
 def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = COLL_SIZES,
                         ops: Sequence[str] = COLL_OPS, min_time: float = 0.05) -> dict[str, list[dict]]:
     """Seconds per collective by message size over the process group `group` (global `ranks`).
@@ -470,6 +482,7 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         k = GEMM_K
     gemm = measure_gemm(device, dtypes, rows, widths, k, min_time=0.01 if quick else 0.03)
     membw = measure_memory_bandwidth(device, (16 if quick else 64) * 2**20, 0.03 if quick else 0.1)
+    membw["dispatch_s"] = measure_dispatch_overhead(device, 0.01 if quick else 0.03)
 
     colls: dict[str, dict] = {}
     links: dict[str, dict] = {}
@@ -550,6 +563,8 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         "links": {cls: {k: v for k, v in d.items() if k != "ranks"} for cls, d in links_all.items()},
         "gemm": sorted(gemm_min, key=lambda r: (r["dtype"], r["rows"], r["width"])),
         "memory_bandwidth": {"per_rank_bytes_per_s": [res["membw"]["bytes_per_s"] for res in gathered]},
+        # per-op framework cost (median rank); not read by the cost model yet, see docs/benchmarks.md
+        "dispatch_overhead_s": statistics.median(res["membw"]["dispatch_s"] for res in gathered),
         "collectives": gathered[0]["colls"],
     })
 
@@ -633,6 +648,8 @@ def summary(doc: dict) -> str:
         lines.append(f"  GEMM {dt:9s} best {best / 1e9:8.1f} GFLOP/s per rank; cost-model scale {v / 1e9:.1f} GFLOP/s "
                      f"x efficiency {dev['matmul_efficiency']:.2f} x shape factor")
     lines.append(f"  memory bandwidth {dev['memory_bandwidth'] / 1e9:.2f} GB/s per rank")
+    if "dispatch_overhead_s" in doc:
+        lines.append(f"  dispatch overhead {doc['dispatch_overhead_s'] * 1e6:.1f} us per op")
     for cls, link in doc.get("links", {}).items():
         lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us per step")
     for cls, colls in doc.get("collectives", {}).items():
