@@ -133,6 +133,7 @@ def recoveries(path: str) -> list[dict[str, Any]]:
             "epoch": new,
             "cause": d.get("cause"),
             "ranks": d.get("ranks"),
+            "nodes": d.get("nodes"),
             "world_size": world,
             "detect": detect_t - fault_t,
             "stop": rdzv["start"] - detect_t,
@@ -152,7 +153,8 @@ def format_recovery(r: dict[str, Any]) -> str:
     for k in ("detect", "stop", "rendezvous", "start", "replan", "load", "first_step"):
         v = r.get(k)
         parts.append(f"{k} {v:.2f} s" if v is not None else f"{k} -")
-    return (f"recovered from {r.get('cause')} of rank(s) {r.get('ranks')} in {r['total']:.2f} s "
+    who = f"node(s) {r['nodes']}" if r.get("nodes") else f"rank(s) {r.get('ranks')}"
+    return (f"recovered from {r.get('cause')} of {who} in {r['total']:.2f} s "
             f"at world size {r.get('world_size')} ({', '.join(parts)})")
 
 

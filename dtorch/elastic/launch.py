@@ -173,6 +173,10 @@ def _agent_class():
             self.recovery_pending = False
             self._next_recovery_check = 0.0
             self._grow_since: float | None = None
+            self._saw_commits = False
+            self._next_peer_check = 0.0
+            self._round_nodes: set[str] = set()
+            self._round_t = 0.0
             self._grow_base: int | None = None
 
         # -- membership
@@ -187,6 +191,9 @@ def _agent_class():
             t0 = time.time()
             super()._rendezvous(worker_group)
             self.epoch = self._round()
+            state = self._rdzv_state()
+            self._round_nodes = {str(n) for n in state.participants} if state is not None else set()
+            self._round_t = time.time()
             events.log("rendezvous", self.events_path, start=t0, end=time.time(), epoch=self.epoch,
                        world_size=worker_group.workers[0].world_size if worker_group.workers else None,
                        nodes=worker_group.group_world_size, node_rank=worker_group.group_rank)
@@ -224,6 +231,10 @@ def _agent_class():
                 hang = self.watch.check()
                 if hang is not None:
                     self._on_hang(hang)
+                    return RunResult(state=WorkerState.UNHEALTHY)
+                lost = self._lost_nodes()
+                if lost:
+                    self._on_node_lost(lost)
                     return RunResult(state=WorkerState.UNHEALTHY)
                 self._maybe_report_recovery()
             return result
@@ -268,6 +279,53 @@ def _agent_class():
                   + f"; {len(codes) - len(ranks)} other local ranks stopped; "
                   + f"{self._remaining_restarts} restarts left", file=sys.stderr, flush=True)
 
+        def _rdzv_state(self) -> Any:
+            """The rendezvous state as stored (read-only; None if unavailable)."""
+            try:
+                import pickle
+
+                got = self._worker_group.spec.rdzv_handler._state_holder._backend.get_state()
+                # the same trust torch's own rendezvous places in the store
+                return pickle.loads(got[0]) if got is not None else None
+            except Exception:  # another backend, or a store hiccup: nothing to conclude
+                return None
+
+        def _lost_nodes(self) -> dict[str, float]:
+            """Nodes of this round whose agent stopped its rendezvous keep-alive (a dead or cut-off
+            node): still listed with an expired keep-alive, or already removed from the round by a
+            surviving agent's keep-alive. torch's agent only looks for nodes joining; a node lost
+            before its workers connected would leave ours blocked in process-group init until that
+            times out (30 min). At most one store read a second. Returns node -> last sign of life
+            (seconds since the epoch)."""
+            now = time.time()
+            if now < self._next_peer_check or not self._round_nodes:
+                return {}
+            self._next_peer_check = now + 1.0
+            state = self._rdzv_state()
+            if state is None or state.round != self.epoch or not state.complete:
+                return {}
+            from datetime import datetime, timezone
+
+            settings = self._worker_group.spec.rdzv_handler._settings
+            expire = datetime.now(timezone.utc) - settings.keep_alive_interval * settings.keep_alive_max_attempt
+            hb = state.last_heartbeats
+            lost = {str(n): hb[n].timestamp() for n in state.participants if n in hb and hb[n] < expire}
+            present = {str(n) for n in state.participants}
+            for name in self._round_nodes - present:
+                lost[name] = self._round_t  # removed as dead by another agent: last seen at the rendezvous
+            return lost
+
+        def _on_node_lost(self, lost: dict[str, float]) -> None:
+            t_detect = time.time()
+            heartbeat.kill_all(self.local_pids)
+            self.detections += 1
+            self.recovery_pending = True
+            # the fault: somewhat after the node's last keep-alive (within one keep-alive interval)
+            events.log("detected", self.events_path, cause="node_lost", ranks=[], nodes=sorted(lost),
+                       epoch=self.epoch, detect_t=t_detect, fault_t=min(lost.values()))
+            print(f"dtorch: node(s) {', '.join(lost)} stopped their rendezvous keep-alive in epoch {self.epoch}; "
+                  f"restarting the local workers into a new round", file=sys.stderr, flush=True)
+
         def _on_hang(self, hang: heartbeat.Hang) -> None:
             t_detect = time.time()
             states = heartbeat.sample_states(self.local_pids)
@@ -297,24 +355,35 @@ def _agent_class():
 
         # -- growing at a checkpoint boundary
         def grow_gate(self, waiting: int) -> int:
-            """How many waiting nodes to report to the agent loop now (0 = not yet)."""
+            """How many waiting nodes to report to the agent loop now (0 = not yet).
+
+            Once the workers have reported a committed checkpoint (in any epoch), a waiting node
+            is admitted only after the next commit in this epoch, or after `grow_wait` seconds."""
             if waiting <= 0:
                 self._grow_since = None
                 return 0
             beats = heartbeat.read_beats(self.run_dir, self.epoch)
             mine = [beats[r].get("committed_step") for r in self.local_pids if r in beats]
+            self._saw_commits = self._saw_commits or any(c is not None for c in mine)
             now = time.time()
-            if not mine or any(c is None for c in mine):
-                return waiting  # this script does not report commits: do not hold the job back
+            if not self._saw_commits:
+                return self._admit(waiting, None, "this job reports no checkpoints")
+            base = min((c for c in mine if c is not None), default=None)
             if self._grow_since is None:
-                self._grow_since, self._grow_base = now, min(mine)
-                events.log("grow_waiting", self.events_path, epoch=self.epoch, waiting=waiting,
-                           committed_step=self._grow_base)
-            if min(mine) > (self._grow_base or 0) or now - self._grow_since > self.dspec.grow_wait:
-                events.log("grow", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=min(mine))
-                self._grow_since = None
-                return waiting
+                self._grow_since, self._grow_base = now, base
+                events.log("grow_waiting", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=base)
+            newer = (len(mine) == len(self.local_pids) and all(c is not None for c in mine)
+                     and (self._grow_base is None or min(mine) > self._grow_base))  # type: ignore[type-var]
+            if newer:
+                return self._admit(waiting, min(mine), "checkpoint committed")  # type: ignore[type-var]
+            if now - self._grow_since > self.dspec.grow_wait:
+                return self._admit(waiting, base, f"no checkpoint within {self.dspec.grow_wait:.0f} s")
             return 0
+
+        def _admit(self, waiting: int, step: int | None, why: str) -> int:
+            events.log("grow", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=step, why=why)
+            self._grow_since = None
+            return waiting
 
     return DTorchAgent
 

@@ -64,8 +64,13 @@ def dtorch_run(out: str, marker: str, *flags: str, steps: int = 12, nproc: int =
            TOY, "--out", out, "--steps", str(steps), "--step-sleep", str(step_sleep), "--marker", marker]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DTORCH_TEST_MARKER": marker}
     if not wait:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        # output to a file, not a pipe: nobody reads a pipe while the test waits, and a full pipe
+        # would block the agent
+        log_path = os.path.join(out, f"agent-{time.time_ns()}.log")
+        with open(log_path, "w") as log:
+            p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p.log_path = log_path
+        return p
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

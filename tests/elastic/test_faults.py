@@ -61,8 +61,9 @@ def test_sigstop_one_worker_is_detected_named_and_run_recovers(tmp_path, marker,
 
 @pytest.mark.slow
 def test_busy_loop_inside_a_phase_is_detected_though_its_thread_still_beats(tmp_path, marker, dtorch_run):
-    # world size 2: the point is the busy loop (heartbeat thread alive, no progress), not the scale
-    r = dtorch_run(str(tmp_path), marker, "--heartbeat-timeout", "3",
+    # world size 2: the point is the busy loop (heartbeat thread alive, no progress), not the scale.
+    # Workers start as fresh interpreters here (torchrun's way), the other tests fork them.
+    r = dtorch_run(str(tmp_path), marker, "--heartbeat-timeout", "3", "--start-method", "spawn",
                    "--chaos", "hang:rank=1:phase=allreduce:step=3:mode=busy", nproc=2, steps=8)
     assert r.returncode == 0, r.stdout + r.stderr
     (line,) = [x for x in r.stderr.splitlines() if "HANG:" in x]
