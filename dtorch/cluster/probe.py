@@ -132,7 +132,8 @@ def read_calibration(path: str | Path) -> dict:
 
 
 def write_calibration(doc: dict, path: str | Path) -> Path:
-    """Write `doc` atomically (temp file + rename) as JSON, or YAML by suffix. Returns the path."""
+    """Write `doc` atomically (temp file + rename) as JSON, or YAML by suffix. Returns the path.
+    Concurrent writers never tear the file; the last one wins."""
     validate_calibration(doc)
     p = Path(path).expanduser()
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +144,7 @@ def write_calibration(doc: dict, path: str | Path) -> Path:
     else:
         text = json.dumps(doc, indent=1) + "\n"
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a cluster's calibration from its other users
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
