@@ -34,3 +34,15 @@ def test_regret_is_the_measured_time_of_the_predicted_best_over_the_best_measure
     assert regret([3.0, 2.0, 1.0], [3.0, 2.0, 1.0]) == pytest.approx(1.0)
     with pytest.raises(ValueError):
         regret([], [])
+
+
+def test_nonnegative_least_squares_recovers_costs_and_drops_a_column_that_would_go_negative():
+    from benchmarks.bench_sweep import _lstsq_nonneg
+
+    X = [[1.0, n, c, 1.0] for n, c in ((100, 2), (400, 5), (900, 40), (1600, 7), (2500, 90))]
+    y = [0.5 * a + 2e-4 * n + 3e-3 * c + 0.1 for a, n, c, _ in X]
+    coef = _lstsq_nonneg(X, y)
+    assert coef[1] == pytest.approx(2e-4, rel=1e-6) and coef[2] == pytest.approx(3e-3, rel=1e-6)
+    # a feature that only hurts the fit gets 0, not a negative cost
+    y2 = [1.0 - 1e-4 * n for _, n, _, _ in X]
+    assert all(c >= 0 for c in _lstsq_nonneg([[n, 1.0] for _, n, _, _ in X], y2))
