@@ -11,7 +11,6 @@ Never imports torch for preset models and clusters (the planner is pure arithmet
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 
@@ -79,56 +78,23 @@ def _predicted(est) -> dict:
     }
 
 
-def _verify(plan, args, cluster, est) -> tuple[object | None, str]:
-    """Call `dtorch.parallel.dryrun.verify` if the executor room provides it (imported lazily: it
-    needs torch). Returns (result, message)."""
-    try:
-        from dtorch.parallel.dryrun import verify
-    except ImportError as e:
-        return None, f"verify: not available yet ({e})"
-    kwargs = {"seq_len": args.seq_len, "cluster": cluster, "estimate": est, "profile": None}
-    try:
-        params = inspect.signature(verify).parameters
-        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        kwargs = {k: v for k, v in kwargs.items() if v is not None and (accepts_any or k in params)}
-    except (TypeError, ValueError):
-        kwargs = {}
-    result = verify(plan, args.model, **kwargs)
-    return result, ""
-
-
-def _format_verify(result) -> str:
-    if result is None:
-        return ""
-    if isinstance(result, dict) and "measured" in result:
-        gib = 2**30
-        meas = result["measured"].get("max", {})
-        est = result.get("estimated") or {}
-        lines = [f"verify (fake process group, world size {result.get('world_size')}, "
-                 f"{result.get('seconds', 0):.1f} s): model-state bytes on the fullest rank",
-                 f"  {'':10s} {'measured GiB':>13s} {'estimated GiB':>14s}"]
-        for key in ("params", "grads", "optimizer", "total"):
-            m, e = meas.get(key), est.get(key)
-            lines.append(f"  {key:10s} {m / gib if m is not None else float('nan'):13.2f} "
-                         f"{e / gib if e is not None else float('nan'):14.2f}")
-        if result.get("relative_error") is not None:
-            lines.append(f"  estimate vs measurement: {result['relative_error']:+.2%}")
-        return "\n".join(lines)
-    if hasattr(result, "to_dict"):
-        result = result.to_dict()
-    if isinstance(result, dict):
-        return "verify:\n" + "\n".join(f"  {k}: {v}" for k, v in result.items())
-    return f"verify: {result}"
-
-
-def _jsonable(result):
-    if result is None:
-        return None
-    if hasattr(result, "to_dict"):
-        return result.to_dict()
-    if isinstance(result, dict):
-        return result
-    return str(result)
+def _format_verify(result: dict) -> str:
+    """The dry run's measured model-state bytes beside the estimate (see dtorch.parallel.dryrun)."""
+    gib = 2**30
+    meas = result["measured"]["max"]
+    est = result.get("estimated") or {}
+    lines = [f"verify (fake process group, world size {result.get('world_size')}, "
+             f"{result.get('seconds', 0):.1f} s): model-state bytes on the fullest rank",
+             f"  {'':10s} {'measured GiB':>13s} {'estimated GiB':>14s}"]
+    for key in ("params", "grads", "optimizer", "total"):
+        m, e = meas.get(key), est.get(key)
+        lines.append(f"  {key:10s} {m / gib if m is not None else float('nan'):13.2f} "
+                     f"{e / gib if e is not None else float('nan'):14.2f}")
+    if result.get("relative_error") is not None:
+        lines.append(f"  estimate vs measurement: {result['relative_error']:+.2%}")
+    if result.get("executable") is False:
+        lines.append(f"  note: this DTorch cannot run the plan yet: {result.get('not_executable_because')}")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -178,22 +144,23 @@ def run(args) -> int:
     plan.model = args.model
     plan.cluster = args.cluster or cluster.name
     plan.predicted = _predicted(est)
-    verify_result, verify_msg = (None, "")
+    verify_result = None
     if args.verify:
-        verify_result, verify_msg = _verify(plan, args, cluster, est)
+        from dtorch.parallel.dryrun import verify  # imports torch: only when asked
+
+        verify_result = verify(plan, args.model, args.seq_len, cluster=cluster)
     if args.out:
         plan.save(args.out)
     if args.json:
         doc = plan.to_dict()
-        if args.verify:
-            doc["verify"] = _jsonable(verify_result) if verify_result is not None else {"available": False,
-                                                                                       "message": verify_msg}
+        if verify_result is not None:
+            doc["verify"] = verify_result
         print(json.dumps(doc, indent=2))
     else:
         print(explain(result))
-        if args.verify:
+        if verify_result is not None:
             print()
-            print(verify_msg or _format_verify(verify_result))
+            print(_format_verify(verify_result))
         if args.out:
             print(f"\nplan written to {args.out}")
     return 0

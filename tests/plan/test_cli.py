@@ -1,6 +1,5 @@
 """`dtorch plan` end to end: output, JSON document, bad input, no torch import."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -80,13 +79,6 @@ def test_recommend_sizes_a_cluster(capsys):
     assert "recommended:" in out and "GPU-hours" in out
 
 
-def test_verify_flag_reports_when_the_dry_run_is_missing(capsys):
-    if importlib.util.find_spec("dtorch.parallel.dryrun") is not None:
-        pytest.skip("the dry run exists: covered by the executor's tests")
-    assert main([*BASE, "--verify"]) == 0
-    assert "not available yet" in capsys.readouterr().out
-
-
 def test_plan_command_does_not_import_torch():
     code = ("import sys; from dtorch.cli import main; "
             f"rc = main({BASE!r} + ['--json']); assert rc == 0; "
@@ -97,8 +89,6 @@ def test_plan_command_does_not_import_torch():
 
 @pytest.mark.slow
 def test_verify_measures_model_state_beside_the_estimate(capsys):
-    if importlib.util.find_spec("dtorch.parallel.dryrun") is None:
-        pytest.skip("the executor's dry run is not in this build")
     args = ["plan", "--model", "llama3-1b", "--cluster", "h100:1x8", "--seq-len", "2048", "--global-batch", "16",
             "--fix", "tp=2,pp=2", "--verify", "--json"]
     assert main(args) == 0
