@@ -54,7 +54,9 @@ FAST_RDZV_CONF: dict[str, Any] = {
     "last_call_timeout": 1,  # seconds to wait for more nodes once min is reached (default 30)
     "join_timeout": 120,  # seconds a rendezvous may take in all (default 600)
     "keep_alive_interval": 1,  # agent keep-alive period (default 5)
-    "keep_alive_max_attempt": 3,  # missed keep-alives before a node is dropped (default 3)
+    # Missed keep-alives before a node is dropped (default 3, i.e. 15 s). 3 x 1 s evicted live but
+    # CPU-starved agents on a loaded machine, splitting the job in two: 5 s is the compromise.
+    "keep_alive_max_attempt": 5,
 }
 
 
@@ -191,6 +193,9 @@ def _agent_class():
 
         def _rendezvous(self, worker_group: Any) -> None:
             t0 = time.time()
+            if not self._saw_commits:  # did the group that just ended report checkpoints?
+                self._saw_commits = any(b.get("committed_step") is not None
+                                        for b in heartbeat.read_beats(self.run_dir, self.epoch).values())
             super()._rendezvous(worker_group)
             self.epoch = self._round()
             state = self._rdzv_state()
@@ -304,7 +309,15 @@ def _agent_class():
                 return {}
             self._next_peer_check = now + 1.0
             state = self._rdzv_state()
-            if state is None or state.round != self.epoch or not state.complete:
+            if state is None:
+                return {}
+            me = str(self._worker_group.spec.rdzv_handler._this_node)
+            if state.round > self.epoch or (state.round == self.epoch and state.complete
+                                            and me not in {str(n) for n in state.participants}):
+                # Our round is over without us (we were dropped: a stalled keep-alive, or the others
+                # moved on). Our workers belong to a group that no longer exists: restart and rejoin.
+                return {me: self._round_t}
+            if state.round != self.epoch or not state.complete:
                 return {}
             from datetime import datetime, timezone
 
@@ -325,8 +338,10 @@ def _agent_class():
             # the fault: somewhat after the node's last keep-alive (within one keep-alive interval)
             events.log("detected", self.events_path, cause="node_lost", ranks=[], nodes=sorted(lost),
                        epoch=self.epoch, detect_t=t_detect, fault_t=min(lost.values()))
-            print(f"dtorch: node(s) {', '.join(lost)} stopped their rendezvous keep-alive in epoch {self.epoch}; "
-                  f"restarting the local workers into a new round", file=sys.stderr, flush=True)
+            me = str(self._worker_group.spec.rdzv_handler._this_node)
+            what = (f"this node ({me}) was dropped from round {self.epoch} of the rendezvous" if me in lost else
+                    f"node(s) {', '.join(sorted(lost))} stopped their rendezvous keep-alive in epoch {self.epoch}")
+            print(f"dtorch: {what}; restarting the local workers into a new round", file=sys.stderr, flush=True)
 
         def _on_hang(self, hang: heartbeat.Hang) -> None:
             t_detect = time.time()

@@ -149,21 +149,23 @@ def test_real_trainer_shrinks_when_an_agent_dies_and_grows_at_a_checkpoint(tmp_p
         return [e["world_size"] for e in events.read(path) if e["kind"] == "rendezvous"]
 
     procs = [start()]
+    ckpt = tmp_path / "ckpt"
     try:
-        _shrink_and_grow(procs, start, worlds, path)
+        _shrink_and_grow(procs, start, worlds, path, ckpt)
     finally:
         for p in procs:  # on failure, do not leave agents behind for the marker check
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def _shrink_and_grow(procs, start, worlds, path) -> None:
+def _shrink_and_grow(procs, start, worlds, path, ckpt) -> None:
     a = procs[0]
     time.sleep(2)
     b = start()
     procs.append(b)
     _wait_for(lambda: 4 in worlds(), 120, "world size 4")
-    time.sleep(8)  # past the first checkpoint
+    _wait_for(lambda: ckpt.exists() and any(p.name.startswith("step-") for p in ckpt.iterdir()), 120,
+              "the first checkpoint at 4 workers")
     b.send_signal(signal.SIGKILL)
     b.wait()
     _wait_for(lambda: worlds()[-1] == 2, 60, "the job to continue on 2 workers")
