@@ -7,8 +7,13 @@ This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configu
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, workers get a fresh store per round;
   * workers orphaned by a SIGKILLed agent: every worker starts through `dtorch.elastic.bootstrap`,
     which sets PR_SET_PDEATHSIG (and the heartbeat thread exits when the agent pid disappears);
-  * slow scale-down (~41 s by default): last_call_timeout=1 s, keep-alive every 1 s with 3 misses
-    (a dead node leaves the rendezvous after ~3 s instead of 15 s), join_timeout=120 s.
+  * slow scale-down (~41 s by default): last_call_timeout=1 s, keep-alive every 1 s with 5 misses
+    (a dead node leaves the rendezvous after ~5 s instead of 15 s), join_timeout=120 s;
+  * a node lost between rendezvous and worker start, which left the others blocked in
+    process-group init (30 min): the agent watches the round's keep-alives, and rejoins when it
+    was itself dropped from the round;
+  * ~10 s of Python + torch imports per worker (re)start: workers fork from a forkserver that
+    imported torch once (`start_method="forkserver"`, default).
 - Control plane bound to loopback by default: `--rdzv-endpoint 127.0.0.1:0` and, when the endpoint
   is loopback, workers' MASTER_ADDR is 127.0.0.1 too. torch's TCPStore listens on all interfaces
   whatever host it is given, so the rendezvous store is built here on a socket bound to the
