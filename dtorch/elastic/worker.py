@@ -209,7 +209,15 @@ def _on_before_step(step: int) -> None:
 
 def _on_after_step(step: int, loss: float) -> None:
     _close_phase()
+    first = not _first_step_logged
     step_done(step)
+    if first:
+        # After the first step (process-group warm-up, first checkpoint load) a peer that died or
+        # stopped should fail a collective in seconds, not after gloo's 30 minutes.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            set_collective_timeout(float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120")))
 
 
 def install_hooks(trainer: Any = None) -> None:

@@ -142,7 +142,13 @@ class Trainer:
         else:
             device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
+            if os.environ.get("DTORCH_RUN_DIR"):
+                # under `dtorch run`: its store listens on MASTER_ADDR only (torch's listens on all)
+                from dtorch.elastic.worker import init_process_group
+
+                init_process_group("nccl" if cuda else "gloo")
+            else:
+                dist.init_process_group("nccl" if cuda else "gloo")
         rank = dist.get_rank() if dist.is_initialized() else 0
         return rank, world, device
 
@@ -221,7 +227,8 @@ class Trainer:
             from dtorch.checkpoint import CheckpointManager
 
             self.ckpt = CheckpointManager(self.checkpoint_dir, keep_last=self.keep_last)
-        self.plan = self._choose_plan(self.world, self.rank)
+        with hooks.phase("replan"):
+            self.plan = self._choose_plan(self.world, self.rank)
         self.metrics = MetricsLogger(self.log_dir, rank=self.rank, total_steps=total_steps, console=self.console)
         pred = self.plan.predicted or {}
         self.metrics.event("plan", plan=self.plan.describe(), family=self.plan.family(),
