@@ -72,7 +72,10 @@ class MetricsLogger:
         if self._tb is not None:
             for k in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu"):
                 self._tb.add_scalar(k, record[k], m.step)
-        if self.console:
+        tty = sys.stderr.isatty()
+        # a log file gets ~30 progress lines per run, a terminal one line redrawn in place
+        every = max(1, (self.total_steps or 0) // 30)
+        if self.console and (tty or m.step % every == 0 or m.step == self.total_steps):
             total = f"/{self.total_steps}" if self.total_steps else ""
             width = 24
             frac = (m.step / self.total_steps) if self.total_steps else 0.0
@@ -80,8 +83,8 @@ class MetricsLogger:
             line = (f"\r[{bar}] step {m.step}{total} loss {m.loss:.4f} gnorm {m.grad_norm:.3f} "
                     f"{m.tokens_per_s:,.0f} tok/s mfu {m.mfu * 100:.1f}% {m.step_time_s * 1e3:.0f} ms "
                     f"mem {m.peak_memory_bytes / 2**20:,.0f} MiB")
-            end = "\n" if (not sys.stderr.isatty() or m.step == self.total_steps) else ""
-            print(line if sys.stderr.isatty() else line.lstrip("\r"), end=end, file=sys.stderr, flush=True)
+            end = "\n" if (not tty or m.step == self.total_steps) else ""
+            print(line if tty else line.lstrip("\r"), end=end, file=sys.stderr, flush=True)
 
     def event(self, kind: str, **fields: Any) -> None:
         """A non-step record (plan chosen, checkpoint saved, resume, recovery) in the same JSONL log."""
