@@ -86,7 +86,6 @@ def materialize(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
 
 
-@torch.no_grad()
 def stage(obj: Any) -> Any:
     """A copy of a state tree that training can no longer change: every tensor (DTensor
     included, which keeps its mesh and placements) is copied to CPU memory, other leaves are
@@ -106,16 +105,22 @@ class Stager:
     def __init__(self) -> None:
         self._cache: dict[str, Any] = {}
 
-    @torch.no_grad()
     def stage(self, obj: Any, path: str = "") -> Any:
+        # one no_grad for the whole tree: entering it per node cost as much as the copies
+        with torch.no_grad():
+            return self._stage(obj, path)
+
+    def _stage(self, obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if isinstance(obj, dict):
-            return {k: self.stage(v, f"{path}/{k}") for k, v in obj.items()}
+            return {k: self._stage(v, f"{path}/{k}") for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self.stage(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            return [self._stage(v, f"{path}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(self.stage(v, f"{path}/{i}") for i, v in enumerate(obj))
+            return tuple(self._stage(v, f"{path}/{i}") for i, v in enumerate(obj))
+        if isinstance(obj, (int, float, str, bool, type(None))):
+            return obj  # immutable
         return copy.deepcopy(obj)
 
     def _tensor(self, t: torch.Tensor, path: str) -> torch.Tensor:
