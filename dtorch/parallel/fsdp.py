@@ -42,9 +42,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, last_stage:
     fully_shard(model, reshard_after_forward=plan.reshard_after_forward and plan.pp > 1, **kw)
 
 
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:
-    """Replicate `model` over `dp_mesh`; gradients are all-reduced per block as backward goes."""
+    """Replicate `model` over `dp_mesh`. Blocks of at least DDP's bucket size (25 MiB) get their own
+    all-reduce, issued as backward reaches them; smaller ones are reduced together with the root,
+    as DDP's buckets would (one all-reduce per small block cost 45-58% of a step on gloo)."""
     _, blocks = find_blocks(model)
     for _, block in block_items(blocks):
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy(plan))
+        if sum(p.numel() * p.element_size() for p in block.parameters()) >= DDP_BUCKET_BYTES:
+            replicate(block, mesh=dp_mesh, mp_policy=mp_policy(plan))
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy(plan))
