@@ -143,7 +143,7 @@ def run(args) -> int:
     plan, est = result.ranked[0]
     plan.model = args.model
     plan.cluster = args.cluster or cluster.name
-    plan.predicted = _predicted(est)
+    plan.predicted = est.to_dict()
     verify_result = None
     if args.verify:
         from dtorch.parallel.dryrun import verify  # imports torch: only when asked

@@ -29,6 +29,7 @@ from typing import Any
 
 from dtorch.cluster.presets import DEVICES, NODE_DEFAULTS, canonical, preset_names
 from dtorch.cluster.spec import Cluster, DeviceType, Link, NodeGroup
+from dtorch.docio import read_document
 from dtorch.errors import ConfigError, choices
 
 _SHORT = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*(?::\s*(\d+)\s*(?:[xX*]\s*(\d+))?)?\s*$")
@@ -231,20 +232,7 @@ def save_cluster(cluster: Cluster, path: str | Path) -> None:
 
 def read_cluster_file(path: str | Path) -> Cluster:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError("cluster", str(p), f"cannot read the cluster file ({e.strerror})") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # noqa: BLE001 - any parse error is the user's file
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError("cluster", str(p), f"not valid {p.suffix.lstrip('.') or 'JSON'}: {first}") from None
+    data = read_document(p, "cluster", "cluster file")
     c = cluster_from_dict(data, source=str(p))
     if c.name == "cluster":
         c.name = p.stem

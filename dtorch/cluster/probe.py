@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from dtorch.cluster.spec import Cluster, Link
+from dtorch.docio import read_document
 from dtorch.errors import ConfigError
 
 CALIBRATION_VERSION = 1
@@ -114,20 +115,7 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
 def read_calibration(path: str | Path) -> dict:
     """Read and validate a calibration file (JSON, or YAML by suffix)."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError("calibration", str(p), f"cannot read the calibration file ({e.strerror})") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            doc = yaml.safe_load(text)
-        else:
-            doc = json.loads(text)
-    except Exception as e:  # noqa: BLE001 - any parse error is a damaged file
-        raise ConfigError("calibration", str(p), f"not valid {p.suffix.lstrip('.') or 'JSON'}: {e}; "
-                          "delete it or run `dtorch probe` again") from None
+    doc = read_document(p, "calibration", "calibration file", "delete it or run `dtorch probe` again")
     return validate_calibration(doc, str(p))
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtorch.docio import read_document
 from dtorch.errors import ConfigError, choices
 
 PLAN_VERSION = 1
@@ -202,20 +203,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise ConfigError("plan", str(p), f"cannot read the plan file ({e.strerror})") from None
-        try:
-            if p.suffix in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                data = json.loads(text)
-        except Exception as e:  # noqa: BLE001 - any parse error is the user's file
-            raise ConfigError("plan", str(p), f"not valid {p.suffix.lstrip('.') or 'JSON'}: {e}") from None
+        data = read_document(path, "plan", "plan file")
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:

@@ -1,9 +1,7 @@
-"""Model profiles for the planner without torch: the model room's profiler when it is there, else an
-analytic profile from the torch-free configs in `dtorch.models.configs`.
-
-`get_profile(spec, seq_len)` is what the CLI and the recommender call. `analytic_profile(...)`
-builds a ModelProfile from hyper-parameters alone; the calibration uses it for the published
-shapes (Megatron GPT, MPT), which are no presets.
+"""Model profiles for the planner: `get_profile(spec, seq_len)` (the model room's `profile`, torch-free
+for presets and specs) is what the CLI and the recommender call. `analytic_profile(...)` builds a
+ModelProfile from hyper-parameters alone for the published shapes the calibration uses (Megatron
+GPT without flash attention, MPT), which are not reference models.
 
 Analytic conventions (documented so that the calibrated efficiencies mean something):
 - FLOPs per token per block = 6 x matmul parameters + 12 h s (torchtitan; full s^2 attention);
@@ -20,8 +18,6 @@ Analytic conventions (documented so that the calibrated efficiencies mean someth
 """
 
 from __future__ import annotations
-
-import types
 
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
@@ -88,33 +84,11 @@ def analytic_profile(
     )
 
 
-def _model_room_profiler():
-    """`dtorch.model.profile(spec, seq_len)` if the model room provides it, else None."""
-    try:
-        import dtorch.model as model_pkg
-    except ImportError:
-        return None
-    fn = getattr(model_pkg, "profile", None)
-    if callable(fn) and not isinstance(fn, types.ModuleType):
-        return fn
-    return None
-
-
 def get_profile(spec: str, seq_len: int) -> ModelProfile:
     """The profile of a model spec (preset, ``llama:...``/``gpt:...``, or anything the model room
     accepts) at `seq_len` tokens. Never imports torch for presets and hyper-parameter specs."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ConfigError("seq_len", seq_len, "must be a positive integer")
-    fn = _model_room_profiler()
-    if fn is not None:
-        return fn(spec, seq_len)
-    from dtorch.models.configs import model_config
+    from dtorch.model import profile
 
-    cfg = model_config(spec)
-    family = getattr(cfg, "family", "llama")
-    return analytic_profile(
-        spec, family,
-        layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
-        ffn=cfg.ffn_hidden, vocab=cfg.vocab_size, seq_len=seq_len,
-        flash=True,  # both reference models use scaled_dot_product_attention
-    )
+    return profile(spec, seq_len)
