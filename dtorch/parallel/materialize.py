@@ -19,9 +19,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# DistributedDataParallel prefixes "module." to the names of the model it wraps
+DDP_PREFIX = "module."
 
 
 def clean_name(name: str) -> str:
+    name = name.removeprefix(DDP_PREFIX)
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
 
 from dtorch.plan.plan import Plan
 
@@ -73,8 +74,10 @@ class ParallelModel:
         stack = contextlib.ExitStack()
         if self.loss_parallel:
             stack.enter_context(loss_parallel())
-        if self.plan.param_dtype != "float32" and self.plan.dp_shard == 1 and self.plan.dp_replicate == 1:
-            # No FSDP to cast parameters: autocast gives the same compute dtype.
+        if self.plan.param_dtype != "float32" and self.plan.dp_shard == 1 and (
+            self.plan.dp_replicate == 1 or isinstance(self.model_parts[0], DistributedDataParallel)
+        ):
+            # No FSDP (or FSDP-based replicate) to cast parameters: autocast gives the same compute dtype.
             stack.enter_context(torch.autocast(self.device.type, dtype=getattr(torch, self.plan.param_dtype)))
         return stack
 
@@ -106,8 +109,12 @@ class ParallelModel:
             if isinstance(model, FSDPModule):
                 # Reduce gradients once, after the last micro-batch; FSDP2 accumulates the rest locally.
                 model.set_requires_gradient_sync(i == n - 1)
-            loss = self.loss_fn(model(x), y) / n
-            loss.backward()
+            sync = contextlib.nullcontext()
+            if isinstance(model, DistributedDataParallel) and i < n - 1:
+                sync = model.no_sync()  # likewise for DDP
+            with sync:
+                loss = self.loss_fn(model(x), y) / n
+                loss.backward()
             total += _local(loss.detach()).float()
         return total
 

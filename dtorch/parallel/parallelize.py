@@ -18,7 +18,7 @@ from torch import nn
 from dtorch.errors import ConfigError
 from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_plan, model_dims
-from dtorch.parallel.fsdp import apply_ddp, apply_fsdp
+from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, wrap_ddp
 from dtorch.parallel.hf import adapt
 from dtorch.parallel.materialize import materialize, reference_state
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, sub_mesh
@@ -95,10 +95,12 @@ def parallelize(
         apply_ac(part, plan.ac)
         if plan.dp_shard > 1:
             apply_fsdp(part, sub_mesh(mesh, "dp_replicate", "dp_shard"), plan, last_stage=last)
-        elif plan.dp_replicate > 1:
+        elif plan.dp_replicate > 1 and not classic_ddp(plan):
             apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
     init_device = torch.device("cpu") if plan.offload == "params" else device
     materialize([m for _, m in parts], full_state, init_device)
+    if classic_ddp(plan):
+        parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device))]
     for _, part in parts:
         part.train()
 
