@@ -17,8 +17,6 @@ from dtorch.elastic import events
 CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
 
 pytestmark = [pytest.mark.slow]
-# The issue's own scenarios (shrink/grow, the chaos drill) always run; the two extra ones are opt-in.
-long_only = pytest.mark.skipif(os.environ.get("DTORCH_LONG_TESTS") != "1", reason="set DTORCH_LONG_TESTS=1 (~1.5 min)")
 
 
 def _steps(out) -> list[dict]:
@@ -96,7 +94,6 @@ def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path
     print(f"world 4 after {t_up:.1f} s; 4->2 after agent kill: {t_down:.1f} s; 2->4 after restart: {t_grow:.1f} s")
 
 
-@long_only
 def test_node_lost_between_rendezvous_and_worker_start_does_not_block_the_survivor(tmp_path, marker, dtorch_run):
     """Node B dies right after the rendezvous, before its workers joined the process group: node
     A's workers would wait in process-group init (30 min); the agent sees B's rendezvous
@@ -126,7 +123,6 @@ def test_node_lost_between_rendezvous_and_worker_start_does_not_block_the_surviv
           + events.format_recovery(events.recoveries(path)[0]))
 
 
-@long_only
 def test_real_trainer_shrinks_when_an_agent_dies_and_grows_at_a_checkpoint(tmp_path, marker):
     """The same drill with DTorch's trainer (issue 4) instead of the toy: it re-plans for the world
     it gets and resumes from its last committed checkpoint, resharded."""
