@@ -225,6 +225,14 @@ class CheckpointManager:
             raise CheckpointError(self.root, f"save of step {step} did not commit: {result.error}", _SAVE_FIX)
         return result
 
+    def warm_up(self, state: dict[str, Any]) -> float:
+        """Allocate the CPU staging buffers of async saves now (outside any training step), so
+        that the first async save's stall is only the memory copy, like every later one. Local,
+        not collective. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._stager.stage(materialize({k: v for k, v in state.items() if not is_rank_local(v)}))
+        return time.perf_counter() - t0
+
     def wait(self, raise_on_error: bool = True) -> SaveResult | None:
         """Join the pending async save (if any) and return its result; raises CheckpointError if
         it did not commit (unless `raise_on_error` is False)."""

@@ -353,6 +353,11 @@ class Trainer:
                     peak_memory_bytes=peak_memory_bytes(self.device), world_size=self.world,
                     epoch=int(os.environ.get("DTORCH_EPOCH", "0"))))
                 hooks.after_step(self.step, loss_f)
+                if result.steps_run == 1 and self.ckpt is not None and self.async_checkpoint:
+                    # Allocate the async save's CPU buffers now, between steps, not inside the first
+                    # save's stall. Not before the first step: reading an optimizer's state dict
+                    # before it has state runs a zero-lr step that shifts Adam's step count.
+                    self.ckpt.warm_up(self.checkpoint_state())
                 if self.step % self.checkpoint_every == 0 and self.step < steps:
                     self._save()
             if self.ckpt is not None and (resumed is None or resumed < steps):
