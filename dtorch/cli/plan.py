@@ -64,20 +64,6 @@ def add_parser(sub, help_text: str) -> None:
     p.set_defaults(func=run)
 
 
-def _predicted(est) -> dict:
-    return {
-        "step_time_s": est.step_time_s,
-        "tokens_per_s": est.tokens_per_s,
-        "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
-        "mfu": est.mfu,
-        "memory_bytes_per_rank": est.memory_bytes_per_rank,
-        "memory_breakdown": dict(est.memory_breakdown),
-        "time_breakdown": dict(est.time_breakdown),
-        "memory_capacity": est.memory_capacity,
-        "fits": est.fits,
-    }
-
-
 def _format_verify(result: dict) -> str:
     """The dry run's measured model-state bytes beside the estimate (see dtorch.parallel.dryrun)."""
     gib = 2**30
