@@ -22,6 +22,8 @@ The calibration document (JSON; written atomically; one per cluster name)::
     gemm: [{dtype, rows, width, k, flops}]       # the raw curve
     memory_bandwidth: {per_rank_bytes_per_s}
     dispatch_overhead_s           # seconds per near-empty op (framework cost per kernel)
+    op_overhead_s                 # host seconds per op of an eager training step (tiny shapes)
+    dtensor_op_overhead_s         # extra host seconds per op on DTensors
     collectives: {intra: {all_reduce: [{bytes, seconds, busbw}], ...}, ...}
     feedback: {...}               # written by dtorch.monitor.feedback: measured/predicted corrections
 
@@ -187,6 +189,8 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
             matmul_efficiency=eff,
             memory_bandwidth=float(dev_doc.get("memory_bandwidth", dev.memory_bandwidth)),
             memory_bytes=mem,
+            op_overhead_s=float(doc.get("op_overhead_s", dev.op_overhead_s)),
+            dtensor_op_overhead_s=float(doc.get("dtensor_op_overhead_s", dev.dtensor_op_overhead_s)),
         )
         intra, inter = g.intra, g.inter
         if "intra" in links:
@@ -366,14 +370,85 @@ def measure_memory_bandwidth(device, nbytes: int = 64 * 2**20, min_time: float =
 
 
 def measure_dispatch_overhead(device, min_time: float = 0.05) -> float:
-    """Seconds per dispatched op that does (almost) no work: the framework's fixed cost per op,
-    which small per-rank shapes pay on every kernel (the cost model has no term for it yet)."""
+    """Seconds per dispatched op that does (almost) no work: the framework's fixed cost per op."""
     import torch
 
     x = torch.ones(8, device=device)
     y = torch.ones(8, device=device)
     _barrier()
     return _timeit(lambda: torch.add(x, y), device, min_time=min_time)
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    """Aten operators one call of `fn` dispatches (autograd's backward ops included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "aten":
+                _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
+
+
+def _tiny_blocks(device, width: int = 32, depth: int = 4):
+    """A training step of a few tiny pre-norm residual MLP blocks: the per-op mix of a transformer
+    (linears, norms, activations, residuals, autograd) with no arithmetic worth the name."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.RMSNorm(width), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
+        for _ in range(depth)).to(device)
+    x = torch.randn(2, 8, width, device=device)
+
+    def step():
+        h = x
+        for b in blocks:
+            h = h + b(h)
+        h.square().mean().backward()
+        for p in blocks.parameters():
+            p.grad = None
+
+    return step
+
+
+def measure_op_overhead(device, min_time: float = 0.05) -> float:
+    """Seconds of host time per operator of an eager training step (forward, autograd backward,
+    Python module calls): what a step of small per-rank shapes pays per op beyond its arithmetic.
+    Measured on all ranks at once, so on a shared CPU it includes the ranks' contention."""
+    step = _tiny_blocks(device)
+    step()
+    n = count_ops(step)
+    _barrier()
+    return _timeit(step, device, min_time=min_time) / max(n, 1)
+
+
+def measure_dtensor_overhead(device, min_time: float = 0.05) -> float:
+    """Extra seconds per operator on DTensors over plain tensors (sharding propagation and
+    redistribution checks in Python), for a replicated tensor on a mesh over all ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return 0.0
+    mesh = init_device_mesh(device.type, (world,))
+    x = distribute_tensor(torch.ones(8, device=device), mesh, [Replicate()])
+    y = distribute_tensor(torch.ones(8, device=device), mesh, [Replicate()])
+    plain_x, plain_y = x.to_local(), y.to_local()
+    _barrier()
+    dt = _timeit(lambda: torch.mul(torch.add(x, y), y), device, min_time=min_time) / 2
+    plain = _timeit(lambda: torch.mul(torch.add(plain_x, plain_y), plain_y), device, min_time=min_time) / 2
+    return max(0.0, dt - plain)
 
 
 def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = COLL_SIZES,
@@ -473,6 +548,8 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     gemm = measure_gemm(device, dtypes, rows, widths, k, min_time=0.01 if quick else 0.03)
     membw = measure_memory_bandwidth(device, (16 if quick else 64) * 2**20, 0.03 if quick else 0.1)
     membw["dispatch_s"] = measure_dispatch_overhead(device, 0.01 if quick else 0.03)
+    membw["op_s"] = measure_op_overhead(device, 0.03 if quick else 0.1)
+    membw["dtensor_s"] = measure_dtensor_overhead(device, 0.02 if quick else 0.05)
 
     colls: dict[str, dict] = {}
     links: dict[str, dict] = {}
@@ -553,8 +630,11 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         "links": {cls: {k: v for k, v in d.items() if k != "ranks"} for cls, d in links_all.items()},
         "gemm": sorted(gemm_min, key=lambda r: (r["dtype"], r["rows"], r["width"])),
         "memory_bandwidth": {"per_rank_bytes_per_s": [res["membw"]["bytes_per_s"] for res in gathered]},
-        # per-op framework cost (median rank); not read by the cost model yet, see docs/benchmarks.md
         "dispatch_overhead_s": statistics.median(res["membw"]["dispatch_s"] for res in gathered),
+        # host time per op of an eager step and the DTensor surcharge (median rank): the cost model's
+        # host-overhead term (DeviceType.op_overhead_s / dtensor_op_overhead_s)
+        "op_overhead_s": statistics.median(res["membw"]["op_s"] for res in gathered),
+        "dtensor_op_overhead_s": statistics.median(res["membw"]["dtensor_s"] for res in gathered),
         "collectives": gathered[0]["colls"],
     })
 
@@ -640,6 +720,9 @@ def summary(doc: dict) -> str:
     lines.append(f"  memory bandwidth {dev['memory_bandwidth'] / 1e9:.2f} GB/s per rank")
     if "dispatch_overhead_s" in doc:
         lines.append(f"  dispatch overhead {doc['dispatch_overhead_s'] * 1e6:.1f} us per op")
+    if "op_overhead_s" in doc:
+        lines.append(f"  eager step {doc['op_overhead_s'] * 1e6:.1f} us per op, DTensor surcharge "
+                     f"{doc.get('dtensor_op_overhead_s', 0.0) * 1e6:.1f} us per op")
     for cls, link in doc.get("links", {}).items():
         lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us per step")
     for cls, colls in doc.get("collectives", {}).items():

@@ -25,6 +25,11 @@ class DeviceType:
     """Achievable fraction of peak for large GEMMs (calibrated by probe)."""
     kind: str = "cuda"
     """'cuda', 'rocm' or 'cpu': chooses the backend (nccl/gloo) at run time."""
+    op_overhead_s: float = 0.0
+    """Host seconds per operator of an eager training step (Python, dispatcher, autograd, launch);
+    0 = unknown (no host-overhead term). `dtorch probe` measures it."""
+    dtensor_op_overhead_s: float = 0.0
+    """Extra host seconds per operator on DTensors (sharding propagation); 0 = unknown."""
 
     def peak(self, dtype: str) -> float:
         if dtype in self.peak_flops:

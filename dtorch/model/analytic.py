@@ -98,6 +98,18 @@ def head_act_bytes(config: ModelConfig) -> float:
     return float(ACT_BYTES * 2 * config.dim + stats + 4 * config.vocab_size + 16)
 
 
+# Forward operators of one block and of the rest (embeddings, final norm, output, loss) as the
+# profiler counts them (aten ops under FakeTensorMode, tests/model/test_profile.py pins the agreement).
+OPS_PER_BLOCK = {"llama": 93, "gpt": 38}
+OPS_HEAD = {"llama": 20, "gpt": 13}
+
+
+def block_param_tensors(config: ModelConfig) -> int:
+    """Parameter tensors of one block: Llama q, k, v, o, w1, w2, w3 and two norms; GPT q, k, v, o and
+    the MLP's two linears with biases, and two layer norms with weight and bias."""
+    return 9 if isinstance(config, LlamaConfig) else 16
+
+
 def profile_from_config(config: ModelConfig, seq_len: int, name: str | None = None) -> ModelProfile:
     """The profile of a reference model at `seq_len` tokens per sequence, by formula (no torch).
 
@@ -138,4 +150,8 @@ def profile_from_config(config: ModelConfig, seq_len: int, name: str | None = No
         block_path="layers",
         source="analytic",
         max_seq_len=config.max_seq_len,
+        ops_per_block=OPS_PER_BLOCK[config.family],
+        ops_head=OPS_HEAD[config.family],
+        tensors_per_block=block_param_tensors(config),
+        tensors_other=3 if is_llama else 5,
     )

@@ -55,6 +55,15 @@ class ModelProfile:
     token over the full s^2 (causal mask not halved), as torchtitan reports MFU."""
     max_seq_len: int = 0
     """Longest sequence the model accepts (learned positions / RoPE table); 0 if unknown."""
+    ops_per_block: int = 0
+    """Operators one block's forward dispatches in eager mode (aten ops, any batch size); the cost
+    model's host-overhead term counts backward and recompute from it. 0 if unknown."""
+    ops_head: int = 0
+    """Forward operators outside the blocks: embeddings, final norm, output head and the loss."""
+    tensors_per_block: int = 0
+    """Parameter tensors of one block (a non-foreach optimizer dispatches ops per tensor)."""
+    tensors_other: int = 0
+    """Parameter tensors outside the blocks."""
 
     @property
     def flops_per_token(self) -> float:

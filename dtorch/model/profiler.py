@@ -159,9 +159,16 @@ class _Recorder(TorchDispatchMode):
         self.selective_seen: set = set()
         self.attention_modules: set[str] = set()
         self.heads: tuple[int, int] | None = None
+        self.ops_block = 0
+        self.ops_other = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "aten":  # prim.* are metadata queries (fake tensors), not kernels
+            if self.in_block:
+                self.ops_block += 1
+            else:
+                self.ops_other += 1
         if self.in_block and func in SELECTIVE_SAVE_OPS:
             for t in _tensors(out):
                 ref = _storage(t)
@@ -211,6 +218,8 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
     num_layers = len(blocks)
     params_total = sum(p.numel() for p in model.parameters())
     params_block = sum(p.numel() for p in blocks[0].parameters())
+    tensors_block = len(list(blocks[0].parameters()))
+    tensors_other = len(list(model.parameters())) - num_layers * tensors_block
     block_param_ids = {id(p) for b in blocks for p in b.parameters()}
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)
                   and not n.startswith(block_path + ".")]
@@ -331,6 +340,10 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         tp_roles_reason=reason,
         source="measured",
         max_seq_len=int(_cfg(cfg, "max_seq_len", "max_position_embeddings", "n_positions") or 0),
+        ops_per_block=rec.ops_block,
+        ops_head=rec.ops_other,
+        tensors_per_block=tensors_block,
+        tensors_other=tensors_other,
     )
 
 

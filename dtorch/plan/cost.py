@@ -98,6 +98,30 @@ class CostConstants:
     """Allocator fragmentation, as a share of the rest of the memory."""
     pp_p2p_exposed: float = 0.5
     """Share of pipeline send/recv time on the critical path (isend/irecv overlap the next op)."""
+    # ---- host overhead of eager execution (see `step_counts`) ----
+    backward_ops_per_forward_op: float = 2.0
+    """Autograd dispatches about two operators per forward operator (measured on the reference
+    models in torch 2.13: Llama 1.7, GPT 2.4)."""
+    selective_recompute_ops: float = 0.15
+    """Share of a block's forward operators selective AC re-runs (the attention core)."""
+    default_ops_per_block: int = 93
+    """Forward operators per block when the profile does not say (the reference Llama's count)."""
+    default_ops_head: int = 20
+    optimizer_ops_per_tensor: float = 10.0
+    """AdamW's per-tensor implementation (the default on CPU tensors): operators per parameter tensor."""
+    optimizer_foreach_ops: float = 30.0
+    """AdamW's foreach implementation (the default on CUDA): operators per step, whatever the tensor count."""
+    tp_small_collectives_per_block: tuple[float, float, float] = (4.0, 8.0, 4.0)
+    """Collectives of tensor parallelism per block per micro-batch beyond the four activation-sized
+    ones each way (forward, backward, full-AC recompute): DTensor redistributions of RoPE tables,
+    norm weights and attention reshapes. Counted with a TorchDispatchMode on a tp=2 step of the
+    reference Llama (torch 2.13), as are the two below."""
+    tp_collectives_head: float = 16.0
+    """TP collectives per micro-batch of the vocabulary-parallel embedding, output and loss."""
+    tp_collectives_per_step: tuple[float, float] = (6.0, 4.0)
+    """TP collectives per step: per block on the stage, and fixed (replicated parameters' gradients)."""
+    ddp_bucket_bytes: float = 25 * 2**20
+    """DistributedDataParallel's gradient bucket size (one all-reduce per bucket)."""
 
 
 # Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
@@ -123,7 +147,7 @@ class Estimate:
     mfu: float
     """Model FLOPs (no recompute) per second over the cluster's bf16 peak (summed over all devices)."""
     time_breakdown: dict[str, float]
-    """compute, recompute, tp, cp, fsdp, dp, pp_p2p, bubble, optimizer, offload (exposed seconds)."""
+    """compute, recompute, host, tp, cp, fsdp, dp, pp_p2p, bubble, optimizer, offload (exposed seconds)."""
     memory_bytes_per_rank: int
     memory_breakdown: dict[str, int]
     """params, grads, optimizer, activations, buffers, margin (bytes, on the fullest rank)."""
@@ -260,6 +284,54 @@ def _states(plan: Plan, profile: ModelProfile) -> tuple[dict[str, int], float, f
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}, p_stage, block
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """What one step dispatches on the busiest rank besides arithmetic (see `step_counts`)."""
+
+    ops_per_microbatch: float
+    """Operators of one micro-batch's forward, backward and recompute on the worst stage."""
+    dtensor_ops_per_microbatch: float
+    """Those of them that run on DTensors (all of them under tensor parallelism)."""
+    optimizer_ops: float
+    dtensor_optimizer_ops: float
+    tp_small_per_microbatch: float
+    """Latency-bound TP collectives per micro-batch (the activation-sized ones are counted apart)."""
+    tp_small_per_step: float
+
+
+def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
+                c: CostConstants = DEFAULT_CONSTANTS) -> StepCounts:
+    """Operators and latency-bound collectives one step of `plan` dispatches on the busiest rank.
+
+    Operators: the profile's forward count per block and outside the blocks, backward
+    `backward_ops_per_forward_op` per forward op, full AC re-runs the block forward (selective a
+    share); the optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
+    DTensor operator; under FSDP the optimizer's are. The first/last stage holds half the head's."""
+    first, _ = stage_layers(profile.num_layers, plan.pp)
+    blocks = profile.num_layers if plan.pp == 1 else first
+    head_share = 1.0 if plan.pp == 1 else 0.5
+    ob = profile.ops_per_block or c.default_ops_per_block
+    oh = profile.ops_head or c.default_ops_head
+    per_op = 1.0 + c.backward_ops_per_forward_op
+    rec = 1.0 if plan.ac == "full" else (c.selective_recompute_ops if plan.ac == "selective" else 0.0)
+    ops_mb = blocks * ob * (per_op + rec) + head_share * oh * per_op
+    tensors = blocks * (profile.tensors_per_block or 9) + head_share * (profile.tensors_other or 3)
+    opt = tensors * c.optimizer_ops_per_tensor if device_kind == "cpu" else c.optimizer_foreach_ops
+    tp_mb = tp_step = 0.0
+    if plan.tp > 1:
+        f, b, r = c.tp_small_collectives_per_block
+        tp_mb = blocks * (f + b + (r if plan.ac == "full" else 0.0)) + head_share * c.tp_collectives_head
+        tp_step = blocks * c.tp_collectives_per_step[0] + c.tp_collectives_per_step[1]
+    return StepCounts(
+        ops_per_microbatch=ops_mb,
+        dtensor_ops_per_microbatch=ops_mb if plan.tp > 1 else 0.0,
+        optimizer_ops=opt,
+        dtensor_optimizer_ops=opt if plan.tp > 1 or plan.dp_shard > 1 else 0.0,
+        tp_small_per_microbatch=tp_mb,
+        tp_small_per_step=tp_step,
+    )
+
+
 def _exposed(comm: float, compute: float, c: CostConstants) -> float:
     """Exposed seconds of `comm` overlapped with `compute`: what does not fit under the overlappable
     share of compute, and never less than the contention floor."""
@@ -290,6 +362,11 @@ def estimate(
     c = constants
     g = cluster.slowest_group()
     dev = g.device
+    cpu = dev.kind == "cpu"
+    if cpu:
+        # a CPU rank computes and communicates on the same cores (gloo runs on host threads; with
+        # more ranks than cores they take turns), so nothing hides behind anything
+        c = replace(c, fsdp_overlap=0.0, dp_exposed_floor=1.0, tp_exposed=1.0, pp_p2p_exposed=1.0)
     s = profile.seq_len
     h = profile.hidden
     tp, cp, pp, v = plan.tp, plan.cp, plan.pp, plan.virtual_stages
@@ -337,13 +414,25 @@ def estimate(
     else:
         t_recompute = 0.0
 
+    # -- host overhead of eager execution: operators x seconds per operator (0 when unmeasured). A
+    # GPU's host runs ahead of its kernels, so it shows only where it exceeds them; a CPU's does not.
+    counts = step_counts(plan, profile, dev.kind, c)
+    host_mb = (counts.ops_per_microbatch * dev.op_overhead_s
+               + counts.dtensor_ops_per_microbatch * dev.dtensor_op_overhead_s)
+    host_opt = counts.optimizer_ops * dev.op_overhead_s + counts.dtensor_optimizer_ops * dev.dtensor_op_overhead_s
+    t_host = host_mb if cpu else max(0.0, host_mb - (t_compute + t_recompute))
+
     # -- TP / CP per micro-batch --
     act_full = tokens_mb / cp * h * act_b  # one activation tensor of the micro-batch, full over TP
     t_tp = 0.0
+    t_tp_step = 0.0
     if tp > 1:
         n_ops = 8 + (4 if plan.ac == "full" else 0)
+        small = collective_time("all_reduce", 64.0, tp, st_tp, g)  # latency-bound (norm weights, RoPE, loss)
         t_tp = stage_blocks * n_ops * collective_time("all_gather", act_full, tp, st_tp, g)
+        t_tp += counts.tp_small_per_microbatch * small
         t_tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
+        t_tp_step = counts.tp_small_per_step * small * c.tp_exposed
     t_cp = 0.0
     if cp > 1:
         kv_dim = h * profile.num_kv_heads / profile.num_heads
@@ -352,14 +441,18 @@ def estimate(
         comm = stage_blocks * n_ops * collective_time("all_gather", kv_bytes, cp, st_cp, g)
         attn_time = tokens_mb * stage_blocks * 3 * attn_fwd / (tp * cp) / speed
         t_cp = max(0.0, comm - attn_time)
-    t_mb = t_compute + t_recompute + t_tp + t_cp
+    t_mb = t_compute + t_recompute + t_host + t_tp + t_cp
 
     # -- data parallel --
     states, p_stage, p_block = _states(plan, profile)
     t_fsdp = 0.0
     if dps > 1:
+        # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
+        units = stage_blocks + 1
         ag = collective_time("all_gather", p_stage * param_b, dps, st_dps, g)
+        ag += (units - 1) * collective_time("all_gather", 1.0, dps, st_dps, g)
         rs = collective_time("reduce_scatter", p_stage * red_b, dps, st_dps, g)
+        rs += (units - 1) * collective_time("reduce_scatter", 1.0, dps, st_dps, g)
         ag_block = collective_time("all_gather", p_block * param_b, dps, st_dps, g)
         if pp == 1:
             comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
@@ -372,7 +465,10 @@ def estimate(
             t_fsdp += _exposed(rs, (2.0 / 3.0) * t_compute, c)
     t_dp = 0.0
     if dpr > 1:
-        ar = collective_time("all_reduce", p_stage * red_b / dps, dpr, st_dpr, g)
+        grad_bytes = p_stage * red_b / dps
+        ar = collective_time("all_reduce", grad_bytes, dpr, st_dpr, g)
+        # DDP all-reduces a small first bucket, then one per `ddp_bucket_bytes`
+        ar += math.ceil(grad_bytes / c.ddp_bucket_bytes) * collective_time("all_reduce", 1.0, dpr, st_dpr, g)
         t_dp = _exposed(ar, (2.0 / 3.0) * t_compute, c)
 
     # -- pipeline --
@@ -397,7 +493,8 @@ def estimate(
             t_off += n_ag * p_local * param_b / c.host_link_bandwidth
             t_off += m * p_local * red_b / c.host_link_bandwidth
 
-    step = m * t_mb + t_bubble + t_p2p + t_fsdp + t_dp + t_opt + t_off
+    t_opt += host_opt if cpu else max(0.0, host_opt - t_opt)
+    step = m * t_mb + t_bubble + t_p2p + t_fsdp + t_dp + t_opt + t_off + t_tp_step
     tokens = plan.dp * mbs * m * s
     tps = tokens / step
     # MFU over the whole cluster's peak: in a mixed cluster the faster devices wait for the slowest
@@ -450,7 +547,8 @@ def estimate(
         time_breakdown={
             "compute": m * t_compute,
             "recompute": m * t_recompute,
-            "tp": m * t_tp,
+            "host": m * t_host,
+            "tp": m * t_tp + t_tp_step,
             "cp": m * t_cp,
             "fsdp": t_fsdp,
             "dp": t_dp,

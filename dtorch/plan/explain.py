@@ -10,7 +10,7 @@ from dtorch.plan.search import SearchResult
 
 GiB = 2**30
 TIME_LABELS = {
-    "compute": "compute", "recompute": "recompute", "tp": "TP comm", "cp": "CP comm", "fsdp": "FSDP comm",
+    "compute": "compute", "recompute": "recompute", "host": "host overhead", "tp": "TP comm", "cp": "CP comm", "fsdp": "FSDP comm",
     "dp": "DP all-reduce", "pp_p2p": "PP send/recv", "bubble": "PP bubble", "optimizer": "optimizer",
     "offload": "CPU offload",
 }

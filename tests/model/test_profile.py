@@ -30,12 +30,14 @@ def _assert_agree(measured: ModelProfile, analytic: ModelProfile, block_only: bo
         assert measured.act_bytes_per_token_block[ac] == pytest.approx(
             analytic.act_bytes_per_token_block[ac], rel=0.10), ac
     assert measured.tp_roles == analytic.tp_roles
+    assert (measured.ops_per_block, measured.tensors_per_block) == (analytic.ops_per_block, analytic.tensors_per_block)
     assert (measured.hidden, measured.num_heads, measured.num_kv_heads, measured.ffn_hidden) == (
         analytic.hidden, analytic.num_heads, analytic.num_kv_heads, analytic.ffn_hidden)
     if not block_only:
         assert (measured.params_total, measured.params_embedding, measured.params_head) == (
             analytic.params_total, analytic.params_embedding, analytic.params_head)
         assert measured.num_layers == analytic.num_layers
+        assert (measured.ops_head, measured.tensors_other) == (analytic.ops_head, analytic.tensors_other)
         assert measured.flops_per_token_head == pytest.approx(analytic.flops_per_token_head, rel=0.02)
         assert measured.act_bytes_per_token_head == pytest.approx(analytic.act_bytes_per_token_head, rel=0.10)
 

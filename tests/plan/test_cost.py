@@ -16,6 +16,7 @@ from dtorch.plan.cost import (
     estimate,
     model_state_bytes,
     shape_factor,
+    step_counts,
     with_constants,
 )
 from dtorch.plan.plan import Plan
@@ -138,13 +139,18 @@ def test_sequence_parallel_divides_activations_by_tp():
         (single.memory_breakdown["activations"] - blocks) / 4 + blocks / 4, rel=1e-6)
 
 
-def test_tp_traffic_is_eight_activation_collectives_per_block():
+def test_tp_traffic_is_eight_activation_collectives_per_block_plus_latency_bound_ones():
     prof = llama(layers=8)
     cl = load_cluster("h100:1x4")
-    est = estimate(Plan(tp=4, sp=True), prof, cl)
+    plan = Plan(tp=4, sp=True)
+    est = estimate(plan, prof, cl)
     act = prof.seq_len * prof.hidden * 2
     ag = collective_time("all_gather", act, 4, 1, cl.groups[0])
-    assert est.time_breakdown["tp"] == pytest.approx(8 * prof.num_layers * ag * DEFAULT_CONSTANTS.tp_exposed)
+    small = collective_time("all_reduce", 64.0, 4, 1, cl.groups[0])
+    n = step_counts(plan, prof)
+    assert n.tp_small_per_microbatch == 8 * (4 + 8) + 16 and n.tp_small_per_step == 8 * 6 + 4
+    expect = (8 * prof.num_layers * ag + (n.tp_small_per_microbatch + n.tp_small_per_step) * small)
+    assert est.time_breakdown["tp"] == pytest.approx(expect * DEFAULT_CONSTANTS.tp_exposed)
 
 
 def test_degrees_must_match_the_cluster():
@@ -222,3 +228,44 @@ def test_offload_must_fit_in_the_nodes_host_memory():
     assert "host memory" in est.notes[0]
     small = estimate(plan, profile("llama3-8b", 8192), load_cluster("h100:1x2"))
     assert small.host_bytes_per_rank > 0 and small.fits
+
+
+def _with_host_overhead(cluster, op_s: float, dtensor_s: float = 0.0):
+    import dataclasses
+
+    g = cluster.groups[0]
+    dev = dataclasses.replace(g.device, op_overhead_s=op_s, dtensor_op_overhead_s=dtensor_s)
+    return dataclasses.replace(cluster, groups=[dataclasses.replace(g, device=dev)])
+
+
+def test_host_overhead_adds_on_cpu_and_hides_under_gpu_kernels():
+    prof = llama(layers=4, hidden=256, heads=8, kv=4, ffn=1024, seq=128, vocab=1000)
+    plan = Plan(microbatch_size=1, num_microbatches=2)
+    n = step_counts(plan, prof, "cpu")
+    cpu = load_cluster("detect")
+    base = estimate(plan, prof, _with_host_overhead(cpu, 0.0), "float32")
+    slow = estimate(plan, prof, _with_host_overhead(cpu, 1e-4), "float32")
+    expect = 1e-4 * (2 * n.ops_per_microbatch + n.optimizer_ops)
+    assert slow.step_time_s - base.step_time_s == pytest.approx(expect, rel=1e-9)
+    assert slow.time_breakdown["host"] == pytest.approx(1e-4 * 2 * n.ops_per_microbatch)
+    # an H100's host runs ahead of its kernels: 5 us per op is hidden under a big model's GEMMs
+    gpu = load_cluster("h100:1")
+    big = llama(layers=4)
+    assert estimate(plan, big, _with_host_overhead(gpu, 5e-6)).step_time_s == pytest.approx(
+        estimate(plan, big, gpu).step_time_s)
+
+
+def test_operator_counts_follow_microbatches_recompute_and_stages():
+    prof = llama(layers=4)
+    none = step_counts(Plan(), prof, "cpu")
+    full = step_counts(Plan(ac="full"), prof, "cpu")
+    ob = prof.ops_per_block or DEFAULT_CONSTANTS.default_ops_per_block
+    assert full.ops_per_microbatch - none.ops_per_microbatch == pytest.approx(4 * ob)
+    half = step_counts(Plan(pp=2, num_microbatches=2), prof, "cpu")
+    assert half.ops_per_microbatch < 0.6 * none.ops_per_microbatch
+    assert half.optimizer_ops < 0.6 * none.optimizer_ops
+    # DTensor operators: all of them under TP, the optimizer's under FSDP, none under DDP
+    assert step_counts(Plan(tp=2), prof).dtensor_ops_per_microbatch > 0
+    fsdp = step_counts(Plan(dp_shard=2), prof)
+    assert fsdp.dtensor_ops_per_microbatch == 0 and fsdp.dtensor_optimizer_ops == fsdp.optimizer_ops
+    assert step_counts(Plan(dp_replicate=2), prof).dtensor_optimizer_ops == 0

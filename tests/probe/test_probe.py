@@ -47,7 +47,12 @@ def test_single_process_probe_writes_calibration_that_detect_reads_back_and_chan
     assert 0 < back["device"]["matmul_efficiency"] <= 1
     assert len(back["gemm"]) >= 4 and all(r["flops"] > 0 for r in back["gemm"])
 
+    # host time per operator of a small eager training step: more than an empty op's dispatch
+    assert back["op_overhead_s"] > back["dispatch_overhead_s"] > 0
+    assert back["dtensor_op_overhead_s"] == 0.0  # one process: no mesh to put DTensors on
+
     cal = load_cluster("detect")
+    assert cal.groups[0].device.op_overhead_s == pytest.approx(back["op_overhead_s"])
     monkeypatch.setenv("DTORCH_NO_CALIBRATION", "1")
     nominal = load_cluster("detect")
     dev = cal.groups[0].device
@@ -92,6 +97,9 @@ def test_two_rank_probe_measures_every_collective_and_fits_the_intra_link(cal_di
     link = doc["links"]["intra"]
     assert link["bandwidth"] > 0 and link["latency"] >= 0
     assert local_cluster(2).groups[0].intra.bandwidth == pytest.approx(link["bandwidth"])
+    # DTensor dispatch costs more than a plain tensor's, and the cluster the planner sees knows it
+    assert doc["dtensor_op_overhead_s"] > 0
+    assert local_cluster(2).groups[0].device.dtensor_op_overhead_s == pytest.approx(doc["dtensor_op_overhead_s"])
 
 
 def test_damaged_calibration_is_rejected_by_name_and_ignored_by_the_cluster_loader(cal_dir):
