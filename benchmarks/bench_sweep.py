@@ -3,7 +3,8 @@ on this machine, measured against its prediction.
 
 All plans of one world size run inside ONE group of spawned processes; each plan is built, warmed
 up, timed and torn down in turn, repetitions are interleaved (plan order reversed every other
-repetition, so slow drifts of a shared machine hit all plans alike) and medians are reported.
+repetition, so slow drifts of a shared machine hit all plans alike); a plan's step time is the median
+step of its least disturbed repetition (other jobs on a shared machine only ever add time).
 Step time is barrier to barrier on rank 0 (the slowest rank bounds it); memory is the growth of
 the peak resident set of the fullest rank while the plan is built and stepped (CPU) or the CUDA
 allocator peak (GPU), compared with the predicted model memory (parameters, gradients, optimizer
@@ -172,7 +173,6 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
                  suggest=False)
     search_s = time.perf_counter() - t0
     ranked = list(res.ranked)
-    chosen = ranked[0][0].describe() if ranked else None
     if quick:
         keep = [ranked[0]] + [pe for fam, pe in res.best_by_family.items() if pe[0] is not ranked[0][0]]
         ranked = sorted(keep[:8], key=lambda pe: pe[1].step_time_s)
@@ -210,19 +210,22 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
     for i, p in enumerate(plans):
         err = failed.get(i)
         recs = records.get(i, [])
-        # step time: rank 0's barrier-to-barrier times (all ranks agree to within the barrier)
+        # step time: rank 0's barrier-to-barrier times (all ranks agree to within the barrier); the
+        # plan's time is its least disturbed repetition (the median of that repetition's steps)
         by_rep: dict[int, list[float]] = {}
         for r in recs:
             by_rep.setdefault(r["rep"], []).append(r["times"])
+        rep_medians = [stats.median(reps_times[0]) for reps_times in by_rep.values() if reps_times[0]]
         t = [x for reps_times in by_rep.values() for x in reps_times[0]]
         mems = [r["mem"] for r in recs if r.get("mem") is not None]
         raw_est = estimate(p, res.profile, raw, "float32")
         rows.append({
-            "plan": p.describe(), "family": p.family(), "chosen": p.describe() == chosen,
+            "plan": p.describe(), "family": p.family(),
             "predicted_step_time_s": p.predicted["step_time_s"],
             "uncalibrated_predicted_step_time_s": raw_est.step_time_s,
-            "measured_step_time_s": stats.median(t) if t and not err else None,
+            "measured_step_time_s": min(rep_medians) if rep_medians and not err else None,
             "measured_step_times_s": t,
+            "measured_rep_medians_s": rep_medians,
             "predicted_time_breakdown": p.predicted["time_breakdown"],
             "predicted_memory_bytes": p.predicted["memory_bytes_per_rank"],
             "predicted_model_memory_bytes": _model_memory(p.predicted),
@@ -230,14 +233,27 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
             "error": err,
             "plan_doc": p.to_dict(),
         })
+    summary = {
+        "world_size": world, "cluster": cluster.name, "calibrated": bool(cluster.calibration.get("version")),
+        "plans_feasible": len(res.ranked), "plans_run": len(rows),
+        **score(rows),
+        "search_s": search_s, "run_s": run_s,
+    }
+    return {"summary": summary, "plans": rows}
+
+
+def score(rows: list[dict]) -> dict[str, Any]:
+    """Rank correlation, MAPE and regret of the predictions in `rows` against their measurements."""
     ok = [r for r in rows if r["measured_step_time_s"] is not None]
     pred = [r["predicted_step_time_s"] for r in ok]
     meas = [r["measured_step_time_s"] for r in ok]
     rawp = [r["uncalibrated_predicted_step_time_s"] for r in ok]
     memok = [r for r in ok if r["measured_memory_bytes"]]
-    summary = {
-        "world_size": world, "cluster": cluster.name, "calibrated": bool(cluster.calibration.get("version")),
-        "plans_feasible": len(res.ranked), "plans_run": len(rows), "plans_failed": len(rows) - len(ok),
+    chosen = min(ok, key=lambda r: r["predicted_step_time_s"])["plan"] if ok else None
+    for r in rows:
+        r["chosen"] = r["plan"] == chosen
+    return {
+        "plans_failed": len(rows) - len(ok),
         "chosen": chosen,
         "spearman": stats.spearman(pred, meas) if len(ok) > 1 else None,
         "mape": stats.mape(pred, meas) if ok else None,
@@ -253,9 +269,34 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
         "ratio_by_family": {fam: stats.median([r["measured_step_time_s"] / r["predicted_step_time_s"]
                                                for r in ok if r["family"] == fam])
                             for fam in sorted({r["family"] for r in ok})},
-        "search_s": search_s, "run_s": run_s,
     }
-    return {"summary": summary, "plans": rows}
+
+
+def rescore(result: dict, log=print) -> dict[str, Any]:
+    """The stored measurements of a sweep result re-predicted by the current cost model and the
+    calibration stored now (for changes to the model between runs; the sweep's own figures are
+    the ones measured with the model of its day)."""
+    from dtorch.cluster import local_cluster
+    from dtorch.model import profile_module
+    from dtorch.models import build_model
+    from dtorch.plan.cost import estimate
+    from dtorch.plan.plan import Plan
+
+    out = []
+    for sec in result["results"]:
+        world = sec["summary"]["world_size"]
+        cluster, raw = local_cluster(world), local_cluster(world, calibrated=False)
+        prof = profile_module(lambda m=sec["model"]: build_model(m), result["config"]["seq_len"])
+        rows = []
+        for r in sec["plans"]:
+            p = Plan.from_dict(r["plan_doc"])
+            rows.append({**r, "predicted_step_time_s": estimate(p, prof, cluster, "float32").step_time_s,
+                         "uncalibrated_predicted_step_time_s": estimate(p, prof, raw, "float32").step_time_s})
+        s = score(rows)
+        log(f"world {world}: Spearman {s['spearman']:.3f}, regret {s['regret']:.3f}, MAPE {s['mape']:.1%}; "
+            f"chosen {s['chosen']}, best measured {s['best_measured']}")
+        out.append({"model": sec["model"], "world_size": world, **s, "plans": rows})
+    return {"results": out}
 
 
 def run(quick: bool = False, models: list[str] | None = None, worlds: tuple[int, ...] = (2, 4),
@@ -281,7 +322,8 @@ def markdown(result: dict) -> str:
     lines = ["## (a) Plan sweep: predicted vs measured", "",
              f"Model `{result['config']['models'][0]}`, seq {result['config']['seq_len']}, global batch "
              f"{result['config']['global_batch']}, {result['config']['reps']} interleaved repetitions x "
-             f"{result['config']['steps_per_rep']} steps, medians.", "",
+             f"{result['config']['steps_per_rep']} steps; a plan's step time is the median of its least disturbed "
+             "repetition.", "",
              "| model | world | plans run (feasible) | failed | Spearman | MAPE | regret | Spearman uncal. | MAPE uncal. "
              "| memory Spearman | memory MAPE | planner's choice | best measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -481,3 +523,12 @@ def markdown_gap(result: dict) -> str:
                      f"{c['predicted_scale']:.2f} | {c['s_per_aten_op'] * 1e6:.1f} | {c['s_per_c10d_op'] * 1e3:.2f} | "
                      f"{c['s_fixed'] * 1e3:.1f} | {lo['spearman']:.3f} | {lo['mape']:.1%} | {lo['regret']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="re-predict a stored sweep with the current cost model")
+    ap.add_argument("--rescore", required=True, help="a sweep.json written by `python -m benchmarks`")
+    rescore(json.loads(open(ap.parse_args().rescore).read()))
