@@ -22,6 +22,7 @@ scale_attn_by_inverse_layer_idx); reorder_and_upcast_attn (an fp16 stability opt
 kernel) is not reproduced, and no attention mask or KV cache is taken. Tied input/output
 embeddings stay tied (the same module); the executor rejects them under TP and PP (ConfigError).
 """
+
 from __future__ import annotations
 
 import torch
