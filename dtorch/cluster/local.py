@@ -36,7 +36,8 @@ def local_cluster(world_size: int, local_world_size: int | None = None, *, calib
         )
     elif local > group.devices_per_node:
         raise ConfigError("nproc_per_node", local, f"this node has {group.devices_per_node} GPUs")
-    group = dataclasses.replace(group, device=dev, devices_per_node=local, num_nodes=world_size // local)
+    group = dataclasses.replace(group, device=dev, devices_per_node=local, num_nodes=world_size // local,
+                                host_cores=os.cpu_count() or 1)
     cluster = Cluster([group], name=f"local:{world_size // local}x{local}", calibration=base.calibration)
     if calibrated:
         from dtorch.cluster.probe import with_stored_calibration  # torch-free at import

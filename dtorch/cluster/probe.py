@@ -189,8 +189,10 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
             matmul_efficiency=eff,
             memory_bandwidth=float(dev_doc.get("memory_bandwidth", dev.memory_bandwidth)),
             memory_bytes=mem,
-            op_overhead_s=float(doc.get("op_overhead_s", dev.op_overhead_s)),
-            dtensor_op_overhead_s=float(doc.get("dtensor_op_overhead_s", dev.dtensor_op_overhead_s)),
+            # runtime feedback's compute_scale is one speed for the device: its arithmetic and its host
+            op_overhead_s=float(doc.get("op_overhead_s", dev.op_overhead_s)) / float(fb.get("compute_scale", 1.0)),
+            dtensor_op_overhead_s=float(doc.get("dtensor_op_overhead_s", dev.dtensor_op_overhead_s))
+            / float(fb.get("compute_scale", 1.0)),
         )
         intra, inter = g.intra, g.inter
         if "intra" in links:

@@ -66,6 +66,9 @@ class NodeGroup:
     inter: Link
     host_memory_bytes: int = 0
     """CPU memory per node (for offload), bytes; 0 = unknown."""
+    host_cores: int = 0
+    """CPU cores per node; 0 = unknown. A CPU cluster whose ranks outnumber its cores time-shares
+    them: a rank that waits (a pipeline bubble) lends its share to the busy ones."""
 
     @property
     def num_devices(self) -> int:

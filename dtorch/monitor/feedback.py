@@ -29,7 +29,7 @@ from dtorch.plan.plan import Plan
 
 log = logging.getLogger("dtorch.feedback")
 HISTORY = 20
-COMPUTE_KEYS = ("compute", "recompute")
+COMPUTE_KEYS = ("compute", "recompute", "host")  # what `compute_scale` speeds up or slows down
 
 
 def _ema_log(old: float, target: float, alpha: float) -> float:

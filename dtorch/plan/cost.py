@@ -478,6 +478,10 @@ def estimate(
         p2p_bytes = act_full / (tp if plan.sp or tp == 1 else 1)
         t_p2p = c.pp_p2p_exposed * 2.0 * p2p_time(p2p_bytes, st_pp, g) * (m * v + pp - 1)
         t_bubble = bubble_fraction_of_microbatch(plan) * t_mb
+        if cpu and 0 < g.host_cores < g.devices_per_node:
+            # ranks outnumber cores: the per-rank speed is a share of the cores measured with every
+            # rank busy, and a stage idling in the bubble hands its share to the stages that work
+            t_bubble *= g.host_cores / g.devices_per_node
 
     # -- optimizer and offload --
     p_local = p_stage / dps
