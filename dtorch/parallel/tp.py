@@ -129,10 +129,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
     model's own code (RoPE tables sliced to the input length, GPT's position embeddings, a
     pipeline stage's input shape) then always sees whole sequences. The first block of the stage
     takes its shard by a local slice; the last block of a non-final stage all-gathers its output.
+    Tied input/output embeddings stay tied: one vocabulary-sharded Parameter.
     """
     top: dict[str, object] = {}
+    by_role: dict[str, list[nn.Module]] = {"embedding": [], "output": []}
     for name, mod in model.named_children():
         role = _role(name, mod, TOP_ROLE_BY_NAME) if mod is not None else None
+        if role in by_role:
+            by_role[role].append(mod)
         if role == "embedding":
             top[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif role == "output":
@@ -143,8 +147,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
             )
         elif sp and name in ("norm", "ln_f") and mod is not None:
             top[name] = SequenceParallel()
+    # Tied input/output embeddings (GPT-2) are one Parameter in two modules. parallelize_module
+    # distributes it once per module, which would untie them; both shard the vocabulary (dim 0 of
+    # the same [vocab, dim] weight), so the head takes the embedding's sharded Parameter back.
+    tied = [(out, emb) for out in by_role["output"] for emb in by_role["embedding"]
+            if getattr(out, "weight", None) is not None and out.weight is getattr(emb, "weight", None)]
     if top:
         parallelize_module(model, tp_mesh, top)
+    for out, emb in tied:
+        out.weight = emb.weight
     path, blocks = find_blocks(model)
     items = block_items(blocks)
     for name, block in items:

@@ -109,8 +109,33 @@ CASES_2 = {
 
 
 
+TIED = "tied_tp_sp_logits"
+
+
 def _worker(case: tuple[str, dict], rank: int) -> dict:
-    return _training.parallel(case[1], rank)
+    return _tied_tp_logits() if case[0] == TIED else _training.parallel(case[1], rank)
+
+
+def _tied_tp_logits() -> dict:
+    """apply_tp (TP+SP over both ranks) on the meta adapter of a TIED GPT-2, materialised from the
+    real model: is the tie kept, and are the logits the original model's? (parallelize itself
+    still rejects tied embeddings under TP: tests below.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtorch.parallel.materialize import materialize, reference_state
+    from dtorch.parallel.tp import apply_tp
+
+    torch.manual_seed(0)
+    hf = _gpt2().eval()
+    with torch.device("meta"):
+        model = adapt(_gpt2())
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sp=True, loss_parallel=False)
+    tied = model.output.weight is model.tok_embeddings.weight
+    materialize([model], reference_state(adapt(hf), model, 0), torch.device("cpu"))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model.eval()(x) - hf(x).logits).abs().max()
+    return {"tied": tied, "placements": str(model.output.weight.placements), "max_abs_diff": float(diff)}
 
 
 @cache
@@ -134,7 +159,8 @@ def _hf_reference(global_batch: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world2() -> dict:
-    return dict(zip(CASES_2, run_group(2, list(CASES_2.items()), _worker)))
+    cases = [*CASES_2.items(), (TIED, {})]
+    return dict(zip([name for name, _ in cases], run_group(2, cases, _worker)))
 
 
 def _assert_matches_hf(plan_kwargs: dict, per_rank: list[dict]) -> None:
@@ -154,3 +180,11 @@ def _assert_matches_hf(plan_kwargs: dict, per_rank: list[dict]) -> None:
 @pytest.mark.parametrize("name", list(CASES_2))
 def test_gpt2_world_size_2_matches_single_process_transformers(world2: dict, name: str) -> None:
     _assert_matches_hf(CASES_2[name], world2[name])
+
+
+@pytest.mark.slow
+def test_tied_gpt2_embeddings_stay_tied_under_tp_and_give_the_original_logits(world2: dict) -> None:
+    for r, res in enumerate(world2[TIED]):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+        assert res["tied"] and res["placements"] == "(Shard(dim=0),)"
+        assert res["max_abs_diff"] < 1e-5
