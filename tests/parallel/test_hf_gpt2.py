@@ -94,9 +94,9 @@ def test_gpt2_heads_not_divisible_by_tp_is_rejected_before_any_process_group() -
     assert not torch.distributed.is_initialized()
 
 
-def test_tied_gpt2_under_tp_is_rejected_with_the_untie_fix() -> None:
+def test_tied_gpt2_over_pipeline_stages_is_rejected_with_the_untie_fix() -> None:
     with pytest.raises(ConfigError, match="tie_word_embeddings=False"):
-        parallelize(_gpt2, Plan(tp=2), loss_fn=next_token)
+        parallelize(_gpt2, Plan(pp=2, num_microbatches=2), loss_fn=next_token)
     assert not torch.distributed.is_initialized()
 
 
