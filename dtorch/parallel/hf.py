@@ -20,7 +20,8 @@ the adapter does not update its Conv1D weights. Attention is causal scaled dot-p
 with GPT2Attention's scaling (1/sqrt(head_dim), and 1/(layer+1) with
 scale_attn_by_inverse_layer_idx); reorder_and_upcast_attn (an fp16 stability option of the eager
 kernel) is not reproduced, and no attention mask or KV cache is taken. Tied input/output
-embeddings stay tied (the same module); the executor rejects them under TP and PP (ConfigError).
+embeddings stay tied (the same module); `apply_tp` keeps them tied as one vocabulary-sharded
+Parameter, but `parallelize` still rejects tied embeddings under PP and, for now, TP (ConfigError).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class HFDecoder(_HFAdapter):
 
 
 class HFGPT2(_HFAdapter):
+    """GPT2LMHeadModel: its embeddings, final norm and head, and its blocks rebuilt as `_GPT2Block`."""
+
     input_modules = ("tok_embeddings", "pos_embeddings", "drop")
 
     def __init__(self, hf: nn.Module):
