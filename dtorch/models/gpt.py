@@ -32,6 +32,11 @@ def _dropout(p: float) -> nn.Module:
 
 
 class Attention(nn.Module):
+    core_attention = None
+    """None: causal attention over the input sequence. Context parallelism (dtorch.parallel.cp)
+    installs a callable (q, k, v, *, dropout_p, enable_gqa) -> output that attends to the keys of
+    the whole sequence when the input holds only a slice of it."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.head_dim = config.head_dim
@@ -49,7 +54,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.core_attention is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = self.core_attention(q, k, v, dropout_p=p)
         return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(b, s, -1)))
 
 
@@ -86,6 +94,9 @@ class GPT(nn.Module):
     """Modules a pipeline split keeps on the first stage only."""
     output_modules = ("norm", "output")
     """Modules a pipeline split keeps on the last stage only."""
+    token_positions = None
+    """None: the input holds positions 0..s-1. Context parallelism (dtorch.parallel.cp) installs a
+    callable (s, device) -> (global positions LongTensor[s] of the input's tokens, global length)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -121,12 +132,13 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
             s = tokens.shape[1]
-            if s > self.config.max_seq_len:
-                raise ConfigError("seq_len", s, f"at most max_seq_len={self.config.max_seq_len}; build the "
-                                  "model with a larger max_seq_len (spec key seq=)")
+            pos, seq_len = (None, s) if self.token_positions is None else self.token_positions(s, tokens.device)
+            if seq_len > self.config.max_seq_len:
+                raise ConfigError("seq_len", seq_len, f"at most max_seq_len={self.config.max_seq_len}; build "
+                                  "the model with a larger max_seq_len (spec key seq=)")
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(s, device=tokens.device))
+                h = h + self.pos_embeddings(torch.arange(s, device=tokens.device) if pos is None else pos)
             h = self.emb_dropout(h)
         else:
             h = tokens

@@ -46,6 +46,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    core_attention = None
+    """None: causal attention over the input sequence. Context parallelism (dtorch.parallel.cp)
+    installs a callable (q, k, v, *, dropout_p, enable_gqa) -> output that attends to the keys of
+    the whole sequence when the input holds only a slice of it."""
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.head_dim = config.head_dim
@@ -65,7 +70,10 @@ class Attention(nn.Module):
         # Grouped-query attention: each kv head serves q_heads/kv_heads query heads. The kernel
         # broadcasts k/v itself, so only the small k/v are kept for backward (no repeat_interleave).
         gqa = q.shape[1] != k.shape[1]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if self.core_attention is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = self.core_attention(q, k, v, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -102,6 +110,9 @@ class Llama(nn.Module):
     """Modules a pipeline split keeps on the first stage only."""
     output_modules = ("norm", "output")
     """Modules a pipeline split keeps on the last stage only."""
+    token_positions = None
+    """None: the input holds positions 0..s-1. Context parallelism (dtorch.parallel.cp) installs a
+    callable (s, device) -> (global positions LongTensor[s] of the input's tokens, global length)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -142,10 +153,14 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         s = h.shape[1]
-        if s > self.config.max_seq_len:
-            raise ConfigError("seq_len", s, f"at most max_seq_len={self.config.max_seq_len}; build the model "
-                              "with a larger max_seq_len (spec key seq=)")
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        pos, seq_len = (None, s) if self.token_positions is None else self.token_positions(s, h.device)
+        if seq_len > self.config.max_seq_len:
+            raise ConfigError("seq_len", seq_len, f"at most max_seq_len={self.config.max_seq_len}; build the "
+                              "model with a larger max_seq_len (spec key seq=)")
+        if pos is None:
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        else:
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h

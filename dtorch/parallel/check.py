@@ -121,8 +121,8 @@ def check_executable(plan: Plan) -> None:
     why = unsupported(plan)
     if why is None:
         return
-    if plan.cp > 1:
-        raise ConfigError("cp", plan.cp, f"{why}; use cp=1 and put the degree into dp_shard or tp")
+    if plan.cp > 1 and plan.pp > 1:
+        raise ConfigError("cp", plan.cp, f"{why}; use cp=1 or pp=1")
     if plan.offload == "optimizer":
         raise ConfigError("offload", plan.offload, f"{why}; use offload=params (with dp_shard > 1) or none")
     raise ConfigError("schedule", plan.schedule,

@@ -1,5 +1,8 @@
 """Data parallelism: FSDP2 per block then the root; HSDP over (dp_replicate, dp_shard); DDP.
 
+Context-parallel ranks replicate the parameters, so FSDP/HSDP take the cp axis into their shard
+axis (mesh.fsdp_mesh) and average gradients over it; a plan with cp > 1 always uses FSDP.
+
 Every block is its own FSDP unit so that only one block's parameters are gathered at a time and
 the all-gather of block i+1 overlaps the compute of block i; the root unit holds the embedding,
 final norm and head. DDP (dp_replicate only) uses the FSDP-based `replicate`, which composes with
@@ -26,7 +29,8 @@ def mp_policy(plan: Plan) -> MixedPrecisionPolicy:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, last_stage: bool) -> None:
     """Shard `model` (one pipeline stage or the whole model) over `dp_mesh`: 1-D for FSDP, 2-D
-    (dp_replicate, dp_shard) for HSDP."""
+    (dp_replicate, dp_shard) for HSDP; with context parallelism the shard axis is dp_shard x cp
+    (see mesh.fsdp_mesh)."""
     # Pinned host memory speeds up host-device copies; there is nothing to pin for without CUDA.
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload == "params" else OffloadPolicy()
@@ -40,6 +44,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, last_stage:
         reshard = plan.reshard_after_forward and not (last_stage and i == len(items) - 1 and plan.pp == 1)
         fully_shard(block, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=plan.reshard_after_forward and plan.pp > 1, **kw)
+
+
+def uses_fsdp(plan: Plan) -> bool:
+    """FSDP2 (or HSDP) holds the parameters: sharded data parallelism, or context parallelism."""
+    return plan.dp_shard > 1 or plan.cp > 1
 
 
 DDP_BUCKET_BYTES = 25 * 2**20

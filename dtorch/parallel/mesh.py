@@ -2,7 +2,9 @@
 
 Only axes with degree > 1 are built (a size-1 axis would cost a process group and mean nothing);
 the data-parallel axes are flattened into ``dp`` (data loading, loss averaging) and
-``dp_replicate`` x ``dp_shard`` stay a 2-D sub-mesh for HSDP. TP is innermost so that it lands on
+``dp_replicate`` x ``dp_shard`` stay a 2-D sub-mesh for HSDP. With context parallelism,
+``dp_shard`` x ``cp`` is flattened into ``dp_shard_cp``, the axis FSDP shards and reduces
+gradients over (`fsdp_mesh`). TP is innermost so that it lands on
 a node's contiguous (fastest-linked) ranks. The backend follows the device: nccl on CUDA, gloo on
 CPU, chosen from the environment, never from the plan.
 """
@@ -54,6 +56,8 @@ def build_mesh(plan: Plan, device_type: str, *, cache: bool = True) -> DeviceMes
     dp_axes = tuple(a for a in ("dp_replicate", "dp_shard") if a in names)
     if len(dp_axes) == 2:
         mesh[dp_axes]._flatten("dp")
+    if "dp_shard" in names and "cp" in names:
+        mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
     if cache:
         _MESHES[key] = (world, mesh)
     return mesh
@@ -72,3 +76,18 @@ def sub_mesh(mesh: DeviceMesh | None, *axes: str) -> DeviceMesh | None:
     if not present:
         return None
     return mesh[present]
+
+
+def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The mesh FSDP shards parameters over and averages gradients over: ``dp_shard`` x ``cp``
+    (flattened), preceded by ``dp_replicate`` for HSDP. Context-parallel ranks hold the same
+    parameters but see different tokens, so their gradients must be averaged like those of data
+    parallel ranks; sharding over them too saves memory at no extra communication (torchtitan)."""
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    shard = tuple(a for a in ("dp_shard", "cp") if a in names)
+    if len(shard) == 2:
+        shard = ("dp_shard_cp",)
+    axes = (("dp_replicate",) if "dp_replicate" in names else ()) + shard
+    return mesh[axes] if axes else None

@@ -4,7 +4,8 @@
   call them only through `forward_backward`.
 - `dp_rank`, `dp_size`: this rank's data shard. Feed every step a local batch of
   `plan.microbatch_size * plan.num_microbatches` samples (``[local_batch, seq]`` token ids and
-  labels, same shape): TP, CP and PP ranks of one data-parallel group get the SAME local batch.
+  labels, same shape): TP, CP and PP ranks of one data-parallel group get the SAME local batch
+  (whole sequences: with context parallelism each rank keeps its own sequence shard of it).
 - `forward_backward(inputs, labels) -> loss`: runs all micro-batches (the pipeline schedule when
   pp > 1, gradient accumulation when pp == 1), leaves in `.grad` the gradients of the mean loss
   over the GLOBAL batch (all data-parallel ranks, all micro-batches), and returns that mean loss
@@ -33,6 +34,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
+from dtorch.parallel.cp import ContextParallel
+from dtorch.parallel.fsdp import uses_fsdp
 from dtorch.plan.plan import Plan
 
 
@@ -53,6 +56,7 @@ class ParallelModel:
         has_first_stage: bool = True,
         has_last_stage: bool = True,
         loss_parallel: bool = False,
+        context: ContextParallel | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
     ):
@@ -65,6 +69,7 @@ class ParallelModel:
         self.has_first_stage = has_first_stage
         self.has_last_stage = has_last_stage
         self.loss_parallel = loss_parallel
+        self.context = context
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.distributed = mesh is not None and dist.is_initialized()
@@ -74,7 +79,7 @@ class ParallelModel:
         stack = contextlib.ExitStack()
         if self.loss_parallel:
             stack.enter_context(loss_parallel())
-        if self.plan.param_dtype != "float32" and self.plan.dp_shard == 1 and (
+        if self.plan.param_dtype != "float32" and not uses_fsdp(self.plan) and (
             self.plan.dp_replicate == 1 or isinstance(self.model_parts[0], DistributedDataParallel)
         ):
             # No FSDP (or FSDP-based replicate) to cast parameters: autocast gives the same compute dtype.
@@ -83,6 +88,8 @@ class ParallelModel:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         inputs, labels = inputs.to(self.device), labels.to(self.device)
+        if self.context is not None:
+            inputs, labels = self.context.shard(inputs), self.context.shard(labels)
         with self._compute_context():
             if self.schedule is not None:
                 local = self._pipeline_step(inputs, labels)
@@ -130,8 +137,9 @@ class ParallelModel:
         return torch.stack([_local(x.detach()).float() for x in losses]).mean()
 
     def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
-        """Mean over data-parallel ranks of the last pipeline stage's loss; replicas (TP, CP)
-        hold the same value and the other stages contribute zero."""
+        """Mean over data-parallel and context-parallel ranks (each holds the mean over its tokens)
+        of the last pipeline stage's loss; TP replicas hold the same value and the other stages
+        contribute zero."""
         if not self.distributed:
             return local.detach().cpu()
         buf = local.detach().clone()

@@ -1,9 +1,10 @@
 """`parallelize(model_or_factory, plan)`: apply a Plan with PyTorch's own distributed stack.
 
-Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> activation
-checkpointing -> FSDP2 / HSDP / DDP -> materialise from meta -> pipeline schedule. Everything up
-to materialisation runs on the meta device, so no rank ever holds more than its shard (plus the
-one CPU reference copy used for initialisation, see materialize.py).
+Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> context
+parallel hooks -> activation checkpointing -> FSDP2 / HSDP / DDP -> materialise from meta ->
+pipeline schedule. Everything up to materialisation runs on the meta device, so no rank ever
+holds more than its shard (plus the one CPU reference copy used for initialisation, see
+materialize.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from torch import nn
 from dtorch.errors import ConfigError
 from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_plan, model_dims
-from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, wrap_ddp
+from dtorch.parallel.cp import apply_cp, check_cp
+from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, uses_fsdp, wrap_ddp
 from dtorch.parallel.hf import adapt
 from dtorch.parallel.materialize import materialize, reference_state
-from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, sub_mesh
+from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
 from dtorch.parallel.model import ParallelModel
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
 from dtorch.parallel.tp import apply_tp, check_roles
@@ -69,6 +71,7 @@ def parallelize(
         )
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
+    check_cp(plan, model)
     if plan.tp > 1:
         check_roles(model, plan.sp)
     device = torch.device(device) if device is not None else default_device()
@@ -88,13 +91,16 @@ def parallelize(
     pp_rank = sub_mesh(mesh, "pp").get_local_rank() if plan.pp > 1 else 0
     parts = apply_pipeline_split(model, plan, pp_rank) if plan.pp > 1 else [(0, model)]
     loss_par = plan.tp > 1
+    context = None
     for stage, part in parts:
         last = stage == plan.num_stages - 1
         if plan.tp > 1:
             apply_tp(part, sub_mesh(mesh, "tp"), sp=plan.sp, loss_parallel=loss_par, last_stage=last)
+        if plan.cp > 1:  # whole models only: check_plan refuses cp with pp
+            context = apply_cp(part, sub_mesh(mesh, "cp"))
         apply_ac(part, plan.ac)
-        if plan.dp_shard > 1:
-            apply_fsdp(part, sub_mesh(mesh, "dp_replicate", "dp_shard"), plan, last_stage=last)
+        if uses_fsdp(plan):
+            apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
         elif plan.dp_replicate > 1 and not classic_ddp(plan):
             apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
     init_device = torch.device("cpu") if plan.offload == "params" else device
@@ -113,6 +119,7 @@ def parallelize(
         has_first_stage=0 in stage_ids,
         has_last_stage=plan.num_stages - 1 in stage_ids,
         loss_parallel=loss_par,
+        context=context,
         dp_rank=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
         dp_size=dp_mesh.size() if dp_mesh is not None else 1,
     )

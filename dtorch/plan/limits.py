@@ -11,9 +11,9 @@ from dtorch.plan.plan import Plan
 
 def unsupported(plan: Plan) -> str | None:
     """Why `plan` cannot run on this executor (torch 2.13), or None if it can."""
-    if plan.cp > 1:
-        return ("context parallelism is not supported by this executor yet (torch 2.13 ring attention "
-                "runs only on CUDA SDPA kernels and the models do not declare position buffers)")
+    if plan.cp > 1 and plan.pp > 1:
+        # the context-parallel hooks are installed on whole models, not on pipeline stages
+        return "context parallelism with pipeline parallelism is not implemented by this executor"
     if plan.offload == "optimizer":
         return ("optimizer-state offload (ZeRO-Offload) is not implemented by this executor; "
                 "offload=params (FSDP2 CPU offload) is")

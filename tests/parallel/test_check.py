@@ -28,7 +28,7 @@ def _factory():
          "multiple of 2"),
         (Plan(tp=2, sp=True), 15, "seq_len", "multiple of 2"),
         (Plan(tp=2, cp=2), 20, "seq_len", "tp*2*cp = 8"),
-        (Plan(cp=2), 16, "cp", "use cp=1"),
+        (Plan(cp=2, pp=2, num_microbatches=2), 16, "cp", "use cp=1 or pp=1"),
         (Plan(tp=2, sp=True, pp=2, virtual_stages=2, schedule="zero_bubble", num_microbatches=2), 16,
          "schedule", "interleaved_1f1b"),
         (Plan(pp=2, layer_partition=[1, 2], num_microbatches=2), 16, "layer_partition", "model has 4 blocks"),
@@ -101,6 +101,27 @@ def test_tied_embeddings_are_refused_for_pipeline_and_tensor_parallel() -> None:
         parallelize(lambda: transformers.GPT2LMHeadModel(cfg), Plan(pp=2, num_microbatches=2), loss_fn=next_token)
     assert "tie_word_embeddings=False" in str(err.value)
     assert not dist.is_initialized()
+
+
+def test_context_parallel_transformers_model_is_refused_before_any_process_group() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    with pytest.raises(ConfigError) as err:
+        parallelize(lambda: transformers.LlamaForCausalLM(cfg), Plan(cp=2), loss_fn=next_token, seq_len=16)
+    assert err.value.field == "cp"
+    assert "token_positions" in str(err.value) and "use cp=1" in str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_context_parallel_shards_cover_the_sequence_once_with_equal_causal_work() -> None:
+    from dtorch.parallel.cp import shard_positions
+
+    for cp in (2, 3, 4):
+        shards = [shard_positions(24, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(shards).tolist()) == list(range(24))
+        # causal work of a rank: the number of keys its queries attend to (position + 1 each)
+        assert len({int((s + 1).sum()) for s in shards}) == 1
 
 
 def test_optimizer_offload_is_refused_before_any_process_group():

@@ -51,6 +51,8 @@ CASES_4 = {
     "hf_gpt2_fsdp_x_tp_sp": dict(model="hf-gpt2", dp_shard=2, tp=2, sp=True, microbatch_size=2),
     "hsdp_no_reshard_accumulation": dict(dp_replicate=2, dp_shard=2, num_microbatches=2,
                                          reshard_after_forward=False),
+    "fsdp_x_cp_accumulation": dict(dp_shard=2, cp=2, microbatch_size=1, num_microbatches=2),
+    "cp_x_tp_sp": dict(cp=2, tp=2, sp=True, microbatch_size=4),
 }
 CASES_2 = {
     "ddp": dict(dp_replicate=2, microbatch_size=2),
@@ -68,6 +70,8 @@ CASES_2 = {
     "hf_gpt2_pp": dict(model="hf-gpt2", pp=2, schedule="gpipe", num_microbatches=2, microbatch_size=2),
     "gpt_pp_interleaved": dict(model="gpt-tiny", pp=2, virtual_stages=2, schedule="interleaved_1f1b",
                                num_microbatches=2),
+    "cp": dict(cp=2, microbatch_size=4),
+    "gpt_cp": dict(model="gpt-tiny", cp=2, microbatch_size=4),
 }
 
 
