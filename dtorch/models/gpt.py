@@ -9,6 +9,9 @@ Pipeline stages: set `tok_embeddings` and `pos_embeddings` (first stage only) / 
 `output` (last stage only) to None and delete entries of `layers`. A stage without
 `tok_embeddings` takes hidden states [b, s, dim] (positions were already added on the first
 stage). Attention reads the number of local heads from the projection outputs at run time.
+Two hooks, None unless an executor installs them, let the model run on a slice of each sequence
+(context parallelism, dtorch.parallel.cp): the model's `token_positions` gives the global
+positions of its input tokens, each attention module's `core_attention` replaces causal SDPA.
 """
 
 from __future__ import annotations

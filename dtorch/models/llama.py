@@ -10,6 +10,9 @@ Pipeline stages are made from outside by setting `tok_embeddings` / `norm` / `ou
 deleting entries of `layers`; a stage without `tok_embeddings` takes hidden states [b, s, dim]
 instead of tokens, a stage without `output` returns hidden states. Attention reads the number of
 local heads from the projection outputs at run time, so column-wise sharded wq/wk/wv just work.
+Two hooks, None unless an executor installs them, let the model run on a slice of each sequence
+(context parallelism, dtorch.parallel.cp): the model's `token_positions` gives the global
+positions of its input tokens, each attention module's `core_attention` replaces causal SDPA.
 """
 
 from __future__ import annotations

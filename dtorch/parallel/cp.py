@@ -27,11 +27,15 @@ CPU, nccl on CUDA) with the stock SDPA kernels, so CPU tests exercise the GPU co
 efficient / cuDNN SDPA ops and has no sharding rule for the CPU op (measured: "Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
 registered"). The all-gather exposes K/V communication that ring attention would overlap, and holds
-all keys of the sequence at once (K/V are small under GQA: Llama 3 uses the same argument).
+all keys of the sequence at once (K/V are small under GQA: Llama 3 uses the same argument). On
+CUDA an explicit mask rules out the flash kernel (SDPA picks the memory-efficient one, or the math
+one where that lacks grouped-query support); this was not measured on a GPU.
 
-Not supported (ConfigError before any process group): cp with pipeline parallelism (the hooks
-are installed on whole models; see `dtorch.plan.limits`), and models that do not declare the two
-hooks (e.g. transformers models), see `check_cp`.
+Not supported (ConfigError before any process group): cp with pipeline parallelism (not built:
+the schedule would need sequence-sharded micro-batches and stage shapes; see `dtorch.plan.limits`),
+and models that do not declare the two hooks (e.g. transformers models), see `check_cp`. With
+ignored labels (-100) the ranks' token counts differ and each rank's mean weighs equally, as
+data-parallel ranks and micro-batches already do.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def parallelize(
         last = stage == plan.num_stages - 1
         if plan.tp > 1:
             apply_tp(part, sub_mesh(mesh, "tp"), sp=plan.sp, loss_parallel=loss_par, last_stage=last)
-        if plan.cp > 1:  # whole models only: check_plan refuses cp with pp
+        if plan.cp > 1:  # one part: check_plan refuses cp with pp
             context = apply_cp(part, sub_mesh(mesh, "cp"))
         apply_ac(part, plan.ac)
         if uses_fsdp(plan):

@@ -12,7 +12,7 @@ from dtorch.plan.plan import Plan
 def unsupported(plan: Plan) -> str | None:
     """Why `plan` cannot run on this executor (torch 2.13), or None if it can."""
     if plan.cp > 1 and plan.pp > 1:
-        # the context-parallel hooks are installed on whole models, not on pipeline stages
+        # not built: the pipeline schedule would need sequence-sharded micro-batches and stage shapes
         return "context parallelism with pipeline parallelism is not implemented by this executor"
     if plan.offload == "optimizer":
         return ("optimizer-state offload (ZeRO-Offload) is not implemented by this executor; "
