@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from dtorch.errors import ConfigError
 from dtorch.parallel.check import check_executable, check_plan, model_dims
-from dtorch.parallel.fsdp import apply_ddp, apply_fsdp
-from dtorch.parallel.mesh import build_mesh, sub_mesh
+from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, uses_fsdp
+from dtorch.parallel.mesh import build_mesh, fsdp_mesh, sub_mesh
 from dtorch.parallel.pipeline import apply_pipeline_split, stage_ids
 from dtorch.parallel.tp import apply_tp
 from dtorch.plan.plan import Plan
@@ -67,9 +67,8 @@ def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int) -> dict[s
             if plan.tp > 1:
                 apply_tp(part, sub_mesh(mesh, "tp"), sp=plan.sp, loss_parallel=plan.pp == 1,
                          last_stage=stage == plan.num_stages - 1)
-            if plan.dp_shard > 1:
-                apply_fsdp(part, sub_mesh(mesh, "dp_replicate", "dp_shard"), plan,
-                           last_stage=stage == plan.num_stages - 1)
+            if uses_fsdp(plan):
+                apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=stage == plan.num_stages - 1)
             elif plan.dp_replicate > 1:
                 apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
         params = [p for _, m in parts for p in m.parameters()]
@@ -86,12 +85,12 @@ def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int) -> dict[s
             "optimizer": 0 if plan.offload in ("optimizer", "params") else _nbytes(moments),
             "num_params_local": sum(_local(p).numel() for p in params),
         }
-        if plan.pp > 1 and plan.dp_shard > 1 and plan.num_microbatches > 1 and plan.offload != "params":
+        if plan.pp > 1 and uses_fsdp(plan) and plan.num_microbatches > 1 and plan.offload != "params":
             # A pipeline stage under FSDP2 turns off gradient reduce-scatter until the last
             # micro-batch (torch.distributed.pipelining stage.py: set_requires_gradient_sync(False)),
             # so the stage holds unsharded gradients in the compute dtype during the step.
             param_b = torch.empty((), dtype=getattr(torch, plan.param_dtype)).element_size()
-            out["grads_unsharded_accumulation"] = out["num_params_local"] * plan.dp_shard * param_b
+            out["grads_unsharded_accumulation"] = out["num_params_local"] * plan.dp_shard * plan.cp * param_b
             out["grads"] += out["grads_unsharded_accumulation"]
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         return out
@@ -107,8 +106,8 @@ def verify(plan: Plan, model_spec: str, seq_len: int, cluster: Any = None) -> di
     optimizer, total (bytes)], "max": {...}}, "estimated": {params, grads, optimizer, total} or
     None, "relative_error": (estimated total - measured max total) / measured max total,
     "executable" / "not_executable_because": whether this executor can run the plan today,
-    "seconds": wall time}. Context parallelism adds no parameter sharding (parameters are
-    replicated over cp, as in the cost model), so cp > 1 plans are measured too. `cluster` (optional) adds the full estimate (memory and time
+    "seconds": wall time}. Context-parallel ranks shard parameters with the data-parallel ones
+    (FSDP over dp_shard x cp, as the executor and the cost model do). `cluster` (optional) adds the full estimate (memory and time
     breakdowns). Raises ConfigError if the plan cannot run this model."""
     t0 = time.perf_counter()
     with torch.device("meta"):

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
@@ -113,9 +112,8 @@ class ParallelModel:
         n = self.plan.num_microbatches
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), labels.chunk(n))):
-            if isinstance(model, FSDPModule):
-                # Reduce gradients once, after the last micro-batch; FSDP2 accumulates the rest locally.
-                model.set_requires_gradient_sync(i == n - 1)
+            # FSDP2 reduce-scatters every micro-batch's gradients into the sharded ones (as torchtitan
+            # does): deferring it to the last would hold a full unsharded gradient copy per rank
             sync = contextlib.nullcontext()
             if isinstance(model, DistributedDataParallel) and i < n - 1:
                 sync = model.no_sync()  # likewise for DDP

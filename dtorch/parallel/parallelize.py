@@ -63,11 +63,12 @@ def parallelize(
     if isinstance(model_or_factory, nn.Module):
         model_or_factory = adapt(model_or_factory)
     model = meta_model(model_or_factory)
-    if getattr(model, "tied", None) and model.tied() and (plan.pp > 1 or plan.tp > 1):
+    if getattr(model, "tied", None) and model.tied() and plan.pp > 1:
+        # (under TP a tied embedding and output head share one vocabulary-sharded weight: tp.py)
         raise ConfigError(
             "model", "tied input/output embeddings",
-            "tied embeddings cannot be split over pipeline stages or tensor-parallel ranks; untie them "
-            "(transformers: tie_word_embeddings=False) or use pp=1 and tp=1",
+            "tied embeddings cannot be split over pipeline stages; untie them "
+            "(transformers: tie_word_embeddings=False) or use pp=1",
         )
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)

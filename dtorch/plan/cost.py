@@ -28,7 +28,7 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
   exposed unless async TP (fraction `async_tp_exposed`).
 - CP (torchtitan all-gather ring attention): K and V all-gathered forward, again backward plus a
   reduce-scatter of their gradients; overlapped with the attention compute of the block.
-- FSDP/ZeRO-3 (ZeRO paper; FSDP2): parameters all-gathered in param_dtype before forward (and again
+- FSDP/ZeRO-3 (ZeRO paper; FSDP2) over dp_shard x cp (torchtitan): parameters all-gathered in param_dtype before forward (and again
   before backward when reshard_after_forward), gradients reduce-scattered in reduce_dtype; per
   micro-batch without PP (gradient accumulation as torchtitan does it), once per step with PP
   (pipelining syncs gradients on the last micro-batch only; parameters stay gathered when not
@@ -39,7 +39,7 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
   (p-1)/v micro-batch times for 1F1B/interleaved (Narayanan et al. 2021), (p-1) for GPipe, a third of
   the 1F1B bubble for zero-bubble (ZB-H1, Qi et al. 2023).
 - Memory, mixed-precision Adam (ZeRO paper, 16 bytes/param): fp32 params 4 + fp32 grads 4 + Adam
-  moments 8, divided by dp_shard (FSDP) and tp; activations per block by AC policy from the profile
+  moments 8, divided by dp_shard x cp (FSDP) and tp; activations per block by AC policy from the profile
   (Korthikanti Table 2 shapes), divided by tp with SP (10/34 stays replicated without SP) and by cp;
   micro-batches in flight: 1 without PP, min(p, m) for 1F1B/zero-bubble on the first stage,
   p (1 + (p-1)/(p v)) interleaved (Narayanan et al. 2021), m for GPipe.
@@ -273,7 +273,7 @@ def _states(plan: Plan, profile: ModelProfile) -> tuple[dict[str, int], float, f
         p_stage = profile.num_layers * block + (profile.params_embedding + profile.params_head) / tp
     else:
         p_stage = max(first * block + profile.params_embedding / tp, last * block + profile.params_head / tp)
-    shard = plan.dp_shard
+    shard = plan.dp_shard * plan.cp  # FSDP shards over dp_shard x cp (context-parallel ranks hold the same weights)
     grad_bytes = 4  # FSDP2/DDP keep gradients in the float32 master parameters' dtype (reduce_dtype is the wire)
     params = 0.0 if plan.offload == "params" else 4.0 * p_stage / shard
     grads = 0.0 if plan.offload == "params" else grad_bytes * p_stage / shard
@@ -326,7 +326,7 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
         ops_per_microbatch=ops_mb,
         dtensor_ops_per_microbatch=ops_mb if plan.tp > 1 else 0.0,
         optimizer_ops=opt,
-        dtensor_optimizer_ops=opt if plan.tp > 1 or plan.dp_shard > 1 else 0.0,
+        dtensor_optimizer_ops=opt if plan.tp > 1 or plan.dp_shard * plan.cp > 1 else 0.0,
         tp_small_per_microbatch=tp_mb,
         tp_small_per_step=tp_step,
     )
@@ -372,8 +372,9 @@ def estimate(
     tp, cp, pp, v = plan.tp, plan.cp, plan.pp, plan.virtual_stages
     dps, dpr = plan.dp_shard, plan.dp_replicate
     mbs, m = plan.microbatch_size, plan.num_microbatches
-    st_tp, st_cp, st_dps = 1, tp, tp * cp
+    st_tp, st_cp = 1, tp
     st_dpr, st_pp = tp * cp * dps, tp * cp * dps * dpr
+    fs, st_fs = dps * cp, tp  # FSDP's group: dp_shard x cp flattened (contiguous at stride tp)
     act_b = DTYPE_BYTES.get(dtype if dtype != "float8" else "bfloat16", 2)
     param_b = DTYPE_BYTES[plan.param_dtype]
     red_b = DTYPE_BYTES[plan.reduce_dtype]
@@ -446,14 +447,14 @@ def estimate(
     # -- data parallel --
     states, p_stage, p_block = _states(plan, profile)
     t_fsdp = 0.0
-    if dps > 1:
+    if fs > 1:
         # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
         units = stage_blocks + 1
-        ag = collective_time("all_gather", p_stage * param_b, dps, st_dps, g)
-        ag += (units - 1) * collective_time("all_gather", 1.0, dps, st_dps, g)
-        rs = collective_time("reduce_scatter", p_stage * red_b, dps, st_dps, g)
-        rs += (units - 1) * collective_time("reduce_scatter", 1.0, dps, st_dps, g)
-        ag_block = collective_time("all_gather", p_block * param_b, dps, st_dps, g)
+        ag = collective_time("all_gather", p_stage * param_b, fs, st_fs, g)
+        ag += (units - 1) * collective_time("all_gather", 1.0, fs, st_fs, g)
+        rs = collective_time("reduce_scatter", p_stage * red_b, fs, st_fs, g)
+        rs += (units - 1) * collective_time("reduce_scatter", 1.0, fs, st_fs, g)
+        ag_block = collective_time("all_gather", p_block * param_b, fs, st_fs, g)
         if pp == 1:
             comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
             t_fsdp = _exposed(comm, m * (t_compute + t_recompute), c) + m * ag_block
@@ -465,7 +466,7 @@ def estimate(
             t_fsdp += _exposed(rs, (2.0 / 3.0) * t_compute, c)
     t_dp = 0.0
     if dpr > 1:
-        grad_bytes = p_stage * red_b / dps
+        grad_bytes = p_stage * red_b / fs
         ar = collective_time("all_reduce", grad_bytes, dpr, st_dpr, g)
         # DDP all-reduces a small first bucket, then one per `ddp_bucket_bytes`
         ar += math.ceil(grad_bytes / c.ddp_bucket_bytes) * collective_time("all_reduce", 1.0, dpr, st_dpr, g)
@@ -484,7 +485,7 @@ def estimate(
             t_bubble *= g.host_cores / g.devices_per_node
 
     # -- optimizer and offload --
-    p_local = p_stage / dps
+    p_local = p_stage / fs
     t_opt = 0.0
     t_off = 0.0
     if plan.offload == "none":
@@ -521,7 +522,7 @@ def estimate(
     acts_last = a_layer * last * 1.0 + head_acts if pp > 1 else acts_first
     activations = max(acts_first, acts_last)
     buffers = 0.0
-    if dps > 1:
+    if fs > 1:
         if plan.reshard_after_forward or plan.offload == "params":
             buffers = 2 * p_block * param_b + p_block * red_b  # gathered block + prefetch, one grad block
         else:

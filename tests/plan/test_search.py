@@ -204,6 +204,6 @@ def test_fixing_an_unsupported_field_is_evaluated_with_a_note():
     from dtorch.model import profile
     from dtorch.plan.search import search
 
-    result = search(profile("llama3-8b", 8192), load_cluster("h100:1x8"), global_batch=16, fixed={"cp": 2})
-    assert result.ranked and all(p.cp == 2 for p, _ in result.ranked)
+    result = search(profile("llama3-8b", 8192), load_cluster("h100:1x8"), global_batch=16, fixed={"cp": 2, "pp": 2})
+    assert result.ranked and all(p.cp == 2 and p.pp == 2 for p, _ in result.ranked)
     assert any("cannot run" in n for n in result.notes)
