@@ -188,12 +188,13 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
     from dtorch.parallel.cp import check_cp
     from dtorch.parallel.parallelize import meta_model
 
-    dims = model_dims(meta_model(lambda: build_model(model)))
+    meta = meta_model(lambda: build_model(model))
+    dims = model_dims(meta)
     failed: dict[int, str] = {}
     for i, p in enumerate(plans):
         try:
             check_plan(p, dims, seq_len=seq, world_size=world)
-            check_cp(p)
+            check_cp(p, meta)
         except Exception as e:  # noqa: BLE001 - ConfigError from the executor's checks
             failed[i] = f"{type(e).__name__}: {str(e)[:300]}"
     runnable = [i for i in range(len(plans)) if i not in failed]

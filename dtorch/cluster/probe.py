@@ -17,7 +17,7 @@ The calibration document (JSON; written atomically; one per cluster name)::
     device:                       # replaces the preset's numbers (per rank)
       name, peak_flops: {float32: ..., bfloat16: ...}, matmul_efficiency, memory_bandwidth
     links:                        # per link class present, the alpha-beta fit of all collectives
-      intra: {kind, bandwidth (bytes/s), latency (s per ring step), efficiency: 1.0}
+      intra: {kind, bandwidth (bytes/s), latency (s per ring step), p2p_latency (s), efficiency: 1.0}
       inter: {...}
     gemm: [{dtype, rows, width, k, flops}]       # the raw curve
     memory_bandwidth: {per_rank_bytes_per_s}
@@ -33,8 +33,9 @@ peak x efficiency x shape factor matches the measured curve (least squares in lo
 at most 1). The shape factor was fitted on GPUs; a CPU's curve is flatter, so there the fitted
 `peak_flops` is an effective scale above the best GEMM a rank achieved, which is stored apart as
 `measured_peak_flops` (the MFU denominator). Collectives are alpha-beta per link class with `bandwidth x efficiency` and
-`latency` per ring step: the probe fits both on all measured collectives of a link class together
-and stores them with efficiency 1 (they are achieved, not line-rate, numbers).
+`latency` per ring step: the probe fits both on the measured ring collectives of a link class
+together, point-to-point latency apart, and stores them with efficiency 1 (they are achieved, not
+line-rate, numbers).
 
 This module's top level is torch-free: `apply_calibration` / `stored_calibration` run inside
 `load_cluster`, which `dtorch plan` calls and which must start fast. The measurement functions import
@@ -205,7 +206,7 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
 
 def _link(d: dict, base: Link) -> Link:
     return Link(kind=d.get("kind", base.kind), bandwidth=float(d["bandwidth"]), latency=float(d["latency"]),
-                efficiency=float(d.get("efficiency", 1.0)))
+                efficiency=float(d.get("efficiency", 1.0)), p2p_latency=float(d.get("p2p_latency", 0.0)))
 
 
 def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:
@@ -512,14 +513,20 @@ def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = 
 
 
 def _link_fit(colls: dict[str, list[dict]], n: int, kind: str) -> dict:
-    points = []
+    """The link's alpha-beta from its ring collectives, and point-to-point latency apart: a ring step
+    waits for every rank of the group (on an oversubscribed CPU, for each to be scheduled), a
+    send for one peer, so one alpha would misprice both."""
+    points, p2p = [], []
     for op, rows in colls.items():
         moved, steps = collective_steps(op, 2 if op == "p2p" else n)
         for r in rows:
             if "seconds" in r:
-                points.append((steps, r["bytes"] * moved, r["seconds"]))
-    alpha, beta = fit_alpha_beta(points)
-    return {"kind": kind, "bandwidth": beta, "latency": alpha, "efficiency": 1.0, "ranks": n}
+                (p2p if op == "p2p" else points).append((steps, r["bytes"] * moved, r["seconds"]))
+    alpha, beta = fit_alpha_beta(points or p2p)
+    out = {"kind": kind, "bandwidth": beta, "latency": alpha, "efficiency": 1.0, "ranks": n}
+    if p2p and points:
+        out["p2p_latency"] = max(1e-9, fit_alpha_beta(p2p)[0])
+    return out
 
 
 def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
@@ -726,7 +733,9 @@ def summary(doc: dict) -> str:
         lines.append(f"  eager step {doc['op_overhead_s'] * 1e6:.1f} us per op, DTensor surcharge "
                      f"{doc.get('dtensor_op_overhead_s', 0.0) * 1e6:.1f} us per op")
     for cls, link in doc.get("links", {}).items():
-        lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us per step")
+        p2p = f", point-to-point {link['p2p_latency'] * 1e6:.1f} us" if link.get("p2p_latency") else ""
+        lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us "
+                     f"per step{p2p}")
     for cls, colls in doc.get("collectives", {}).items():
         for op, rows in colls.items():
             ok = [r for r in rows if "seconds" in r]

@@ -53,6 +53,9 @@ class Link:
     """Seconds per message (the alpha of an alpha-beta model)."""
     efficiency: float = 0.8
     """Achievable fraction of `bandwidth` for large collectives (bus bandwidth / line rate)."""
+    p2p_latency: float = 0.0
+    """Seconds per point-to-point message when it differs from a collective's ring step (a send
+    waits for one peer, a ring step for all of them); 0 = `latency`. Measured by the probe."""
 
 
 @dataclass(frozen=True)

@@ -208,10 +208,19 @@ def collective_time(kind: str, nbytes: float, size: int, stride: int, group: Nod
                  group.inter.bandwidth * group.inter.efficiency, group.inter.latency)
 
 
+def oversubscribed(group: NodeGroup) -> bool:
+    """A CPU node running more ranks than it has cores: the ranks time-share the cores."""
+    return group.device.kind == "cpu" and 0 < group.host_cores < group.devices_per_node
+
+
 def p2p_time(nbytes: float, stride: int, group: NodeGroup) -> float:
-    """Seconds to send `nbytes` to the neighbour `stride` ranks away."""
+    """Seconds to send `nbytes` to the neighbour `stride` ranks away. The probe's point-to-point
+    latency is a ping-pong of idle ranks; on an oversubscribed CPU a pipeline's receive waits for a
+    busy peer to be scheduled, which is what a ring step's latency (measured with all ranks
+    contending) prices."""
     link = group.intra if stride < group.devices_per_node else group.inter
-    return nbytes / (link.bandwidth * link.efficiency) + link.latency
+    latency = link.latency if oversubscribed(group) else (link.p2p_latency or link.latency)
+    return nbytes / (link.bandwidth * link.efficiency) + latency
 
 
 # ---- compute ----------------------------------------------------------------------------------
@@ -429,7 +438,7 @@ def estimate(
     t_tp_step = 0.0
     if tp > 1:
         n_ops = 8 + (4 if plan.ac == "full" else 0)
-        small = collective_time("all_reduce", 64.0, tp, st_tp, g)  # latency-bound (norm weights, RoPE, loss)
+        small = collective_time("all_gather", 64.0, tp, st_tp, g)  # latency-bound (norm weights, RoPE, loss)
         t_tp = stage_blocks * n_ops * collective_time("all_gather", act_full, tp, st_tp, g)
         t_tp += counts.tp_small_per_microbatch * small
         t_tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
@@ -478,11 +487,15 @@ def estimate(
     if pp > 1:
         p2p_bytes = act_full / (tp if plan.sp or tp == 1 else 1)
         t_p2p = c.pp_p2p_exposed * 2.0 * p2p_time(p2p_bytes, st_pp, g) * (m * v + pp - 1)
-        t_bubble = bubble_fraction_of_microbatch(plan) * t_mb
-        if cpu and 0 < g.host_cores < g.devices_per_node:
-            # ranks outnumber cores: the per-rank speed is a share of the cores measured with every
-            # rank busy, and a stage idling in the bubble hands its share to the stages that work
-            t_bubble *= g.host_cores / g.devices_per_node
+        if oversubscribed(g):
+            # The per-rank speed is a share of the cores measured with every rank busy; a stage idling
+            # in the bubble hands its share to the stages that work, so the bubble costs only the cores
+            # left idle while the pipeline fills and drains. Filling it with other work (zero-bubble's
+            # deferred weight gradients, interleaving) moves work, it does not remove any: every
+            # schedule pays the 1F1B ramp.
+            t_bubble = (pp - 1) * t_mb * g.host_cores / g.devices_per_node
+        else:
+            t_bubble = bubble_fraction_of_microbatch(plan) * t_mb
 
     # -- optimizer and offload --
     p_local = p_stage / fs

@@ -146,7 +146,7 @@ def test_tp_traffic_is_eight_activation_collectives_per_block_plus_latency_bound
     est = estimate(plan, prof, cl)
     act = prof.seq_len * prof.hidden * 2
     ag = collective_time("all_gather", act, 4, 1, cl.groups[0])
-    small = collective_time("all_reduce", 64.0, 4, 1, cl.groups[0])
+    small = collective_time("all_gather", 64.0, 4, 1, cl.groups[0])
     n = step_counts(plan, prof)
     assert n.tp_small_per_microbatch == 8 * (4 + 8) + 16 and n.tp_small_per_step == 8 * 6 + 4
     expect = (8 * prof.num_layers * ag + (n.tp_small_per_microbatch + n.tp_small_per_step) * small)
@@ -269,3 +269,40 @@ def test_operator_counts_follow_microbatches_recompute_and_stages():
     fsdp = step_counts(Plan(dp_shard=2), prof)
     assert fsdp.dtensor_ops_per_microbatch == 0 and fsdp.dtensor_optimizer_ops == fsdp.optimizer_ops
     assert step_counts(Plan(dp_replicate=2), prof).dtensor_optimizer_ops == 0
+
+
+def _cpu_node(ranks: int, cores: int):
+    import dataclasses
+
+    from dtorch.cluster.spec import Cluster, Link
+
+    cl = load_cluster("detect")
+    g = cl.groups[0]
+    g = dataclasses.replace(g, devices_per_node=ranks, num_nodes=1, host_cores=cores,
+                            intra=Link("shm", 1e9, 1e-3, 1.0, p2p_latency=1e-4))
+    return Cluster([g], name=f"cpu:{ranks}on{cores}")
+
+
+def test_oversubscribed_cpu_bubble_is_the_idle_cores_share_of_the_1f1b_ramp_for_every_schedule():
+    prof = llama(layers=4, hidden=256, heads=8, kv=4, ffn=1024, seq=128, vocab=1000)
+    busy = _cpu_node(4, 2)
+    plans = [Plan(pp=4, num_microbatches=8, schedule=s, virtual_stages=1) for s in ("1f1b", "zero_bubble", "gpipe")]
+    bubbles = [estimate(p, prof, busy, "float32").time_breakdown["bubble"] for p in plans]
+    assert bubbles[0] == pytest.approx(bubbles[1]) == pytest.approx(bubbles[2])
+    # with a core per rank the schedules differ as on GPUs (zero-bubble a third of 1F1B's)
+    free = _cpu_node(4, 4)
+    b1, bz = (estimate(p, prof, free, "float32").time_breakdown["bubble"] for p in plans[:2])
+    assert bz == pytest.approx(b1 / 3)
+    # the ramp costs the idle cores' share: half of it with 4 ranks on 2 cores
+    e = estimate(plans[0], prof, busy, "float32")
+    t_mb = (e.time_breakdown["compute"] + e.time_breakdown["host"]) / 8
+    assert bubbles[0] == pytest.approx(3 * t_mb * 2 / 4)
+
+
+def test_pipeline_sends_pay_the_ring_latency_when_ranks_outnumber_cores():
+    prof = llama(layers=4, hidden=256, heads=8, kv=4, ffn=1024, seq=128, vocab=1000)
+    plan = Plan(pp=2, num_microbatches=4)
+    busy = estimate(plan, prof, _cpu_node(2, 1), "float32").time_breakdown["pp_p2p"]
+    free = estimate(plan, prof, _cpu_node(2, 2), "float32").time_breakdown["pp_p2p"]
+    messages = 2 * (4 + 1)
+    assert busy - free == pytest.approx(messages * (1e-3 - 1e-4), rel=1e-6)
