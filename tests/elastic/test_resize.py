@@ -137,7 +137,7 @@ def test_real_trainer_shrinks_when_an_agent_dies_and_grows_at_a_checkpoint(tmp_p
            "--steps", "200", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "ckpt"),
            "--no-progress", "--sample-tokens", "0", "--model", "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=32",
            "--seq-len", "32", "--global-batch", "8",
-           "--plan", "cp=1"]  # the planner may pick cp=2 at 4 ranks, which the executor rejects on CPU
+           "--plan", "cp=1"]  # keep the plans of this drill within data/pipeline/tensor parallelism
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTORCH_TEST_MARKER": marker}
 
     def start():
