@@ -107,9 +107,10 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
     if v is None:
         return default
     d = _mapping(v, path)
-    unknown = sorted(set(d) - {"kind", "bandwidth", "latency", "efficiency"})
+    unknown = sorted(set(d) - {"kind", "bandwidth", "latency", "efficiency", "p2p_latency"})
     if unknown:
-        raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]], "unknown link field; use kind, bandwidth, latency, efficiency")
+        raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]],
+                          "unknown link field; use kind, bandwidth, latency, p2p_latency, efficiency")
     kind = d.get("kind", default.kind)
     if kind not in kinds:
         raise ConfigError(f"{path}.kind", kind, choices(kinds))
@@ -121,6 +122,7 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
         bandwidth=_num(d, "bandwidth", path, default=default.bandwidth),
         latency=_num(d, "latency", path, positive=False, default=default.latency),
         efficiency=eff,
+        p2p_latency=_num(d, "p2p_latency", path, positive=False, default=default.p2p_latency),
     )
 
 
@@ -158,6 +160,10 @@ def _device(v: Any, path: str) -> tuple[DeviceType, str | None]:
         memory_bandwidth=_num(d, "memory_bandwidth", path, default=base.memory_bandwidth if base else None),
         matmul_efficiency=eff,
         kind=kind,
+        op_overhead_s=_num(d, "op_overhead_s", path, positive=False,
+                           default=base.op_overhead_s if base else 0.0),
+        dtensor_op_overhead_s=_num(d, "dtensor_op_overhead_s", path, positive=False,
+                                   default=base.dtensor_op_overhead_s if base else 0.0),
     )
     return dev, base_key
 
@@ -175,7 +181,7 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
     for i, g in enumerate(groups_raw):
         path = f"groups[{i}]"
         g = _mapping(g, path)
-        allowed = {"device", "num_nodes", "devices_per_node", "intra", "inter", "host_memory_bytes"}
+        allowed = {"device", "num_nodes", "devices_per_node", "intra", "inter", "host_memory_bytes", "host_cores"}
         unknown = sorted(set(g) - allowed)
         if unknown:
             raise ConfigError(f"{path}.{unknown[0]}", g[unknown[0]], f"unknown node-group field; {choices(sorted(allowed))}")
@@ -192,6 +198,7 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
             intra=_link(g.get("intra"), f"{path}.intra", d_intra, INTRA_KINDS),
             inter=_link(g.get("inter"), f"{path}.inter", d_inter, INTER_KINDS),
             host_memory_bytes=_num(g, "host_memory_bytes", path, integer=True, positive=False, default=d_host),
+            host_cores=_num(g, "host_cores", path, integer=True, positive=False, default=0),
         ))
     name = d.get("name", "cluster")
     calib = d.get("calibration") or {}
@@ -211,6 +218,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                 "intra": dataclasses.asdict(g.intra),
                 "inter": dataclasses.asdict(g.inter),
                 "host_memory_bytes": g.host_memory_bytes,
+                "host_cores": g.host_cores,
             }
             for g in cluster.groups
         ],
