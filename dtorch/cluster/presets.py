@@ -77,6 +77,8 @@ DEVICES: dict[str, DeviceType] = {
         memory_bandwidth=100e9,
         matmul_efficiency=0.5,
         kind="cpu",
+        op_overhead_s=5e-6,  # eager PyTorch host time per operator, and DTensor's extra (nominal)
+        dtensor_op_overhead_s=10e-6,
     ),
 }
 
@@ -101,7 +103,9 @@ NODE_DEFAULTS: dict[str, tuple[Link, Link, int, int]] = {
     "h200": (Link("nvlink", 450e9, 2e-6, 0.8), Link("ib", 50e9, 5e-6, 0.85), 8, 2048 * GiB),
     "b200": (Link("nvlink", 900e9, 2e-6, 0.8), Link("ib", 50e9, 5e-6, 0.85), 8, 2048 * GiB),
     "mi300x": (Link("xgmi", 448e9, 3e-6, 0.7), Link("roce", 50e9, 6e-6, 0.8), 8, 2048 * GiB),
-    "cpu": (Link("shm", 10e9, 5e-6, 0.5), Link("ethernet", 1.25e9, 50e-6, 0.7), 1, 64 * GiB),
+    # gloo between processes of one host: ~0.1-1 ms per ring step and 1-2 GB/s measured on a
+    # 2-core VM (`dtorch probe` replaces these); a send/receive pair about 0.1 ms
+    "cpu": (Link("shm", 2e9, 2e-4, 1.0, p2p_latency=1e-4), Link("ethernet", 1.25e9, 50e-6, 0.7), 1, 64 * GiB),
 }
 
 
