@@ -122,3 +122,59 @@ def gather_compute_times(seconds: float, group: object | None = None) -> list[fl
     out = [torch.zeros(1, dtype=torch.float64, device=dev) for _ in range(world)]
     dist.all_gather(out, mine, group=group)  # type: ignore[arg-type]
     return [float(t.item()) for t in out]
+
+
+class StragglerWatch:
+    """The trainer's straggler check: times every block's forward on this rank (module hooks; the
+    FSDP all-gather runs in FSDP's own pre-hook, before ours), and every `every` steps gathers
+    all ranks' mean seconds per block call into a `StragglerDetector` (one small all_gather).
+    Per block call, so pipeline stages holding different numbers of blocks compare fairly. Under
+    tensor parallelism a block's forward includes its TP collectives, so the peers of a slow rank
+    wait inside their blocks too and the ratio stays near 1: there only the rank's own-history
+    z-score can tell."""
+
+    def __init__(self, model_parts: Sequence[object], world_size: int, every: int = 10, patience: int = 2,
+                 ratio_threshold: float = 1.5, min_gap: float = 2e-3):
+        if every < 1:
+            raise ConfigError("straggler_every", every, "check every 1 or more steps (0 turns the check off)")
+        self.every = every
+        self.detector = StragglerDetector(world_size, ratio_threshold=ratio_threshold, patience=patience,
+                                          min_gap=min_gap, min_history=3)
+        self.seconds = 0.0
+        self.calls = 0
+        self._t0 = 0.0
+        self._windows = 0
+        self._handles = []
+        for part in model_parts:
+            layers = getattr(getattr(part, "module", part), "layers", None)  # DistributedDataParallel wraps
+            for block in (layers.children() if layers is not None else ()):
+                self._handles.append(block.register_forward_pre_hook(self._pre))
+                self._handles.append(block.register_forward_hook(self._post))
+
+    def _pre(self, module, args) -> None:
+        import time
+
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, out) -> None:
+        import time
+
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+    def step_done(self, step: int) -> StragglerReport | None:
+        """Call on every rank after every step; every `every` steps returns the detector's report."""
+        if step % self.every:
+            return None
+        per_call = self.seconds / self.calls if self.calls else 0.0
+        self.seconds, self.calls = 0.0, 0
+        self._windows += 1
+        times = gather_compute_times(per_call)
+        if self._windows == 1:
+            return None  # the first steps include one-time work (allocator, lazy initialisation)
+        return self.detector.update(times, step)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,9 @@ class Trainer:
       log_dir: metrics.jsonl (+ TensorBoard); default: checkpoint_dir.
       async_checkpoint: write checkpoints in the background (the blocking stall is logged).
       keep_last: committed checkpoints to keep.
+      straggler_every: every N steps all ranks compare their mean block-forward time; a rank at
+        least 1.5x slower than the fastest (or suddenly slow against its own history) for two
+        checks in a row is named once on the console and as a `straggler` event (0 = off).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class Trainer:
         async_checkpoint: bool = True,
         keep_last: int = 3,
         console: bool = True,
+        straggler_every: int = 10,
     ):
         if int(global_batch) < 1:
             raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
@@ -120,6 +125,9 @@ class Trainer:
         self.seed = int(seed)
         self.max_grad_norm = max_grad_norm
         self.log_dir = Path(log_dir) if log_dir is not None else self.checkpoint_dir
+        if int(straggler_every) < 0:
+            raise ConfigError("straggler_every", straggler_every, "check every N >= 1 steps, or 0 for never")
+        self.straggler_every = int(straggler_every)
         self.async_checkpoint = async_checkpoint
         self.keep_last = keep_last
         self.console = console
@@ -318,6 +326,11 @@ class Trainer:
             # Audit trail of the data order: which sample indices each rank consumed at each step.
             samples_log = open(self.log_dir / f"samples-rank{self.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
         hooks.started(self)
+        watch = None
+        if self.world > 1 and self.straggler_every:
+            from dtorch.monitor.straggler import StragglerWatch
+
+            watch = StragglerWatch(self.parallel.model_parts, self.world, every=self.straggler_every)
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
@@ -353,6 +366,12 @@ class Trainer:
                     peak_memory_bytes=peak_memory_bytes(self.device), world_size=self.world,
                     epoch=int(os.environ.get("DTORCH_EPOCH", "0"))))
                 hooks.after_step(self.step, loss_f)
+                report = watch.step_done(self.step) if watch is not None else None
+                if report is not None and report.new:
+                    self.metrics.event("straggler", step=self.step, ranks=report.new,
+                                       ratio=[round(x, 3) for x in report.ratio])
+                    if self.rank == 0:
+                        print(report.warning(), file=sys.stderr, flush=True)
                 if result.steps_run == 1 and self.ckpt is not None and self.async_checkpoint:
                     # Allocate the async save's CPU buffers now, between steps, not inside the first
                     # save's stall. Not before the first step: reading an optimizer's state dict
@@ -364,6 +383,8 @@ class Trainer:
                 self._save(final=True)
             self._feedback(step_times)
         finally:
+            if watch is not None:
+                watch.close()
             if self.ckpt is not None:
                 self.ckpt.wait(raise_on_error=False)
             if samples_log is not None:
