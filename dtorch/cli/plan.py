@@ -50,8 +50,8 @@ def add_parser(sub, help_text: str) -> None:
                    help="sequences per optimizer step (default: one per device)")
     p.add_argument("--fix", default=None, help="pin plan fields, e.g. tp=8,pp=2,microbatch=1,ac=full")
     p.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8"],
-                   help="compute dtype (float8: float8 linear layers)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="pin the compute dtype (param_dtype); default: searched, like --fix param_dtype=...")
     p.add_argument("--json", action="store_true", help="print the chosen Plan as JSON (with `predicted`)")
     p.add_argument("--out", default=None, help="write the chosen Plan to this .json/.yaml file")
     p.add_argument("--recommend", action="store_true", help="size a cluster: GPUs/nodes, plan, time to train")
@@ -104,7 +104,7 @@ def run(args) -> int:
         rec = recommend(
             profile, args.device_type, global_batch=args.global_batch or 1024,
             tokens=parse_count(args.tokens), deadline_s=parse_duration(args.deadline) if args.deadline else None,
-            max_nodes=args.max_nodes, dtype=args.dtype,
+            max_nodes=args.max_nodes, dtype=args.dtype or "bfloat16",
         )
         if args.json:
             print(json.dumps(rec.to_dict(), indent=2))
@@ -116,7 +116,7 @@ def run(args) -> int:
     from dtorch.plan.explain import explain
     from dtorch.plan.search import parse_fix, search
 
-    cluster = load_cluster(args.cluster or "detect")
+    cluster = load_cluster(args.cluster or "detect", workload=(profile.hidden, profile.num_heads, profile.seq_len))
     gb = args.global_batch or cluster.world_size
     result = search(profile, cluster, global_batch=gb, fixed=parse_fix(args.fix), top_k=args.top, dtype=args.dtype)
     if not result.ranked:

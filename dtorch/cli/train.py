@@ -20,19 +20,12 @@ def add_parser(sub, help_text: str) -> None:
     p.set_defaults(func=run)
 
 
-def _default_nproc() -> int:
-    if os.path.exists("/dev/nvidia0"):
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    return 2
-
-
 def run(args: argparse.Namespace) -> int:
     from dtorch.errors import ConfigError
 
-    nproc = args.nproc or _default_nproc()
+    from dtorch.cluster.local import default_workers
+
+    nproc = args.nproc or default_workers()
     if nproc < 1:
         raise ConfigError("nproc", nproc, "use at least 1 worker process")
     if os.environ.get("RANK") is not None or (nproc == 1 and not args.chaos):

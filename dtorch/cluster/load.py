@@ -164,8 +164,16 @@ def _device(v: Any, path: str) -> tuple[DeviceType, str | None]:
                            default=base.op_overhead_s if base else 0.0),
         dtensor_op_overhead_s=_num(d, "dtensor_op_overhead_s", path, positive=False,
                                    default=base.dtensor_op_overhead_s if base else 0.0),
+        elementwise_speed=_speeds(d.get("elementwise_speed", base.elementwise_speed if base else {}),
+                                  f"{path}.elementwise_speed"),
+
     )
     return dev, base_key
+
+
+def _speeds(v: Any, path: str) -> dict[str, float]:
+    m = _mapping(v or {}, path)
+    return {str(k): _num(m, k, path) for k in m}
 
 
 def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
@@ -247,16 +255,19 @@ def read_cluster_file(path: str | Path) -> Cluster:
     return c
 
 
-def load_cluster(spec: str) -> Cluster:
+def load_cluster(spec: str, *, workload: tuple[int, int, int] | None = None) -> Cluster:
     """The one entry point: a preset (``h100``), a shorthand (``h100:8x8``, ``h100:4x8+a100:2x8``),
-    ``detect`` / ``local`` for this machine, or a path to a .yaml/.yml/.json file."""
+    ``detect`` / ``local`` for this machine, or a path to a .yaml/.yml/.json file. `workload` =
+    (hidden, heads, seq) of the model tells ``detect`` which block to time per precision on a CPU."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError("cluster", spec, "give a preset shorthand like h100:8x8 or a cluster file")
     s = spec.strip()
     if s in ("detect", "local", "this"):
-        from dtorch.cluster.probe import with_stored_calibration  # torch-free at import
+        # the workers `dtorch train` would start here, as it sees them (its calibration included),
+        # so that `dtorch plan` and `dtorch train` on one machine make one prediction
+        from dtorch.cluster.local import default_workers, local_cluster
 
-        return with_stored_calibration(detect())  # measured numbers from `dtorch probe`, if stored
+        return local_cluster(default_workers(), workload=workload)
     if s.endswith((".yaml", ".yml", ".json")) or os.sep in s or Path(s).is_file():
         return read_cluster_file(s)
     return parse_shorthand(s)
@@ -312,12 +323,26 @@ def detect() -> Cluster:
                 return Cluster([NodeGroup(dev, 1, n, intra, inter, host)], name=f"local:{n}x{name}")
         except Exception:  # noqa: BLE001 - a broken driver means "no GPU here", fall back to the CPU
             pass
+    return Cluster([NodeGroup(cpu_device(), 1, 1, *NODE_DEFAULTS["cpu"][:2], host)], name="local-cpu")
+
+
+def cpu_device(threads: int | None = None, *, measure: bool = False,
+               workload: tuple[int, int, int] | None = None) -> DeviceType:
+    """This machine's CPU as one device. FLOP/s in float32 is nominal (cores x clock x 32 FLOP/cycle
+    for two 8-wide fp32 FMA units); each other dtype runs at float32's pace times its speed on this
+    CPU, arithmetic and element-wise work alike: the flags say whether bfloat16/float16 are native or
+    emulated, and with `measure` a transformer block of `workload`'s shape (hidden, heads, seq) is
+    timed per dtype on `threads` threads (see `dtorch.cluster.capability`). `dtorch probe` measures
+    the real curve."""
+    from dtorch.cluster.capability import cpu_speeds
+
     cores = os.cpu_count() or 1
     flops = cores * _cpu_ghz() * 1e9 * 32
-    dev = DeviceType(
+    ratios, _ = cpu_speeds(threads or cores, measure=measure, workload=workload)
+    return DeviceType(
         name=f"CPU-{cores}core",
-        peak_flops={"float32": flops, "bfloat16": flops, "float16": flops},
-        memory_bytes=host,
+        peak_flops={d: flops * r for d, r in ratios.items()},
+        memory_bytes=_host_memory(),
         memory_bandwidth=20e9,
         matmul_efficiency=0.5,
         kind="cpu",
@@ -325,6 +350,5 @@ def detect() -> Cluster:
         # (measured by `dtorch probe`, which replaces these nominal values)
         op_overhead_s=5e-6,
         dtensor_op_overhead_s=10e-6,
+        elementwise_speed=dict(ratios),
     )
-    intra, inter, _, _ = NODE_DEFAULTS["cpu"]
-    return Cluster([NodeGroup(dev, 1, 1, intra, inter, host)], name="local-cpu")

@@ -10,13 +10,26 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dtorch.cluster.load import detect
+from dtorch.cluster.load import cpu_device, detect
 from dtorch.cluster.spec import Cluster
 from dtorch.errors import ConfigError
 
 
-def local_cluster(world_size: int, local_world_size: int | None = None, *, calibrated: bool = True) -> Cluster:
-    """This machine (times the number of nodes of the job) for a job of `world_size` ranks.
+def default_workers() -> int:
+    """The worker processes `dtorch train` starts by default: one per local GPU, else 2 on a CPU."""
+    if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd"):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+    return 2
+
+
+def local_cluster(world_size: int, local_world_size: int | None = None, *, calibrated: bool = True,
+                  workload: tuple[int, int, int] | None = None) -> Cluster:
+    """This machine (times the number of nodes of the job) for a job of `world_size` ranks. On a CPU
+    the speed of each precision is measured once for a block of `workload` = (hidden, heads, seq),
+    the model's shape where known (see `dtorch.cluster.capability`).
 
     With `calibrated` (default), a calibration that `dtorch probe` stored for this cluster's name
     (``local:<nodes>x<ranks per node>``) is merged over the nominal numbers."""
@@ -27,6 +40,8 @@ def local_cluster(world_size: int, local_world_size: int | None = None, *, calib
     group = base.groups[0]
     dev = group.device
     if dev.kind == "cpu":
+        # the precisions as one rank sees them: measured (once, cached) with a rank's share of threads
+        dev = cpu_device(max(1, (os.cpu_count() or 1) // local), measure=True, workload=workload)
         dev = dataclasses.replace(
             dev,
             name=f"{dev.name}/{local}",

@@ -676,8 +676,8 @@ def run_probe(nproc: int | None = None, *, quick: bool = False, out: str | Path 
 
     Inside a launched job (RANK/WORLD_SIZE in the environment: `dtorch run`, torchrun) every rank
     must call this; it joins the job's process group and measures there (`nproc` is ignored).
-    Otherwise `nproc` processes are spawned on this machine (default: its GPU count, or 1 on a
-    CPU machine), each with its share of the cores. The file goes to `out` or
+    Otherwise `nproc` processes are spawned on this machine (default: the workers `dtorch train` starts, its GPU
+    count or 2 on a CPU machine), each with its share of the cores. The file goes to `out` or
     `calibration_path(cluster name)`; other ranks return ({}, None)."""
     import torch
     import torch.distributed as dist
@@ -689,7 +689,9 @@ def run_probe(nproc: int | None = None, *, quick: bool = False, out: str | Path 
         if doc is None:
             return {}, None
     else:
-        n = nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+        from dtorch.cluster.local import default_workers
+
+        n = nproc or default_workers()
         if n < 1:
             raise ConfigError("nproc", n, "give at least 1 process")
         if torch.cuda.is_available() and n > torch.cuda.device_count():
@@ -702,8 +704,6 @@ def run_probe(nproc: int | None = None, *, quick: bool = False, out: str | Path 
             finally:
                 torch.set_num_threads(prev)
             assert doc is not None
-            # a one-process probe describes `load_cluster("detect")` as well as `local_cluster(1)`
-            doc["cluster"] = "local-cpu" if doc["device_kind"] == "cpu" else doc["cluster"]
         else:
             import torch.multiprocessing as mp
 

@@ -30,15 +30,32 @@ class DeviceType:
     0 = unknown (no host-overhead term). `dtorch probe` measures it."""
     dtensor_op_overhead_s: float = 0.0
     """Extra host seconds per operator on DTensors (sharding propagation); 0 = unknown."""
+    elementwise_speed: dict[str, float] = field(default_factory=dict)
+    """Element-wise throughput (elements/s) of each dtype over float32's. Empty: memory-bound, so a
+    16-bit element costs half a float32 one (a GPU). A CPU converts 16-bit values to float32 to
+    compute, so there it is measured (`dtorch.cluster.capability`)."""
 
     def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s in `dtype`. A dtype the sheet does not list is not supported (KeyError):
+        the planner never assumes a precision the hardware does not have."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
-        # fall back to the closest dtype that the sheet lists
-        for alt in ("bfloat16", "float16", "float32"):
-            if alt in self.peak_flops:
-                return self.peak_flops[alt]
+        if dtype == "float16" and "bfloat16" in self.peak_flops and self.kind != "cpu":
+            return self.peak_flops["bfloat16"]  # GPU tensor cores run both 16-bit formats alike
         raise KeyError(dtype)
+
+    def supports(self, dtype: str) -> bool:
+        try:
+            self.peak(dtype)
+        except KeyError:
+            return False
+        return True
+
+    def elementwise(self, dtype: str) -> float:
+        """Element-wise speed of `dtype` over float32 (see `elementwise_speed`)."""
+        if dtype in self.elementwise_speed:
+            return self.elementwise_speed[dtype]
+        return {"float32": 1.0, "float8": 4.0}.get(dtype, 2.0)
 
 
 @dataclass(frozen=True)
@@ -109,7 +126,7 @@ class Cluster:
         """The group that bounds a synchronous step: lowest peak FLOP/s, then least memory.
 
         In a mixed cluster every rank waits for the slowest one, so the cost model plans with it."""
-        return min(self.groups, key=lambda g: (g.device.peak("bfloat16") * g.device.matmul_efficiency,
+        return min(self.groups, key=lambda g: (max(g.device.peak_flops.values()) * g.device.matmul_efficiency,
                                                g.device.memory_bytes))
 
     def describe(self) -> str:

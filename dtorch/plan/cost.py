@@ -122,6 +122,9 @@ class CostConstants:
     """TP collectives per step: per block on the stage, and fixed (replicated parameters' gradients)."""
     ddp_bucket_bytes: float = 25 * 2**20
     """DistributedDataParallel's gradient bucket size (one all-reduce per bucket)."""
+    autocast_ops_per_weight: float = 3.0
+    """Under autocast each matmul adds a cast of its input (forward and backward) and of its weight's
+    gradient: operators per weight tensor per micro-batch."""
 
 
 # Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
@@ -236,23 +239,76 @@ def base_efficiency(group: NodeGroup, c: CostConstants = DEFAULT_CONSTANTS) -> f
     return group.device.matmul_efficiency
 
 
-def stage_layers(num_layers: int, pp: int) -> tuple[int, int]:
-    """(blocks on the first stage, blocks on the last stage) for an even-as-possible split that
-    gives the remainder to the first stages (the last one also holds the output head)."""
-    base, rem = divmod(num_layers, pp)
-    return base + (1 if rem else 0), base
+def partition(plan: Plan, num_layers: int) -> list[int]:
+    """Blocks per pipeline stage: the plan's `layer_partition`, or as even as possible with the extra
+    blocks on the earlier stages (exactly what `dtorch.parallel.pipeline.layer_partition` applies)."""
+    if plan.layer_partition is not None:
+        return list(plan.layer_partition)
+    base, extra = divmod(num_layers, plan.num_stages)
+    return [base + (1 if s < extra else 0) for s in range(plan.num_stages)]
 
 
-def activation_in_flight(plan: Plan) -> float:
-    """Micro-batches of activations the fullest (first) pipeline stage holds at peak."""
+@dataclass(frozen=True)
+class RankLoad:
+    """What one pipeline rank holds and runs: the blocks of all its (virtual) stages, and whether it
+    has the first stage (input embedding) and the last (final norm, output head, loss)."""
+
+    pp_rank: int
+    blocks: int
+    embedding: bool
+    head: bool
+
+
+def rank_loads(plan: Plan, num_layers: int) -> list[RankLoad]:
+    """One RankLoad per pipeline rank (looped placement: rank r runs stages r, r + pp, ...)."""
+    sizes = partition(plan, num_layers)
+    S = plan.num_stages
+    out = []
+    for r in range(plan.pp):
+        stages = range(r, S, plan.pp)
+        out.append(RankLoad(r, sum(sizes[s] for s in stages), 0 in stages, S - 1 in stages))
+    return out
+
+
+def balanced_partition(num_stages: int, num_layers: int, head_blocks: float, embed_blocks: float = 0.0) -> list[int]:
+    """Blocks per stage that minimise the busiest stage when the last stage also carries work worth
+    `head_blocks` blocks (output head and loss) and the first `embed_blocks` (input embedding): the
+    first and last stages get fewer blocks where that evens the load. Every stage keeps >= 1 block."""
+    S, L = num_stages, num_layers
+    if S == 1:
+        return [L]
+    extra = [0.0] * S
+    extra[0] += embed_blocks
+    extra[-1] += head_blocks
+    lo, hi = L / S, L / S + max(extra) + 1.0
+    best = None
+    for _ in range(50):  # bisection on the busiest stage's load
+        cap = (lo + hi) / 2
+        sizes = [max(1, math.floor(cap - e + 1e-9)) for e in extra]
+        if sum(sizes) >= L:
+            hi, best = cap, sizes
+        else:
+            lo = cap
+    sizes = list(best or [L // S] * S)
+    # trim the surplus from the stages with the most load (keeping >= 1 block), earliest first
+    while sum(sizes) > L:
+        i = max((j for j in range(S) if sizes[j] > 1), key=lambda j: (sizes[j] + extra[j], -j))
+        sizes[i] -= 1
+    return sizes
+
+
+def activation_in_flight(plan: Plan, pp_rank: int = 0) -> float:
+    """Micro-batches of activations pipeline rank `pp_rank` holds at peak (the first holds the most:
+    1F1B keeps p - r in flight on rank r; interleaving adds (p-1)/(p v); GPipe keeps all m)."""
     p, m, v = plan.pp, plan.num_microbatches, plan.virtual_stages
     if p == 1:
         return 1.0
     if plan.schedule == "gpipe":
         return float(m)
     if v > 1:
-        return min(float(m), p * (1.0 + (p - 1) / (p * v)))
-    return float(min(p, m))
+        first = min(float(m), p * (1.0 + (p - 1) / (p * v)))
+        return max(1.0, first * (p - pp_rank) / p)
+    return float(min(p - pp_rank, m))
 
 
 def bubble_fraction_of_microbatch(plan: Plan) -> float:
@@ -267,21 +323,22 @@ def bubble_fraction_of_microbatch(plan: Plan) -> float:
     return (p - 1) / float(v)
 
 
+def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
+    """Parameters of one pipeline rank per TP rank."""
+    p = load.blocks * profile.params_per_block
+    p += profile.params_embedding if load.embedding else 0.0
+    p += profile.params_head if load.head else 0.0
+    return p / tp
+
+
 def model_state_bytes(plan: Plan, profile: ModelProfile) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes on the fullest rank (mixed-precision Adam)."""
-    return _states(plan, profile)[0]
+    states = [_states(plan, _rank_params(ld, profile, plan.tp)) for ld in rank_loads(plan, profile.num_layers)]
+    return max(states, key=lambda s: sum(s.values()))
 
 
-def _states(plan: Plan, profile: ModelProfile) -> tuple[dict[str, int], float, float]:
-    """(model-state bytes on the fullest rank, params of the fullest stage per TP rank, params of
-    one block per TP rank)."""
-    first, last = stage_layers(profile.num_layers, plan.pp)
-    tp = plan.tp
-    block = profile.params_per_block / tp
-    if plan.pp == 1:
-        p_stage = profile.num_layers * block + (profile.params_embedding + profile.params_head) / tp
-    else:
-        p_stage = max(first * block + profile.params_embedding / tp, last * block + profile.params_head / tp)
+def _states(plan: Plan, p_stage: float) -> dict[str, int]:
+    """Model-state bytes of a rank holding `p_stage` parameters per TP rank."""
     shard = plan.dp_shard * plan.cp  # FSDP shards over dp_shard x cp (context-parallel ranks hold the same weights)
     grad_bytes = 4  # FSDP2/DDP keep gradients in the float32 master parameters' dtype (reduce_dtype is the wire)
     params = 0.0 if plan.offload == "params" else 4.0 * p_stage / shard
@@ -290,7 +347,16 @@ def _states(plan: Plan, profile: ModelProfile) -> tuple[dict[str, int], float, f
         # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter before)
         grads += DTYPE_BYTES[plan.param_dtype] * p_stage
     optim = 0.0 if plan.offload in ("optimizer", "params") else 8.0 * p_stage / shard
-    return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}, p_stage, block
+    return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}
+
+
+def autocast_applies(plan: Plan) -> bool:
+    """The executor computes in param_dtype by autocast (not FSDP's parameter cast): no sharding and
+    no FSDP-based replicate (`dtorch.parallel.model`)."""
+    if plan.param_dtype == "float32" or plan.dp_shard * plan.cp > 1:
+        return False
+    classic_ddp = plan.dp_replicate > 1 and plan.tp == 1 and plan.pp == 1
+    return plan.dp_replicate == 1 or classic_ddp
 
 
 @dataclass(frozen=True)
@@ -309,22 +375,31 @@ class StepCounts:
 
 
 def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
-                c: CostConstants = DEFAULT_CONSTANTS) -> StepCounts:
-    """Operators and latency-bound collectives one step of `plan` dispatches on the busiest rank.
+                c: CostConstants = DEFAULT_CONSTANTS, load: RankLoad | None = None) -> StepCounts:
+    """Operators and latency-bound collectives one step of `plan` dispatches on pipeline rank `load`
+    (default: the rank that dispatches the most).
 
     Operators: the profile's forward count per block and outside the blocks, backward
     `backward_ops_per_forward_op` per forward op, full AC re-runs the block forward (selective a
     share); the optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
-    DTensor operator; under FSDP the optimizer's are. The first/last stage holds half the head's."""
-    first, _ = stage_layers(profile.num_layers, plan.pp)
-    blocks = profile.num_layers if plan.pp == 1 else first
-    head_share = 1.0 if plan.pp == 1 else 0.5
+    DTensor operator; under FSDP the optimizer's are. The first and the last stage each hold half of
+    the operators outside the blocks. Under autocast every matmul casts its input and weight
+    (`autocast_ops_per_weight` per weight tensor per micro-batch)."""
+    if load is None:
+        loads = rank_loads(plan, profile.num_layers)
+        counts = [step_counts(plan, profile, device_kind, c, ld) for ld in loads]
+        return max(counts, key=lambda n: n.ops_per_microbatch + n.optimizer_ops)
+    blocks = load.blocks
+    head_share = 0.5 * load.embedding + 0.5 * load.head
     ob = profile.ops_per_block or c.default_ops_per_block
     oh = profile.ops_head or c.default_ops_head
     per_op = 1.0 + c.backward_ops_per_forward_op
     rec = 1.0 if plan.ac == "full" else (c.selective_recompute_ops if plan.ac == "selective" else 0.0)
     ops_mb = blocks * ob * (per_op + rec) + head_share * oh * per_op
-    tensors = blocks * (profile.tensors_per_block or 9) + head_share * (profile.tensors_other or 3)
+    tpb = profile.tensors_per_block or 9
+    if autocast_applies(plan):
+        ops_mb += (blocks * max(1, tpb - 2) + head_share) * c.autocast_ops_per_weight
+    tensors = blocks * tpb + head_share * (profile.tensors_other or 3)
     opt = tensors * c.optimizer_ops_per_tensor if device_kind == "cpu" else c.optimizer_foreach_ops
     tp_mb = tp_step = 0.0
     if plan.tp > 1:
@@ -348,11 +423,33 @@ def _exposed(comm: float, compute: float, c: CostConstants) -> float:
 
 
 # ---- the estimate -----------------------------------------------------------------------------
+@dataclass
+class _Rank:
+    """One pipeline rank's share of a step (seconds per micro-batch and per step, bytes)."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    host: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    tp_step: float = 0.0
+    fsdp: float = 0.0
+    dp: float = 0.0
+    optimizer: float = 0.0
+    offload: float = 0.0
+    memory: dict = field(default_factory=dict)
+    host_bytes: float = 0.0
+
+    @property
+    def per_microbatch(self) -> float:
+        return self.compute + self.recompute + self.host + self.tp + self.cp
+
+
 def estimate(
     plan: Plan,
     profile: ModelProfile,
     cluster: Cluster,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     *,
     compiled: bool = False,
     async_tp: bool = False,
@@ -360,9 +457,10 @@ def estimate(
 ) -> Estimate:
     """Predict step time, throughput, MFU and per-rank memory of `plan` (see module doc).
 
-    `dtype` is the compute dtype ('bfloat16', 'float16', 'float32' or 'float8' for float8 linear
-    layers); `compiled` / `async_tp` model torch.compile and async TP. The plan's degrees must
-    multiply to the cluster's world size."""
+    The compute dtype is the plan's `param_dtype`: that is what the executor runs. `dtype`,
+    `compiled` and `async_tp` describe runs this executor does not make (float8 linear layers,
+    torch.compile, async TP): the calibration uses them for published measurements; the search
+    never does. The plan's degrees must multiply to the cluster's world size."""
     if plan.world_size != cluster.world_size:
         raise ConfigError(
             "degrees", plan.mesh_shape,
@@ -376,6 +474,14 @@ def estimate(
         # a CPU rank computes and communicates on the same cores (gloo runs on host threads; with
         # more ranks than cores they take turns), so nothing hides behind anything
         c = replace(c, fsdp_overlap=0.0, dp_exposed_floor=1.0, tp_exposed=1.0, pp_p2p_exposed=1.0)
+    dtype = dtype or plan.param_dtype
+    compute_dtype = "bfloat16" if dtype == "float8" else dtype
+    try:
+        peak = dev.peak(compute_dtype)
+    except KeyError:
+        raise ConfigError("param_dtype", compute_dtype,
+                          f"{dev.name} has no {compute_dtype} arithmetic; use one of "
+                          f"{{{', '.join(sorted(dev.peak_flops))}}}") from None
     s = profile.seq_len
     h = profile.hidden
     tp, cp, pp, v = plan.tp, plan.cp, plan.pp, plan.virtual_stages
@@ -384,102 +490,133 @@ def estimate(
     st_tp, st_cp = 1, tp
     st_dpr, st_pp = tp * cp * dps, tp * cp * dps * dpr
     fs, st_fs = dps * cp, tp  # FSDP's group: dp_shard x cp flattened (contiguous at stride tp)
-    act_b = DTYPE_BYTES.get(dtype if dtype != "float8" else "bfloat16", 2)
+    act_b = DTYPE_BYTES[compute_dtype]
+    act_scale = act_b / 2.0  # the profile's activation bytes are 16-bit
     param_b = DTYPE_BYTES[plan.param_dtype]
     red_b = DTYPE_BYTES[plan.reduce_dtype]
-
-    # -- compute of one micro-batch on the worst stage (fwd + bwd) --
-    first, last = stage_layers(profile.num_layers, pp)
-    fb, fh = profile.flops_per_token_block, profile.flops_per_token_head
-    if pp == 1:
-        stage_blocks, stage_flops = profile.num_layers, profile.num_layers * fb + fh
-    else:
-        stage_blocks = first
-        stage_flops = max(first * fb, last * fb + fh)
     tokens_mb = mbs * s
     rows = tokens_mb / cp
     eff = base_efficiency(g, c) * shape_factor(h / tp, rows, c)
-    peak = dev.peak("bfloat16" if dtype == "float8" else dtype)
     speed = peak * eff
     attn_fwd = 4.0 * h * s  # per token per block, full s^2 (selective recompute; float8 leaves it bf16)
-    flops_mb = tokens_mb * stage_flops / (tp * cp)
-    if dtype == "float8":
-        attn_part = tokens_mb * stage_blocks * 3 * attn_fwd / (tp * cp)
-        t_compute = (flops_mb - attn_part) / (speed * c.float8_linear_speedup) + attn_part / speed
-    else:
-        t_compute = flops_mb / speed
-    # memory-bound element-wise work, forward + backward (and forward again under full AC)
+    fb, fh = profile.flops_per_token_block, profile.flops_per_token_head
     per_tok = profile.act_bytes_per_token_block
     a_none = per_tok.get("none", 34.0 * h)
-    mem_bytes = tokens_mb * (stage_blocks * a_none + (profile.act_bytes_per_token_head if pp == 1 or last * fb + fh
-                                                      >= first * fb else 0.0)) / (tp * cp)
     passes = c.elementwise_passes * (c.compile_elementwise_factor if compiled else 1.0)
-    t_elem = passes * mem_bytes / dev.memory_bandwidth
-    t_compute += t_elem
-    if plan.ac == "full":
-        rec_flops = tokens_mb * stage_blocks * fb / 3.0 / (tp * cp)
-        t_recompute = t_compute * (rec_flops / flops_mb) if flops_mb else 0.0
-    elif plan.ac == "selective":
-        t_recompute = tokens_mb * stage_blocks * attn_fwd / (tp * cp) / speed
-    else:
-        t_recompute = 0.0
-
-    # -- host overhead of eager execution: operators x seconds per operator (0 when unmeasured). A
-    # GPU's host runs ahead of its kernels, so it shows only where it exceeds them; a CPU's does not.
-    counts = step_counts(plan, profile, dev.kind, c)
-    host_mb = (counts.ops_per_microbatch * dev.op_overhead_s
-               + counts.dtensor_ops_per_microbatch * dev.dtensor_op_overhead_s)
-    host_opt = counts.optimizer_ops * dev.op_overhead_s + counts.dtensor_optimizer_ops * dev.dtensor_op_overhead_s
-    t_host = host_mb if cpu else max(0.0, host_mb - (t_compute + t_recompute))
-
-    # -- TP / CP per micro-batch --
+    # element-wise seconds per 16-bit activation byte: memory-bound on a GPU (a float32 element costs
+    # twice a bf16 one), converted and computed in float32 on a CPU (measured per dtype)
+    elem_s_per_byte = passes * 2.0 / (dev.memory_bandwidth * dev.elementwise(compute_dtype))
     act_full = tokens_mb / cp * h * act_b  # one activation tensor of the micro-batch, full over TP
-    t_tp = 0.0
-    t_tp_step = 0.0
-    if tp > 1:
-        n_ops = 8 + (4 if plan.ac == "full" else 0)
-        small = collective_time("all_gather", 64.0, tp, st_tp, g)  # latency-bound (norm weights, RoPE, loss)
-        t_tp = stage_blocks * n_ops * collective_time("all_gather", act_full, tp, st_tp, g)
-        t_tp += counts.tp_small_per_microbatch * small
-        t_tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
-        t_tp_step = counts.tp_small_per_step * small * c.tp_exposed
-    t_cp = 0.0
-    if cp > 1:
-        kv_dim = h * profile.num_kv_heads / profile.num_heads
-        kv_bytes = 2.0 * tokens_mb * kv_dim * act_b / tp
-        n_ops = 3 + (1 if plan.ac == "full" else 0)
-        comm = stage_blocks * n_ops * collective_time("all_gather", kv_bytes, cp, st_cp, g)
-        attn_time = tokens_mb * stage_blocks * 3 * attn_fwd / (tp * cp) / speed
-        t_cp = max(0.0, comm - attn_time)
-    t_mb = t_compute + t_recompute + t_host + t_tp + t_cp
 
-    # -- data parallel --
-    states, p_stage, p_block = _states(plan, profile)
-    t_fsdp = 0.0
-    if fs > 1:
-        # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
-        units = stage_blocks + 1
-        ag = collective_time("all_gather", p_stage * param_b, fs, st_fs, g)
-        ag += (units - 1) * collective_time("all_gather", 1.0, fs, st_fs, g)
-        rs = collective_time("reduce_scatter", p_stage * red_b, fs, st_fs, g)
-        rs += (units - 1) * collective_time("reduce_scatter", 1.0, fs, st_fs, g)
-        ag_block = collective_time("all_gather", p_block * param_b, fs, st_fs, g)
-        if pp == 1:
-            comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
-            t_fsdp = _exposed(comm, m * (t_compute + t_recompute), c) + m * ag_block
+    def rank_share(load: RankLoad) -> _Rank:
+        r = _Rank()
+        blocks = load.blocks
+        flops_mb = tokens_mb * (blocks * fb + (fh if load.head else 0.0)) / (tp * cp)
+        attn_part = tokens_mb * blocks * 3 * attn_fwd / (tp * cp)  # the attention core, at its own speed
+        linear = speed * (c.float8_linear_speedup if dtype == "float8" else 1.0)
+        r.compute = (flops_mb - attn_part) / linear + attn_part / speed
+        # memory-bound element-wise work, forward + backward (and forward again under full AC)
+        elem_bytes = tokens_mb * (blocks * a_none + (profile.act_bytes_per_token_head if load.head else 0.0)) / (tp * cp)
+        r.compute += elem_bytes * elem_s_per_byte
+        if plan.ac == "full":
+            rec_flops = tokens_mb * blocks * fb / 3.0 / (tp * cp)
+            r.recompute = r.compute * (rec_flops / flops_mb) if flops_mb else 0.0
+        elif plan.ac == "selective":
+            r.recompute = tokens_mb * blocks * attn_fwd / (tp * cp) / speed
+        # host overhead of eager execution: operators x seconds per operator (0 when unmeasured). A
+        # GPU's host runs ahead of its kernels, so it shows only where it exceeds them; a CPU's does not.
+        counts = step_counts(plan, profile, dev.kind, c, load)
+        host_mb = (counts.ops_per_microbatch * dev.op_overhead_s
+                   + counts.dtensor_ops_per_microbatch * dev.dtensor_op_overhead_s)
+        host_opt = counts.optimizer_ops * dev.op_overhead_s + counts.dtensor_optimizer_ops * dev.dtensor_op_overhead_s
+        r.host = host_mb if cpu else max(0.0, host_mb - (r.compute + r.recompute))
+        # TP / CP per micro-batch
+        if tp > 1:
+            n_ops = 8 + (4 if plan.ac == "full" else 0)
+            small = collective_time("all_gather", 64.0, tp, st_tp, g)  # latency-bound (norm weights, RoPE, loss)
+            r.tp = blocks * n_ops * collective_time("all_gather", act_full, tp, st_tp, g)
+            r.tp += counts.tp_small_per_microbatch * small
+            r.tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
+            r.tp_step = counts.tp_small_per_step * small * c.tp_exposed
+        if cp > 1:
+            # K and V all-gathered forward, again in backward with a reduce-scatter of their gradients;
+            # the executor issues them before attention, so nothing hides them (dtorch/parallel/cp.py)
+            kv_dim = h * profile.num_kv_heads / profile.num_heads
+            kv_bytes = 2.0 * tokens_mb * kv_dim * act_b / tp
+            n_ops = 3 + (1 if plan.ac == "full" else 0)
+            r.cp = blocks * n_ops * collective_time("all_gather", kv_bytes, cp, st_cp, g)
+        # data parallel
+        p_stage = _rank_params(load, profile, tp)
+        p_block = profile.params_per_block / tp
+        states = _states(plan, p_stage)
+        busy = r.compute + r.recompute
+        if fs > 1:
+            # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
+            units = blocks + 1
+            ag = collective_time("all_gather", p_stage * param_b, fs, st_fs, g)
+            ag += (units - 1) * collective_time("all_gather", 1.0, fs, st_fs, g)
+            rs = collective_time("reduce_scatter", p_stage * red_b, fs, st_fs, g)
+            rs += (units - 1) * collective_time("reduce_scatter", 1.0, fs, st_fs, g)
+            ag_block = collective_time("all_gather", p_block * param_b, fs, st_fs, g)
+            if pp == 1:
+                comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
+                r.fsdp = _exposed(comm, m * busy, c) + m * ag_block
+            else:
+                gathers = m * v * 2 if plan.reshard_after_forward else 1
+                r.fsdp = _exposed(ag * gathers, m * busy, c) + ag_block
+                # gradients sync on the last micro-batch only: hidden behind its backward at best
+                r.fsdp += _exposed(rs, (2.0 / 3.0) * r.compute, c)
+        if dpr > 1:
+            grad_bytes = p_stage * red_b / fs
+            ar = collective_time("all_reduce", grad_bytes, dpr, st_dpr, g)
+            # DDP all-reduces a small first bucket, then one per `ddp_bucket_bytes`
+            ar += math.ceil(grad_bytes / c.ddp_bucket_bytes) * collective_time("all_reduce", 1.0, dpr, st_dpr, g)
+            r.dp = _exposed(ar, (2.0 / 3.0) * r.compute, c)
+        # optimizer and offload
+        p_local = p_stage / fs
+        if plan.offload == "none":
+            r.optimizer = p_local * c.optimizer_bytes_per_param / (dev.memory_bandwidth * 0.8)
         else:
-            gathers = m * v * 2 if plan.reshard_after_forward else 1
-            comm = ag * gathers
-            t_fsdp = _exposed(comm, m * (t_compute + t_recompute), c) + ag_block
-            # gradients sync on the last micro-batch only: hidden behind its backward at best
-            t_fsdp += _exposed(rs, (2.0 / 3.0) * t_compute, c)
-    t_dp = 0.0
-    if dpr > 1:
-        grad_bytes = p_stage * red_b / fs
-        ar = collective_time("all_reduce", grad_bytes, dpr, st_dpr, g)
-        # DDP all-reduces a small first bucket, then one per `ddp_bucket_bytes`
-        ar += math.ceil(grad_bytes / c.ddp_bucket_bytes) * collective_time("all_reduce", 1.0, dpr, st_dpr, g)
-        t_dp = _exposed(ar, (2.0 / 3.0) * t_compute, c)
+            r.offload = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
+            r.offload += p_local * (red_b + param_b) / c.host_link_bandwidth  # grads down, params up
+            if plan.offload == "params":
+                n_ag = m * (2 if plan.reshard_after_forward else 1) if pp == 1 else m * v * 2
+                r.offload += n_ag * p_local * param_b / c.host_link_bandwidth
+                r.offload += m * p_local * red_b / c.host_link_bandwidth
+        r.optimizer += host_opt if cpu else max(0.0, host_opt - r.optimizer)
+        # memory of this rank
+        a_pol = per_tok.get(plan.ac, a_none) * act_scale
+        if tp > 1 and not plan.sp:
+            shard_act = 10.0 / 34.0 + (24.0 / 34.0) / tp  # Korthikanti Table 2, "TP only"
+            shard_full = 1.0
+        else:
+            shard_act = shard_full = 1.0 / tp
+        a_layer = a_pol * rows * (shard_full if plan.ac == "full" else shard_act)
+        acts = a_layer * blocks * activation_in_flight(plan, load.pp_rank)
+        if plan.ac == "full":
+            acts += a_none * act_scale * rows * shard_act  # one block re-materialised during its backward
+        if load.head:  # logits of every micro-batch the last stage holds (one under 1F1B, m under GPipe)
+            acts += profile.act_bytes_per_token_head * act_scale * rows / tp * activation_in_flight(plan, load.pp_rank)
+        buffers = 0.0
+        if fs > 1:
+            if plan.reshard_after_forward or plan.offload == "params":
+                buffers = 2 * p_block * param_b + p_block * red_b  # gathered block + prefetch, one grad block
+            else:
+                buffers = p_stage * param_b + p_block * red_b  # whole stage stays gathered fwd -> bwd
+        elif dpr > 1:
+            buffers = 2 * 25 * 2**20  # DDP's default 25 MiB buckets, two in flight
+        sub = sum(states.values()) + acts + buffers
+        margin = c.fixed_overhead_bytes + c.fragmentation * sub
+        r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}
+        # Offloaded states live in the node's host memory, shared by all its ranks (ZeRO-Offload:
+        # fp32 master params + Adam moments, plus fp32 grads when parameters are offloaded too).
+        r.host_bytes = 12.0 * p_local if plan.offload == "optimizer" else (16.0 * p_local if plan.offload == "params" else 0.0)
+        return r
+
+    shares = [rank_share(ld) for ld in rank_loads(plan, profile.num_layers)]
+    worst = max(shares, key=lambda r: m * r.per_microbatch + r.fsdp + r.dp + r.optimizer + r.offload + r.tp_step)
+    pace = max(shares, key=lambda r: r.per_microbatch)  # the pipeline runs at its slowest stage's pace
+    t_mb = pace.per_microbatch
 
     # -- pipeline --
     t_p2p = 0.0
@@ -497,62 +634,20 @@ def estimate(
         else:
             t_bubble = bubble_fraction_of_microbatch(plan) * t_mb
 
-    # -- optimizer and offload --
-    p_local = p_stage / fs
-    t_opt = 0.0
-    t_off = 0.0
-    if plan.offload == "none":
-        t_opt = p_local * c.optimizer_bytes_per_param / (dev.memory_bandwidth * 0.8)
-    else:
-        t_off = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
-        t_off += p_local * (red_b + param_b) / c.host_link_bandwidth  # grads down, params up
-        if plan.offload == "params":
-            n_ag = m * (2 if plan.reshard_after_forward else 1) if pp == 1 else m * v * 2
-            t_off += n_ag * p_local * param_b / c.host_link_bandwidth
-            t_off += m * p_local * red_b / c.host_link_bandwidth
-
-    t_opt += host_opt if cpu else max(0.0, host_opt - t_opt)
-    step = m * t_mb + t_bubble + t_p2p + t_fsdp + t_dp + t_opt + t_off + t_tp_step
+    # the slowest stage sets the micro-batch pace; the busiest rank adds its own per-step work
+    per_step = worst.fsdp + worst.dp + worst.optimizer + worst.offload + worst.tp_step
+    step = m * t_mb + t_bubble + t_p2p + per_step
     tokens = plan.dp * mbs * m * s
     tps = tokens / step
-    # MFU over the whole cluster's peak: in a mixed cluster the faster devices wait for the slowest
-    mfu = tps * profile.flops_per_token / sum(gr.num_devices * gr.device.peak("bfloat16") for gr in cluster.groups)
+    # MFU over the whole cluster's peak in the compute dtype (torchtitan's convention); a mixed
+    # cluster's faster devices wait for the slowest
+    mfu = tps * profile.flops_per_token / sum(gr.num_devices * gr.device.peak(compute_dtype)
+                                              if gr.device.supports(compute_dtype) else 0.0 for gr in cluster.groups)
 
-    # -- memory on the fullest rank --
-    a_pol = per_tok.get(plan.ac, a_none)
-    rows_rank = tokens_mb / cp
-    if tp > 1 and not plan.sp:
-        shard_act = 10.0 / 34.0 + (24.0 / 34.0) / tp  # Korthikanti Table 2, "TP only"
-        shard_full = 1.0
-    else:
-        shard_act = shard_full = 1.0 / tp
-    a_layer = a_pol * rows_rank * (shard_full if plan.ac == "full" else shard_act)
-    acts = a_layer * stage_blocks * activation_in_flight(plan)
-    if plan.ac == "full":
-        acts += a_none * rows_rank * shard_act  # one block re-materialised during its backward
-    head_acts = profile.act_bytes_per_token_head * rows_rank / tp
-    acts_first = acts + (head_acts if pp == 1 else 0.0)
-    acts_last = a_layer * last * 1.0 + head_acts if pp > 1 else acts_first
-    activations = max(acts_first, acts_last)
-    buffers = 0.0
-    if fs > 1:
-        if plan.reshard_after_forward or plan.offload == "params":
-            buffers = 2 * p_block * param_b + p_block * red_b  # gathered block + prefetch, one grad block
-        else:
-            buffers = p_stage * param_b + p_block * red_b  # whole stage stays gathered fwd -> bwd
-    elif dpr > 1:
-        buffers = 2 * 25 * 2**20  # DDP's default 25 MiB buckets, two in flight
-    sub = sum(states.values()) + activations + buffers
-    margin = c.fixed_overhead_bytes + c.fragmentation * sub
-    total = sub + margin
+    fullest = max(shares, key=lambda r: sum(r.memory.values()))
+    total = sum(fullest.memory.values())
     cap = dev.memory_bytes
-    # Offloaded states live in the node's host memory, shared by all its ranks (ZeRO-Offload:
-    # fp32 master params + Adam moments, plus fp32 grads when parameters are offloaded too).
-    host = 0.0
-    if plan.offload == "optimizer":
-        host = 12.0 * p_local
-    elif plan.offload == "params":
-        host = 16.0 * p_local
+    host = max(r.host_bytes for r in shares)
     host_ok = g.host_memory_bytes <= 0 or host * g.devices_per_node <= 0.9 * g.host_memory_bytes
     notes = [] if host_ok else [
         f"offloaded states need {host * g.devices_per_node / 2**30:,.0f} GiB of host memory per node, "
@@ -563,20 +658,20 @@ def estimate(
         tokens_per_s_per_gpu=tps / cluster.world_size,
         mfu=mfu,
         time_breakdown={
-            "compute": m * t_compute,
-            "recompute": m * t_recompute,
-            "host": m * t_host,
-            "tp": m * t_tp + t_tp_step,
-            "cp": m * t_cp,
-            "fsdp": t_fsdp,
-            "dp": t_dp,
+            "compute": m * pace.compute,
+            "recompute": m * pace.recompute,
+            "host": m * pace.host,
+            "tp": m * pace.tp + worst.tp_step,
+            "cp": m * pace.cp,
+            "fsdp": worst.fsdp,
+            "dp": worst.dp,
             "pp_p2p": t_p2p,
             "bubble": t_bubble,
-            "optimizer": t_opt,
-            "offload": t_off,
+            "optimizer": worst.optimizer,
+            "offload": worst.offload,
         },
         memory_bytes_per_rank=int(total),
-        memory_breakdown={**states, "activations": int(activations), "buffers": int(buffers), "margin": int(margin)},
+        memory_breakdown=dict(fullest.memory),
         memory_capacity=int(cap),
         fits=total <= cap and host_ok,
         efficiency=eff,

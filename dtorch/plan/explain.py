@@ -55,6 +55,23 @@ def why_slower(plan: Plan, est: Estimate, best: Estimate) -> str:
     return ", ".join(parts) or "slightly more of everything"
 
 
+def precision_reason(result: SearchResult, plan: Plan, est: Estimate) -> str:
+    """Why the chosen plan computes in its param_dtype and reduces in its reduce_dtype: the best plan
+    of every other precision searched, and how much slower it is."""
+    head = f"{plan.param_dtype} compute, {plan.reduce_dtype} gradient reduction"
+    others = []
+    for prec, (p, e) in result.best_by_precision.items():
+        if (p.param_dtype, p.reduce_dtype) == (plan.param_dtype, plan.reduce_dtype):
+            continue
+        rel = e.step_time_s / est.step_time_s - 1.0
+        verdict = "slower" if rel > 0 else "faster, but within the margin kept for higher precision"
+        others.append(f"{prec} {rel:+.0%} ({verdict})")
+    prec_notes = [n for n in result.notes if "not searched" in n]
+    if not others and not prec_notes:
+        return head + (" (fixed)" if "param_dtype" in result.fixed else "")
+    return head + "; " + "; ".join(others + prec_notes)
+
+
 def explain(result: SearchResult, *, show_families: bool = True) -> str:
     """The whole explanation as text (see module doc)."""
     prof, cl = result.profile, result.cluster
@@ -65,7 +82,7 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         + (f", fixed {', '.join(f'{k}={v}' for k, v in result.fixed.items())}" if result.fixed else ""),
         f"searched {result.meshes} meshes ({result.meshes_pruned} pruned by bound), "
         f"{result.evaluated:,} plans in {result.seconds:.2f} s",
-        *(f"note: {n}" for n in result.notes),
+        *(f"note: {n}" for n in result.notes if "not searched" not in n),
         "",
     ]
     if not result.ranked:
@@ -88,6 +105,9 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         f"  time: {time_breakdown(est)}",
         f"  memory per rank {_gib(est.memory_bytes_per_rank)} of {_gib(est.memory_capacity)} GiB: {memory_breakdown(est)}",
     ]
+    why_prec = precision_reason(result, plan, est)
+    if why_prec:
+        out.append(f"  precision: {why_prec}")
     if show_families:
         others = [(f, pe) for f, pe in result.best_by_family.items() if f != plan.family()]
         if others or result.rejected:

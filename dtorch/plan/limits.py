@@ -9,8 +9,18 @@ from __future__ import annotations
 from dtorch.plan.plan import Plan
 
 
+def unsupported_dtype(dtype: str) -> str | None:
+    """Why this executor cannot train with parameters computed in `dtype`, or None if it can."""
+    if dtype == "float16":
+        return "float16 training needs loss scaling, which this executor does not apply; use bfloat16"
+    return None
+
+
 def unsupported(plan: Plan) -> str | None:
     """Why `plan` cannot run on this executor (torch 2.13), or None if it can."""
+    why = unsupported_dtype(plan.param_dtype)
+    if why:
+        return why
     if plan.cp > 1 and plan.pp > 1:
         # not built: the pipeline schedule would need sequence-sharded micro-batches and stage shapes
         return "context parallelism with pipeline parallelism is not implemented by this executor"

@@ -129,6 +129,12 @@ class Plan:
             extra += f" offload={self.offload}"
         if self.dp_shard > 1 and not self.reshard_after_forward:
             extra += " no-reshard"
+        if self.layer_partition is not None:
+            extra += " stages=" + "/".join(map(str, self.layer_partition))
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        if (self.param_dtype, self.reduce_dtype) != ("float32", "float32"):
+            extra += f" {short[self.param_dtype]}" + (f"/reduce-{short[self.reduce_dtype]}"
+                                                       if self.reduce_dtype != "float32" else "")
         return f"{deg} {extra}"
 
     # ---- validation --------------------------------------------------------------------------

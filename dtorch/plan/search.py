@@ -16,6 +16,7 @@ value and the valid choices; the executor calls it too.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,7 @@ from typing import Any
 from dtorch.cluster.spec import Cluster, NodeGroup
 from dtorch.errors import ConfigError, choices
 from dtorch.model.profile import ModelProfile
+from dtorch.plan.cost import DTYPE_BYTES as _DTYPE_BYTES
 from dtorch.plan.cost import (
     DEFAULT_CONSTANTS,
     CostConstants,
@@ -31,11 +33,12 @@ from dtorch.plan.cost import (
     base_efficiency,
     collective_time,
     estimate,
+    balanced_partition,
+    partition,
     shape_factor,
-    stage_layers,
 )
 from dtorch.plan.limits import unsupported
-from dtorch.plan.plan import AC_POLICIES, MESH_AXES, OFFLOAD_POLICIES, SCHEDULES, Plan
+from dtorch.plan.plan import AC_POLICIES, DTYPES, MESH_AXES, OFFLOAD_POLICIES, SCHEDULES, Plan
 
 GiB = 2**30
 
@@ -49,9 +52,15 @@ FIX_ALIASES = {
     "ddp": "dp_replicate",
     "v": "virtual_stages",
     "reshard": "reshard_after_forward",
+    "dtype": "param_dtype",
+    "precision": "param_dtype",
 }
 FIXABLE = (*MESH_AXES, "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "ac", "offload",
-           "reshard_after_forward", "sp")
+           "reshard_after_forward", "sp", "param_dtype", "reduce_dtype")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+PRECISION_MARGIN = 0.03
+"""A plan computing or reducing in less than float32 must be this much faster than the best plan at
+higher precision to be ranked above it: numerics are worth a few per cent of speed."""
 SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "zb": "zero_bubble", "zbv": "zero_bubble"}
 
 
@@ -79,6 +88,8 @@ class SearchResult:
     """When nothing fits: the plan that came closest (least memory per rank)."""
     notes: list[str] = field(default_factory=list)
     """Caveats about the whole result (e.g. fixed fields this DTorch cannot execute)."""
+    best_by_precision: dict[str, tuple[Plan, Estimate]] = field(default_factory=dict)
+    """The fastest fitting plan of every precision searched ('param_dtype/reduce_dtype')."""
 
     @property
     def best(self) -> tuple[Plan, Estimate] | None:
@@ -127,7 +138,13 @@ def normalize_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
             v = str(val).lower()
             if k == "schedule":
                 v = SCHEDULE_ALIASES.get(v, v)
-            allowed = {"schedule": SCHEDULES, "ac": AC_POLICIES, "offload": OFFLOAD_POLICIES}[k]
+            if k in ("param_dtype", "reduce_dtype"):
+                v = DTYPE_ALIASES.get(v, v)
+                if v in ("float8", "fp8"):
+                    raise ConfigError(k, val, "float8 training is not implemented by this executor; "
+                                      "use bfloat16 or float32")
+            allowed = {"schedule": SCHEDULES, "ac": AC_POLICIES, "offload": OFFLOAD_POLICIES,
+                       "param_dtype": DTYPES, "reduce_dtype": DTYPES}[k]
             if v not in allowed:
                 raise ConfigError(k, val, choices(allowed))
             out[k] = v
@@ -296,30 +313,28 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
     return out
 
 
-def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_batch: int, dtype: str,
-           c: CostConstants) -> float:
+def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_batch: int,
+           precisions: list[tuple[str, str]], c: CostConstants) -> float:
     """A lower bound of the step time of any plan on this mesh with micro-batches of `mbs` (or, with
-    mbs=0, of any micro-batch size): compute and element-wise work of the fullest stage at the GEMM
-    efficiency of the micro-batch, its TP traffic without recomputation, and the smallest bubble any
-    schedule leaves (zero-bubble with the most virtual stages)."""
+    mbs=0, of any micro-batch size) in any of `precisions`: compute and element-wise work of an
+    ideally balanced stage at the GEMM efficiency of the micro-batch in the fastest precision, its TP
+    traffic without recomputation, and the smallest bubble any schedule leaves (zero-bubble with the
+    most virtual stages)."""
     s = profile.seq_len
     dp = m.dp_replicate * m.dp_shard
     local = global_batch // dp
     rows = (mbs or local) * s / m.cp
     eff = base_efficiency(group, c) * shape_factor(profile.hidden / m.tp, rows, c)
-    f8 = c.float8_linear_speedup if dtype == "float8" else 1.0
-    peak = group.device.peak("bfloat16" if dtype == "float8" else dtype) * f8
-    first, last = stage_layers(profile.num_layers, m.pp)
-    fb, fh = profile.flops_per_token_block, profile.flops_per_token_head
-    if m.pp == 1:
-        blocks, flops = profile.num_layers, profile.num_layers * fb + fh
-    else:
-        blocks, flops = first, max(first * fb, last * fb + fh)
+    dev = group.device
+    peak = max(dev.peak(p) for p, _ in precisions)
+    elem = max(dev.elementwise(p) for p, _ in precisions)
+    L, fb, fh = profile.num_layers, profile.flops_per_token_block, profile.flops_per_token_head
+    blocks, flops = L / m.pp, (L * fb + fh) / m.pp
     tokens = local * s
     t = tokens * flops / (m.tp * m.cp) / (peak * eff)
     a_none = profile.act_bytes_per_token_block.get("none", 34.0 * profile.hidden)
     # the search estimates eager (uncompiled) runs, so the element-wise passes count in full
-    t += c.elementwise_passes * tokens * blocks * a_none / (m.tp * m.cp) / group.device.memory_bandwidth
+    t += c.elementwise_passes * 2.0 * tokens * blocks * a_none / (m.tp * m.cp) / (dev.memory_bandwidth * elem)
     if m.tp > 1:
         nmb = local // (mbs or local)
         act = (mbs or local) * s / m.cp * profile.hidden * 2
@@ -327,16 +342,69 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     if m.pp > 1:
         nmb_max = local // mbs if mbs else local
         t *= 1.0 + (m.pp - 1) / (3.0 * 2 * nmb_max)  # zero-bubble with 2 virtual stages leaves the least
-    # data-parallel traffic is never less exposed than the contention floor
+    # data-parallel traffic is never less exposed than the contention floor (16-bit at least)
     p_stage = profile.params_total / (m.tp * m.pp)
     if m.dp_shard > 1:
         ag = collective_time("all_gather", p_stage * 2, m.dp_shard, m.tp * m.cp, group)
-        rs = collective_time("reduce_scatter", p_stage * 4, m.dp_shard, m.tp * m.cp, group)
+        rs = collective_time("reduce_scatter", p_stage * 2, m.dp_shard, m.tp * m.cp, group)
         t += c.dp_exposed_floor * (ag + rs)
     if m.dp_replicate > 1:
-        t += c.dp_exposed_floor * collective_time("all_reduce", p_stage * 4 / m.dp_shard, m.dp_replicate,
+        t += c.dp_exposed_floor * collective_time("all_reduce", p_stage * 2 / m.dp_shard, m.dp_replicate,
                                                   m.tp * m.cp * m.dp_shard, group)
     return t
+
+
+def precisions(group: NodeGroup, fixed: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(param_dtype, reduce_dtype) pairs worth searching on `group`'s device, and why others were left
+    out. A 16-bit dtype is a candidate where the device has it (emulation is priced by its measured or
+    detected peak, so an emulated one loses on its own) and this executor can train in it (float16 needs
+    loss scaling: `dtorch.plan.limits`). Where a 16-bit peak is at least 4x float32's on a GPU, float32
+    cannot win (more time, more activation memory) and is not evaluated. Gradients reduce in float32,
+    or in the compute dtype when that is 16-bit."""
+    dev = group.device
+    notes: list[str] = []
+    from dtorch.plan.limits import unsupported_dtype
+
+    if "param_dtype" in fixed:
+        params = [fixed["param_dtype"]]
+    else:
+        params = []
+        for d in ("float32", "bfloat16", "float16"):
+            if not dev.supports(d):
+                continue
+            why = unsupported_dtype(d)
+            if why:
+                if d != "float16" or not dev.supports("bfloat16"):
+                    notes.append(f"{d} not searched: {why}")
+                continue
+            params.append(d)
+        fast = [d for d in params if d != "float32" and dev.peak(d) >= 4.0 * dev.peak("float32")]
+        if fast and dev.kind != "cpu" and "float32" in params:
+            params.remove("float32")
+            notes.append(f"float32 not searched: {fast[0]}'s peak is {dev.peak(fast[0]) / dev.peak('float32'):.0f}x "
+                         f"float32's on {dev.name}")
+    out = []
+    for p in params:
+        reds = [fixed["reduce_dtype"]] if "reduce_dtype" in fixed else (["float32"] if p == "float32" else ["float32", p])
+        out += [(p, r) for r in reds]
+    return out, notes
+
+
+def _precision_penalty(plan: Plan) -> float:
+    """The ranking handicap of reduced precision (see PRECISION_MARGIN)."""
+    return 1.0 + PRECISION_MARGIN * ((plan.param_dtype != "float32") + (plan.reduce_dtype != "float32"))
+
+
+def _partitions(pp: int, v: int, profile: ModelProfile) -> list[list[int] | None]:
+    """Stage partitions to try: as even as possible (None) and, when it differs, the one that evens out
+    the output head's and the embedding's weight on the last and first stages."""
+    if pp == 1:
+        return [None]
+    S = pp * v
+    fb = profile.flops_per_token_block or 1.0
+    even = partition(Plan(pp=pp, virtual_stages=v), profile.num_layers)
+    bal = balanced_partition(S, profile.num_layers, profile.flops_per_token_head / fb)
+    return [None] if bal == even or min(bal) < 1 else [None, bal]
 
 
 def search(
@@ -347,15 +415,16 @@ def search(
     seq_len: int | None = None,
     fixed: dict[str, Any] | None = None,
     top_k: int = 5,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     constants: CostConstants = DEFAULT_CONSTANTS,
     suggest: bool = True,
     executable_only: bool = True,
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
     tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
-    v, reshard); impossible ones raise ConfigError. Returns the top `top_k`, the best plan of each
-    family, why other families were rejected, and when nothing fits, suggestions."""
+    v, reshard, dtype); impossible ones raise ConfigError. Precision (param_dtype, reduce_dtype) is
+    searched like the rest; `dtype`, when given, pins param_dtype. Returns the top `top_k`, the best
+    plan of each family, why other families were rejected, and when nothing fits, suggestions."""
     t0 = time.perf_counter()
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError("global_batch", global_batch, "must be a positive integer (sequences per step)")
@@ -364,10 +433,12 @@ def search(
             raise ConfigError("seq_len", seq_len, "must be a positive integer")
         profile = rescale_seq(profile, seq_len)
     fixed = normalize_fixed(fixed)
+    if dtype is not None and "param_dtype" not in fixed:
+        fixed = {**fixed, **normalize_fixed({"param_dtype": dtype})}
     _check_fixed(fixed, profile, cluster, global_batch)
     notes: list[str] = []
     forced = unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule",
-                                                                        "virtual_stages")}))
+                                                                        "virtual_stages", "param_dtype")}))
     if executable_only and forced:
         # the user asked for it: evaluate, but say that this DTorch cannot run it
         executable_only = False
@@ -375,7 +446,17 @@ def search(
     group = cluster.slowest_group()
     cap = group.device.memory_bytes
     L = profile.num_layers
-    param_dtype = "bfloat16" if dtype in ("bfloat16", "float8") else dtype
+    precs, prec_notes = precisions(group, fixed)
+    if not precs:
+        raise ConfigError("param_dtype", fixed.get("param_dtype"),
+                          f"{group.device.name} computes in {{{', '.join(sorted(group.device.peak_flops))}}}; "
+                          "use one of those")
+    for p, _ in precs:
+        if not group.device.supports(p):
+            raise ConfigError("param_dtype", p, f"{group.device.name} has no {p} arithmetic; use one of "
+                              f"{{{', '.join(sorted(group.device.peak_flops))}}}")
+    notes += prec_notes
+    lean_dtype = min((p for p, _ in precs), key=lambda d: _DTYPE_BYTES[d])
 
     meshes = _meshes(profile, cluster, global_batch, fixed)
     if not meshes:
@@ -386,11 +467,12 @@ def search(
             f"{cluster.world_size // _max_non_dp(profile, cluster)} or fix fewer fields",
         )
     for m in meshes:
-        m.bound = _bound(m, 0, profile, group, global_batch, dtype, constants)
+        m.bound = _bound(m, 0, profile, group, global_batch, precs, constants)
     meshes.sort(key=lambda m: m.bound)
 
     ranked: list[tuple[float, int, Plan, Estimate]] = []
     best_family: dict[str, tuple[Plan, Estimate]] = {}
+    best_precision: dict[str, tuple[Plan, Estimate]] = {}
     least_mem: dict[str, tuple[Plan, Estimate]] = {}
     evaluated = 0
     pruned = 0
@@ -405,23 +487,28 @@ def search(
     def consider(plan: Plan) -> Estimate:
         nonlocal evaluated, counter
         key = (plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,
-               plan.schedule, plan.virtual_stages, plan.ac, plan.offload, plan.reshard_after_forward)
+               plan.schedule, plan.virtual_stages, plan.ac, plan.offload, plan.reshard_after_forward,
+               plan.param_dtype, plan.reduce_dtype, tuple(plan.layer_partition or ()))
         if key in seen:
             return seen[key]
         evaluated += 1
-        est = seen[key] = estimate(plan, profile, cluster, dtype, constants=constants)
+        est = seen[key] = estimate(plan, profile, cluster, constants=constants)
         fam = plan.family()
         if executable_only and est.fits and (why := unsupported(plan)):
             not_runnable.setdefault(fam, why)
             return est
         if est.fits:
             counter += 1
-            if len(ranked) < top_k or est.step_time_s < ranked[-1][0]:
-                ranked.append((est.step_time_s, counter, plan, est))
+            score = est.step_time_s * _precision_penalty(plan)
+            if len(ranked) < top_k or score < ranked[-1][0]:
+                ranked.append((score, counter, plan, est))
                 ranked.sort(key=lambda r: (r[0], r[1]))
                 del ranked[top_k:]
-            if fam not in best_family or est.step_time_s < best_family[fam][1].step_time_s:
+            if fam not in best_family or score < best_family[fam][1].step_time_s * _precision_penalty(best_family[fam][0]):
                 best_family[fam] = (plan, est)
+            prec = f"{plan.param_dtype}/{plan.reduce_dtype}"
+            if prec not in best_precision or est.step_time_s < best_precision[prec][1].step_time_s:
+                best_precision[prec] = (plan, est)
         else:
             if fam not in least_mem or est.memory_bytes_per_rank < least_mem[fam][1].memory_bytes_per_rank:
                 least_mem[fam] = (plan, est)
@@ -452,28 +539,29 @@ def search(
             # checkpointing, resharding) does not fit
             if offload == "params" and mesh.dp_shard == 1:
                 continue
-            lean = _leanest(mesh, local, offload, mbss[-1], L, fixed, param_dtype, profile, global_batch) if mbss else None
+            lean = _leanest(mesh, local, offload, mbss[-1], L, fixed, lean_dtype, profile, global_batch) if mbss else None
             if lean is None or not consider(lean).fits:
                 continue
             for mbs in mbss:
                 nmb = local // mbs
                 if "num_microbatches" in fixed and fixed["num_microbatches"] != nmb:
                     continue
-                if not worth(_bound(mesh, mbs, profile, group, global_batch, dtype, constants), fam):
+                if not worth(_bound(mesh, mbs, profile, group, global_batch, precs, constants), fam):
                     continue
                 if mbs != mbss[-1]:
-                    lean = _leanest(mesh, local, offload, mbs, L, fixed, param_dtype, profile, global_batch)
+                    lean = _leanest(mesh, local, offload, mbs, L, fixed, lean_dtype, profile, global_batch)
                     if lean is None or not consider(lean).fits:
                         continue  # activations grow with the micro-batch: try a smaller one
                 for sched, v in _schedules(mesh.pp, nmb, L, fixed):
-                    base = Plan(
-                        pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
-                        tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs,
-                        num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
-                        param_dtype=param_dtype, reduce_dtype="float32", seq_len=profile.seq_len,
-                        global_batch=global_batch,
-                    )
-                    fitted |= _inner(base, fixed, consider, lambda t, f=fam: not worth(t, f))
+                    for (pdt, rdt), part in itertools.product(precs, _partitions(mesh.pp, v, profile)):
+                        base = Plan(
+                            pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
+                            tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs,
+                            num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
+                            param_dtype=pdt, reduce_dtype=rdt, layer_partition=part, seq_len=profile.seq_len,
+                            global_batch=global_batch,
+                        )
+                        fitted |= _inner(base, fixed, consider, lambda t, f=fam: not worth(t, f))
             if fitted:
                 break  # offloading is only worth it where nothing else fits on this mesh
     suggestions: list[str] = []
@@ -483,7 +571,7 @@ def search(
         if pool:
             closest = min(pool, key=lambda pe: pe[1].memory_bytes_per_rank)
         if suggest:
-            suggestions = _suggest(profile, cluster, global_batch, fixed, dtype, constants, closest)
+            suggestions = _suggest(profile, cluster, global_batch, fixed, constants, closest)
     rejected = {fam: f"fits, but cannot run here: {why}" for fam, why in sorted(not_runnable.items())
                 if fam not in best_family}
     for fam, (plan, est) in sorted(least_mem.items()):
@@ -508,6 +596,7 @@ def search(
         seconds=time.perf_counter() - t0,
         closest=closest,
         notes=notes,
+        best_by_precision=dict(sorted(best_precision.items(), key=lambda kv: kv[1][1].step_time_s)),
     )
 
 
@@ -595,7 +684,7 @@ def _inner(base: Plan, fixed: dict[str, Any], consider, hopeless) -> bool:
     return True
 
 
-def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: dict[str, Any], dtype: str,
+def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
              constants: CostConstants, closest: tuple[Plan, Estimate] | None) -> list[str]:
     """The smallest changes that make some plan fit: unfix a field, more nodes, a shorter sequence."""
     out: list[str] = []
@@ -607,7 +696,7 @@ def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: 
 
     def fits(prof: ModelProfile, cl: Cluster, fx: dict[str, Any], gb: int) -> SearchResult | None:
         try:
-            r = search(prof, cl, global_batch=gb, fixed=fx, top_k=1, dtype=dtype, constants=constants, suggest=False)
+            r = search(prof, cl, global_batch=gb, fixed=fx, top_k=1, constants=constants, suggest=False)
         except ConfigError:
             return None
         return r if r.ranked else None

@@ -167,6 +167,40 @@ class Trainer:
             return default_corpus(self.seq_len)
         return self.data
 
+    def _agreed_plan(self) -> Plan:
+        """Rank 0 chooses the plan and every rank receives it: the search reads measurements (the
+        capability cache, the probe's calibration, runtime feedback) that two ranks could see
+        differently, and ranks that apply different plans deadlock. A ConfigError on rank 0 is raised
+        on every rank."""
+        if self.world == 1 or not dist.is_initialized():
+            return self._choose_plan(self.world, self.rank)
+        doc: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                doc = {"plan": self._choose_plan(self.world, 0).to_dict(),
+                       "cluster": self._cluster_name, "profiled": self._profile is not None}
+            except ConfigError as e:
+                value = e.value if isinstance(e.value, (int, float, str, bool, type(None))) else repr(e.value)
+                doc = {"error": [e.field, value, e.fix]}
+        payload = json.dumps(doc).encode() if self.rank == 0 else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, 0)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        dist.broadcast(buf, 0)
+        doc = json.loads(bytes(buf.cpu().tolist()).decode())
+        if "error" in doc:
+            fld, value, fix = doc["error"]
+            raise ConfigError(fld, value, fix)
+        if self.rank != 0:
+            self._cluster_name = doc["cluster"]
+            if doc["profiled"]:
+                from dtorch.model import profile_module
+
+                self._profile = profile_module(self.model_factory, self.seq_len)
+        return Plan.from_dict(doc["plan"])
+
     def _choose_plan(self, world: int, rank: int) -> Plan:
         """The plan for this world: given, loaded, or searched (fixed fields kept)."""
         req = self.plan_request
@@ -195,13 +229,15 @@ class Trainer:
         from dtorch.model import profile_module
         from dtorch.plan.search import search
 
-        cluster = load_cluster(self.cluster_spec) if self.cluster_spec else local_cluster(world)
+        profile = profile_module(self.model_factory, self.seq_len)
+        self._profile = profile
+        workload = (profile.hidden, profile.num_heads, profile.seq_len)
+        cluster = (load_cluster(self.cluster_spec, workload=workload) if self.cluster_spec
+                   else local_cluster(world, workload=workload))
         self._cluster_name = cluster.name
         if cluster.world_size != world:
             raise ConfigError("cluster", self.cluster_spec,
                               f"it has {cluster.world_size} devices but {world} processes were launched")
-        profile = profile_module(self.model_factory, self.seq_len)
-        self._profile = profile
         result = search(profile, cluster, global_batch=self.global_batch, seq_len=self.seq_len,
                         fixed=fixed or None, top_k=3)
         if result.best is None:
@@ -236,7 +272,7 @@ class Trainer:
 
             self.ckpt = CheckpointManager(self.checkpoint_dir, keep_last=self.keep_last)
         with hooks.phase("replan"):
-            self.plan = self._choose_plan(self.world, self.rank)
+            self.plan = self._agreed_plan()
         self.metrics = MetricsLogger(self.log_dir, rank=self.rank, total_steps=total_steps, console=self.console)
         pred = self.plan.predicted or {}
         self.metrics.event("plan", plan=self.plan.describe(), family=self.plan.family(),

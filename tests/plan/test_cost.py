@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtorch.cluster import load_cluster
+from dtorch.cluster import load_cluster, local_cluster
 from dtorch.errors import ConfigError
 from dtorch.plan.cost import (
     DEFAULT_CONSTANTS,
@@ -60,7 +60,7 @@ def test_compute_time_is_flops_over_peak_times_efficiency():
     prof = llama()
     cl = load_cluster("h100:1")
     c = with_constants(elementwise_passes=0.0)
-    plan = Plan(microbatch_size=2, num_microbatches=3)
+    plan = Plan(param_dtype="bfloat16", microbatch_size=2, num_microbatches=3)
     est = estimate(plan, prof, cl, constants=c)
     eff = 0.7148 * shape_factor(prof.hidden, 2 * prof.seq_len, c)
     flops = 2 * 3 * prof.seq_len * prof.flops_per_token  # tokens per step x FLOPs per token
@@ -112,16 +112,18 @@ def test_gpipe_keeps_all_microbatches_in_flight_1f1b_only_p():
     prof = llama(layers=8, vocab=256)  # a small head: the first stage holds the most
     cl = load_cluster("h100:4")
     p, m = 4, 16
-    one = estimate(Plan(pp=p, num_microbatches=m, schedule="1f1b"), prof, cl)
-    gp = estimate(Plan(pp=p, num_microbatches=m, schedule="gpipe"), prof, cl)
-    per_mb = one.memory_breakdown["activations"] / p
-    assert gp.memory_breakdown["activations"] == pytest.approx(per_mb * m, rel=1e-6)
+    one = estimate(Plan(param_dtype="bfloat16", pp=p, num_microbatches=m, schedule="1f1b"), prof, cl)
+    gp = estimate(Plan(param_dtype="bfloat16", pp=p, num_microbatches=m, schedule="gpipe"), prof, cl)
+    per_mb = one.memory_breakdown["activations"] / p  # 1F1B's first stage: p micro-batches, no head
+    # GPipe: every stage holds all m; the last one also the logits of each
+    head = prof.act_bytes_per_token_head * prof.seq_len
+    assert gp.memory_breakdown["activations"] == pytest.approx((per_mb + head) * m, rel=1e-6)
 
 
 def test_full_checkpointing_keeps_the_block_input_plus_one_block():
     prof = llama(layers=8)
     cl = load_cluster("h100:1")
-    est = estimate(Plan(ac="full", microbatch_size=2), prof, cl)
+    est = estimate(Plan(param_dtype="bfloat16", ac="full", microbatch_size=2), prof, cl)
     tokens = 2 * prof.seq_len
     expect = (2 * prof.hidden * tokens * prof.num_layers  # Korthikanti: 2 s b h per block
               + prof.act_bytes_per_token_block["none"] * tokens  # the block being recomputed
@@ -142,7 +144,7 @@ def test_sequence_parallel_divides_activations_by_tp():
 def test_tp_traffic_is_eight_activation_collectives_per_block_plus_latency_bound_ones():
     prof = llama(layers=8)
     cl = load_cluster("h100:1x4")
-    plan = Plan(tp=4, sp=True)
+    plan = Plan(param_dtype="bfloat16", tp=4, sp=True)
     est = estimate(plan, prof, cl)
     act = prof.seq_len * prof.hidden * 2
     ag = collective_time("all_gather", act, 4, 1, cl.groups[0])
@@ -207,8 +209,8 @@ def test_estimates_are_finite_and_positive(prof, plan):
 
 def test_mixed_cluster_runs_at_the_slowest_device_and_mfu_counts_every_peak():
     prof = llama()
-    mixed = estimate(Plan(dp_shard=16), prof, load_cluster("h100:1x8+a100:1x8"))
-    a100 = estimate(Plan(dp_shard=16), prof, load_cluster("a100:2x8"))
+    mixed = estimate(Plan(param_dtype="bfloat16", dp_shard=16), prof, load_cluster("h100:1x8+a100:1x8"))
+    a100 = estimate(Plan(param_dtype="bfloat16", dp_shard=16), prof, load_cluster("a100:2x8"))
     assert mixed.step_time_s == pytest.approx(a100.step_time_s, rel=0.05)
     assert mixed.mfu == pytest.approx(mixed.tokens_per_s * prof.flops_per_token / (8 * 989e12 + 8 * 312e12))
 
@@ -242,7 +244,7 @@ def test_host_overhead_adds_on_cpu_and_hides_under_gpu_kernels():
     prof = llama(layers=4, hidden=256, heads=8, kv=4, ffn=1024, seq=128, vocab=1000)
     plan = Plan(microbatch_size=1, num_microbatches=2)
     n = step_counts(plan, prof, "cpu")
-    cpu = load_cluster("detect")
+    cpu = local_cluster(1, calibrated=False)
     base = estimate(plan, prof, _with_host_overhead(cpu, 0.0), "float32")
     slow = estimate(plan, prof, _with_host_overhead(cpu, 1e-4), "float32")
     expect = 1e-4 * (2 * n.ops_per_microbatch + n.optimizer_ops)
@@ -276,7 +278,7 @@ def _cpu_node(ranks: int, cores: int):
 
     from dtorch.cluster.spec import Cluster, Link
 
-    cl = load_cluster("detect")
+    cl = local_cluster(1, calibrated=False)
     g = cl.groups[0]
     g = dataclasses.replace(g, devices_per_node=ranks, num_nodes=1, host_cores=cores,
                             intra=Link("shm", 1e9, 1e-3, 1.0, p2p_latency=1e-4))

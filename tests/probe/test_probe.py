@@ -41,7 +41,7 @@ def _doc(cluster: str, peak: float = 1e10, eff: float = 0.5, bw: float = 1e9, la
 
 def test_single_process_probe_writes_calibration_that_detect_reads_back_and_changes_the_estimate(cal_dir, monkeypatch):
     doc, path = run_probe(1, quick=True, dtypes=["float32"])
-    assert path == calibration_path("local-cpu") and path.is_file()
+    assert path == calibration_path("local:1x1") and path.is_file()
     back = read_calibration(path)
     assert back["device"]["peak_flops"]["float32"] == pytest.approx(doc["device"]["peak_flops"]["float32"])
     assert 0 < back["device"]["matmul_efficiency"] <= 1
@@ -51,14 +51,14 @@ def test_single_process_probe_writes_calibration_that_detect_reads_back_and_chan
     assert back["op_overhead_s"] > back["dispatch_overhead_s"] > 0
     assert back["dtensor_op_overhead_s"] == 0.0  # one process: no mesh to put DTensors on
 
-    cal = load_cluster("detect")
+    cal = local_cluster(1)
     assert cal.groups[0].device.op_overhead_s == pytest.approx(back["op_overhead_s"])
     monkeypatch.setenv("DTORCH_NO_CALIBRATION", "1")
-    nominal = load_cluster("detect")
+    nominal = local_cluster(1)
     dev = cal.groups[0].device
     assert dev.peak("float32") == pytest.approx(back["device"]["peak_flops"]["float32"])
     assert dev.memory_bandwidth == pytest.approx(back["device"]["memory_bandwidth"])
-    assert cal.calibration["cluster"] == "local-cpu"
+    assert cal.calibration["cluster"] == "local:1x1"
     prof = get_profile("llama-tiny", 128)
     plan = Plan(microbatch_size=4, param_dtype="float32")
     t_cal = estimate(plan, prof, cal, "float32").step_time_s
