@@ -10,8 +10,10 @@ default rule `default_max_batch_tokens` applies. Per cluster size:
    micro-batches or more sequences per data-parallel rank: bubbles and exposed gradient syncs
    are amortised over more work);
 2. the batch is then shrunk, on that plan, to the smallest power of two that keeps the throughput
-   within `batch_tolerance` (3 %) of it: fewer tokens per step is what the optimiser prefers, so
-   the batch grows with the cluster only as far as the cluster needs;
+   within `batch_tolerance` (3 %) of it, but never below the batch a smaller cluster chose
+   without offloading (offload traffic is amortised per step, whatever the cluster size): fewer
+   tokens per step is what the optimiser prefers, so the batch grows with the cluster only as far
+   as the cluster needs;
 3. the same plan with twice the batch says whether the batch, not the hardware, limits scaling:
    if that would be more than `BATCH_BOUND_GAIN` (5 %) faster per GPU, the size is batch-bound.
 
@@ -136,10 +138,11 @@ def _variant(plan: Plan, mbs: int, nmb: int, profile: ModelProfile, cluster: Clu
 
 
 def _shrink(plan: Plan, est: Estimate, profile: ModelProfile, cluster: Cluster, dtype: str,
-            tolerance: float) -> tuple[Plan, Estimate]:
+            tolerance: float, min_sequences: int = 1) -> tuple[Plan, Estimate]:
     """The smallest local batch (halving micro-batches, then the micro-batch) on `plan` whose
-    throughput stays within `tolerance` of `est`'s. Throughput only falls as the batch shrinks,
-    so the walk stops at the first step that falls too far."""
+    throughput stays within `tolerance` of `est`'s, and whose global batch stays at least
+    `min_sequences`. Throughput only falls as the batch shrinks, so the walk stops at the first
+    step that falls too far."""
     best = (plan, est)
     mbs, nmb = plan.microbatch_size, plan.num_microbatches
     while True:
@@ -148,6 +151,8 @@ def _shrink(plan: Plan, est: Estimate, profile: ModelProfile, cluster: Cluster, 
         elif mbs > 1 and mbs % 2 == 0:
             mbs //= 2
         else:
+            return best
+        if plan.dp * mbs * nmb < min_sequences:
             return best
         v = _variant(plan, mbs, nmb, profile, cluster, dtype)
         if v is None or v[1].tokens_per_s < (1.0 - tolerance) * est.tokens_per_s:
@@ -243,7 +248,11 @@ def recommend(
                               lower_bound_s=lower_bound(W)), True
         plan, est = r.best
         if global_batch is None:
-            plan, est = _shrink(plan, est, profile, cl, dtype, batch_tolerance)
+            # never below the batch a smaller cluster chose (tokens per step grows with the cluster),
+            # unless that one offloaded: offload traffic is amortised per step, whatever the size
+            floor = max((o.tokens_per_step // seq for o in rec.options
+                         if o.tokens_per_step and o.plan.offload == "none"), default=1)
+            plan, est = _shrink(plan, est, profile, cl, dtype, batch_tolerance, floor)
         gain = _batch_gain(plan, est, profile, cl, dtype)
         t = tokens / est.tokens_per_s
         return SizeOption(nodes, W, plan, est, t, t * W / 3600.0, tokens_per_step=plan.dp * plan.local_batch() * seq,

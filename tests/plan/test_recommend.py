@@ -30,13 +30,13 @@ def test_tokens_per_step_grows_with_the_cluster_within_the_bound():
 
 def test_a_tight_bound_makes_the_batch_the_limit_and_says_so():
     prof = get_profile("llama3-8b", 4096)
-    rec = recommend(prof, "h100", tokens=1e12, max_nodes=64, max_batch_tokens=2**20)
+    rec = recommend(prof, "h100", tokens=1e12, max_nodes=16, max_batch_tokens=2**18)
     bound = [o for o in rec.options if o.batch_bound]
-    assert bound, "256 sequences cannot keep 512 GPUs busy"
+    assert bound, "64 sequences cannot keep 128 GPUs busy"
     assert any("limits scaling" in n for n in rec.notes)
     assert "batch-bound" in format_recommendation(rec)
     # a larger bound lifts per-GPU throughput where the small one was binding
-    loose = recommend(prof, "h100", tokens=1e12, max_nodes=64, max_batch_tokens=2**24)
+    loose = recommend(prof, "h100", tokens=1e12, max_nodes=16, max_batch_tokens=2**22)
     big = max(bound, key=lambda o: o.gpus)
     same = next(o for o in loose.options if o.gpus == big.gpus)
     assert same.estimate.tokens_per_s_per_gpu > big.estimate.tokens_per_s_per_gpu
@@ -66,3 +66,18 @@ def test_bad_batch_bounds_are_refused():
         recommend(prof, "h100", global_batch=256, max_batch_tokens=2**22, tokens=1e11)
     with pytest.raises(ConfigError, match="one sequence"):
         recommend(prof, "h100", max_batch_tokens=100, tokens=1e11)
+
+
+def test_cli_bounds_the_batch_and_reports_tokens_per_step(capsys):
+    import json
+
+    from dtorch.cli import main
+
+    rc = main(["plan", "--model", "llama3-8b", "--seq-len", "4096", "--recommend", "--device-type", "h100",
+               "--tokens", "100B", "--max-nodes", "4", "--max-batch-tokens", "2M", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["max_batch_tokens"] == 2**21 and doc["chosen_tokens_per_step"] <= 2**21
+    assert all(o["tokens_per_step"] <= 2**21 for o in doc["options"] if o["plan"])
+    assert main(["plan", "--model", "llama3-8b", "--recommend", "--device-type", "h100", "--tokens", "1T",
+                 "--global-batch", "256", "--max-batch-tokens", "2M"]) == 2
