@@ -280,6 +280,11 @@ def recommend(
             rec.options.append(opt)
             if not more:
                 break
+        if rec.options and all(o.estimate is None and o.note.startswith("cannot meet") for o in rec.options):
+            # not even the largest size can meet it: plan that one anyway, it is the fastest there is
+            opt, _ = evaluate(rec.options[-1].nodes)
+            if opt.estimate is not None:
+                rec.options[-1] = opt
     else:
         best_per_gpu = 0.0
         falling = 0

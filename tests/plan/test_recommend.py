@@ -81,3 +81,10 @@ def test_cli_bounds_the_batch_and_reports_tokens_per_step(capsys):
     assert all(o["tokens_per_step"] <= 2**21 for o in doc["options"] if o["plan"])
     assert main(["plan", "--model", "llama3-8b", "--recommend", "--device-type", "h100", "--tokens", "1T",
                  "--global-batch", "256", "--max-batch-tokens", "2M"]) == 2
+
+
+def test_an_impossible_deadline_still_answers_with_the_fastest_size():
+    prof = get_profile("llama3-405b", 4096)
+    rec = recommend(prof, "h100", tokens=15e12, deadline_s=10 * 86400, max_nodes=256)
+    assert rec.searches == 1 and rec.chosen is rec.options[-1] and rec.chosen.gpus == 2048
+    assert "meets the deadline" in rec.reason and rec.chosen.time_to_train_s > 10 * 86400
