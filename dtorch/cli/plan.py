@@ -59,6 +59,9 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--tokens", default=None, help="--recommend: training budget in tokens (2e12, 2T)")
     p.add_argument("--deadline", default=None, help="--recommend: wall-clock budget (30d, 12h)")
     p.add_argument("--max-nodes", type=int, default=2048, help="--recommend: largest cluster to consider")
+    p.add_argument("--max-batch-tokens", default=None,
+                   help="--recommend: most tokens per optimizer step (16M, 4e6); chosen per cluster size up to "
+                        "this bound (default: ~1M steps for --tokens, within [4M, 16M]); --global-batch fixes it")
     p.add_argument("--verify", action="store_true",
                    help="dry-run the chosen plan at full world size on a fake process group and compare memory")
     p.set_defaults(func=run)
@@ -102,9 +105,10 @@ def run(args) -> int:
         if args.tokens is None:
             raise ConfigError("tokens", None, "--recommend needs --tokens (the training budget, e.g. 2T)")
         rec = recommend(
-            profile, args.device_type, global_batch=args.global_batch or 1024,
+            profile, args.device_type, global_batch=args.global_batch,
             tokens=parse_count(args.tokens), deadline_s=parse_duration(args.deadline) if args.deadline else None,
             max_nodes=args.max_nodes, dtype=args.dtype or "bfloat16",
+            max_batch_tokens=parse_count(args.max_batch_tokens, "max-batch-tokens") if args.max_batch_tokens else None,
         )
         if args.json:
             print(json.dumps(rec.to_dict(), indent=2))

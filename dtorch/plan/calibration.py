@@ -1,19 +1,34 @@
-"""Published training throughputs the cost model is calibrated and checked against.
+"""Published training throughputs the cost model is calibrated and judged against.
 
-Rows come from shared/reference/CALIBRATION.md (torchtitan Dec 2024 H100 benchmark, Korthikanti
-et al. 2022 on A100, MosaicML llm-foundry on H100). Each row fixes the published configuration;
-`split` says whether the row was used to fit the constants ("fit") or only to check them
-("held_out"). A model looks good on the rows it was tuned on: report both errors separately.
+The rows live in ``benchmarks/published/*.yaml``, one file per source (a paper, a benchmark page),
+each with its provenance: URL, table, date, hardware, framework, the metric as published, and the
+configuration details the source does not give (``assumed``). Every row fixes a published run's
+configuration (model, cluster, Plan, dtype, compile / async-TP where the run used them).
 
-    python -m dtorch.plan.calibration          # table of predicted vs published, both splits
-    python -m dtorch.plan.calibration --fit    # refit the per-device efficiencies on the "fit" rows
+What is fitted, and how it is judged:
+
+- the base matmul efficiency of each device (per generation and power level: A100 80GB, H100 SXM
+  at 700 W, H100 96GB at 500 W, B200, ...), and four global constants of the cost model (GEMM-width
+  half point, element-wise passes, exposed TP share, exposed data-parallel floor), minimising the mean
+  squared log error with every source weighted alike;
+- leave-one-source-out (`loso`): for each source, fit on all the others and report the error on
+  the one left out. A device that only the held-out source measured borrows the efficiency fitted
+  for its generation's other devices (else the previous generation's); the report says so.
+
+    python -m dtorch.plan.calibration                   # fit on every source: constants, in-sample errors
+    python -m dtorch.plan.calibration --loso            # leave-one-source-out table (< 1 s)
+    python -m dtorch.plan.calibration --loso --refit-globals   # also refit the 4 global constants per fold
+    python -m benchmarks.bench_calibration              # both LOSO tables -> benchmarks/results/published_loso.*
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
 
 from dtorch.cluster.load import load_cluster
 from dtorch.model.profile import ModelProfile
@@ -21,204 +36,333 @@ from dtorch.plan.cost import DEFAULT_CONSTANTS, CostConstants, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.profiles import analytic_profile, get_profile
 
+PUBLISHED_DIR = Path(os.environ.get("DTORCH_PUBLISHED_DIR")
+                     or Path(__file__).resolve().parents[2] / "benchmarks" / "published")
+"""Where the published tables are (the repository's benchmarks/published; $DTORCH_PUBLISHED_DIR overrides)."""
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, seq: int) -> ModelProfile:
-    # the same profile `dtorch plan` uses for the llama presets (the model room's, when present)
-    spec = f"llama:layers={layers},hidden={hidden},heads={heads},kv_heads={kv},ffn={ffn},vocab=128256,seq={seq}"
-    return get_profile(spec, seq)
+GENERATIONS: dict[str, str] = {
+    "A100-SXM-80GB": "ampere",
+    "H100-SXM-80GB": "hopper",
+    "H100-96GB-500W": "hopper",
+    "H200-141GB": "hopper",
+    "B200-180GB": "blackwell",
+}
+"""Device name -> generation, for borrowing an efficiency when a device has no other source."""
+PREVIOUS_GENERATION = {"blackwell": "hopper", "hopper": "ampere"}
 
 
-def _megatron(name: str, layers: int, hidden: int, heads: int) -> ModelProfile:
-    # Korthikanti et al. 2022: GPT, s = 2048, V = 51200, no flash attention (Megatron 2022)
-    return analytic_profile(name, "gpt", layers=layers, hidden=hidden, heads=heads, vocab=51200, seq_len=2048,
-                            flash=False)
-
-
-def _mpt(name: str, layers: int, hidden: int, heads: int) -> ModelProfile:
-    # llm-foundry MPT: GPT-style 4h MLP, no biases, tied embeddings, ALiBi (no positions), flash attention
-    return analytic_profile(name, "mpt", layers=layers, hidden=hidden, heads=heads, vocab=50368, seq_len=2048,
-                            tied=True, flash=True, biases=False)
+@dataclass(frozen=True)
+class Source:
+    id: str
+    title: str
+    url: str
+    table: str
+    date: str
+    hardware: str = ""
+    framework: str = ""
+    metric: str = "tokens_per_s_per_gpu"
+    notes: str = ""
+    assumed: str = ""
 
 
 @dataclass(frozen=True)
 class Row:
     name: str
     source: str
+    """The Source id."""
     model: str
     cluster: str
     plan: dict
     tokens_per_s_per_gpu: float
-    """Published tokens/s per GPU (Korthikanti: global batch x s / (s/iter x GPUs))."""
-    split: str
+    """Published tokens/s per GPU (converted from s/iteration or TFLOP/s where the source gives those)."""
     dtype: str = "bfloat16"
     compiled: bool = False
     async_tp: bool = False
     memory_gib: float | None = None
+    published: str = ""
+    """The number as the source prints it, with its unit."""
+
+
+def _profile(name: str, d: dict) -> ModelProfile:
+    fam, seq = d["family"], int(d["seq"])
+    if fam == "llama":
+        # the same profile `dtorch plan` uses for the llama presets (the model room's, when present)
+        spec = (f"llama:layers={d['layers']},hidden={d['hidden']},heads={d['heads']},kv_heads={d['kv_heads']},"
+                f"ffn={d['ffn']},vocab={d['vocab']},seq={seq}")
+        return get_profile(spec, seq)
+    if fam == "gpt":  # Megatron GPT (2022): biases, learned positions, no flash attention
+        return analytic_profile(name, "gpt", layers=d["layers"], hidden=d["hidden"], heads=d["heads"],
+                                vocab=d["vocab"], seq_len=seq, flash=d.get("flash", False))
+    if fam == "mpt":  # MPT: GPT-style 4h MLP, no biases, tied embeddings, ALiBi, flash attention
+        return analytic_profile(name, "mpt", layers=d["layers"], hidden=d["hidden"], heads=d["heads"],
+                                vocab=d["vocab"], seq_len=seq, tied=True, flash=True, biases=False)
+    raise ValueError(f"unknown model family {fam!r} in the published tables ({name})")
+
+
+@lru_cache(maxsize=4)
+def _load(folder: str) -> tuple[tuple[Source, ...], tuple[Row, ...], tuple[tuple[str, dict], ...]]:
+    import yaml
+
+    sources, rows, models = [], [], {}
+    for path in sorted(Path(folder).glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        src = Source(id=doc["source"], title=doc["title"], url=doc["url"], table=doc["table"], date=str(doc["date"]),
+                     hardware=doc.get("hardware", ""), framework=doc.get("framework", ""),
+                     metric=doc.get("metric", "tokens_per_s_per_gpu"), notes=doc.get("notes", ""),
+                     assumed=doc.get("assumed", ""))
+        sources.append(src)
+        for name, spec in (doc.get("models") or {}).items():
+            if name in models and models[name] != spec:
+                raise ValueError(f"{path.name}: model {name} differs from its definition in another table")
+            models[name] = spec
+        for r in doc["rows"]:
+            plan = {"param_dtype": "bfloat16", "reduce_dtype": "float32", **r["plan"]}
+            rows.append((src, r, plan))
+    profiles = {n: _profile(n, s) for n, s in models.items()}
+    out = []
+    for src, r, plan in rows:
+        p = Plan(**plan)
+        if "tokens_per_s_per_gpu" in r:
+            tps, shown = float(r["tokens_per_s_per_gpu"]), f"{r['tokens_per_s_per_gpu']:,} tokens/s/GPU"
+        elif "seconds_per_iteration" in r:
+            gpus = p.world_size
+            tps = p.dp * p.local_batch() * profiles[r["model"]].seq_len / r["seconds_per_iteration"] / gpus
+            shown = f"{r['seconds_per_iteration']} s/iteration"
+        elif "tflops_per_gpu" in r:
+            tps = r["tflops_per_gpu"] * 1e12 / profiles[r["model"]].flops_per_token
+            shown = f"{r['tflops_per_gpu']} TFLOP/s/GPU"
+        else:
+            raise ValueError(f"row {r['name']}: give tokens_per_s_per_gpu, seconds_per_iteration or tflops_per_gpu")
+        out.append(Row(name=r["name"], source=src.id, model=r["model"], cluster=r["cluster"], plan=plan,
+                       tokens_per_s_per_gpu=tps, dtype=r.get("dtype", "bfloat16"), compiled=r.get("compiled", False),
+                       async_tp=r.get("async_tp", False), memory_gib=r.get("memory_gib"), published=shown))
+    return tuple(sources), tuple(out), tuple(sorted(models.items()))
+
+
+def sources(folder: Path = PUBLISHED_DIR) -> list[Source]:
+    return list(_load(str(folder))[0]) if folder.is_dir() else []
+
+
+def _rows(folder: Path = PUBLISHED_DIR) -> list[Row]:
+    return list(_load(str(folder))[1]) if folder.is_dir() else []
+
+
+ROWS: list[Row] = _rows()
 
 
 def _models() -> dict[str, ModelProfile]:
-    return {
-        "llama3.1-8b": _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 8192),
-        "llama3.1-8b-s65536": _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 65536),
-        "llama3.1-70b": _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 8192),
-        "llama3.1-405b": _llama("llama3.1-405b", 126, 16384, 128, 8, 53248, 8192),
-        "gpt-22b": _megatron("gpt-22b", 48, 6144, 64),
-        "gpt-175b": _megatron("gpt-175b", 96, 12288, 96),
-        "gpt-530b": _megatron("gpt-530b", 105, 20480, 128),
-        "gpt-1t": _megatron("gpt-1t", 128, 25600, 160),
-        "mpt-70b": _mpt("mpt-70b", 80, 8192, 64),
-        "mpt-30b": _mpt("mpt-30b", 48, 7168, 64),
-        "mpt-13b": _mpt("mpt-13b", 40, 5120, 40),
-        "mpt-7b": _mpt("mpt-7b", 32, 4096, 32),
-        "mpt-1b": _mpt("mpt-1b", 24, 2048, 16),
-    }
+    if not PUBLISHED_DIR.is_dir():
+        return {}
+    return {n: _profile(n, spec) for n, spec in _load(str(PUBLISHED_DIR))[2]}
 
 
-TT = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-KO = "Korthikanti et al. 2022, Table 5 / Figure 1"
-LF = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
-BF = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+CALIBRATION_BASE = replace(DEFAULT_CONSTANTS, float8_linear_speedup=2.0)
+"""The shipped constants, with float8 GEMMs of published float8 runs at the spec sheets' fp8 / bf16
+peak ratio (2.0 on H100 and B200) instead of one implementation's measured speed-up: the device
+efficiency then covers both dtypes alike."""
 
 
-def _ko(gb: int, s_per_iter: float, gpus: int) -> float:
-    return gb * 2048 / s_per_iter / gpus
+@lru_cache(maxsize=256)
+def _cluster(spec: str):
+    return load_cluster(spec)
 
 
-ROWS: list[Row] = [
-    # torchtitan, H100 96GB at 500 W (preset h100-96gb), seq 8192 unless stated
-    Row("tt-8b-fsdp8", TT, "llama3.1-8b", "h100-96gb:1x8",
-        dict(dp_shard=8, microbatch_size=2, ac="selective", **BF), 5762, "fit", memory_gib=82.4),
-    Row("tt-8b-fsdp8-compile", TT, "llama3.1-8b", "h100-96gb:1x8",
-        dict(dp_shard=8, microbatch_size=2, ac="selective", **BF), 6667, "held_out", compiled=True, memory_gib=77.0),
-    Row("tt-8b-fsdp128", TT, "llama3.1-8b", "h100-96gb:16x8",
-        dict(dp_shard=128, microbatch_size=2, ac="selective", **BF), 5605, "held_out", memory_gib=67.0),
-    Row("tt-8b-fsdp4-cp2-s65536", TT, "llama3.1-8b-s65536", "h100-96gb:1x8",
-        dict(dp_shard=4, cp=2, microbatch_size=1, ac="full", **BF), 2540, "held_out",
-        dtype="float8", compiled=True, memory_gib=84.2),
-    Row("tt-70b-fsdp32-tp8", TT, "llama3.1-70b", "h100-96gb:32x8",
-        dict(dp_shard=32, tp=8, sp=True, microbatch_size=16, ac="full", **BF), 829, "fit",
-        dtype="float8", compiled=True, memory_gib=71.9),
-    Row("tt-70b-fsdp32-tp8-asynctp", TT, "llama3.1-70b", "h100-96gb:32x8",
-        dict(dp_shard=32, tp=8, sp=True, microbatch_size=16, ac="full", **BF), 876, "held_out",
-        dtype="float8", compiled=True, async_tp=True, memory_gib=67.6),
-    Row("tt-405b-3d-1f1b", TT, "llama3.1-405b", "h100-96gb:64x8",
-        dict(dp_shard=8, tp=8, sp=True, pp=8, microbatch_size=1, num_microbatches=32, schedule="1f1b",
-             ac="full", reshard_after_forward=False, **BF), 100, "held_out",
-        dtype="float8", compiled=True, async_tp=True, memory_gib=82.5),
-    Row("tt-405b-3d-interleaved", TT, "llama3.1-405b", "h100-96gb:64x8",
-        dict(dp_shard=8, tp=8, sp=True, pp=8, microbatch_size=1, num_microbatches=32,
-             schedule="interleaved_1f1b", virtual_stages=2, ac="full", reshard_after_forward=False, **BF),
-        128, "fit", dtype="float8", compiled=True, async_tp=True, memory_gib=72.7),
-    # Korthikanti et al. 2022, A100 80GB, s = 2048, dp = 1 (TP x PP = GPUs)
-    Row("ko-22b-sel", KO, "gpt-22b", "a100:1x8",
-        dict(tp=8, sp=True, microbatch_size=4, num_microbatches=1, ac="selective", **BF), _ko(4, 1.10, 8), "fit"),
-    Row("ko-175b-sel", KO, "gpt-175b", "a100:8x8",
-        dict(tp=8, sp=True, pp=8, microbatch_size=1, num_microbatches=64, schedule="interleaved_1f1b",
-             virtual_stages=3, ac="selective", **BF), _ko(64, 13.75, 64), "fit"),
-    Row("ko-530b-sel", KO, "gpt-530b", "a100:35x8",
-        dict(tp=8, sp=True, pp=35, microbatch_size=1, num_microbatches=280, schedule="interleaved_1f1b",
-             virtual_stages=3, ac="selective", **BF), _ko(280, 37.83, 280), "held_out"),
-    Row("ko-1t-sel", KO, "gpt-1t", "a100:64x8",
-        dict(tp=8, sp=True, pp=64, microbatch_size=1, num_microbatches=512, schedule="1f1b",
-             ac="selective", **BF), _ko(512, 71.49, 512), "fit"),
-    Row("ko-22b-full", KO, "gpt-22b", "a100:1x8",
-        dict(tp=8, sp=True, microbatch_size=4, num_microbatches=1, ac="full", **BF), _ko(4, 1.42, 8), "held_out"),
-    Row("ko-175b-full", KO, "gpt-175b", "a100:8x8",
-        dict(tp=8, sp=True, pp=8, microbatch_size=1, num_microbatches=64, schedule="interleaved_1f1b",
-             virtual_stages=3, ac="full", **BF), _ko(64, 18.13, 64), "held_out"),
-    Row("ko-530b-full", KO, "gpt-530b", "a100:35x8",
-        dict(tp=8, sp=True, pp=35, microbatch_size=1, num_microbatches=280, schedule="interleaved_1f1b",
-             virtual_stages=3, ac="full", **BF), _ko(280, 49.05, 280), "held_out"),
-    Row("ko-1t-full", KO, "gpt-1t", "a100:64x8",
-        dict(tp=8, sp=True, pp=64, microbatch_size=1, num_microbatches=512, schedule="1f1b",
-             ac="full", **BF), _ko(512, 94.42, 512), "held_out"),
-    # llm-foundry, H100 80GB SXM, pure FSDP, seq 2048 ("AC yes" = full activation checkpointing)
-    Row("lf-70b", LF, "mpt-70b", "h100:8x8",
-        dict(dp_shard=64, microbatch_size=8, num_microbatches=4, ac="full", **BF), 1039, "fit"),
-    Row("lf-30b", LF, "mpt-30b", "h100:1x8",
-        dict(dp_shard=8, microbatch_size=3, num_microbatches=21, ac="full", **BF), 2002, "held_out"),
-    Row("lf-13b", LF, "mpt-13b", "h100:1x8",
-        dict(dp_shard=8, microbatch_size=2, num_microbatches=1, **BF), 4792, "fit"),
-    Row("lf-7b", LF, "mpt-7b", "h100:1x8",
-        dict(dp_shard=8, microbatch_size=6, num_microbatches=1, **BF), 10643, "held_out"),
-    Row("lf-1b", LF, "mpt-1b", "h100:8x8",
-        dict(dp_shard=64, microbatch_size=20, num_microbatches=1, **BF), 44402, "fit"),
-]
+def device_of(row: Row) -> str:
+    return _cluster(row.cluster).slowest_group().device.name
 
 
 def predict(row: Row, constants: CostConstants = DEFAULT_CONSTANTS, models: dict | None = None):
     """(predicted tokens/s/GPU, the Estimate) for a row's published configuration."""
     models = models or _models()
-    profile = models[row.model]
-    cluster = load_cluster(row.cluster)
+    cluster = _cluster(row.cluster)
     plan = Plan(**row.plan)
     plan.validate(cluster.world_size)
-    est = estimate(plan, profile, cluster, row.dtype, compiled=row.compiled, async_tp=row.async_tp,
+    est = estimate(plan, models[row.model], cluster, row.dtype, compiled=row.compiled, async_tp=row.async_tp,
                    constants=constants)
     return est.tokens_per_s_per_gpu, est
 
 
-def errors(constants: CostConstants = DEFAULT_CONSTANTS) -> list[tuple[Row, float, float]]:
+def errors(constants: CostConstants = DEFAULT_CONSTANTS, rows: list[Row] | None = None) -> list[tuple[Row, float, float]]:
     """(row, predicted TPS/GPU, relative error) for every row."""
     models = _models()
     out = []
-    for row in ROWS:
+    for row in ROWS if rows is None else rows:
         pred, _ = predict(row, constants, models)
         out.append((row, pred, pred / row.tokens_per_s_per_gpu - 1.0))
     return out
 
 
-def fit(base: CostConstants = DEFAULT_CONSTANTS) -> CostConstants:
-    """Fit the base matmul efficiency of each device on the "fit" rows (least squares of log error,
-    golden-section per device) for a few GEMM-width constants; keep the best."""
+# ---- fitting -------------------------------------------------------------------------------------
+GRID = [(w, e, t, f) for w in (64.0, 128.0, 192.0) for e in (8.0, 16.0, 24.0) for t in (0.5, 0.75, 1.0)
+        for f in (0.0, 0.2, 0.4)]
+"""(gemm_width_half, elementwise_passes, tp_exposed, dp_exposed_floor) candidates of the global fit."""
+
+
+def _with(c: CostConstants, effs: dict[str, float]) -> CostConstants:
+    return replace(c, device_efficiency=tuple(sorted(effs.items())))
+
+
+@dataclass
+class Fit:
+    constants: CostConstants
+    efficiencies: dict[str, float]
+    """Fitted base matmul efficiency per device name."""
+    loss: float
+    borrowed: dict[str, str] = field(default_factory=dict)
+    """Devices with no training row -> where their efficiency came from."""
+
+
+def _loss(rows: list[Row], c: CostConstants, models: dict) -> float:
+    """Mean over sources of each source's mean squared log error (every source weighs alike)."""
+    per: dict[str, list[float]] = {}
+    for r in rows:
+        per.setdefault(r.source, []).append(math.log(predict(r, c, models)[0] / r.tokens_per_s_per_gpu) ** 2)
+    return sum(sum(v) / len(v) for v in per.values()) / max(1, len(per))
+
+
+def fit(base: CostConstants = CALIBRATION_BASE, rows: list[Row] | None = None, grid=()) -> Fit:
+    """Fit per-device base efficiencies (golden-section on each device's rows, log error) for each
+    global-constant candidate of `grid` (default: none, keep `base`'s; `GRID` refits them too) and
+    keep the best."""
+    rows = list(ROWS if rows is None else rows)
     models = _models()
-    fit_rows = [r for r in ROWS if r.split == "fit"]
-    devices = sorted({load_cluster(r.cluster).slowest_group().device.name for r in fit_rows})
-
-    def loss_for(c: CostConstants, dev: str) -> float:
-        rs = [r for r in fit_rows if load_cluster(r.cluster).slowest_group().device.name == dev]
-        return sum(math.log(predict(r, c, models)[0] / r.tokens_per_s_per_gpu) ** 2 for r in rs)
-
-    best = None
-    grid = [(w, e, t, f) for w in (64.0, 128.0) for e in (8.0, 12.0, 16.0) for t in (0.5, 0.75)
-            for f in (0.0, 0.2, 0.4)]
-    for width_half, passes, tp_exposed, floor in grid:
-        c = replace(base, gemm_width_half=width_half, elementwise_passes=passes, tp_exposed=tp_exposed,
-                    dp_exposed_floor=floor)
+    devices = sorted({device_of(r) for r in rows})
+    by_dev = {d: [r for r in rows if device_of(r) == d] for d in devices}
+    candidates = list(grid)
+    best: Fit | None = None
+    for cand in candidates or [None]:
+        c = base
+        if cand is not None:
+            w, e, t, f = cand
+            c = replace(base, gemm_width_half=w, elementwise_passes=e, tp_exposed=t, dp_exposed_floor=f)
         effs = dict(c.device_efficiency)
-        total = 0.0
         for dev in devices:
-            lo, hi = 0.2, 1.0
-            for _ in range(40):
+            lo, hi = 0.15, 1.0
+            for _ in range(28):
                 a, b = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
-                la = loss_for(replace(c, device_efficiency=tuple({**effs, dev: a}.items())), dev)
-                lb = loss_for(replace(c, device_efficiency=tuple({**effs, dev: b}.items())), dev)
+                la = _loss(by_dev[dev], _with(c, {**effs, dev: a}), models)
+                lb = _loss(by_dev[dev], _with(c, {**effs, dev: b}), models)
                 lo, hi = (lo, b) if la < lb else (a, hi)
             effs[dev] = round((lo + hi) / 2, 4)
-            c = replace(c, device_efficiency=tuple(sorted(effs.items())))
-            total += loss_for(c, dev)
-        if best is None or total < best[0]:
-            best = (total, c)
-    return best[1]
+        c = _with(c, effs)
+        loss = _loss(rows, c, models)
+        if best is None or loss < best.loss:
+            best = Fit(c, {d: effs[d] for d in devices}, loss)
+    return best
 
 
-def report(constants: CostConstants = DEFAULT_CONSTANTS) -> str:
-    lines = [f"{'row':32s} {'split':9s} {'published':>10s} {'predicted':>10s} {'error':>7s}"]
+def _borrow(f: Fit, device: str) -> tuple[float, str] | None:
+    """An efficiency for a device the fit never saw: its generation's fitted devices, else the
+    previous generation's (mean)."""
+    gen = GENERATIONS.get(device)
+    while gen:
+        same = [e for d, e in f.efficiencies.items() if GENERATIONS.get(d) == gen]
+        if same:
+            return sum(same) / len(same), gen
+        gen = PREVIOUS_GENERATION.get(gen)
+    return None
+
+
+@dataclass
+class HeldOut:
+    source: str
+    rows: list[tuple[Row, float, float]]
+    """(row, predicted, relative error) with the constants fitted without this source."""
+    fit: Fit
+
+    @property
+    def mean_abs(self) -> float:
+        return sum(abs(e) for _, _, e in self.rows) / len(self.rows)
+
+    @property
+    def mean_signed(self) -> float:
+        return sum(e for _, _, e in self.rows) / len(self.rows)
+
+    @property
+    def max_abs(self) -> float:
+        return max(abs(e) for _, _, e in self.rows)
+
+
+def loso(base: CostConstants = CALIBRATION_BASE, rows: list[Row] | None = None, grid=()) -> list[HeldOut]:
+    """Leave-one-source-out: for each source, fit on all the other sources' rows (`fit(base, rows,
+    grid)`) and predict its rows."""
+    rows = list(ROWS if rows is None else rows)
+    models = _models()
+    out = []
+    for src in sorted({r.source for r in rows}):
+        train = [r for r in rows if r.source != src]
+        held = [r for r in rows if r.source == src]
+        f = fit(base, train, grid)
+        effs = dict(f.efficiencies)
+        for dev in sorted({device_of(r) for r in held} - set(effs)):
+            got = _borrow(f, dev)
+            if got is None:  # nothing to borrow from: the device preset's own nominal number
+                f.borrowed[dev] = "preset"
+                continue
+            effs[dev], gen = got
+            f.borrowed[dev] = f"{gen} fit"
+        c = _with(f.constants, effs)
+        res = []
+        for r in held:
+            pred, _ = predict(r, c, models)
+            res.append((r, pred, pred / r.tokens_per_s_per_gpu - 1.0))
+        out.append(HeldOut(src, res, f))
+    return out
+
+
+# ---- reports -------------------------------------------------------------------------------------
+def report(constants: CostConstants | None = None) -> str:
+    """Every row against `constants` (default: fitted on every source, i.e. in-sample), per source."""
+    constants = constants or fit().constants
+    lines = [f"{'row':28s} {'source':22s} {'device':16s} {'published':>10s} {'predicted':>10s} {'error':>7s}"]
     rows = errors(constants)
-    for split in ("fit", "held_out"):
+    for src in sorted({r.source for r, _, _ in rows}):
         errs = []
         for row, pred, err in rows:
-            if row.split != split:
+            if row.source != src:
                 continue
             errs.append(abs(err))
-            lines.append(f"{row.name:32s} {split:9s} {row.tokens_per_s_per_gpu:10.1f} {pred:10.1f} {err:+7.1%}")
-        lines.append(f"{'':32s} {split:9s} mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%}")
+            lines.append(f"{row.name:28s} {src:22s} {device_of(row):16s} {row.tokens_per_s_per_gpu:10.1f} "
+                         f"{pred:10.1f} {err:+7.1%}")
+        lines.append(f"{'':28s} {src:22s} mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%}")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    c = DEFAULT_CONSTANTS
-    if "--fit" in sys.argv:
-        c = fit()
-        print("fitted:", c)
+def loso_table(results: list[HeldOut]) -> str:
+    """Markdown: one line per held-out source."""
+    lines = ["| held-out source | rows | devices | mean abs error | mean signed | max abs | efficiency borrowed |",
+             "|---|---|---|---|---|---|---|"]
+    for h in results:
+        devs = ", ".join(sorted({device_of(r) for r, _, _ in h.rows}))
+        borrowed = ", ".join(f"{d} ({w})" for d, w in h.fit.borrowed.items()) or "-"
+        lines.append(f"| {h.source} | {len(h.rows)} | {devs} | {h.mean_abs:.1%} | {h.mean_signed:+.1%} | "
+                     f"{h.max_abs:.1%} | {borrowed} |")
+    return "\n".join(lines)
+
+
+def loso_rows_table(results: list[HeldOut]) -> str:
+    lines = ["| row | held-out source | published | predicted | error |", "|---|---|---|---|---|"]
+    for h in results:
+        for r, pred, err in h.rows:
+            lines.append(f"| {r.name} | {h.source} | {r.tokens_per_s_per_gpu:,.1f} | {pred:,.1f} | {err:+.1%} |")
+    return "\n".join(lines)
+
+
+def _main(argv: list[str]) -> None:
+    grid = GRID if "--refit-globals" in argv else ()
+    if "--loso" in argv:
+        res = loso(grid=grid)
+        print(loso_table(res))
+        print()
+        print(loso_rows_table(res))
+        return
+    f = fit(grid=grid)
+    c = f.constants
+    print(f"fitted on every source: efficiencies {f.efficiencies}; gemm_width_half={c.gemm_width_half} "
+          f"elementwise_passes={c.elementwise_passes} tp_exposed={c.tp_exposed} "
+          f"dp_exposed_floor={c.dp_exposed_floor}; loss {f.loss:.4f}")
     print(report(c))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
