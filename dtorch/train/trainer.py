@@ -149,6 +149,11 @@ class Trainer:
             device = torch.device("cuda", local_rank)
         else:
             device = torch.device("cpu")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+                # ranks of one CPU node share its cores: a rank's share of threads, not all of them
+                # each (oversubscribed threads measured 2-20x slower); the planner prices this share
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         if world > 1 and not dist.is_initialized():
             if os.environ.get("DTORCH_RUN_DIR"):
                 # under `dtorch run`: its store listens on MASTER_ADDR only (torch's listens on all)
