@@ -21,9 +21,8 @@ def add_parser(sub, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtorch.errors import ConfigError
-
     from dtorch.cluster.local import default_workers
+    from dtorch.errors import ConfigError
 
     nproc = args.nproc or default_workers()
     if nproc < 1:

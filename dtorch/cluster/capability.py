@@ -177,8 +177,10 @@ def measure_speeds(threads: int, workload: tuple[int, int, int] = DEFAULT_WORKLO
     torch.set_num_threads(max(1, threads))
     try:
         a, b = torch.randn(128, 128), torch.randn(128, 128)
-        gemm = {d: 1.0 / _best_time(lambda x=a.to(getattr(torch, d)), y=b.to(getattr(torch, d)): torch.mm(x, y), 5)
-                for d in DTYPES}
+        gemm = {}
+        for d in DTYPES:
+            x, y = a.to(getattr(torch, d)), b.to(getattr(torch, d))
+            gemm[d] = 1.0 / _best_time(lambda x=x, y=y: torch.mm(x, y), 5)
         block, x = _block(hidden, heads, seq, max(1, 512 // seq))
 
         def step(dtype):

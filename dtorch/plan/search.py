@@ -25,18 +25,18 @@ from typing import Any
 from dtorch.cluster.spec import Cluster, NodeGroup
 from dtorch.errors import ConfigError, choices
 from dtorch.model.profile import ModelProfile
-from dtorch.plan.cost import DTYPE_BYTES as _DTYPE_BYTES
 from dtorch.plan.cost import (
     DEFAULT_CONSTANTS,
     CostConstants,
     Estimate,
+    balanced_partition,
     base_efficiency,
     collective_time,
     estimate,
-    balanced_partition,
     partition,
     shape_factor,
 )
+from dtorch.plan.cost import DTYPE_BYTES as _DTYPE_BYTES
 from dtorch.plan.limits import unsupported
 from dtorch.plan.plan import AC_POLICIES, DTYPES, MESH_AXES, OFFLOAD_POLICIES, SCHEDULES, Plan
 
