@@ -26,8 +26,13 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
 - TP with SP (Korthikanti et al. 2022): per block per micro-batch 4 all-gathers/reduce-scatters of
   the activation (tokens x hidden x 2 bytes) forward and 4 backward, 4 more when full AC recomputes;
   exposed unless async TP (fraction `async_tp_exposed`).
-- CP (torchtitan all-gather ring attention): K and V all-gathered forward, again backward plus a
-  reduce-scatter of their gradients; overlapped with the attention compute of the block.
+- CP (Llama 3's all-gather form, `dtorch/parallel/cp.py`): K and V all-gathered forward, again
+  backward plus a reduce-scatter of their gradients; issued before attention, so exposed.
+- Precision: compute in the plan's `param_dtype` at the device's peak for it; activations and
+  element-wise bytes scale with its width, element-wise speed per dtype from the device (a GPU is
+  memory-bound, a CPU converts to float32: measured); MFU over that dtype's peak.
+- Pipeline stages: every pipeline rank is costed from its blocks (`layer_partition` or the even
+  split), the embedding (first stage) and head (last stage); the slowest stage sets the pace.
 - FSDP/ZeRO-3 (ZeRO paper; FSDP2) over dp_shard x cp (torchtitan): parameters all-gathered in param_dtype before forward (and again
   before backward when reshard_after_forward), gradients reduce-scattered in reduce_dtype; per
   micro-batch without PP (gradient accumulation as torchtitan does it), once per step with PP
