@@ -266,13 +266,27 @@ class RankLoad:
 
 def rank_loads(plan: Plan, num_layers: int) -> list[RankLoad]:
     """One RankLoad per pipeline rank (looped placement: rank r runs stages r, r + pp, ...)."""
-    sizes = partition(plan, num_layers)
-    S = plan.num_stages
+    return list(_rank_loads(plan.pp, plan.virtual_stages, num_layers,
+                            tuple(plan.layer_partition) if plan.layer_partition is not None else None))
+
+
+@lru_cache(maxsize=4096)
+def _distinct_loads(pp: int, v: int, num_layers: int, sizes: tuple[int, ...] | None) -> tuple[RankLoad, ...]:
+    distinct: dict[tuple, RankLoad] = {}
+    for ld in _rank_loads(pp, v, num_layers, sizes):
+        distinct.setdefault((ld.blocks, ld.embedding, ld.head), ld)
+    return tuple(distinct.values())
+
+
+@lru_cache(maxsize=4096)
+def _rank_loads(pp: int, v: int, num_layers: int, sizes: tuple[int, ...] | None) -> tuple[RankLoad, ...]:
+    sizes = list(sizes) if sizes is not None else partition(Plan(pp=pp, virtual_stages=v), num_layers)
+    S = pp * v
     out = []
-    for r in range(plan.pp):
-        stages = range(r, S, plan.pp)
+    for r in range(pp):
+        stages = range(r, S, pp)
         out.append(RankLoad(r, sum(sizes[s] for s in stages), 0 in stages, S - 1 in stages))
-    return out
+    return tuple(out)
 
 
 def balanced_partition(num_stages: int, num_layers: int, head_blocks: float, embed_blocks: float = 0.0) -> list[int]:
@@ -618,7 +632,10 @@ def estimate(
         r.host_bytes = 12.0 * p_local if plan.offload == "optimizer" else (16.0 * p_local if plan.offload == "params" else 0.0)
         return r
 
-    shares = [rank_share(ld) for ld in rank_loads(plan, profile.num_layers)]
+    # Ranks with the same blocks, embedding and head take the same time; of those, the first holds
+    # the most micro-batches in flight (activation_in_flight falls with the rank): cost one each.
+    shares = [rank_share(ld) for ld in _distinct_loads(plan.pp, plan.virtual_stages, profile.num_layers,
+                                                         tuple(plan.layer_partition) if plan.layer_partition else None)]
     worst = max(shares, key=lambda r: m * r.per_microbatch + r.fsdp + r.dp + r.optimizer + r.offload + r.tp_step)
     pace = max(shares, key=lambda r: r.per_microbatch)  # the pipeline runs at its slowest stage's pace
     t_mb = pace.per_microbatch

@@ -130,7 +130,7 @@ class Plan:
         if self.dp_shard > 1 and not self.reshard_after_forward:
             extra += " no-reshard"
         if self.layer_partition is not None:
-            extra += " stages=" + "/".join(map(str, self.layer_partition))
+            extra += " stages=" + _runs(self.layer_partition)
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
         if (self.param_dtype, self.reduce_dtype) != ("float32", "float32"):
             extra += f" {short[self.param_dtype]}" + (f"/reduce-{short[self.reduce_dtype]}"
@@ -220,3 +220,16 @@ class Plan:
             p.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
         else:
             p.write_text(self.to_json() + "\n")
+
+
+def _runs(sizes: list[int]) -> str:
+    """``[1, 2, 2, 2, 1]`` -> ``1/2x3/1``: a partition as runs of equal stage sizes."""
+    out: list[str] = []
+    i = 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and sizes[j] == sizes[i]:
+            j += 1
+        out.append(str(sizes[i]) + (f"x{j - i}" if j - i > 1 else ""))
+        i = j
+    return "/".join(out)

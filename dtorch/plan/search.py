@@ -16,6 +16,7 @@ value and the valid choices; the executor calls it too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -383,11 +384,19 @@ def precisions(group: NodeGroup, fixed: dict[str, Any]) -> tuple[list[tuple[str,
             params.remove("float32")
             notes.append(f"float32 not searched: {fast[0]}'s peak is {dev.peak(fast[0]) / dev.peak('float32'):.0f}x "
                          f"float32's on {dev.name}")
-    out = []
-    for p in params:
-        reds = [fixed["reduce_dtype"]] if "reduce_dtype" in fixed else (["float32"] if p == "float32" else ["float32", p])
-        out += [(p, r) for r in reds]
-    return out, notes
+    red = fixed.get("reduce_dtype", "float32")
+    return [(p, red) for p in params], notes
+
+
+def _reduced_reductions(plan: Plan, fixed: dict[str, Any]) -> list[Plan]:
+    """Variants of a fitting plan that reduce gradients in its 16-bit compute dtype. Reduction
+    precision changes only communication (and a little buffer memory), so the search tries it on
+    the plans that made the ranking rather than on every plan."""
+    if "reduce_dtype" in fixed or plan.param_dtype == "float32" or plan.reduce_dtype == plan.param_dtype:
+        return []
+    if plan.dp_shard * plan.cp == 1 and plan.dp_replicate == 1:
+        return []  # no gradient reduction to make cheaper
+    return [dataclasses.replace(plan, reduce_dtype=plan.param_dtype)]
 
 
 def _precision_penalty(plan: Plan) -> float:
@@ -400,11 +409,20 @@ def _partitions(pp: int, v: int, profile: ModelProfile) -> list[list[int] | None
     the output head's and the embedding's weight on the last and first stages."""
     if pp == 1:
         return [None]
-    S = pp * v
-    fb = profile.flops_per_token_block or 1.0
-    even = partition(Plan(pp=pp, virtual_stages=v), profile.num_layers)
-    bal = balanced_partition(S, profile.num_layers, profile.flops_per_token_head / fb)
-    return [None] if bal == even or min(bal) < 1 else [None, bal]
+    return _partitions_cached(pp * v, profile.num_layers,
+                              round(profile.flops_per_token_head / (profile.flops_per_token_block or 1.0), 3))
+
+
+@functools.lru_cache(maxsize=4096)
+def _partitions_cached(S: int, L: int, head: float) -> list[list[int] | None]:
+    even = partition(Plan(pp=S), L)
+    bal = balanced_partition(S, L, head)
+
+    def busiest(sizes: list[int]) -> float:
+        return max(sizes[:-1] + [sizes[-1] + head])
+
+    # worth trying only where it shortens the busiest stage
+    return [None, bal] if bal != even and busiest(bal) < busiest(even) - 1e-9 else [None]
 
 
 def search(
@@ -564,6 +582,9 @@ def search(
                         fitted |= _inner(base, fixed, consider, lambda t, f=fam: not worth(t, f))
             if fitted:
                 break  # offloading is only worth it where nothing else fits on this mesh
+    for plan in [p for _, _, p, _ in list(ranked)] + [p for p, _ in list(best_family.values())]:
+        for variant in _reduced_reductions(plan, fixed):
+            consider(variant)
     suggestions: list[str] = []
     closest = None
     if not ranked:
