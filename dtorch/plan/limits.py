@@ -11,6 +11,11 @@ from dtorch.plan.plan import Plan
 
 def unsupported(plan: Plan) -> str | None:
     """Why `plan` cannot run on this executor (torch 2.13), or None if it can."""
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(plan, name) == "float16":
+            # float16's 5-bit exponent underflows small gradients to zero unless the loss is scaled
+            # (and steps with inf/nan gradients skipped); this executor does not scale the loss
+            return f"{name}=float16 needs loss scaling, which this executor does not apply"
     if plan.cp > 1 and plan.pp > 1:
         # not built: the pipeline schedule would need sequence-sharded micro-batches and stage shapes
         return "context parallelism with pipeline parallelism is not implemented by this executor"
