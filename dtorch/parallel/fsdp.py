@@ -71,8 +71,10 @@ def classic_ddp(plan: Plan) -> bool:
     return plan.dp_replicate > 1 and plan.dp_shard == 1 and plan.tp == 1 and plan.pp == 1 and plan.cp == 1
 
 
-def reduce_in_dtype(state: tuple[dist.ProcessGroup, torch.dtype], bucket: dist.GradBucket):
+def reduce_in_dtype(state, bucket):
     """DDP communication hook: average the bucket over the group in `dtype` (reduce_dtype).
+    `state`: (process group, dtype); `bucket`: a dist.GradBucket (DDP checks the annotation at
+    registration, which postponed annotations would turn into a string, hence none here).
 
     The result is computed from the reduced buffer itself, not from the work's future value, so
     the hook also runs on backends whose futures carry no tensor (PyTorch's fake process group)."""
