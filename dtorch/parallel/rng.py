@@ -24,10 +24,10 @@ single-device run of the same global batch. torch's CPU generator (mt19937) is s
 counter-based, so a rank that holds half the batch or a quarter of the layers cannot draw "its
 part" of the single-device masks. The plans therefore agree with single-device training in
 distribution (every element dropped independently with probability p), not bit for bit; tests pin
-the properties above instead (tests/parallel/test_dropout_rng.py). Two weaker points remain: with
-tp > 1 and no sequence parallelism, attention-probability dropout (inside SDPA, on head shards)
-draws from the shared stream, so the head groups of the TP ranks get equal patterns; and
-transformers models' blocks are not given shard streams either (the same holds for them).
+the properties above instead (tests/parallel/test_dropout_rng.py, test_loss_equivalence.py). One
+weaker point remains: with tp > 1 and no sequence parallelism, attention-probability dropout
+(inside SDPA, on head shards) draws from the shared stream, so the head groups of the TP ranks
+get equal patterns.
 On CUDA, torch's DTensor RNG tracker (`torch.distributed.tensor._random`) offsets the Philox
 counter of random ops on DTensors so that each shard draws its slice of the full tensor's
 numbers; it only covers random ops on DTensors (the models' dropouts see local tensors) and torch
