@@ -29,6 +29,15 @@ from dtorch.train.losses import next_token  # noqa: E402
 DROPOUT = "gpt-tiny:dropout=0.1"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is 20-40x faster than many on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _grads(model: torch.nn.Module, dropout_seed: int) -> torch.Tensor:
     x, y = _training.batch(0, 4)
     torch.manual_seed(dropout_seed)

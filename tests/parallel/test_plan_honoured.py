@@ -47,6 +47,15 @@ from dtorch.plan.plan import Plan  # noqa: E402
 from dtorch.train.losses import next_token  # noqa: E402
 
 SEQ = _training.SEQ
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is 20-40x faster than many on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 GLOBAL_BATCH = 8
 MODELS = ("llama-tiny", "gpt-tiny")
 
@@ -420,7 +429,6 @@ def _forget_previous_groups() -> None:
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("key", list(PLANS))
 def test_plan_is_applied_as_written(key: str) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
