@@ -26,7 +26,7 @@ from dtorch.parallel.materialize import materialize, reference_state
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
 from dtorch.parallel.model import ParallelModel
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
-from dtorch.parallel.rng import seed_rank_streams
+from dtorch.parallel.rng import seed_rank_streams, shard_attention_streams
 from dtorch.parallel.tp import apply_tp, check_roles
 from dtorch.plan.plan import Plan
 
@@ -96,6 +96,8 @@ def parallelize(
             apply_tp(part, sub_mesh(mesh, "tp"), sp=plan.sp, loss_parallel=loss_par, last_stage=last)
         if plan.cp > 1:  # one part: check_plan refuses cp with pp
             context = apply_cp(part, sub_mesh(mesh, "cp"))
+        if plan.tp > 1 and not plan.sp:  # (with sp, whole blocks run on shard streams: tp.py)
+            shard_attention_streams(part, sub_mesh(mesh, "tp"))
         apply_ac(part, plan.ac)
         if uses_fsdp(plan):
             apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)

@@ -24,10 +24,12 @@ single-device run of the same global batch. torch's CPU generator (mt19937) is s
 counter-based, so a rank that holds half the batch or a quarter of the layers cannot draw "its
 part" of the single-device masks. The plans therefore agree with single-device training in
 distribution (every element dropped independently with probability p), not bit for bit; tests pin
-the properties above instead (tests/parallel/test_dropout_rng.py, test_loss_equivalence.py). One
-weaker point remains: with tp > 1 and no sequence parallelism, attention-probability dropout
-(inside SDPA, on head shards) draws from the shared stream, so the head groups of the TP ranks
-get equal patterns.
+the properties above instead (tests/parallel/test_dropout_rng.py, test_loss_equivalence.py).
+Without sequence parallelism a TP block mixes both kinds: its residual dropouts act on replicated
+activations (shared stream) and attention-probability dropout, inside SDPA, on head shards. There
+only the attention core runs on the shard stream (`shard_attention_streams`, through the models'
+`core_attention` hook). Models without that hook (transformers models) keep the shared stream for
+attention dropout under TP without SP: the TP ranks' head groups then get equal patterns.
 On CUDA, torch's DTensor RNG tracker (`torch.distributed.tensor._random`) offsets the Philox
 counter of random ops on DTensors so that each shard draws its slice of the full tensor's
 numbers; it only covers random ops on DTensors (the models' dropouts see local tensors) and torch
@@ -39,6 +41,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -109,6 +112,36 @@ def shard_streams(blocks: list[nn.Module], tp_mesh: DeviceMesh) -> None:
         block._dtorch_saved_rng = []
         block.register_forward_pre_hook(functools.partial(_enter_shard_stream, tp_rank=tp_rank), with_kwargs=True)
         block.register_forward_hook(_leave_shard_stream, with_kwargs=True, always_call=True)
+
+
+def _attention_on_shard_stream(q, k, v, *, dropout_p: float = 0.0, enable_gqa: bool = False, inner=None,
+                               holder: nn.Module, tp_rank: int):
+    if dropout_p == 0.0:  # nothing random: no stream switch
+        return _attend(inner, q, k, v, dropout_p, enable_gqa)
+    _enter_shard_stream(holder, (q,), {}, tp_rank=tp_rank)
+    try:
+        return _attend(inner, q, k, v, dropout_p, enable_gqa)
+    finally:
+        _leave_shard_stream(holder, (), {}, None)
+
+
+def _attend(inner, q, k, v, dropout_p, enable_gqa):
+    if inner is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
+    return inner(q, k, v, dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
+def shard_attention_streams(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Run the attention core of every attention module that declares the `core_attention` hook on
+    this TP rank's shard stream (TP without sequence parallelism: the heads are sharded, the
+    block's other activations replicated). Wraps a core already installed (context parallelism)."""
+    tp_rank = tp_mesh.get_local_rank()
+    for mod in model.modules():
+        if "core_attention" in dir(type(mod)):
+            mod._dtorch_saved_rng = []
+            mod._dtorch_shard_stream = tp_rank
+            mod.core_attention = functools.partial(_attention_on_shard_stream, inner=mod.core_attention,
+                                                   holder=mod, tp_rank=tp_rank)
 
 
 def shard_stream_rank(block: nn.Module) -> int | None:

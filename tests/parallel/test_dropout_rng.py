@@ -92,3 +92,19 @@ def test_seed_rule_shares_a_stream_over_tp_only() -> None:
     for key, s in seeds.items():
         assert s == seeds[(*key[:4], 0)]  # TP ranks share
     assert len(set(seeds.values())) == 16  # every other position differs
+
+
+def test_attention_core_draws_from_the_tp_shards_stream_and_keeps_the_shared_one_in_step() -> None:
+    from dtorch.parallel.rng import _attention_on_shard_stream
+
+    q = k = v = torch.randn(2, 4, 8, 16)
+    outs, states = [], []
+    for tp_rank in (0, 1, 0):
+        holder = torch.nn.Module()
+        holder._dtorch_saved_rng = []
+        torch.manual_seed(11)  # the shared stream, the same on every TP rank
+        outs.append(_attention_on_shard_stream(q, k, v, dropout_p=0.5, holder=holder, tp_rank=tp_rank))
+        states.append(torch.get_rng_state())
+    assert not torch.equal(outs[0], outs[1])  # other heads, other masks
+    assert torch.equal(outs[0], outs[2])  # a recompute draws the same
+    assert torch.equal(states[0], states[1])  # the shared stream advanced alike on both ranks

@@ -90,6 +90,8 @@ DROPOUT_CASES_2 = {
                                  ac="selective"),
     "pp_gpipe_partition_3_1": dict(model=DROPOUT, pp=2, schedule="gpipe", num_microbatches=2, microbatch_size=2,
                                    layer_partition=[3, 1]),
+    "tp": dict(model=DROPOUT, tp=2, microbatch_size=4),
+    "tp_ac_selective": dict(model=DROPOUT, tp=2, microbatch_size=4, ac="selective"),
     "tp_sp": dict(model=DROPOUT, tp=2, sp=True, microbatch_size=4),
     "tp_sp_ac_full": dict(model=DROPOUT, tp=2, sp=True, microbatch_size=4, ac="full"),
     "cp": dict(model=DROPOUT, cp=2, microbatch_size=4),
@@ -99,7 +101,7 @@ DROPOUT_CASES_4 = {
     "fsdp_x_tp_sp": dict(model=DROPOUT, dp_shard=2, tp=2, sp=True, microbatch_size=2),
     "fsdp_x_tp_sp_ac_selective": dict(model=DROPOUT, dp_shard=2, tp=2, sp=True, microbatch_size=2, ac="selective"),
 }
-AC_PAIRS = {"pp_1f1b_ac_selective": "pp_1f1b", "tp_sp_ac_full": "tp_sp", "cp_ac_full": "cp",
+AC_PAIRS = {"pp_1f1b_ac_selective": "pp_1f1b", "tp_ac_selective": "tp", "tp_sp_ac_full": "tp_sp", "cp_ac_full": "cp",
             "fsdp_x_tp_sp_ac_selective": "fsdp_x_tp_sp"}
 
 
@@ -205,6 +207,10 @@ def test_tensor_parallel_replicas_share_masks_and_sequence_shards_do_not(world2:
     for name in ("layers.0.attention.resid_dropout", "layers.3.feed_forward.dropout"):
         assert _prints(r0, name) != _prints(r1, name), name
     _assert_dropout_active([r0, r1])
+    # without SP the residual dropouts act on the row-wise layers' all-reduced (replicated) outputs
+    t0, t1 = _ok(world2[("dropout", "tp")])
+    assert t0["masks"] == t1["masks"]
+    _assert_dropout_active([t0, t1])
     # dp_shard=2 x tp=2: ranks (0, 1) and (2, 3) are TP pairs of different data-parallel ranks
     w = _ok(world4[("dropout", "fsdp_x_tp_sp")])
     emb = [_prints(r, "emb_dropout") for r in w]

@@ -243,10 +243,13 @@ def check_cp(plan: Plan, pm, rec: dict) -> None:
     _check_axis("cp")(plan, pm, rec)
     part = _parts(pm)[0]
     hooks = [part.token_positions] + [m.core_attention for m in part.modules() if "core_attention" in dir(type(m))]
+    # TP without SP wraps the attention core to draw on the TP shard's stream (rng.py)
+    cores = [getattr(h, "keywords", {}).get("inner", h) if isinstance(h, partial) else h for h in hooks[1:]]
     if plan.cp > 1:
-        assert pm.context is not None and pm.context.size == plan.cp and all(h is not None for h in hooks)
+        assert pm.context is not None and pm.context.size == plan.cp
+        assert hooks[0] is not None and all(c is not None for c in cores)
     else:
-        assert pm.context is None and all(h is None for h in hooks)
+        assert pm.context is None and hooks[0] is None and all(c is None for c in cores)
 
 
 def check_tp(plan: Plan, pm, rec: dict) -> None:
@@ -270,6 +273,8 @@ def check_sp(plan: Plan, pm, rec: dict) -> None:
             norm_tp = _dtensor_axes(inner.attention_norm.weight).get("tp")
             assert (norm_tp is not None) == plan.sp, (norm_tp, plan.describe())
             assert (shard_stream_rank(inner) is not None) == plan.sp
+            # without SP only the attention core (head shards) runs on the shard stream
+            assert (shard_stream_rank(inner.attention) is not None) == (plan.tp > 1 and not plan.sp)
 
 
 def check_microbatch_size(plan: Plan, pm, rec: dict) -> None:
