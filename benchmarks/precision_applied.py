@@ -1,7 +1,7 @@
 """Does a plan's precision reach the kernels? One run, float32 and bfloat16 plans side by side.
 
-For every strategy (single device, DDP, FSDP, TP+SP, CP at world 2 on PyTorch's fake process group;
-the single-device step also timed for real) apply a plan with param_dtype = reduce_dtype = float32
+For every strategy (single device; DDP, FSDP, TP+SP, CP at world 2 on PyTorch's fake process group)
+apply a plan with param_dtype = reduce_dtype = float32
 and one with bfloat16, run one forward and backward of the tiny Llama, and record the dtypes of
 every matrix multiplication and of every gradient collective issued during backward.
 
@@ -11,7 +11,6 @@ every matrix multiplication and of every gradient collective issued during backw
 from __future__ import annotations
 
 import json
-import time
 from functools import partial
 from pathlib import Path
 
@@ -72,15 +71,7 @@ def one(strategy: dict, dtype: str) -> dict:
             pm.forward_backward(x, x)
         for n, f in originals.items():
             setattr(dist, n, f)
-        out = {"matmul_dtypes": mode.dtypes, "gradient_reduction_dtypes": reductions}
-        if plan.world_size == 1:
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                pm.forward_backward(x, x)
-                times.append(time.perf_counter() - t0)
-            out["step_s_median"] = sorted(times)[2]
-        return out
+        return {"matmul_dtypes": mode.dtypes, "gradient_reduction_dtypes": reductions}
     finally:
         for n, f in originals.items():
             setattr(dist, n, f)
@@ -95,13 +86,13 @@ def main() -> None:
     (out / "precision_applied.json").write_text(json.dumps(results, indent=2))
     lines = ["# Precision applied: float32 vs bfloat16 plans, one run", "",
              "`.venv/bin/python benchmarks/precision_applied.py` (tiny Llama, batch 4 x 64; world 2 on the fake "
-             "process group, single device real). Counts of matmuls and of backward gradient collectives by dtype.",
+             "process group). Counts of matmuls and of gradient collectives during backward, by dtype. "
+             "TP+SP reduces no gradient in backward (its norm gradients are reduced after it, in float32).",
              "", "| strategy | plan dtype | matmuls | gradient reductions | single-device step (s) |",
              "|---|---|---|---|---|"]
     for name, by in results.items():
         for dt, r in by.items():
-            step = f"{r['step_s_median']:.4f}" if "step_s_median" in r else "-"
-            lines.append(f"| {name} | {dt} | {r['matmul_dtypes']} | {r['gradient_reduction_dtypes'] or '-'} | {step} |")
+            lines.append(f"| {name} | {dt} | {r['matmul_dtypes']} | {r['gradient_reduction_dtypes'] or '-'} |")
     (out / "precision_applied.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
