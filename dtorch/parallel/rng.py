@@ -5,8 +5,8 @@ there.** Concretely:
 
 1. Every rank seeds its generators with `rank_seed(seed, coordinates)`: the plan's seed, offset by
    the rank's position on the axes that hold *different data or different layers* (pp,
-   dp_replicate, dp_shard, cp), and NOT by its tensor-parallel position. The first rank of every
-   such group gets `seed` itself, so a one-rank plan draws exactly what a plain single-device
+   dp_replicate, dp_shard, cp), and NOT by its tensor-parallel position. Position 0 (rank 0 and
+   its TP peers) gets `seed` itself, so a one-rank plan draws exactly what a plain single-device
    run seeded with `seed` draws.
 2. Tensor-parallel ranks therefore share one stream, so an activation that TP *replicates* (GPT's
    embedding dropout, the residual dropouts after a row-wise all-reduce without sequence
