@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -216,6 +216,8 @@ def check_dp_replicate(plan: Plan, pm, rec: dict) -> None:
         assert isinstance(part, DistributedDataParallel | FSDPModule), type(part)
         if isinstance(part, DistributedDataParallel):
             assert part.process_group.size() == plan.dp_replicate
+        else:  # HSDP or replicate: parameters replicated over the dp_replicate axis
+            assert all(isinstance(_dtensor_axes(p).get("dp_replicate"), Replicate) for p in part.parameters())
     else:
         assert not isinstance(pm.model_parts[0], DistributedDataParallel)
 
