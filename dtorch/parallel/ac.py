@@ -4,6 +4,12 @@
 selective checkpointing: the outputs of matrix multiplications (the expensive ops) are saved, the
 cheap element-wise ops (norms, activations, RoPE, softmax pieces) are recomputed - most of the
 memory of full checkpointing for a small part of its recompute.
+
+Recomputation runs with the RNG state of the forward (`preserve_rng_state=True`: the wrapper saves
+the CPU and the current accelerator's generator states before the block and restores them for the
+recompute), so dropout draws the same masks twice and the gradients are those of the model without
+checkpointing. Without it, a recomputed block draws fresh masks and its gradients belong to another
+forward than the one whose loss was taken (measured: 36-50% relative error at dropout 0.1).
 """
 
 from __future__ import annotations
@@ -48,9 +54,9 @@ def apply_ac(model: nn.Module, policy: str) -> None:
     _, blocks = find_blocks(model)
     for name, block in block_items(blocks):
         if policy == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=True)
         else:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=partial(_selective_context))
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=True, context_fn=partial(_selective_context))
         if isinstance(blocks, nn.ModuleDict):
             blocks[name] = wrapped
         else:

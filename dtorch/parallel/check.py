@@ -121,6 +121,10 @@ def check_executable(plan: Plan) -> None:
     why = unsupported(plan)
     if why is None:
         return
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(plan, name) == "float16":
+            raise ConfigError(name, "float16", f"{why}; use bfloat16 (the same range as float32, "
+                              "no scaling needed) or float32")
     if plan.cp > 1 and plan.pp > 1:
         raise ConfigError("cp", plan.cp, f"{why}; use cp=1 or pp=1")
     if plan.offload == "optimizer":

@@ -7,11 +7,22 @@ Every block is its own FSDP unit so that only one block's parameters are gathere
 the all-gather of block i+1 overlaps the compute of block i; the root unit holds the embedding,
 final norm and head. DDP (dp_replicate only) uses the FSDP-based `replicate`, which composes with
 tensor parallelism and shares FSDP2's mixed-precision and hook machinery.
+
+Precision, the same for every strategy: parameters are float32 master copies; the forward and
+backward run in `plan.param_dtype`; data-parallel gradient reductions run in `plan.reduce_dtype`.
+FSDP2 and `replicate` do both through their MixedPrecisionPolicy (parameters cast once per
+all-gather, gradients reduced in reduce_dtype and accumulated into float32). Classic DDP and plans
+without FSDP (single device, TP, PP) run under `torch.autocast(param_dtype)` (ParallelModel): the
+matrix multiplications run in param_dtype while norms, softmax and the loss stay float32, the
+weights are cast once per step (autocast's cache spans the micro-batches) and no second copy of
+the model is kept. DDP's gradient buckets are reduced by `reduce_in_dtype` (a communication hook):
+cast to reduce_dtype, all-reduce, divide by the group size, cast back.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,13 +71,38 @@ def classic_ddp(plan: Plan) -> bool:
     return plan.dp_replicate > 1 and plan.dp_shard == 1 and plan.tp == 1 and plan.pp == 1 and plan.cp == 1
 
 
-def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """`model` (materialised, identical on every rank) under DistributedDataParallel."""
+def reduce_in_dtype(state, bucket):
+    """DDP communication hook: average the bucket over the group in `dtype` (reduce_dtype).
+    `state`: (process group, dtype); `bucket`: a dist.GradBucket (DDP checks the annotation at
+    registration, which postponed annotations would turn into a string, hence none here).
+
+    The result is computed from the reduced buffer itself, not from the work's future value, so
+    the hook also runs on backends whose futures carry no tensor (PyTorch's fake process group)."""
+    group, dtype = state
+    grads = bucket.buffer()
+    buf = grads if grads.dtype == dtype else grads.to(dtype)
+    buf.div_(group.size())
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+    def done(_):
+        if buf is not grads:
+            grads.copy_(buf)
+        return grads
+
+    return fut.then(done)
+
+
+def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, plan: Plan) -> nn.Module:
+    """`model` (materialised, identical on every rank) under DistributedDataParallel, its gradients
+    reduced in plan.reduce_dtype (the compute dtype comes from autocast, see the module doc)."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=dp_mesh.get_group(),
-                                   broadcast_buffers=False, init_sync=False)
+    group = dp_mesh.get_group()
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=group,
+                                  broadcast_buffers=False, init_sync=False)
+    ddp.register_comm_hook((group, getattr(torch, plan.reduce_dtype)), reduce_in_dtype)
+    return ddp
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:

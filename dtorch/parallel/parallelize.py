@@ -26,6 +26,7 @@ from dtorch.parallel.materialize import materialize, reference_state
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
 from dtorch.parallel.model import ParallelModel
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
+from dtorch.parallel.rng import seed_rank_streams, shard_attention_streams
 from dtorch.parallel.tp import apply_tp, check_roles
 from dtorch.plan.plan import Plan
 
@@ -82,12 +83,8 @@ def parallelize(
     if plan.world_size > 1 or dist.is_initialized():
         ensure_process_group(device)
         mesh = build_mesh(plan, device.type)
-    # The same seed on every rank: tensor-parallel replicas then draw identical dropout masks.
-    torch.manual_seed(seed)
-    if device.type == "cuda" and plan.tp > 1:
-        from torch.distributed.tensor._random import manual_seed as dtensor_manual_seed
-
-        dtensor_manual_seed(seed, sub_mesh(mesh, "tp"))
+    # Dropout's rule (rng.py): one stream per (pp, dp, cp) position, shared by the TP ranks.
+    seed_rank_streams(plan, mesh, seed, device)
 
     pp_rank = sub_mesh(mesh, "pp").get_local_rank() if plan.pp > 1 else 0
     parts = apply_pipeline_split(model, plan, pp_rank) if plan.pp > 1 else [(0, model)]
@@ -99,6 +96,8 @@ def parallelize(
             apply_tp(part, sub_mesh(mesh, "tp"), sp=plan.sp, loss_parallel=loss_par, last_stage=last)
         if plan.cp > 1:  # one part: check_plan refuses cp with pp
             context = apply_cp(part, sub_mesh(mesh, "cp"))
+        if plan.tp > 1 and not plan.sp:  # (with sp, whole blocks run on shard streams: tp.py)
+            shard_attention_streams(part, sub_mesh(mesh, "tp"))
         apply_ac(part, plan.ac)
         if uses_fsdp(plan):
             apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
@@ -107,7 +106,7 @@ def parallelize(
     init_device = torch.device("cpu") if plan.offload == "params" else device
     materialize([m for _, m in parts], full_state, init_device)
     if classic_ddp(plan):
-        parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device))]
+        parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan))]
     for _, part in parts:
         part.train()
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtorch.errors import ConfigError
+from dtorch.parallel.rng import shard_streams
 from dtorch.parallel.structure import ANNOTATION_HELP, block_items, find_blocks
 
 ROLES = ("colwise", "rowwise", "embedding", "output", "replicate")
@@ -164,6 +165,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
         if sp:
             gather_sequence_on_entry(block, bplan, tp_mesh)
     if sp:
+        # every random draw inside a sequence-parallel block is on a TP-sharded tensor (rng.py)
+        shard_streams([block for _, block in items], tp_mesh)
         first, last = items[0][1], items[-1][1]
         n = _num_positional_inputs(first)
         parallelize_module(first, tp_mesh, PrepareModuleInput(

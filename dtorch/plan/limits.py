@@ -12,15 +12,18 @@ from dtorch.plan.plan import Plan
 def unsupported_dtype(dtype: str) -> str | None:
     """Why this executor cannot train with parameters computed in `dtype`, or None if it can."""
     if dtype == "float16":
+        # float16's 5-bit exponent underflows small gradients to zero unless the loss is scaled (and
+        # steps with inf/nan gradients skipped); this executor does not scale the loss
         return "float16 training needs loss scaling, which this executor does not apply; use bfloat16"
     return None
 
 
 def unsupported(plan: Plan) -> str | None:
     """Why `plan` cannot run on this executor (torch 2.13), or None if it can."""
-    why = unsupported_dtype(plan.param_dtype)
-    if why:
-        return why
+    for name in ("param_dtype", "reduce_dtype"):
+        why = unsupported_dtype(getattr(plan, name))
+        if why:
+            return f"{name}={getattr(plan, name)}: {why}"
     if plan.cp > 1 and plan.pp > 1:
         # not built: the pipeline schedule would need sequence-sharded micro-batches and stage shapes
         return "context parallelism with pipeline parallelism is not implemented by this executor"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from dtorch.plan.plan import Plan
@@ -41,8 +43,10 @@ def batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int = 0) -> dict:
-    """Reference: the whole global batch in one forward on one process."""
+def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int = 0,
+                   dropout_seed: int | None = None) -> dict:
+    """Reference: the whole global batch in one forward on one process. `dropout_seed` seeds
+    torch's generator before training (what a one-rank plan with that seed draws)."""
     from dtorch.parallel.hf import adapt
     from dtorch.parallel.materialize import init_model
 
@@ -52,6 +56,8 @@ def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int 
     else:
         model = factory(model_name)
         init_model(model, seed)
+    if dropout_seed is not None:
+        torch.manual_seed(dropout_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
@@ -67,14 +73,13 @@ def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int 
 
 def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
     """`plan_kwargs`: Plan fields, plus optionally "model" (a reference model spec)."""
-    from functools import partial
-
     from dtorch.parallel import parallelize
 
     plan_kwargs = dict(plan_kwargs)
     model_name = plan_kwargs.pop("model", "llama-tiny")
     plan = Plan(**plan_kwargs)
     pm = parallelize(partial(factory, model_name), plan, loss_fn=next_token, seed=seed, seq_len=SEQ)
+    masks = record_masks(pm.model_parts)
     opt = torch.optim.AdamW(list(pm.parameters()), lr=LR, foreach=False)
     local = plan.local_batch()
     losses, norms = [], []
@@ -86,4 +91,70 @@ def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "norms": norms, "keys": sorted(pm.state_dict_for_checkpoint())}
+        for h in masks.pop("_hooks", []):
+            h.remove()
+    return {"losses": losses, "norms": norms, "keys": sorted(pm.state_dict_for_checkpoint()), "masks": masks}
+
+
+def record_masks(parts: list[torch.nn.Module]) -> dict:
+    """{dropout module name: [fingerprint of every mask it drew in the first step]}, a fingerprint
+    being (elements, dropped elements, sum of the dropped elements' flat indices): equal
+    fingerprints mean equal masks. A recomputed block (activation checkpointing) records again."""
+    from dtorch.parallel.materialize import clean_name
+
+    out: dict = {}
+    hooks = []
+
+    def hook(name, module, args, output):
+        local = output.to_local() if hasattr(output, "to_local") else output
+        dropped = (local == 0).flatten().nonzero()
+        out.setdefault(name, []).append([local.numel(), dropped.numel(), int(dropped.sum())])
+
+    for part in parts:
+        for name, mod in part.named_modules():
+            if isinstance(mod, torch.nn.Dropout):
+                hooks.append(mod.register_forward_hook(partial(hook, clean_name(name))))
+    out["_hooks"] = hooks
+    return out
+
+
+def pipeline_oracle(plan_kwargs: dict, seed: int = 0) -> dict:
+    """Single process, the masks the dropout rule gives a pipeline (dtorch/parallel/rng.py): stage
+    s draws from the stream of pipeline rank s, its micro-batches in order. Only for schedules that
+    run one stage per rank (gpipe, 1f1b) and pp as the only axis."""
+    from dtorch.parallel.materialize import init_model
+    from dtorch.parallel.pipeline import split_stage
+    from dtorch.parallel.rng import rank_seed
+
+    kwargs = dict(plan_kwargs)
+    model_name = kwargs.pop("model", "llama-tiny")
+    plan = Plan(**kwargs)
+    assert plan.world_size == plan.pp and plan.virtual_stages == 1, plan
+    full = factory(model_name)
+    init_model(full, seed)
+    stages = [split_stage(full, plan, s) for s in range(plan.pp)]
+    states = []
+    for s in range(plan.pp):
+        torch.manual_seed(rank_seed(seed, plan, {"pp": s}))
+        states.append(torch.get_rng_state())
+    params = [p for st in stages for p in st.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR)
+    n = plan.num_microbatches
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = batch(step, plan.local_batch())
+        total = 0.0
+        for xi, yi in zip(x.chunk(n), y.chunk(n)):
+            h = xi
+            for s, st in enumerate(stages):
+                torch.set_rng_state(states[s])
+                h = st(h)
+                states[s] = torch.get_rng_state()
+            loss = next_token(h, yi) / n
+            loss.backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms}

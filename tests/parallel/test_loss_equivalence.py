@@ -6,6 +6,15 @@ pipeline stages) within 1e-4 relative of one process training on the same global
 single-process run always takes the whole global batch in one forward, so every case with
 num_microbatches > 1 also checks that gradient accumulation / pipeline micro-batching equals one
 large batch. One group of 4 and one group of 2 gloo processes run all cases.
+
+With dropout (GPT at p = 0.1) the plans follow the rule of dtorch/parallel/rng.py. Where that rule
+gives exact equivalence, it is asserted exactly: activation checkpointing changes nothing (the
+recompute draws the forward's masks), and a pipeline equals one process that draws every stage's
+masks from that stage's stream (`_training.pipeline_oracle`). TP+SP and CP ranks hold parts of
+one tensor and draw with a sequential CPU generator, so they cannot reproduce the single-device
+masks bit for bit; for them the test pins the rule itself: TP replicas of a replicated
+activation draw identical masks, TP shards and CP / DP ranks draw different ones, and every mask
+drops about p of its elements.
 """
 
 from __future__ import annotations
@@ -74,6 +83,27 @@ CASES_2 = {
     "gpt_cp": dict(model="gpt-tiny", cp=2, microbatch_size=4),
 }
 
+DROPOUT = "gpt-tiny:dropout=0.1"
+DROPOUT_CASES_2 = {
+    "pp_1f1b": dict(model=DROPOUT, pp=2, schedule="1f1b", num_microbatches=4, microbatch_size=2),
+    "pp_1f1b_ac_selective": dict(model=DROPOUT, pp=2, schedule="1f1b", num_microbatches=4, microbatch_size=2,
+                                 ac="selective"),
+    "pp_gpipe_partition_3_1": dict(model=DROPOUT, pp=2, schedule="gpipe", num_microbatches=2, microbatch_size=2,
+                                   layer_partition=[3, 1]),
+    "tp": dict(model=DROPOUT, tp=2, microbatch_size=4),
+    "tp_ac_selective": dict(model=DROPOUT, tp=2, microbatch_size=4, ac="selective"),
+    "tp_sp": dict(model=DROPOUT, tp=2, sp=True, microbatch_size=4),
+    "tp_sp_ac_full": dict(model=DROPOUT, tp=2, sp=True, microbatch_size=4, ac="full"),
+    "cp": dict(model=DROPOUT, cp=2, microbatch_size=4),
+    "cp_ac_full": dict(model=DROPOUT, cp=2, microbatch_size=4, ac="full"),
+}
+DROPOUT_CASES_4 = {
+    "fsdp_x_tp_sp": dict(model=DROPOUT, dp_shard=2, tp=2, sp=True, microbatch_size=2),
+    "fsdp_x_tp_sp_ac_selective": dict(model=DROPOUT, dp_shard=2, tp=2, sp=True, microbatch_size=2, ac="selective"),
+}
+AC_PAIRS = {"pp_1f1b_ac_selective": "pp_1f1b", "tp_ac_selective": "tp", "tp_sp_ac_full": "tp_sp", "cp_ac_full": "cp",
+            "fsdp_x_tp_sp_ac_selective": "fsdp_x_tp_sp"}
+
 
 def _worker(case: tuple[str, dict], rank: int) -> dict:
     return _training.parallel(case[1], rank)
@@ -84,14 +114,20 @@ def _reference(global_batch: int, model_name: str) -> dict:
     return _training.single_process(global_batch, model_name)
 
 
+def _run(world: int, cases: dict, dropout_cases: dict) -> dict:
+    """Every case of one world size in ONE process group; dropout cases keyed ("dropout", name)."""
+    keyed = {**cases, **{("dropout", k): v for k, v in dropout_cases.items()}}
+    return dict(zip(keyed, run_group(world, list(keyed.items()), _worker)))
+
+
 @pytest.fixture(scope="module")
 def world4() -> dict:
-    return dict(zip(CASES_4, run_group(4, list(CASES_4.items()), _worker)))
+    return _run(4, CASES_4, DROPOUT_CASES_4)
 
 
 @pytest.fixture(scope="module")
 def world2() -> dict:
-    return dict(zip(CASES_2, run_group(2, list(CASES_2.items()), _worker)))
+    return _run(2, CASES_2, DROPOUT_CASES_2)
 
 
 def _assert_matches_single_process(plan_kwargs: dict, per_rank: list[dict]) -> None:
@@ -118,3 +154,73 @@ def test_world_size_4_matches_single_process_losses(world4: dict, name: str) -> 
 @pytest.mark.parametrize("name", list(CASES_2))
 def test_world_size_2_matches_single_process_losses(world2: dict, name: str) -> None:
     _assert_matches_single_process(CASES_2[name], world2[name])
+
+
+def _ok(per_rank: list[dict]) -> list[dict]:
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    return per_rank
+
+
+def _assert_dropout_active(per_rank: list[dict]) -> None:
+    for res in per_rank:
+        for name, prints in res["masks"].items():
+            # elements, dropped: binomial(2048, 0.1) has a standard deviation of 0.7 %
+            n, dropped, _ = prints[-1]
+            assert abs(dropped / n - 0.1) < 0.05, (name, prints)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name", [(2, n) for n in AC_PAIRS if n in DROPOUT_CASES_2]
+                         + [(4, n) for n in AC_PAIRS if n in DROPOUT_CASES_4])
+def test_activation_checkpointing_with_dropout_changes_nothing(world2: dict, world4: dict, world: int,
+                                                               name: str) -> None:
+    results = world2 if world == 2 else world4
+    with_ac, without = _ok(results[("dropout", name)]), _ok(results[("dropout", AC_PAIRS[name])])
+    for a, b in zip(with_ac, without):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        assert a["norms"] == pytest.approx(b["norms"], rel=1e-5)
+    _assert_dropout_active(with_ac)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp_1f1b", "pp_gpipe_partition_3_1"])
+def test_pipeline_with_dropout_equals_one_process_drawing_each_stage_stream(world2: dict, name: str) -> None:
+    per_rank = _ok(world2[("dropout", name)])
+    ref = _training.pipeline_oracle(DROPOUT_CASES_2[name])
+    for res in per_rank:
+        assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert res["norms"] == pytest.approx(ref["norms"], rel=1e-4)
+    _assert_dropout_active(per_rank)
+
+
+def _prints(res: dict, name: str) -> list:
+    return res["masks"][name]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_replicas_share_masks_and_sequence_shards_do_not(world2: dict, world4: dict) -> None:
+    r0, r1 = _ok(world2[("dropout", "tp_sp")])
+    # the embedding's dropout acts on an activation every TP rank holds whole
+    assert _prints(r0, "emb_dropout") == _prints(r1, "emb_dropout")
+    # inside a sequence-parallel block each rank holds other tokens: its own shard stream
+    for name in ("layers.0.attention.resid_dropout", "layers.3.feed_forward.dropout"):
+        assert _prints(r0, name) != _prints(r1, name), name
+    _assert_dropout_active([r0, r1])
+    # without SP the residual dropouts act on the row-wise layers' all-reduced (replicated) outputs
+    t0, t1 = _ok(world2[("dropout", "tp")])
+    assert t0["masks"] == t1["masks"]
+    _assert_dropout_active([t0, t1])
+    # dp_shard=2 x tp=2: ranks (0, 1) and (2, 3) are TP pairs of different data-parallel ranks
+    w = _ok(world4[("dropout", "fsdp_x_tp_sp")])
+    emb = [_prints(r, "emb_dropout") for r in w]
+    assert emb[0] == emb[1] and emb[2] == emb[3] and emb[0] != emb[2]
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_draw_their_own_masks(world2: dict) -> None:
+    r0, r1 = _ok(world2[("dropout", "cp")])
+    for name in ("emb_dropout", "layers.0.attention.resid_dropout"):
+        assert _prints(r0, name) != _prints(r1, name), name
+    assert r0["losses"] == r1["losses"]
+    _assert_dropout_active([r0, r1])
