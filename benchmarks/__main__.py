@@ -3,7 +3,7 @@
     python -m benchmarks                      # everything (probe first: the sweep uses its calibration)
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
-                                              # d planner, e checkpoint, f recovery)
+                                              # d planner, e checkpoint, f recovery, g mainjob)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
 Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery")
-LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery"}
+ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob")
+LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
+           "g": "mainjob"}
 OWN_FILES = ("planner", "checkpoint")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
 TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0}
@@ -126,6 +127,12 @@ def section_recovery(quick: bool) -> dict:
     return _call_run(mod, quick=quick)
 
 
+def section_mainjob(quick: bool) -> dict:
+    from benchmarks import bench_mainjob
+
+    return bench_mainjob.run(quick=quick, log=log)
+
+
 SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}
 
 
@@ -136,6 +143,10 @@ def _markdown(name: str, result: dict) -> str:
         return f"## {name}\n\nskipped: {result['skipped']}\n"
     if name == "probe":
         return md_probe(result)
+    if name == "mainjob":
+        from benchmarks import bench_mainjob
+
+        return bench_mainjob.markdown(result)
     if name == "gap":
         from benchmarks import bench_sweep
 

@@ -55,7 +55,7 @@ def run(quick: bool = False, log=print) -> dict[str, Any]:
     step = statistics.median(times)
     achieved = BATCH * SEQ * profile.flops_per_token / step
     gemm_now = measured_gemm_peak(torch.device("cpu"), torch.float32, 1024)
-    cal = stored_calibration("local-cpu")
+    cal = stored_calibration("local:1x1")
     probe_peak = (cal or {}).get("device", {}).get("measured_peak_flops", {}).get("float32")
     nominal = detect().groups[0].device.peak("float32")
     torch.set_num_threads(prev)
