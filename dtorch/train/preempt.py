@@ -1,0 +1,63 @@
+"""Preemption: a scheduler's warning signal becomes a checkpoint and an exit that requeues.
+
+Slurm sends SIGUSR1 (`#SBATCH --signal=USR1@GRACE`, `scancel --signal=USR1`) or SIGTERM (a
+preemption, then SIGKILL after KillWait); Kubernetes sends SIGTERM and kills after the pod's
+terminationGracePeriodSeconds. The handler only sets a flag; the trainer asks `requested()` after
+every step, all ranks agree on it with one all-reduce (a signal reaches the ranks at slightly
+different times, but they must stop after the same step), write a synchronous checkpoint and
+exit with `EXIT_PREEMPTED`. The batch script / pod restart policy then requeues the job and it
+resumes from that checkpoint.
+
+Under `dtorch run`, SIGUSR1 of a worker is the hang detector's stack-dump signal, so only
+SIGTERM (sent by the agent when it is itself signalled) is taken there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
+
+
+class Preemption:
+    def __init__(self, world: int, device: Any = "cpu"):
+        self.world = world
+        self.device = device
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+        sigs = [signal.SIGTERM, signal.SIGUSR2]
+        if not os.environ.get("DTORCH_RUN_DIR"):
+            sigs.append(signal.SIGUSR1)
+        for s in sigs:
+            try:
+                self._old[s] = signal.signal(s, self._on_signal)
+            except ValueError:  # not the main thread: the caller keeps default signal handling
+                pass
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled (collective when world > 1: call on every rank)."""
+        local = self.signal is not None
+        if self.world <= 1:
+            return local
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signal is None:
+            self.signal = "peer"
+        return bool(flag.item())
+
+    def close(self) -> None:
+        for s, old in self._old.items():
+            try:
+                signal.signal(s, old)
+            except (ValueError, TypeError):
+                pass
+        self._old.clear()
