@@ -79,7 +79,6 @@ def _nproc(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from dtorch.elastic.launch import LaunchSpec, launch, parse_nnodes
-
     from dtorch.integrations.env import launch_defaults
 
     # Inside a Slurm / Kubeflow / Volcano / SkyPilot allocation, flags not given come from it.
