@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real Slurm cluster on this machine for the scheduler tests: munged, slurmctld and two slurmd
-# (nodes n1 and n2, one CPU each, on 127.0.0.1) from Debian's slurm-wlm and munge packages.
+# (nodes n1 and n2, two CPUs each, on 127.0.0.1: two 2-task jobs run side by side) from Debian's slurm-wlm and munge packages.
 #
 #   bash scripts/slurm_local.sh start     # install (apt, as root) if missing, write the config, start
 #   bash scripts/slurm_local.sh stop
@@ -11,7 +11,7 @@
 set -uo pipefail
 DIR=${DTORCH_SLURM_DIR:-/tmp/dtorch-slurm}
 CONF=$DIR/slurm.conf
-CPUS_PER_NODE=${DTORCH_SLURM_CPUS:-1}
+CPUS_PER_NODE=${DTORCH_SLURM_CPUS:-2}
 
 fail() { echo "slurm unavailable: $*"; exit 3; }
 
