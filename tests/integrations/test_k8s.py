@@ -4,14 +4,17 @@ here with the environment Kubeflow's torch runtime injects (2 nodes x 1 process)
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dtorch.integrations import status
 from dtorch.integrations.validate import SCHEMAS, validate
 
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
@@ -81,27 +84,54 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_pod_command_with_kubeflow_env_forms_a_two_rank_job(tmp_path):
-    (tj,) = _docs("--model", MODEL, "--device-type", "cpu", "--nodes", "2", "--steps", "6", "--global-batch", "4",
-                  "--seq-len", "32", "--pvc", "ckpt", "--kind", "trainjob", "--grace", "20",
-                  "--train-arg=--sample-tokens=0", "--train-arg=--no-progress", "--train-arg=--checkpoint-every=3")
+def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp_path):
+    """The TrainJob's command, with Kubeflow's env for 2 nodes x 1 process: a 2-rank job. SIGTERM to
+    each pod's first process (what the kubelet sends on preemption) checkpoints within the grace
+    period; the restarted pods resume from that step and finish."""
+    steps = 40
+    (tj,) = _docs("--model", MODEL, "--device-type", "cpu", "--nodes", "2", "--steps", str(steps),
+                  "--global-batch", "4", "--seq-len", "32", "--pvc", "ckpt", "--kind", "trainjob", "--grace", "30",
+                  "--train-arg=--sample-tokens=0", "--train-arg=--no-progress", "--train-arg=--checkpoint-every=100")
     cmd = tj["spec"]["trainer"]["command"]
     # the checkpoint volume, mounted at /ckpt in the pod, is tmp_path here
     cmd = [c.replace("/ckpt", str(tmp_path)) for c in cmd]
     cmd[0] = str(Path(sys.executable).with_name("dtorch"))
-    port = _free_port()
-    procs = []
-    for node_rank in range(2):
-        # exactly what Kubeflow Trainer's torch plugin sets for numNodes=2, numProcPerNode=1
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "SLURM_", "RANK", "WORLD_SIZE",
-                                                                          "MASTER_", "LOCAL_RANK"))}
-        env.update({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node_rank),
-                    "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     run = tmp_path / "dtorch-gpt"
+
+    def pods():
+        port = _free_port()
+        procs = []
+        for node_rank in range(2):
+            # exactly what Kubeflow Trainer's torch plugin sets for numNodes=2, numProcPerNode=1
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("PET_", "SLURM_", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_RANK"))}
+            env.update({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node_rank),
+                        "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)})
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return procs
+
+    first = pods()
+    t0 = time.time()
+    while time.time() - t0 < 240:
+        doc = status.read(run) or {}
+        if doc.get("step", 0) >= 3 or any(p.poll() is not None for p in first):
+            break
+        time.sleep(0.2)
+    for p in first:
+        p.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=120)[0] for p in first]
+    assert [p.returncode for p in first] == [143, 143], "\n".join(o[-3000:] for o in outs)
+    doc = status.read(run)
+    assert doc["state"] == "preempted" and doc["signal"] == "SIGTERM", doc
+    stop = doc["checkpoint_step"]
+    assert 3 <= stop < steps and (run / f"step-{stop:08d}").is_dir()
+
+    again = pods()
+    outs = [p.communicate(timeout=300)[0] for p in again]
+    assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "loss" in m and "event" not in m]
-    assert [m["step"] for m in steps] == list(range(1, 7)) and {m["world_size"] for m in steps} == {2}
-    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    logged = [m for m in metrics if "loss" in m and "event" not in m]
+    assert sorted({m["step"] for m in logged}) == list(range(1, steps + 1))
+    assert {m["world_size"] for m in logged} == {2}
+    hist = [h["state"] for h in status.history(run)]
+    assert hist.index("preempted") < hist.index("recovering") < hist.index("finished")
