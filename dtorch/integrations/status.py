@@ -67,6 +67,29 @@ def history(run_dir: str | os.PathLike) -> list[dict]:
     return out
 
 
+def last_fault(agent_run_dir: str | os.PathLike | None) -> str | None:
+    """What the elastic agent last detected (`dtorch run`'s events.jsonl): "exit of rank 1
+    (SIGKILL)", "hang of rank 0", "node_lost"; None when nothing was detected."""
+    if not agent_run_dir:
+        return None
+    last = None
+    try:
+        with open(Path(agent_run_dir) / "events.jsonl") as f:
+            for line in f:
+                if '"detected"' in line:
+                    try:
+                        last = json.loads(line)
+                    except ValueError:
+                        continue
+    except OSError:
+        return None
+    if last is None:
+        return None
+    ranks = last.get("ranks") or []
+    what = f"{last.get('cause', 'failure')}" + (f" of rank {', '.join(map(str, ranks))}" if ranks else "")
+    return what + (f" (epoch {last['epoch']})" if last.get("epoch") is not None else "")
+
+
 def one_line(doc: dict) -> str:
     """`running step 120/300, 5.1k tok/s` - short enough for a Slurm comment or a pod message."""
     s = doc.get("state", "?")
@@ -78,7 +101,7 @@ def one_line(doc: dict) -> str:
     if doc.get("checkpoint_step") is not None:
         parts.append(f"checkpoint at step {doc['checkpoint_step']}")
     if doc.get("from_step") is not None:
-        parts.append(f"resumed from step {doc['from_step']}")
+        parts.append(f"resumed from step {doc['from_step']}" + (f" after {doc['after']}" if doc.get("after") else ""))
     if doc.get("signal"):
         parts.append(f"on {doc['signal']}")
     if doc.get("why"):

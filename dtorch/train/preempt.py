@@ -9,7 +9,8 @@ exit with `EXIT_PREEMPTED`. The batch script / pod restart policy then requeues 
 resumes from that checkpoint.
 
 Under `dtorch run`, SIGUSR1 of a worker is the hang detector's stack-dump signal, so only
-SIGTERM (sent by the agent when it is itself signalled) is taken there.
+SIGTERM is taken there, and only when the agent was itself told to stop
+(`dtorch.elastic.preemption`); a SIGTERM of a restart (a peer failed) still ends the worker at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class Preemption:
                 pass
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM and os.environ.get("DTORCH_RUN_DIR"):
+            from dtorch.elastic.preemption import agent_preempting
+
+            if not agent_preempting():
+                # the agent is restarting the group (a peer failed): stop at once, as before
+                old = self._old.get(signum, signal.SIG_DFL)
+                if callable(old):
+                    old(signum, frame)
+                    return
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
         if self.signal is None:
             self.signal = signal.Signals(signum).name
 

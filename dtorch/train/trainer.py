@@ -319,11 +319,17 @@ class Trainer:
 
         self._scheduler_ranks = export_rank_env() is not None
         self.status = Reporter(self.log_dir, rank=int(os.environ.get("RANK", "0")))
-        self.status.report("planning", total_steps=steps)
+        from dtorch.integrations.env import detect
+
+        alloc = detect()
+        self.status.report("planning", total_steps=steps, allocation=alloc.describe() if alloc else None)
         self._setup(steps)
         resumed = self._restore()
         if resumed is not None:
+            from dtorch.integrations.status import last_fault
+
             self.status.report("recovering", from_step=resumed, total_steps=steps,
+                               after=last_fault(os.environ.get("DTORCH_RUN_DIR")),
                                epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
         preemption = Preemption(self.world, self.device)
         from dtorch.monitor.metrics import StepMetrics, measured_gemm_peak, peak_memory_bytes

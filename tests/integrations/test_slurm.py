@@ -75,6 +75,10 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_identical(slurm, tmp
         return st.get("step", 0) >= 12
 
     _wait(running_past_checkpoint, 240, "the job to pass step 12")
+    # the job comment follows the run while it trains (updated at each change of state)
+    assert re.match(r"dtorch: (running|checkpointed), step \d+/30", _comment(jid)), _comment(jid)
+    planning = json.loads((pre / "status-history.jsonl").read_text().splitlines()[0])
+    assert planning["state"] == "planning" and planning["allocation"].startswith(f"slurm job {jid}: 2 nodes (n1, n2)")
     subprocess.run(["scancel", "--signal=USR1", jid], check=True)
     # the ranks agree on a step, checkpoint it, exit 75; the batch script requeues the job
     _wait(lambda: _job(jid).get("Restarts", "0") != "0", 120, "the job to be requeued")
