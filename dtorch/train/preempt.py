@@ -3,9 +3,9 @@
 Slurm sends SIGUSR1 (`#SBATCH --signal=USR1@GRACE`, `scancel --signal=USR1`) or SIGTERM (a
 preemption, then SIGKILL after KillWait); Kubernetes sends SIGTERM and kills after the pod's
 terminationGracePeriodSeconds. The handler only sets a flag; the trainer asks `requested()` after
-every step, all ranks agree on it with one all-reduce (a signal reaches the ranks at slightly
-different times, but they must stop after the same step), write a synchronous checkpoint and
-exit with `EXIT_PREEMPTED`. The batch script / pod restart policy then requeues the job and it
+every step, all ranks agree on it with one small all-reduce run in the background during the next
+step (a signal reaches the ranks at slightly different times, but they must stop after the same
+step), write a synchronous checkpoint and exit with `EXIT_PREEMPTED`. The batch script / pod restart policy then requeues the job and it
 resumes from that checkpoint.
 
 Under `dtorch run`, SIGUSR1 of a worker is the hang detector's stack-dump signal, so only
@@ -27,6 +27,7 @@ class Preemption:
         self.world = world
         self.device = device
         self.signal: str | None = None
+        self._pending: Any = None
         self._old: dict[int, Any] = {}
         sigs = [signal.SIGTERM, signal.SIGUSR2]
         if not os.environ.get("DTORCH_RUN_DIR"):
@@ -54,20 +55,35 @@ class Preemption:
             self.signal = signal.Signals(signum).name
 
     def requested(self) -> bool:
-        """Whether any rank was signalled (collective when world > 1: call on every rank)."""
-        local = self.signal is not None
+        """Whether any rank was signalled (collective when world > 1: call on every rank after
+        every step). The ranks' flags are reduced in the background while the next step runs, so
+        the answer reflects the signals seen up to the previous call: one step of delay, no wait."""
         if self.world <= 1:
-            return local
+            return self.signal is not None
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.signal is None:
-            self.signal = "peer"
-        return bool(flag.item())
+        seen = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            self._pending = None
+            seen = bool(flag.item())
+        if seen:
+            if self.signal is None:
+                self.signal = "peer"
+            return True
+        flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32, device=self.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return False
 
     def close(self) -> None:
+        if self._pending is not None:  # every rank issued it: completes on every rank
+            try:
+                self._pending[0].wait()
+            except Exception:  # the group is gone (a peer died): nothing to finish
+                pass
+            self._pending = None
         for s, old in self._old.items():
             try:
                 signal.signal(s, old)
