@@ -7,7 +7,8 @@
 #   source <(bash scripts/slurm_local.sh env)   # SLURM_CONF for sbatch/squeue/scontrol
 #
 # Everything lives under $DTORCH_SLURM_DIR (default /tmp/dtorch-slurm). Prints one line saying why
-# and exits 3 when Slurm cannot be installed or started here (the tests then skip with that line).
+# and exits 3 when Slurm cannot be installed or started here, or DTORCH_SLURM=off (the tests then
+# skip with that line).
 set -uo pipefail
 DIR=${DTORCH_SLURM_DIR:-/tmp/dtorch-slurm}
 CONF=$DIR/slurm.conf
@@ -89,6 +90,7 @@ up() {
 }
 
 start() {
+  [ "${DTORCH_SLURM:-on}" = off ] && fail "DTORCH_SLURM=off"
   mkdir -p "$DIR"
   install
   write_conf

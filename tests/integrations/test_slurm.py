@@ -122,3 +122,13 @@ def test_unknown_partition_is_one_line_exit_2(slurm, tmp_path):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "partition='nosuch'" in lines[0] and "debug" in lines[0], out.stderr
+
+
+def test_time_limit_is_capped_at_the_partition_and_the_job_requeues_itself(slurm, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dtorch.cli", "submit", "slurm", "--model", MODEL, "--device-type",
+                          "cpu", "--nodes", "2", "--steps", "5", "--global-batch", "4", "--seq-len", "32",
+                          "--partition", "debug", "--time", "3h", "--checkpoint-dir", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --time=01:00:00" in out.stdout  # the local partition's MaxTime is 60 min
+    assert "capped at the partition's 1.0 h" in out.stdout and "requeues itself" in out.stdout
