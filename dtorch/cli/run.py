@@ -10,6 +10,7 @@ drill syntax.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dtorch.errors import ConfigError
 
@@ -87,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
                            ("rdzv_id", None)):
         if getattr(args, name) is None:
             setattr(args, name, alloc.get(name, fallback))
+    if alloc:
+        print(f"dtorch run: inside a {alloc['scheduler']} allocation: nnodes={args.nnodes} "
+              f"nproc_per_node={args.nproc_per_node} rendezvous {args.rdzv_endpoint} id {args.rdzv_id}",
+              file=sys.stderr, flush=True)
     lo, hi = parse_nnodes(args.nnodes)
     spec = LaunchSpec(min_nodes=lo, max_nodes=hi, nproc_per_node=_nproc(args.nproc_per_node),
                       rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,

@@ -123,15 +123,19 @@ def format_status(doc: dict | None, run_dir: str | os.PathLike) -> str:
 class Reporter:
     """Writes the status of rank 0 to the run directory and to the scheduler it runs under.
 
-    The file is written on every call; the Slurm comment (a `scontrol update`, run in the
-    background) at every change of state and at most every `interval` seconds otherwise."""
+    The file is written at every change of state and at most every `file_interval` seconds
+    otherwise; the Slurm comment (a `scontrol update`, run in the background) at every change of
+    state and at most every `interval` seconds otherwise."""
 
-    def __init__(self, run_dir: str | os.PathLike | None, rank: int = 0, interval: float = 30.0):
+    def __init__(self, run_dir: str | os.PathLike | None, rank: int = 0, interval: float = 30.0,
+                 file_interval: float = 1.0):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.enabled = rank == 0 and self.run_dir is not None
         self.interval = interval
         self._last_state: str | None = None
         self._last_sent = 0.0
+        self._last_write = -1e9
+        self.file_interval = file_interval
         self._proc: subprocess.Popen | None = None
         self.slurm_job = os.environ.get("SLURM_JOB_ID")
         self._scontrol = shutil.which("scontrol") if self.slurm_job else None
@@ -140,6 +144,10 @@ class Reporter:
         if not self.enabled:
             return
         changed = state != self._last_state
+        now = time.monotonic()
+        if not changed and now - self._last_write < self.file_interval:
+            return  # same state again within a second: a file per step is too much on a shared FS
+        self._last_write = now
         doc = write(self.run_dir, state, append_history=changed, **fields)  # type: ignore[arg-type]
         now = time.monotonic()
         self._last_state = state

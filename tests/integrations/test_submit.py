@@ -62,6 +62,7 @@ def test_status_file_history_and_cli(tmp_path):
     r.report("planning", total_steps=10)
     r.report("running", step=3, total_steps=10, tokens_per_s=5100.0)
     r.report("running", step=4, total_steps=10, tokens_per_s=5200.0)
+    assert status.read(tmp_path)["step"] == 3  # same state within a second: not rewritten
     r.report("preempted", step=4, checkpoint_step=4, signal="SIGTERM", total_steps=10)
     status.Reporter(tmp_path, rank=1).report("failed", why="never written by rank 1")
     doc = status.read(tmp_path)
