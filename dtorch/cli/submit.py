@@ -24,6 +24,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset or spec (llama3-70b, gpt:layers=...)")
     p.add_argument("--device-type", required=True, help="device preset: h100, a100, h200, b200, mi300x, cpu")
     p.add_argument("--nodes", type=int, default=None, help="nodes to use (default: sized from --tokens/--deadline)")
+    p.add_argument("--plan", default=None,
+                   help="a plan file (dtorch plan --out): its world size sets the nodes and the job runs it as is")
+    p.add_argument("--recommend", action="store_true",
+                   help="size the cluster from --tokens (and --deadline): the default when no --nodes/--plan")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the preset's)")
     p.add_argument("--tokens", default=None, help="training budget in tokens (2T, 5e11): sizes the cluster and the steps")
     p.add_argument("--deadline", default=None, help="wall-clock budget (30d, 12h): the smallest cluster that meets it")
@@ -131,16 +135,30 @@ def run(args) -> int:
         max_time = slurm.check_partition(args.partition)
     # The device type first: an unknown one is the user's mistake, before any planning.
     rq.device_group(args.device_type, args.gpus_per_node)
+    if args.recommend and (args.nodes is not None or args.plan):
+        raise ConfigError("recommend", True, "--recommend sizes the cluster itself: drop --nodes/--plan")
+    plan = None
+    plan_arg = "auto"
+    if args.plan and args.scheduler == "k8s":
+        raise ConfigError("plan", args.plan, "the pods cannot read a local file: give --nodes (they plan at start, "
+                          "as the plan file's planner did)")
+    if args.plan:
+        from dtorch.plan.plan import Plan
+
+        if not os.path.exists(args.plan):
+            raise ConfigError("plan", args.plan, "no such file; write one with dtorch plan ... --out plan.json")
+        plan = Plan.load(args.plan)
+        plan_arg = os.path.abspath(args.plan)  # on the shared file system, like the checkpoints
     profile = get_profile(args.model, args.seq_len)
     sizing = rq.size_request(profile, args.device_type, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              tokens=tokens, deadline_s=deadline, global_batch=args.global_batch,
-                             max_nodes=args.max_nodes, dtype=args.dtype)
+                             max_nodes=args.max_nodes, dtype=args.dtype, plan=plan)
     steps = rq.steps_for(tokens, args.steps, args.global_batch, args.seq_len)
     req = rq.build_request(sizing, name=name, model=args.model, seq_len=args.seq_len,
                            global_batch=args.global_batch, steps=steps, checkpoint_dir=ckpt,
                            time_limit_s=_duration(args.time), grace_s=args.grace, max_time_s=max_time,
                            cpus_per_task=args.cpus_per_task, tasks_per_node=args.tasks_per_node,
-                           extra_args=list(args.train_arg), python=args.python)
+                           extra_args=list(args.train_arg), python=args.python, plan_arg=plan_arg)
     if args.mem is not None:
         req.mem_per_node_bytes = _bytes(args.mem)
     if args.scheduler == "k8s":
@@ -186,7 +204,9 @@ def _print_plan(sizing, req) -> None:
         print(format_recommendation(sizing.recommendation))
         print()
     elif sizing.plan is not None:
-        est = sizing.estimate
+        pred = sizing.estimate.to_dict() if sizing.estimate is not None else (sizing.plan.predicted or {})
         t = f", time to train {format_duration(sizing.time_to_train_s)}" if sizing.time_to_train_s else ""
-        print(f"plan: {sizing.plan.describe()} (predicted {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}{t})")
+        perf = (f"predicted {pred['tokens_per_s']:,.0f} tokens/s, MFU {pred['mfu']:.1%}{t}"
+                if pred.get("tokens_per_s") and pred.get("mfu") is not None else "no prediction in the plan")
+        print(f"plan: {sizing.plan.describe()} ({perf})")
     print(req.describe())

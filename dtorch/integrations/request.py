@@ -158,9 +158,18 @@ class Sizing:
 
 def size_request(profile, device: str, *, nodes: int | None, gpus_per_node: int | None, tokens: float | None,
                  deadline_s: float | None, global_batch: int, max_nodes: int = 2048,
-                 dtype: str = "bfloat16") -> Sizing:
-    """Choose the node count and plan (see module doc)."""
+                 dtype: str = "bfloat16", plan: Plan | None = None) -> Sizing:
+    """Choose the node count and plan (see module doc); a given `plan` fixes both."""
     group = device_group(device, gpus_per_node)
+    if plan is not None:
+        n, rem = divmod(plan.world_size, group.devices_per_node)
+        if rem or n < 1 or (nodes is not None and nodes != n):
+            raise ConfigError("plan", plan.describe(), f"its world size {plan.world_size} is not "
+                              f"{nodes or 'a whole number of'} nodes x {group.devices_per_node} devices; "
+                              "give --gpus-per-node to match, or drop --nodes")
+        tps = (plan.predicted or {}).get("tokens_per_s")
+        t = tokens / tps if tokens and tps else None
+        return Sizing(plan, None, n, group, None, t, canonical(device) or device)
     if nodes is not None:
         if nodes < 1:
             raise ConfigError("nodes", nodes, "use 1 or more nodes")
@@ -190,10 +199,12 @@ def size_request(profile, device: str, *, nodes: int | None, gpus_per_node: int 
 def build_request(sizing: Sizing, *, name: str, model: str, seq_len: int, global_batch: int, steps: int,
                   checkpoint_dir: str, time_limit_s: float | None, grace_s: int, max_time_s: float | None,
                   cpus_per_task: int | None = None, tasks_per_node: int | None = None,
-                  extra_args: list[str] | None = None, python: str | None = None) -> Request:
+                  extra_args: list[str] | None = None, python: str | None = None,
+                  plan_arg: str = "auto") -> Request:
     """The request for `sizing`: one task per device (one per node on CPU), CPU cores and host
     memory per task from the preset node (plus what an offloading plan keeps on the host), a time
-    limit from the predicted time to train (+15 %, +10 min), capped by the partition."""
+    limit from the predicted time to train (+15 %, +10 min), capped by the partition. The job
+    runs `--plan plan_arg`: "auto" (re-planned at whatever size it starts) or a plan file."""
     g = sizing.group
     gpus = g.devices_per_node if g.device.kind != "cpu" else 0
     tpn = tasks_per_node or max(1, gpus)
@@ -212,7 +223,7 @@ def build_request(sizing: Sizing, *, name: str, model: str, seq_len: int, global
                      f"{grace_s} s before it and requeues itself until training is done")
         time_limit_s = max_time_s
     args = ["--model", model, "--steps", str(steps), "--global-batch", str(global_batch), "--seq-len", str(seq_len),
-            "--checkpoint-dir", checkpoint_dir, "--plan", "auto", *(extra_args or [])]
+            "--checkpoint-dir", checkpoint_dir, "--plan", plan_arg, *(extra_args or [])]
     return Request(name=name, nodes=sizing.nodes, gpus_per_node=gpus, device=sizing.device_key, device_name=g.device.name, tasks_per_node=tpn, cpus_per_task=cpt,
                    mem_per_node_bytes=int(mem), time_limit_s=float(time_limit_s), checkpoint_dir=checkpoint_dir,
                    train_args=args, steps=steps, grace_s=grace_s, python=python or sys.executable,

@@ -51,6 +51,18 @@ def test_bad_input_is_one_line_exit_2(args, field):
     assert len(lines) == 1 and lines[0].startswith("dtorch submit: error: ") and field in lines[0], out.stderr
 
 
+def test_a_plan_file_fixes_the_nodes_and_is_what_the_job_runs(tmp_path):
+    plan = tmp_path / "plan.json"
+    out = _cli("plan", "--model", "llama3-8b", "--cluster", "h100:2x8", "--global-batch", "1024", "--out", str(plan))
+    assert out.returncode == 0, out.stderr
+    out = _cli("submit", "slurm", "--model", "llama3-8b", "--device-type", "h100", "--plan", str(plan), "--steps", "9")
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=2" in out.stdout and f"--plan {plan}" in out.stdout
+    out = _cli("submit", "slurm", "--model", "llama3-8b", "--device-type", "h100", "--plan", str(plan),
+               "--nodes", "3", "--steps", "9")
+    assert out.returncode == 2 and "world size 16" in out.stderr
+
+
 def test_slurm_times_round_trip():
     assert slurm_time(90) == "00:02:00" and slurm_time(86400 * 2 + 3600) == "2-01:00:00"
     assert parse_slurm_time("2-01:00:00") == 2 * 86400 + 3600 and parse_slurm_time("30") == 1800
