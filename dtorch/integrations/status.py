@@ -8,7 +8,8 @@ job comment (inside a Slurm job), the Kubernetes termination message (inside a p
     r.report("preempted", step=214, checkpoint_step=214, signal="SIGUSR1")
     r.report("failed", why="...")
 
-States: planning, recovering (resumed from a checkpoint: `from_step`), running, checkpointed,
+States: planning, recovering (resumed from a checkpoint: `from_step`), running, checkpointed
+(a checkpoint of `checkpoint_step` was started; an asynchronous one commits in the background),
 preempted (a checkpoint was written on a scheduler's signal and the job stops to be requeued),
 finished, failed. `dtorch status RUN_DIR` prints the file. Standard library only (the trainer
 imports it).

@@ -313,21 +313,22 @@ class Trainer:
             raise ConfigError("steps", steps, "train for at least one step")
         steps = int(steps)
         t_start = time.perf_counter()
-        from dtorch.integrations.env import export_rank_env
-        from dtorch.integrations.status import Reporter
+        from dtorch.integrations.env import detect, export_rank_env
+        from dtorch.integrations.status import Reporter, last_fault
         from dtorch.train.preempt import EXIT_PREEMPTED, Preemption
 
+        # status.json in the run directory (and the scheduler's job comment): see docs/schedulers.md
         self._scheduler_ranks = export_rank_env() is not None
         self.status = Reporter(self.log_dir, rank=int(os.environ.get("RANK", "0")))
-        from dtorch.integrations.env import detect
-
         alloc = detect()
         self.status.report("planning", total_steps=steps, allocation=alloc.describe() if alloc else None)
-        self._setup(steps)
-        resumed = self._restore()
+        try:
+            self._setup(steps)
+            resumed = self._restore()
+        except Exception as e:
+            self.status.report("failed", why=f"{type(e).__name__}: {e}"[:300])
+            raise
         if resumed is not None:
-            from dtorch.integrations.status import last_fault
-
             self.status.report("recovering", from_step=resumed, total_steps=steps,
                                after=last_fault(os.environ.get("DTORCH_RUN_DIR")),
                                epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
@@ -406,8 +407,8 @@ class Trainer:
                 if self.step < steps and preemption.requested():
                     # a scheduler's warning: checkpoint now, within its grace period, and stop to be requeued
                     self._save(final=True)
-                    self.status.report("preempted", step=self.step, checkpoint_step=self.step,
-                                       signal=preemption.signal, total_steps=steps)
+                    self.status.report("preempted", step=self.step, signal=preemption.signal, total_steps=steps,
+                                       checkpoint_step=self.step if self.ckpt is not None else None)
                     raise SystemExit(EXIT_PREEMPTED)
             if self.ckpt is not None and (resumed is None or resumed < steps):
                 self._save(final=True)
