@@ -89,7 +89,10 @@ def format_duration(s: float) -> str:
 
 def device_group(device: str, gpus_per_node: int | None) -> NodeGroup:
     """The node group of a device preset (ConfigError naming the choices when unknown)."""
-    group = preset_group(device)  # raises ConfigError for an unknown device type
+    try:
+        group = preset_group(device)
+    except ConfigError as e:  # named as the flag the user typed
+        raise ConfigError("device-type", device, e.fix) from None
     if gpus_per_node is not None:
         if gpus_per_node < 1:
             raise ConfigError("gpus-per-node", gpus_per_node, "use 1 or more devices per node")

@@ -37,7 +37,7 @@ def test_70b_by_deadline_prints_plan_request_and_script():
 
 
 @pytest.mark.parametrize("args,field", [
-    (["slurm", "--device-type", "h999", "--nodes", "2", "--steps", "5"], "device"),
+    (["slurm", "--device-type", "h999", "--nodes", "2", "--steps", "5"], "device-type='h999'"),
     (["slurm", "--device-type", "h100", "--tokens", "1T", "--deadline", "1h", "--max-nodes", "64"], "deadline"),
     (["slurm", "--device-type", "h100", "--nodes", "2", "--steps", "5", "--checkpoint-dir", "/nonexistent/x/ckpt"],
      "checkpoint-dir"),
