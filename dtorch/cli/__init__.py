@@ -19,6 +19,8 @@ SUBCOMMANDS = {
     "run": "elastic, fault-tolerant launch of a training script (torchrun-compatible flags)",
     "probe": "measure this machine/cluster and write a calibration file for the planner",
     "ckpt": "list, verify and export checkpoints",
+    "submit": "a Slurm script or Kubernetes manifests sized from the plan (and, with --now, the job)",
+    "status": "what a run last reported: state, step, tokens/s, checkpoint, failure",
 }
 
 

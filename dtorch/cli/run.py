@@ -10,6 +10,7 @@ drill syntax.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from dtorch.errors import ConfigError
 
@@ -27,12 +28,14 @@ def _conf(text: str) -> dict[str, str]:
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("run", help=help_text, description=help_text)
     g = p.add_argument_group("torchrun-compatible")
-    g.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (elastic between MIN and MAX)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
-                   help="workers per node: a number, or 'auto' (one per GPU, else 1)")
+    g.add_argument("--nnodes", default=None,
+                   help="N or MIN:MAX nodes (elastic between MIN and MAX); default 1, or the allocation's")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", default=None,
+                   help="workers per node: a number, or 'auto' (one per GPU, else 1); default 1, or the allocation's")
     g.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", help="rendezvous backend (default c10d)")
-    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="127.0.0.1:0",
-                   help="HOST:PORT of the rendezvous store; default loopback with a free port (one node). "
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                   help="HOST:PORT of the rendezvous store; default loopback with a free port (one node), or "
+                        "inside a Slurm/Kubeflow/SkyPilot allocation its first node. "
                         "The store has no authentication: use a private address for many nodes")
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by every node")
     g.add_argument("--rdzv-conf", "--rdzv_conf", default="", type=_conf,
@@ -77,7 +80,18 @@ def _nproc(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from dtorch.elastic.launch import LaunchSpec, launch, parse_nnodes
+    from dtorch.integrations.env import launch_defaults
 
+    # Inside a Slurm / Kubeflow / Volcano / SkyPilot allocation, flags not given come from it.
+    alloc = launch_defaults()
+    for name, fallback in (("nnodes", "1"), ("nproc_per_node", "1"), ("rdzv_endpoint", "127.0.0.1:0"),
+                           ("rdzv_id", None)):
+        if getattr(args, name) is None:
+            setattr(args, name, alloc.get(name, fallback))
+    if alloc:
+        print(f"dtorch run: inside a {alloc['scheduler']} allocation: nnodes={args.nnodes} "
+              f"nproc_per_node={args.nproc_per_node} rendezvous {args.rdzv_endpoint} id {args.rdzv_id}",
+              file=sys.stderr, flush=True)
     lo, hi = parse_nnodes(args.nnodes)
     spec = LaunchSpec(min_nodes=lo, max_nodes=hi, nproc_per_node=_nproc(args.nproc_per_node),
                       rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,

@@ -48,7 +48,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtorch.elastic import chaos, events, heartbeat
+from dtorch.elastic import chaos, events, heartbeat, preemption
 from dtorch.elastic import store as rdzv_store
 from dtorch.errors import ConfigError
 
@@ -216,6 +216,7 @@ def _agent_class():
                 # forked workers inherit the forkserver's environment: pass what changes per start
                 worker_group.spec.args = ({"DTORCH_EPOCH": str(self.epoch)}, *worker_group.spec.args[1:])
             pids = super()._start_workers(worker_group)
+            preemption.arm(self.run_dir)  # after torch registered its SIGTERM handler for this start
             self.local_pids = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}
             self.watch.reset(self.epoch, self.local_pids)
             events.log("workers_started", self.events_path, epoch=self.epoch, ranks=sorted(self.local_pids),
@@ -440,6 +441,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
 
     run_dir: str = spec.run_dir  # type: ignore[assignment]
     os.makedirs(run_dir, exist_ok=True)
+    preemption.clear(run_dir)
     # torch's log formatter imports torch._dynamo on the first exception it formats, and the agent
     # formats one on every worker failure: 2-5 s added to each first recovery here. Pay it now,
     # in the background, while the workers start.

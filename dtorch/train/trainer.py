@@ -141,6 +141,10 @@ class Trainer:
     # ---- setup -------------------------------------------------------------------------------
     def _join(self) -> tuple[int, int, torch.device]:
         """Join the default process group when launched with several ranks; pick the device."""
+        from dtorch.integrations.env import export_rank_env
+
+        # One process per rank started by a scheduler (srun -n N): rank variables from its own.
+        by_scheduler = export_rank_env() is not None or getattr(self, "_scheduler_ranks", False)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         cuda = torch.cuda.is_available()
         if cuda:
@@ -155,7 +159,7 @@ class Trainer:
                 # each (oversubscribed threads measured 2-20x slower); the planner prices this share
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         if world > 1 and not dist.is_initialized():
-            if os.environ.get("DTORCH_RUN_DIR"):
+            if os.environ.get("DTORCH_RUN_DIR") or by_scheduler:
                 # under `dtorch run`: its store listens on MASTER_ADDR only (torch's listens on all)
                 from dtorch.elastic.worker import init_process_group
 
@@ -350,8 +354,26 @@ class Trainer:
             raise ConfigError("steps", steps, "train for at least one step")
         steps = int(steps)
         t_start = time.perf_counter()
-        self._setup(steps)
-        resumed = self._restore()
+        from dtorch.integrations.env import detect, export_rank_env
+        from dtorch.integrations.status import Reporter, last_fault
+        from dtorch.train.preempt import EXIT_PREEMPTED, Preemption
+
+        # status.json in the run directory (and the scheduler's job comment): see docs/schedulers.md
+        self._scheduler_ranks = export_rank_env() is not None
+        self.status = Reporter(self.log_dir, rank=int(os.environ.get("RANK", "0")))
+        alloc = detect()
+        self.status.report("planning", total_steps=steps, allocation=alloc.describe() if alloc else None)
+        try:
+            self._setup(steps)
+            resumed = self._restore()
+        except Exception as e:
+            self.status.report("failed", why=f"{type(e).__name__}: {e}"[:300])
+            raise
+        if resumed is not None:
+            self.status.report("recovering", from_step=resumed, total_steps=steps,
+                               after=last_fault(os.environ.get("DTORCH_RUN_DIR")),
+                               epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
+        preemption = Preemption(self.world, self.device)
         from dtorch.monitor.metrics import StepMetrics, measured_gemm_peak, peak_memory_bytes
         from dtorch.train.data import batch_for
 
@@ -420,10 +442,25 @@ class Trainer:
                     self.ckpt.warm_up(self.checkpoint_state())
                 if self.step % self.checkpoint_every == 0 and self.step < steps:
                     self._save()
+                    self.status.report("checkpointed", checkpoint_step=self.step, step=self.step, total_steps=steps)
+                else:
+                    self.status.report("running", step=self.step, total_steps=steps, tokens_per_s=round(tps, 1))
+                if self.step < steps and preemption.requested():
+                    # a scheduler's warning: checkpoint now, within its grace period, and stop to be requeued
+                    self._save(final=True)
+                    self.status.report("preempted", step=self.step, signal=preemption.signal, total_steps=steps,
+                                       checkpoint_step=self.step if self.ckpt is not None else None)
+                    raise SystemExit(EXIT_PREEMPTED)
             if self.ckpt is not None and (resumed is None or resumed < steps):
                 self._save(final=True)
             self._feedback(step_times)
+            self.status.report("finished", step=self.step, checkpoint_step=self.step if self.ckpt else None,
+                               total_steps=steps)
+        except Exception as e:
+            self.status.report("failed", step=self.step, why=f"{type(e).__name__}: {e}"[:300])
+            raise
         finally:
+            preemption.close()
             if watch is not None:
                 watch.close()
             if self.ckpt is not None:

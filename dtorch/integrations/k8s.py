@@ -1,0 +1,217 @@
+"""Kubernetes: a Kubeflow Trainer v2 TrainJob, a JobSet and a Volcano Job from a `Request`.
+
+Every pod runs the same command, `dtorch run ... -m dtorch.train.job ...`, one pod per node:
+`dtorch run` reads nodes, this pod's node rank and the rendezvous from the PET_* variables
+(`dtorch.integrations.env`), so there is no per-pod flag:
+- TrainJob: Kubeflow's torch runtime injects PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+  PET_MASTER_ADDR, PET_MASTER_PORT;
+- JobSet: the manifest sets them (node rank from the Indexed Job's completion index, master
+  address from JobSet's DNS name of pod 0, `<jobset>-node-0-0.<jobset>`);
+- Volcano: the manifest sets them too (master `<job>-node-0.<job>` from the svc plugin), the env
+  plugin's VC_TASK_INDEX is the node rank; `minAvailable` = nodes for gang scheduling.
+
+Preemption: Kubernetes sends SIGTERM to the container's first process (the agent), which stops
+the workers with SIGTERM; they checkpoint (terminationGracePeriodSeconds = grace) and exit; the
+restart policies (JobSet failurePolicy, Volcano policies) bring the job back and it resumes.
+Kueue: `--queue` sets the `kueue.x-k8s.io/queue-name` label, `--topology LEVEL` the pod-set
+topology annotation (preferred, or required with `required:LEVEL`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+import yaml
+
+from dtorch.errors import ConfigError, choices
+from dtorch.integrations.request import Request
+from dtorch.integrations.status import TERMINATION_LOG
+
+KINDS = ("trainjob", "jobset", "vcjob")
+MASTER_PORT = 29400
+CKPT_MOUNT = "/ckpt"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# Node labels GPU feature discovery puts on nodes, and the extended resource each device uses.
+GPU_PRODUCT = {
+    "a100-80gb": ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu"),
+    "h100-sxm": ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu"),
+    "h100-96gb": ("nvidia.com/gpu.product", "NVIDIA-H100-96GB-HBM3", "nvidia.com/gpu"),
+    "h200": ("nvidia.com/gpu.product", "NVIDIA-H200", "nvidia.com/gpu"),
+    "b200": ("nvidia.com/gpu.product", "NVIDIA-B200", "nvidia.com/gpu"),
+    "mi300x": ("amd.com/gpu.product-name", "AMD_Instinct_MI300X", "amd.com/gpu"),
+}
+
+
+def pod_command(req: Request) -> list[str]:
+    """The container command: the agent per pod, workers per device, nodes from the environment."""
+    return ["dtorch", "run", "--shutdown-timeout", str(max(5, req.grace_s - 5)),
+            "--run-dir", f"{req.checkpoint_dir}/agent", "-m", "dtorch.train.job", *req.train_args]
+
+
+def pet_env(req: Request, master: str, node_rank: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The variables Kubeflow's torch runtime injects, for manifests that must set them."""
+    env: list[dict[str, Any]] = [
+        {"name": "PET_NNODES", "value": str(req.nodes)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(max(1, req.tasks_per_node))},
+        {"name": "PET_MASTER_ADDR", "value": master},
+        {"name": "PET_MASTER_PORT", "value": str(MASTER_PORT)},
+    ]
+    if node_rank is not None:
+        env.insert(2, {"name": "PET_NODE_RANK", "valueFrom": node_rank})
+    return env
+
+
+def _resources(req: Request) -> dict[str, Any]:
+    cpu = str(req.cpus_per_task * max(1, req.tasks_per_node))
+    mem = f"{max(1, req.mem_per_node_bytes // 2**20)}Mi"
+    res: dict[str, Any] = {"requests": {"cpu": cpu, "memory": mem}, "limits": {"memory": mem}}
+    if req.gpus_per_node:
+        _, _, resource = GPU_PRODUCT.get(req.device, ("", "", "nvidia.com/gpu"))
+        res["requests"][resource] = str(req.gpus_per_node)
+        res["limits"][resource] = str(req.gpus_per_node)
+    return res
+
+
+def _node_selector(req: Request) -> dict[str, str]:
+    if not req.gpus_per_node or req.device not in GPU_PRODUCT:
+        return {}
+    label, value, _ = GPU_PRODUCT[req.device]
+    return {label: value}
+
+
+def _topology(topology: str | None) -> dict[str, str]:
+    if not topology:
+        return {}
+    required, _, level = topology.partition(":") if topology.startswith("required:") else ("", "", topology)
+    if not level:
+        raise ConfigError("topology", topology, "give a node label, e.g. cloud.google.com/gce-topology-block")
+    key = "kueue.x-k8s.io/podset-required-topology" if required else "kueue.x-k8s.io/podset-preferred-topology"
+    return {key: level}
+
+
+def _volumes(pvc: str) -> tuple[list[dict], list[dict]]:
+    return ([{"name": "ckpt", "persistentVolumeClaim": {"claimName": pvc}}],
+            [{"name": "ckpt", "mountPath": CKPT_MOUNT}])
+
+
+def _container(req: Request, image: str, env: list[dict], mounts: list[dict]) -> dict[str, Any]:
+    return {"name": "node", "image": image, "command": pod_command(req), "env": env,
+            "resources": _resources(req), "volumeMounts": mounts,
+            "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+            "terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": "FallbackToLogsOnError"}
+
+
+def _meta(req: Request, namespace: str, queue: str | None, kind: str) -> dict[str, Any]:
+    labels = {"app.kubernetes.io/name": "dtorch", "app.kubernetes.io/instance": req.name}
+    if queue and kind != "vcjob":
+        labels[QUEUE_LABEL] = queue
+    return {"name": req.name, "namespace": namespace, "labels": labels,
+            "annotations": {"dtorch.io/plan": req.plan.describe() if req.plan else "auto",
+                            "dtorch.io/command": shlex.join(pod_command(req))}}
+
+
+def trainjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str | None, topology: str | None,
+             runtime: str) -> dict[str, Any]:
+    volumes, mounts = _volumes(pvc)
+    pod_spec: dict[str, Any] = {"terminationGracePeriodSeconds": req.grace_s, "volumes": volumes,
+                                "containers": [{"name": "node", "volumeMounts": mounts}]}
+    if _node_selector(req):
+        pod_spec["nodeSelector"] = _node_selector(req)
+    pod_tmpl: dict[str, Any] = {"spec": pod_spec}
+    if topology:
+        pod_tmpl["metadata"] = {"annotations": _topology(topology)}
+    trainer: dict[str, Any] = {"image": image, "command": pod_command(req), "numNodes": req.nodes,
+                               "numProcPerNode": max(1, req.tasks_per_node), "resourcesPerNode": _resources(req)}
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": _meta(req, namespace, queue, "trainjob"),
+            "spec": {"runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
+                                    "name": runtime},
+                     "trainer": trainer,
+                     "runtimePatches": [{"manager": "dtorch.io/submit", "trainingRuntimeSpec": {"template": {"spec": {
+                         "replicatedJobs": [{"name": "node", "template": {"spec": {"template": pod_tmpl}}}]}}}}]}}
+
+
+def jobset(req: Request, *, image: str, namespace: str, pvc: str, queue: str | None,
+           topology: str | None) -> dict[str, Any]:
+    volumes, mounts = _volumes(pvc)
+    rank = {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    env = pet_env(req, f"{req.name}-node-0-0.{req.name}", rank)
+    pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
+                           "volumes": volumes, "containers": [_container(req, image, env, mounts)]}
+    if _node_selector(req):
+        pod["nodeSelector"] = _node_selector(req)
+    tmpl: dict[str, Any] = {"spec": pod}
+    if topology:
+        tmpl["metadata"] = {"annotations": _topology(topology)}
+    job = {"parallelism": req.nodes, "completions": req.nodes, "completionMode": "Indexed", "backoffLimit": 0,
+           # a pod stopped by a preemption (exit 75 from the workers, 143 from the agent) fails the Job
+           # with reason PodFailurePolicy; the JobSet then restarts without using up maxRestarts
+           "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [75, 143]}}]},
+           "template": tmpl}
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": _meta(req, namespace, queue, "jobset"),
+            "spec": {"network": {"enableDNSHostnames": True},
+                     "failurePolicy": {"maxRestarts": 10, "rules": [
+                         {"name": "preempted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                          "onJobFailureReasons": ["PodFailurePolicy"]}]},
+                     "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": job}}]}}
+
+
+def vcjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str | None,
+          topology: str | None) -> dict[str, Any]:
+    volumes, mounts = _volumes(pvc)
+    env = pet_env(req, f"{req.name}-node-0.{req.name}", None)  # node rank: VC_TASK_INDEX (env plugin)
+    pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
+                           "volumes": volumes, "containers": [_container(req, image, env, mounts)]}
+    if _node_selector(req):
+        pod["nodeSelector"] = _node_selector(req)
+    spec: dict[str, Any] = {
+        "schedulerName": "volcano", "minAvailable": req.nodes, "queue": queue or "default", "maxRetry": 10,
+        "plugins": {"svc": [], "env": []},
+        "policies": [{"event": "PodEvicted", "action": "RestartJob"},
+                     {"exitCode": 75, "action": "RestartJob"}, {"exitCode": 143, "action": "RestartJob"}],
+        "tasks": [{"name": "node", "replicas": req.nodes, "template": {"spec": pod}}]}
+    if topology:
+        required = topology.startswith("required:")
+        spec["networkTopology"] = {"mode": "hard" if required else "soft", "highestTierAllowed": 1}
+    return {"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job",
+            "metadata": _meta(req, namespace, queue, "vcjob"), "spec": spec}
+
+
+def manifests(req: Request, *, kinds: list[str], image: str, namespace: str, pvc: str, queue: str | None = None,
+              topology: str | None = None, runtime: str = "torch-distributed") -> list[dict[str, Any]]:
+    """The requested manifests, each validated against its schema (ConfigError if not)."""
+    from dtorch.integrations.validate import validate
+
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ConfigError("kind", ",".join(kinds), choices(KINDS))
+    if not req.checkpoint_dir.startswith(CKPT_MOUNT + "/") and req.checkpoint_dir != CKPT_MOUNT:
+        raise ConfigError("checkpoint-dir", req.checkpoint_dir, f"put it under the volume's mount {CKPT_MOUNT}/")
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        import sys
+
+        print("dtorch submit: jsonschema is not installed (pip install 'dtorch-os[k8s]'): manifests not validated",
+              file=sys.stderr)
+        validate = None  # type: ignore[assignment]
+    docs = []
+    for k in kinds:
+        if k == "trainjob":
+            d = trainjob(req, image=image, namespace=namespace, pvc=pvc, queue=queue, topology=topology,
+                         runtime=runtime)
+        elif k == "jobset":
+            d = jobset(req, image=image, namespace=namespace, pvc=pvc, queue=queue, topology=topology)
+        else:
+            d = vcjob(req, image=image, namespace=namespace, pvc=pvc, queue=queue, topology=topology)
+        errors = validate(d) if validate is not None else []
+        if errors:
+            raise AssertionError(f"{k} manifest does not validate: {errors[0]}")  # our bug, not the user's
+        docs.append(d)
+    return docs
+
+
+def to_yaml(docs: list[dict[str, Any]]) -> str:
+    return "---\n".join(yaml.safe_dump(d, sort_keys=False, default_flow_style=False) for d in docs)

@@ -1,0 +1,176 @@
+"""The job's state, told to whoever asks: a status file in the run directory (always), the Slurm
+job comment (inside a Slurm job), the Kubernetes termination message (inside a pod).
+
+    r = Reporter(run_dir, rank)          # rank 0 writes; other ranks' calls are no-ops
+    r.report("planning")
+    r.report("running", step=120, tokens_per_s=5.1e3)      # rate-limited outside the file
+    r.report("checkpointed", step=200)
+    r.report("preempted", step=214, checkpoint_step=214, signal="SIGUSR1")
+    r.report("failed", why="...")
+
+States: planning, recovering (resumed from a checkpoint: `from_step`), running, checkpointed
+(a checkpoint of `checkpoint_step` was started; an asynchronous one commits in the background),
+preempted (a checkpoint was written on a scheduler's signal and the job stops to be requeued),
+finished, failed. `dtorch status RUN_DIR` prints the file. Standard library only (the trainer
+imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+STATUS_FILE = "status.json"
+HISTORY_FILE = "status-history.jsonl"
+STATES = ("planning", "recovering", "running", "checkpointed", "preempted", "finished", "failed")
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def write(run_dir: str | os.PathLike, state: str, *, append_history: bool = True, **fields: Any) -> dict:
+    """Replace `<run_dir>/status.json` atomically; append it to status-history.jsonl when asked
+    (the reporter does so at changes of state, not at every step)."""
+    assert state in STATES, state
+    d = Path(run_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    doc = {"state": state, "t": round(time.time(), 3), **{k: v for k, v in fields.items() if v is not None}}
+    tmp = d / f".{STATUS_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(doc) + "\n")
+    os.replace(tmp, d / STATUS_FILE)
+    if append_history:
+        with open(d / HISTORY_FILE, "a") as f:
+            f.write(json.dumps(doc) + "\n")
+    return doc
+
+
+def read(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def history(run_dir: str | os.PathLike) -> list[dict]:
+    try:
+        lines = (Path(run_dir) / HISTORY_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line torn by a kill mid-write
+    return out
+
+
+def last_fault(agent_run_dir: str | os.PathLike | None) -> str | None:
+    """What the elastic agent last detected (`dtorch run`'s events.jsonl): "exit of rank 1
+    (SIGKILL)", "hang of rank 0", "node_lost"; None when nothing was detected."""
+    if not agent_run_dir:
+        return None
+    last = None
+    try:
+        with open(Path(agent_run_dir) / "events.jsonl") as f:
+            for line in f:
+                if '"detected"' in line:
+                    try:
+                        last = json.loads(line)
+                    except ValueError:
+                        continue
+    except OSError:
+        return None
+    if last is None:
+        return None
+    ranks = last.get("ranks") or []
+    what = f"{last.get('cause', 'failure')}" + (f" of rank {', '.join(map(str, ranks))}" if ranks else "")
+    return what + (f" (epoch {last['epoch']})" if last.get("epoch") is not None else "")
+
+
+def one_line(doc: dict) -> str:
+    """`running step 120/300, 5.1k tok/s` - short enough for a Slurm comment or a pod message."""
+    s = doc.get("state", "?")
+    parts = [s]
+    if doc.get("step") is not None:
+        parts.append(f"step {doc['step']}" + (f"/{doc['total_steps']}" if doc.get("total_steps") else ""))
+    if doc.get("tokens_per_s"):
+        parts.append(f"{doc['tokens_per_s'] / 1e3:.1f}k tok/s")
+    if doc.get("checkpoint_step") is not None:
+        parts.append(f"checkpoint at step {doc['checkpoint_step']}")
+    if doc.get("from_step") is not None:
+        parts.append(f"resumed from step {doc['from_step']}" + (f" after {doc['after']}" if doc.get("after") else ""))
+    if doc.get("signal"):
+        parts.append(f"on {doc['signal']}")
+    if doc.get("why"):
+        parts.append(str(doc["why"]))
+    return ", ".join(parts)
+
+
+def format_status(doc: dict | None, run_dir: str | os.PathLike) -> str:
+    if doc is None:
+        return f"{run_dir}: no status yet (no {STATUS_FILE})"
+    age = time.time() - float(doc.get("t", time.time()))
+    lines = [f"{run_dir}: {one_line(doc)} ({age:.0f} s ago)"]
+    for k, v in doc.items():
+        if k not in ("state", "t"):
+            lines.append(f"  {k}: {v}")
+    return "\n".join(lines)
+
+
+class Reporter:
+    """Writes the status of rank 0 to the run directory and to the scheduler it runs under.
+
+    The file is written at every change of state and at most every `file_interval` seconds
+    otherwise; the Slurm comment (a `scontrol update`, run in the background) at every change of
+    state and at most every `interval` seconds otherwise."""
+
+    def __init__(self, run_dir: str | os.PathLike | None, rank: int = 0, interval: float = 30.0,
+                 file_interval: float = 1.0):
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.enabled = rank == 0 and self.run_dir is not None
+        self.interval = interval
+        self._last_state: str | None = None
+        self._last_sent = 0.0
+        self._last_write = -1e9
+        self.file_interval = file_interval
+        self._proc: subprocess.Popen | None = None
+        self.slurm_job = os.environ.get("SLURM_JOB_ID")
+        self._scontrol = shutil.which("scontrol") if self.slurm_job else None
+
+    def report(self, state: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        changed = state != self._last_state
+        now = time.monotonic()
+        if not changed and now - self._last_write < self.file_interval:
+            return  # same state again within a second: a file per step is too much on a shared FS
+        self._last_write = now
+        doc = write(self.run_dir, state, append_history=changed, **fields)  # type: ignore[arg-type]
+        now = time.monotonic()
+        self._last_state = state
+        if changed or now - self._last_sent >= self.interval or state in ("preempted", "failed", "finished"):
+            self._last_sent = now
+            self._to_scheduler(doc, final=state in ("preempted", "failed", "finished"))
+
+    def _to_scheduler(self, doc: dict, final: bool) -> None:
+        line = "dtorch: " + one_line(doc)
+        if self._scontrol:
+            if self._proc is not None and self._proc.poll() is None and not final:
+                return  # the previous update is still running: skip this one
+            cmd = [self._scontrol, "update", f"JobId={self.slurm_job}", f"Comment={line[:250]}"]
+            try:
+                self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                if final:
+                    self._proc.wait(timeout=10)
+            except (OSError, subprocess.SubprocessError):
+                self._scontrol = None
+        if final and os.path.exists(TERMINATION_LOG) and os.access(TERMINATION_LOG, os.W_OK):
+            try:  # Kubernetes shows it as the container's termination message
+                with open(TERMINATION_LOG, "w") as f:
+                    f.write(line[:4000])
+            except OSError:
+                pass

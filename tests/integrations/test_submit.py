@@ -1,0 +1,102 @@
+"""`dtorch submit` sizes the request from the plan; bad input is one line and exit code 2."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dtorch.integrations import status
+from dtorch.integrations.slurm import parse_slurm_time, slurm_time
+
+
+def _cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "dtorch.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_70b_by_deadline_prints_plan_request_and_script():
+    out = _cli("submit", "slurm", "--model", "llama3-70b", "--device-type", "h100", "--tokens", "1T",
+               "--deadline", "30d")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    m = next(line for line in text.splitlines() if line.startswith("recommended: "))
+    nodes = int(m.split()[1])
+    assert f"request: {nodes} nodes x 8 x H100" in text
+    for line in (f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=gpu:8",
+                 "#SBATCH --constraint=h100", "#SBATCH --signal=USR1@120", "#SBATCH --requeue"):
+        assert line in text
+    assert "srun --kill-on-bad-exit=1" in text and "scontrol requeue" in text
+    # the chosen size meets the deadline and the next smaller planned one does not
+    rows = [r.split() for r in text.splitlines() if r.strip() and r.split()[0].isdigit()]
+    days = {int(r[0]): float(r[4]) for r in rows if r[5] == "days"}
+    assert days[nodes] <= 30 and all(d > 30 for n, d in days.items() if n < nodes)
+
+
+@pytest.mark.parametrize("args,field", [
+    (["slurm", "--device-type", "h999", "--nodes", "2", "--steps", "5"], "device-type='h999'"),
+    (["slurm", "--device-type", "h100", "--tokens", "1T", "--deadline", "1h", "--max-nodes", "64"], "deadline"),
+    (["slurm", "--device-type", "h100", "--nodes", "2", "--steps", "5", "--checkpoint-dir", "/nonexistent/x/ckpt"],
+     "checkpoint-dir"),
+    (["k8s", "--device-type", "h100", "--nodes", "2", "--steps", "5"], "pvc"),
+    (["k8s", "--device-type", "h100", "--nodes", "2", "--steps", "5", "--pvc", "c", "--kind", "pytorchjob"], "kind"),
+])
+def test_bad_input_is_one_line_exit_2(args, field):
+    out = _cli("submit", args[0], "--model", "llama3-8b", *args[1:])
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtorch submit: error: ") and field in lines[0], out.stderr
+
+
+def test_a_plan_file_fixes_the_nodes_and_is_what_the_job_runs(tmp_path):
+    plan = tmp_path / "plan.json"
+    out = _cli("plan", "--model", "llama3-8b", "--cluster", "h100:2x8", "--global-batch", "1024", "--out", str(plan))
+    assert out.returncode == 0, out.stderr
+    out = _cli("submit", "slurm", "--model", "llama3-8b", "--device-type", "h100", "--plan", str(plan), "--steps", "9")
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=2" in out.stdout and f"--plan {plan}" in out.stdout
+    out = _cli("submit", "slurm", "--model", "llama3-8b", "--device-type", "h100", "--plan", str(plan),
+               "--nodes", "3", "--steps", "9")
+    assert out.returncode == 2 and "world size 16" in out.stderr
+
+
+def test_slurm_times_round_trip():
+    assert slurm_time(90) == "00:02:00" and slurm_time(86400 * 2 + 3600) == "2-01:00:00"
+    assert parse_slurm_time("2-01:00:00") == 2 * 86400 + 3600 and parse_slurm_time("30") == 1800
+    assert parse_slurm_time("UNLIMITED") is None and parse_slurm_time("1-12") == 86400 + 12 * 3600
+
+
+def test_status_file_history_and_cli(tmp_path):
+    r = status.Reporter(tmp_path, rank=0)
+    r.report("planning", total_steps=10)
+    r.report("running", step=3, total_steps=10, tokens_per_s=5100.0)
+    r.report("running", step=4, total_steps=10, tokens_per_s=5200.0)
+    assert status.read(tmp_path)["step"] == 3  # same state within a second: not rewritten
+    r.report("preempted", step=4, checkpoint_step=4, signal="SIGTERM", total_steps=10)
+    status.Reporter(tmp_path, rank=1).report("failed", why="never written by rank 1")
+    doc = status.read(tmp_path)
+    assert doc["state"] == "preempted" and doc["checkpoint_step"] == 4
+    assert [h["state"] for h in status.history(tmp_path)] == ["planning", "running", "preempted"]
+    assert status.one_line(doc) == "preempted, step 4/10, checkpoint at step 4, on SIGTERM"
+    out = _cli("status", str(tmp_path))
+    assert out.returncode == 0 and "preempted, step 4/10" in out.stdout
+    assert json.loads(_cli("status", str(tmp_path), "--json").stdout)["state"] == "preempted"
+    assert _cli("status", str(tmp_path / "nope")).returncode == 2
+
+
+def test_preemption_flag_set_by_signal_single_process(monkeypatch):
+    from dtorch.train.preempt import Preemption
+
+    monkeypatch.delenv("DTORCH_RUN_DIR", raising=False)
+    before = signal.getsignal(signal.SIGUSR1)
+    p = Preemption(world=1)
+    try:
+        assert not p.requested()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert p.requested() and p.signal == "SIGUSR1"
+    finally:
+        p.close()
+    assert signal.getsignal(signal.SIGUSR1) is before  # the previous handler is back
