@@ -133,7 +133,8 @@ def size_for_deadline(profile, group: NodeGroup, *, tokens: float, deadline_s: f
                 break
         else:
             t = tokens / est.tokens_per_s
-            opt = SizeOption(nodes, gpus, plan, est, t, t * gpus / 3600.0)
+            opt = SizeOption(nodes, gpus, plan, est, t, t * gpus / 3600.0,
+                             tokens_per_step=global_batch * profile.seq_len)
             rec.options.append(opt)
             best = opt if best is None or t < best.time_to_train_s else best
             if t <= deadline_s:

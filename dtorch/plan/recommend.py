@@ -340,7 +340,9 @@ def _duration(s: float) -> str:
     return f"{s / 86400:.1f} days"
 
 
-def _tokens(n: int) -> str:
+def _tokens(n: int | None) -> str:
+    if n is None:
+        return "-"
     for unit, div in (("M", 2**20), ("K", 2**10)):
         if n >= div:
             return f"{n / div:.4g}{unit}"

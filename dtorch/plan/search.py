@@ -62,6 +62,8 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half
 PRECISION_MARGIN = 0.03
 """A plan computing or reducing in less than float32 must be this much faster than the best plan at
 higher precision to be ranked above it: numerics are worth a few per cent of speed."""
+PARTITION_MARGIN = 0.01
+"""An uneven pipeline partition must be this much faster than the even split to be ranked above it."""
 SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "zb": "zero_bubble", "zbv": "zero_bubble"}
 
 
@@ -400,28 +402,41 @@ def _reduced_reductions(plan: Plan, fixed: dict[str, Any]) -> list[Plan]:
 
 
 def _precision_penalty(plan: Plan) -> float:
-    """The ranking handicap of reduced precision (see PRECISION_MARGIN)."""
-    return 1.0 + PRECISION_MARGIN * ((plan.param_dtype != "float32") + (plan.reduce_dtype != "float32"))
+    """The ranking handicap of reduced precision (see PRECISION_MARGIN) and of an uneven pipeline
+    partition (PARTITION_MARGIN): a plan that departs from the plain choice must earn it."""
+    return ((1.0 + PRECISION_MARGIN * ((plan.param_dtype != "float32") + (plan.reduce_dtype != "float32")))
+            * (1.0 + PARTITION_MARGIN * (plan.layer_partition is not None)))
 
 
 def _partitions(pp: int, v: int, profile: ModelProfile) -> list[list[int] | None]:
-    """Stage partitions to try: as even as possible (None) and, when it differs, the one that evens out
-    the output head's and the embedding's weight on the last and first stages."""
+    """Stage partitions to try: as even as possible (None) and, when it shortens the busiest pipeline
+    rank, one that gives the rank holding the output head fewer blocks."""
     if pp == 1:
         return [None]
-    return _partitions_cached(pp * v, profile.num_layers,
+    return _partitions_cached(pp, v, profile.num_layers,
                               round(profile.flops_per_token_head / (profile.flops_per_token_block or 1.0), 3))
 
 
 @functools.lru_cache(maxsize=4096)
-def _partitions_cached(S: int, L: int, head: float) -> list[list[int] | None]:
-    even = partition(Plan(pp=S), L)
-    bal = balanced_partition(S, L, head)
+def _partitions_cached(pp: int, v: int, L: int, head: float) -> list[list[int] | None]:
+    if L < pp * v:
+        return [None]
+    even = partition(Plan(pp=pp, virtual_stages=v), L)
+    per_rank = balanced_partition(pp, L, head)  # blocks per pipeline rank, head on the last
+    if any(n < v for n in per_rank):
+        return [None]
+    # each rank's blocks over its v looped stages (rank r runs stages r, r + pp, ...), earlier first
+    bal = [0] * (pp * v)
+    for r, n in enumerate(per_rank):
+        base, extra = divmod(n, v)
+        for k in range(v):
+            bal[r + k * pp] = base + (1 if k < extra else 0)
 
     def busiest(sizes: list[int]) -> float:
-        return max(sizes[:-1] + [sizes[-1] + head])
+        ranks = [sum(sizes[r::pp]) for r in range(pp)]
+        ranks[-1] += head
+        return max(ranks)
 
-    # worth trying only where it shortens the busiest stage
     return [None, bal] if bal != even and busiest(bal) < busiest(even) - 1e-9 else [None]
 
 
