@@ -419,6 +419,16 @@ def load_model_config(directory: str | os.PathLike, max_seq_len: int | None = No
 
 
 # ---- out: a DCP checkpoint to a Hugging Face directory -------------------------------------------
+RUN_CONFIG = "hf_config.json"
+"""Written into a run's checkpoint directory when it started from a Hugging Face directory."""
+
+
+def save_run_config(checkpoint_dir: str | os.PathLike, hf: dict[str, Any]) -> None:
+    d = Path(checkpoint_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    _atomic_json(d / RUN_CONFIG, hf)
+
+
 def _atomic_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
