@@ -130,9 +130,8 @@ def _logits(pm, x: torch.Tensor) -> torch.Tensor | None:
     """Full logits of the parallel model (pipeline: hidden states passed by send/recv), on every
     rank that has the last stage; None elsewhere."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         if pm.plan.pp == 1:
