@@ -273,7 +273,7 @@ class Trainer:
 
     def _setup(self, total_steps: int) -> None:
         from dtorch.monitor.metrics import MetricsLogger
-        from dtorch.parallel import parallelize
+        from dtorch.parallel.parallelize import parallelize  # (the submodule may already shadow the name)
 
         self.rank, self.world, self.device = self._join()
         self.ckpt = None
