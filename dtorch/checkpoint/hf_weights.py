@@ -335,10 +335,14 @@ class HFWeights:
     def _slice(self, hf: str):
         from safetensors import safe_open
 
-        path = self.files[hf]
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt", device="cpu")
-        return self._open[path].get_slice(hf)
+        # A file stays memory-mapped while it is open, and the pages read count as this process's
+        # resident memory: open it per tensor, so at most one tensor's slice is mapped at a time.
+        handle = safe_open(str(self.files[hf]), framework="pt", device="cpu")
+        self._open["current"] = handle  # dropped (unmapped) when the next tensor is read
+        return handle.get_slice(hf)
+
+    def close(self) -> None:
+        self._open.clear()
 
     def check(self, model_shapes: dict[str, tuple[int, ...]]) -> int:
         if self.seed:
@@ -392,6 +396,8 @@ class HFWeights:
             return
         block = self.read(name, tuple(param.shape), offset, shape)
         local.copy_(block.reshape(local.shape))
+        del block
+        self.close()
 
 
 def hf_to_interleaved(t, heads: int, head_dim: int):

@@ -105,3 +105,48 @@ def test_rank_local_init_equals_single_device_init(world4: dict, name: str) -> N
         assert res["path"] == "rank-local"
         assert res["checked"] > 0 and res["sharded"] > 0
         assert res["mismatched"] == [], f"rank {r}"
+
+
+def test_dry_run_reports_startup_memory_and_checkpoint_bytes_per_rank() -> None:
+    from dtorch.parallel.dryrun import verify
+    from dtorch.plan.plan import Plan
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in build_model("llama3-8b", max_seq_len=512).parameters())
+    res = verify(Plan(dp_shard=4, tp=2), "llama3-8b", 512)
+    st = res["startup_max"]
+    # every rank holds and reads about 1/8 of the model (TP-replicated norms are a rounding error)
+    assert st["checkpoint_read_bytes"] == pytest.approx(2 * n / 8, rel=0.01)
+    assert 4 * n / 8 < st["host_bytes_rank_local_init"] < 4 * n / 8 + 64e6
+    assert st["host_bytes_checkpoint_load"] > 4 * n / 8
+
+
+def test_seed_checkpoint_starts_any_module_from_its_slices(tmp_path) -> None:
+    from torch import nn
+
+    from dtorch.checkpoint.hf_weights import HFWeights, write_seed_checkpoint
+    from dtorch.parallel.materialize import Startup, materialize
+
+    class Mine(nn.Module):  # no seeded init: not rank-local
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 16)
+            self.b = nn.Linear(16, 4)
+            self.register_buffer("scale", torch.full((4,), 0.5))
+
+        def forward(self, x):
+            return self.b(self.a(x)) * self.scale
+
+    torch.manual_seed(0)
+    real = Mine()
+    write_seed_checkpoint(real, tmp_path, max_shard_bytes=200)  # several files and an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    with torch.device("meta"):
+        meta = Mine()
+    w = HFWeights(tmp_path)
+    st = Startup(Mine, meta, 0, w)
+    assert st.path == "weights"
+    stats = materialize([meta], st, torch.device("cpu"))
+    assert stats["bytes_read"] == 4 * sum(p.numel() for p in real.parameters()) + 4 * 4
+    for (n, a), (_, b) in zip(real.state_dict().items(), meta.state_dict().items()):
+        assert torch.equal(a, b), n
