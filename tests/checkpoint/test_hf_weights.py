@@ -334,3 +334,22 @@ def test_cli_bad_checkpoint_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "unknown architecture" in lines[0], proc.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("spec", ["llama-tiny", "gpt-tiny"])
+def test_reference_model_exports_to_a_directory_transformers_loads(spec: str, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from dtorch.models import build_model, model_config
+
+    model = build_model(spec).eval()
+    model.init_weights(11)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    out = export_hf(tmp_path / "ck", tmp_path / "hf", model_config(spec), max_shard_bytes=100_000)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(x)
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(x).logits
+    assert _rel(got, want) < REL_LOGITS
