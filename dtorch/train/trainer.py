@@ -167,9 +167,11 @@ class Trainer:
             model = lambda: build_from_config(config)  # noqa: E731 - a factory, called on meta
         if not weights.seed:
             self.hf_config = read_config(self.init_from)
+        from dtorch.parallel.hf import adapt
         from dtorch.parallel.parallelize import meta_model
 
-        weights.check(model_shapes(meta_model(model)))  # ConfigError naming the tensor
+        skeleton = adapt(model) if isinstance(model, nn.Module) else meta_model(model)
+        weights.check(model_shapes(skeleton))  # ConfigError naming the tensor
         return model
 
     def _check_vocab(self, data: Any) -> None:
@@ -179,7 +181,9 @@ class Trainer:
             return
         from dtorch.parallel.parallelize import meta_model
 
-        emb = [m for m in meta_model(self.model_factory).modules() if isinstance(m, nn.Embedding)]
+        model = self.model_factory  # a module is looked at as it is (no copy of real weights)
+        model = model if isinstance(model, nn.Module) else meta_model(model)
+        emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         if emb and int(vocab) > emb[0].num_embeddings:
             raise ConfigError("tokenizer", f"vocabulary of {vocab} tokens",
                               f"the model's embedding has {emb[0].num_embeddings} rows; use a tokenizer with at "
