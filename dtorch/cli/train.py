@@ -68,6 +68,13 @@ def run(args: argparse.Namespace) -> int:
     nproc = args.nproc or _default_nproc()
     if nproc < 1:
         raise ConfigError("nproc", nproc, "use at least 1 worker process")
+    if args.data and not args.tokenizer:
+        from pathlib import Path
+
+        from dtorch.train.tokenize import SUFFIXES
+
+        if Path(args.data).is_dir() or Path(args.data).suffix in SUFFIXES:
+            raise ConfigError("data", args.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
     if os.environ.get("RANK") is None and (args.init_from or args.tokenizer):
         _check_inputs(args)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
     if os.environ.get("RANK") is not None or (nproc == 1 and not args.chaos):

@@ -67,7 +67,13 @@ def run(args: argparse.Namespace) -> int:
 
         data = text_dataset(args.data, args.tokenizer, args.seq_len)
     elif args.data:
+        from pathlib import Path
+
         from dtorch.train.data import TokenFile
+        from dtorch.train.tokenize import SUFFIXES
+
+        if Path(args.data).is_dir() or Path(args.data).suffix in SUFFIXES:
+            raise ConfigError("data", args.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
 
         data = TokenFile(args.data, args.seq_len)
     init_from = getattr(args, "init_from", None)
