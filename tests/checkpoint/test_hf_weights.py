@@ -103,7 +103,7 @@ def _single(directory: Path) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"logits": logits, "losses": losses}
+    return {"logits": logits, "losses": losses, "model": model}
 
 
 def test_single_process_logits_equal_transformers(dirs: dict[str, Path]) -> None:
@@ -208,6 +208,16 @@ def world4(dirs: dict[str, Path], tmp_path_factory) -> dict:
     ck = tmp_path_factory.mktemp("dcp")
     cases = [(f, {"dir": str(d), "plan": FSDP_TP_SP, "save": str(ck / f)}) for f, d in dirs.items()]
     cases.append(("qwen2-cp", {"dir": str(dirs["qwen2"]), "plan": CP_TP_SP}))
+    # the reverse of 4 -> 2: a checkpoint fine-tuned and saved by ONE process, loaded at world 4
+    import torch.distributed.checkpoint as dcp
+
+    tuned = _single(dirs["qwen2"])["model"]
+    dcp.save({"model": tuned.state_dict()}, checkpoint_id=str(ck / "world1"), no_dist=True)
+    base = json.loads((dirs["qwen2"] / "config.json").read_text())
+    one = export_hf(ck / "world1", ck / "world1-hf", load_model_config(dirs["qwen2"])[1], family="qwen2",
+                    base_config=base)
+    cases.append(("qwen2-from-world1", {"dir": str(one), "plan": FSDP_TP_SP, "train": False,
+                                        "return_weights": True}))
     results = run_group(4, cases, _worker)
     return {name: (res, ck / name) for (name, _), res in zip(cases, results)}
 
@@ -290,6 +300,20 @@ def test_checkpoint_saved_at_world4_loads_at_world2_identically(world4: dict, wo
     assert sorted(loaded) == sorted(saved)
     for name, t in saved.items():
         assert torch.equal(torch.tensor(loaded[name]), t), name
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_saved_by_one_process_loads_at_world4_identically(world4: dict) -> None:
+    from dtorch.checkpoint.export import load_full_state_dict
+
+    results, ck = world4["qwen2-from-world1"]
+    saved = load_full_state_dict(ck.parent / "world1")["model"]
+    for r, res in enumerate(results):  # every FSDP x TP rank gathers the full tensors of its shards
+        assert "error" not in res, res.get("error")
+        assert sorted(res["weights"]) == sorted(saved)
+        for name, t in saved.items():
+            assert torch.equal(torch.tensor(res["weights"][name]), t), (r, name)
 
 
 # ---- bad input: one line, exit 2, before any process group --------------------------------------
