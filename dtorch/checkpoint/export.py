@@ -1,4 +1,5 @@
-"""Export a (verified) DCP checkpoint to one consolidated safetensors file.
+"""Export a (verified) DCP checkpoint to one consolidated safetensors file, or (`export_hf_dir`)
+to a Hugging Face model directory, streamed one shard file at a time (hf_weights.export_hf).
 
 The full state dict is read in this process (every shard of every rank, resharded to whole
 tensors by DCP's empty-state-dict planner, the same path as `dcp_to_torch_save`), flattened to
@@ -66,3 +67,38 @@ def export_safetensors(directory: Path, out: Path, *, keys: list[str] | None = N
     os.replace(tmp, out)
     F.fsync_dir(out.parent)
     return out
+
+
+def export_hf_dir(mgr, step: int | None, out: str | os.PathLike, *, model: str | None = None,
+                  config: str | os.PathLike | None = None, dtype: str | None = None,
+                  shard_bytes: int | None = None) -> Path:
+    """Write checkpoint `step` (default: the newest) of `mgr`'s run as a Hugging Face directory.
+    The architecture comes from `config` (a Hugging Face directory or config.json), else the
+    config.json of the directory the run started from (saved next to its checkpoints), else the
+    DTorch model spec `model`."""
+    from dtorch.checkpoint import hf_weights as H
+
+    infos = [i for i in mgr.list() if (i.step == step if step is not None else i.manifest_ok)]
+    infos.sort(key=lambda i: (i.latest, i.step), reverse=True)  # default: LATEST, else the newest
+    if not infos:
+        raise ConfigError("step", step, "no such committed checkpoint; see dtorch ckpt ls")
+    src = Path(infos[0].path)
+    report = mgr.verify(src)
+    if not report.ok:
+        raise ConfigError("step", infos[0].step, "damaged: " + "; ".join(report.problems) + "; export another step")
+    base = None
+    if config is not None:
+        p = Path(config)
+        base = H.read_config(p) if p.is_dir() else json.loads(p.read_text())
+    elif (mgr.root / H.RUN_CONFIG).is_file():
+        base = json.loads((mgr.root / H.RUN_CONFIG).read_text())
+    if base is not None:
+        family, cfg = H.model_type(base), H.dtorch_config(base)
+    elif model is not None:
+        from dtorch.models import model_config
+
+        cfg, family = model_config(model), None
+    else:
+        raise ConfigError("model", None, "pass --model SPEC (the run's model) or --config HF_DIR")
+    return H.export_hf(src, Path(out), cfg, family=family, base_config=base, dtype=dtype,
+                       max_shard_bytes=shard_bytes or H.DEFAULT_SHARD_BYTES)

@@ -3,6 +3,8 @@
     dtorch ckpt ls runs/a                       committed steps, size, world size, LATEST
     dtorch ckpt verify runs/a [--step N]        hash every file (all steps unless --step); exit 1 if damaged
     dtorch ckpt export runs/a out.safetensors [--step N] [--key model]
+    dtorch ckpt export runs/a OUT_DIR --hf [--model SPEC | --config HF_DIR] [--dtype bfloat16]
+                                                a Hugging Face directory transformers loads
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     ex.add_argument("out", help="output .safetensors path")
     ex.add_argument("--step", type=int, default=None, help="step to export (default: the newest)")
     ex.add_argument("--key", action="append", default=None, help="top-level entry to export (repeatable), e.g. model")
+    ex.add_argument("--hf", action="store_true",
+                    help="write a Hugging Face directory (config.json, sharded safetensors + index) instead")
+    ex.add_argument("--model", default=None, help="with --hf: the run's model spec (default: the Hugging Face "
+                    "config the run started from, saved in its checkpoint directory)")
+    ex.add_argument("--config", default=None, help="with --hf: a Hugging Face directory or config.json to "
+                    "take the architecture and token ids from")
+    ex.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="with --hf: cast the weights (default: as trained)")
+    ex.add_argument("--shard-mb", type=int, default=2000, help="with --hf: largest shard file (default 2000 MB)")
     p.set_defaults(func=run)
 
 
@@ -61,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
                 print(report.describe())
                 bad += not report.ok
             return 1 if bad else 0
+        if args.ckpt_command == "export" and args.hf:
+            from dtorch.checkpoint.export import export_hf_dir
+
+            out = export_hf_dir(mgr, args.step, args.out, model=args.model, config=args.config, dtype=args.dtype,
+                                shard_bytes=args.shard_mb * 10**6)
+            print(f"wrote {out}")
+            return 0
         if args.ckpt_command == "export":
             out = mgr.export_safetensors(args.step, args.out, keys=args.key)
             print(f"wrote {out}")

@@ -81,6 +81,13 @@ def _format_verify(result: dict) -> str:
                      f"{e / gib if e is not None else float('nan'):14.2f}")
     if result.get("relative_error") is not None:
         lines.append(f"  estimate vs measurement: {result['relative_error']:+.2%}")
+    st = result.get("startup_max")
+    if st:
+        lines.append(f"  start-up per rank: reads {st['checkpoint_read_bytes'] / gib:.2f} GiB of a bf16 checkpoint; "
+                     f"host memory beyond the process itself {st['host_bytes_rank_local_init'] / gib:.2f} GiB "
+                     f"(rank-local init) / {st['host_bytes_checkpoint_load'] / gib:.2f} GiB (checkpoint load) "
+                     f"with parameters on the host, {st['transient_bytes_rank_local_init'] / gib:.2f} / "
+                     f"{st['transient_bytes_checkpoint_load'] / gib:.2f} GiB with them on a GPU")
     if result.get("executable") is False:
         lines.append(f"  note: this DTorch cannot run the plan yet: {result.get('not_executable_because')}")
     return "\n".join(lines)

@@ -20,6 +20,39 @@ def add_parser(sub, help_text: str) -> None:
     p.set_defaults(func=run)
 
 
+def _check_inputs(args: argparse.Namespace) -> None:
+    """The checks a worker would fail on, run once here: an unknown architecture, a checkpoint whose
+    shapes do not match its config (naming the tensor), a tokenizer larger than the model's vocabulary."""
+    from dtorch.models import build_from_config, model_config
+    from dtorch.parallel.parallelize import meta_model
+
+    vocab = None
+    if args.init_from:
+        from dtorch.checkpoint.hf_weights import HFWeights, model_shapes
+
+        weights = HFWeights(args.init_from)
+        config = weights.config if not weights.seed else model_config(args.model)
+        weights.check(model_shapes(meta_model(lambda: build_from_config(config))))
+        vocab = config.vocab_size
+    if args.tokenizer:
+        from dtorch.errors import ConfigError
+        from dtorch.train.tokenize import Tokenizer
+
+        tok = Tokenizer(args.tokenizer)
+        if vocab is None:
+            vocab = _spec_vocab(args.model)
+        if tok.vocab_size > vocab:
+            raise ConfigError("tokenizer", f"vocabulary of {tok.vocab_size} tokens",
+                              f"the model's embedding has {vocab} rows; use a tokenizer with at most that many "
+                              "tokens or a model with a larger vocab_size")
+
+
+def _spec_vocab(spec: str) -> int:
+    from dtorch.models import model_config
+
+    return model_config(spec).vocab_size
+
+
 def run(args: argparse.Namespace) -> int:
     from dtorch.cluster.local import default_workers
     from dtorch.errors import ConfigError
@@ -27,6 +60,15 @@ def run(args: argparse.Namespace) -> int:
     nproc = args.nproc or default_workers()
     if nproc < 1:
         raise ConfigError("nproc", nproc, "use at least 1 worker process")
+    if args.data and not args.tokenizer:
+        from pathlib import Path
+
+        from dtorch.train.tokenize import SUFFIXES
+
+        if Path(args.data).is_dir() or Path(args.data).suffix in SUFFIXES:
+            raise ConfigError("data", args.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
+    if os.environ.get("RANK") is None and (args.init_from or args.tokenizer):
+        _check_inputs(args)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
     if os.environ.get("RANK") is not None or (nproc == 1 and not args.chaos):
         from dtorch.train.job import run as run_job
 
@@ -38,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                               ("seq_len", "--seq-len"), ("lr", "--lr"), ("warmup", "--warmup"),
                               ("checkpoint_dir", "--checkpoint-dir"), ("checkpoint_every", "--checkpoint-every"),
                               ("plan", "--plan"), ("seed", "--seed"), ("data", "--data"),
+                              ("tokenizer", "--tokenizer"), ("init_from", "--init-from"),
                               ("sample_tokens", "--sample-tokens")):
         value = getattr(args, action_dest)
         if value is not None:

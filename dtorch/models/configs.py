@@ -52,6 +52,11 @@ class LlamaConfig:
     """Longest sequence the RoPE table covers."""
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2); Llama and Mistral have none."""
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """Llama 3.1 RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings), as in Llama 3.1/3.2 checkpoints; None: plain RoPE."""
 
     family = "llama"
 

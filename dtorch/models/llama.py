@@ -30,10 +30,19 @@ from dtorch.models.configs import LlamaConfig
 __all__ = ["Llama", "LlamaConfig"]
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, [max_seq_len, head_dim/2] float32, computed in float64 on
-    the CPU so that every device gets bit-identical tables."""
+    the CPU so that every device gets bit-identical tables. `scaling`: Llama 3.1's frequency
+    scaling (factor, low_freq_factor, high_freq_factor, original context length): wavelengths
+    longer than original/low are slowed by `factor`, shorter than original/high kept, and the
+    band between interpolated smoothly."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        factor, low, high, original = (float(v) for v in scaling)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -57,9 +66,10 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        bias = bool(getattr(config, "qkv_bias", False))
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=bias)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,7 +143,8 @@ class Llama(nn.Module):
         """(Re)compute the RoPE tables on the buffers' current device (skipped on meta)."""
         if self.rope_cos.is_meta:
             return
-        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta,
+                               getattr(self.config, "rope_scaling", None))
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
@@ -145,7 +156,9 @@ class Llama(nn.Module):
         seed = 0 if seed is None else seed
         std, resid_std = 0.02, 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("bias"):  # q/k/v biases (qkv_bias)
+                init.constant_(param, 0.0)
+            elif name.endswith("norm.weight"):
                 init.constant_(param, 1.0)
             elif name.endswith(("wo.weight", "w2.weight")):
                 init.normal_(param, resid_std, seed, name)

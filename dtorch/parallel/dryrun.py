@@ -11,6 +11,14 @@ measurement: the estimate is checked, not trusted.
 Model-state bytes measured: parameters and gradients (float32 master copies; FSDP2 keeps sharded
 gradients in the parameter dtype, whatever reduce_dtype is), AdamW's two float32 moments (a step
 counter per parameter is not counted). Activations are not measured here.
+
+Start-up (`startup` per rank): the host bytes a rank holds while its weights are created, from
+the same local shard shapes: rank-local initialisation = its parameters plus one generator
+chunk (dtorch.models.init.CHUNK_ELEMENTS); loading a checkpoint = its parameters plus the largest
+single block in flight (the slice read in the checkpoint dtype and its converted copy) - with the
+parameters on a GPU only these transient parts are host memory; and the
+bytes it reads from a checkpoint (its local elements in the checkpoint dtype: replicated tensors
+are read by every replica). The Python/torch process itself (a few hundred MB) comes on top.
 """
 
 from __future__ import annotations
@@ -53,7 +61,29 @@ def representative_ranks(plan: Plan) -> list[int]:
     return [p * per_pp for p in range(plan.pp)]
 
 
-def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int) -> dict[str, Any]:
+def startup_bytes(params: list[torch.Tensor], checkpoint_dtype: str = "bfloat16") -> dict[str, int]:
+    """Host bytes of one rank's start-up and the bytes it reads from a checkpoint (module docstring)."""
+    from dtorch.models.init import CHUNK_ELEMENTS
+
+    ck = torch.empty((), dtype=getattr(torch, checkpoint_dtype)).element_size()
+    local = [_local(p) for p in params]
+    param_bytes = sum(t.numel() * t.element_size() for t in local)
+    largest = max((t.numel() for t in local), default=0)
+    block = max((t.numel() * t.element_size() for t in local), default=0)
+    chunk = CHUNK_ELEMENTS * (2 * 8 + 2 * 8 + 4)  # int64 indices/hash, float64 uniforms, float32 out
+    return {
+        # on CPU the parameters live in host memory; on a GPU only the transient part does
+        "host_bytes_rank_local_init": param_bytes + chunk,
+        "host_bytes_checkpoint_load": param_bytes + largest * ck + block,
+        "transient_bytes_rank_local_init": chunk,
+        "transient_bytes_checkpoint_load": largest * ck + block,
+        "checkpoint_read_bytes": sum(t.numel() for t in local) * ck,
+        "checkpoint_dtype_bytes": ck,
+    }
+
+
+def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int,
+                 checkpoint_dtype: str = "bfloat16") -> dict[str, Any]:
     """Model-state bytes of `rank` under `plan`, on a fake process group of the plan's world size."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -93,6 +123,7 @@ def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int) -> dict[s
             out["grads_unsharded_accumulation"] = out["num_params_local"] * plan.dp_shard * plan.cp * param_b
             out["grads"] += out["grads_unsharded_accumulation"]
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["startup"] = startup_bytes(params, checkpoint_dtype)
         return out
     finally:
         dist.destroy_process_group()
@@ -121,7 +152,9 @@ def verify(plan: Plan, model_spec: str, seq_len: int, cluster: Any = None) -> di
         raise RuntimeError("verify() runs on its own fake process group; call it outside a launched job")
     ranks = [measure_rank(plan, model_spec, seq_len, r) for r in representative_ranks(plan)]
     fullest = max(ranks, key=lambda r: r["total"])
+    startup = {k: max(r["startup"][k] for r in ranks) for k in ranks[0]["startup"]}
     result: dict[str, Any] = {
+        "startup_max": startup,
         "world_size": plan.world_size,
         "measured": {"ranks": ranks, "max": {k: fullest[k] for k in ("rank", "params", "grads", "optimizer", "total")}},
         "estimated": None,

@@ -1,18 +1,32 @@
-"""From meta to real tensors with exactly the single-device initial weights.
+"""From meta to real tensors: each rank allocates and fills only what its placement owns.
 
-Every rank builds the whole model once on CPU with the same seed (the model's own
-`init_weights(seed)`), and copies into its parameters the part that its placement owns
-(`distribute_tensor(..., src_data_rank=None)` slices locally, no communication). Numerics then
-equal single-device training by construction, whatever the plan. The cost is one full CPU copy of
-the model per rank during start-up; for models that do not fit in host memory, load a seed
-checkpoint with DCP instead (the trainer's job).
+`materialize(parts, ...)` runs after TP/FSDP/PP have turned the meta model into this rank's
+stages of DTensors. It `to_empty`s every part on the device (allocating only local shards) and
+then fills them in one of three ways, in this order of preference:
+
+1. **Pretrained or seed weights** (`weights=`, e.g. `dtorch.checkpoint.hf_weights.HFWeights`):
+   an object with `fill_(name, param)` that copies into `param` (a DTensor or a tensor) the part
+   this rank owns, reading only those slices from disk.
+2. **Rank-local initialisation** (DTorch reference models, any module whose
+   `init_weights(seed)` uses `dtorch.models.init`): every element is a function of (seed,
+   parameter name, global index), so each rank generates just its shard and the weights equal
+   single-device initialisation for every plan. Peak host memory: one shard plus one chunk.
+3. **Seed path** (arbitrary modules, transformers models): the whole single-device model is built
+   once on CPU (`reference_state`) and each rank keeps its slice. This costs one full CPU copy
+   per rank during start-up; for a large model of this kind write a seed checkpoint once
+   (`dtorch.checkpoint.hf_weights.write_seed_checkpoint`) and start with it as `weights=`.
+
+Whatever the path, `startup_stats()` reports the process's peak host RSS and the bytes read from
+a checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +47,16 @@ def clean_name(name: str) -> str:
 def has_seeded_init(model: nn.Module) -> bool:
     init = getattr(model, "init_weights", None)
     return callable(init) and bool(inspect.signature(init).parameters)
+
+
+def rank_local_init(model: nn.Module) -> bool:
+    """Can `model` initialise each rank's shard on its own? True for modules whose seeded
+    `init_weights` draws through `dtorch.models.init` (the reference models); other modules
+    take the seed path (see the module docstring)."""
+    if not has_seeded_init(model):
+        return False
+    default = any(c.__module__.startswith("dtorch.models.") for c in type(model).__mro__)
+    return bool(getattr(model, "rank_local_init", default))
 
 
 def init_model(model: nn.Module, seed: int) -> None:
@@ -78,11 +102,63 @@ def reference_state(
     return state
 
 
+def _has_real_weights(model_or_factory: Any) -> bool:
+    return isinstance(model_or_factory, nn.Module) and not any(t.is_meta for t in model_or_factory.parameters())
+
+
+def startup_path(model_or_factory: Any, meta_model: nn.Module, weights: Any = None) -> str:
+    """Which way `materialize` fills the weights: "weights", "rank-local" or "seed"."""
+    if weights is not None:
+        return "weights"
+    if not _has_real_weights(model_or_factory) and rank_local_init(meta_model):
+        return "rank-local"
+    return "seed"
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size so far (VmHWM), None where /proc is not available."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class Startup:
+    """How `materialize` will fill the weights, decided on the meta model BEFORE it is sharded
+    (FSDP modules cannot be copied): `path` is "weights", "rank-local" or "seed"; the seed path's
+    full CPU state is built here."""
+
+    def __init__(self, model_or_factory: Any, meta_model: nn.Module, seed: int, weights: Any = None):
+        self.path = startup_path(model_or_factory, meta_model, weights)
+        self.seed = seed
+        self.weights = weights
+        self.full_state = reference_state(model_or_factory, meta_model, seed) if self.path == "seed" else None
+
+
 @torch.no_grad()
-def materialize(parts: list[nn.Module], full_state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """`to_empty` every model part on `device`, then copy this rank's slice of each full tensor."""
+def materialize(parts: list[nn.Module], startup: Startup, device: torch.device) -> dict[str, Any]:
+    """`to_empty` every model part on `device` and fill this rank's shards (see the module
+    docstring); returns {"path", "bytes_read", "peak_rss_bytes"}."""
+    path, weights, full_state = startup.path, startup.weights, startup.full_state
+    bytes_before = getattr(weights, "bytes_read", 0) if weights is not None else 0
     for part in parts:
         part.to_empty(device=device)
+        if path == "rank-local":
+            part.init_weights(startup.seed)  # reference models also recompute their buffers here
+            continue
+        if path == "weights":
+            for name, t in part.named_parameters():
+                weights.fill_(clean_name(name), t)
+            if hasattr(part, "init_buffers"):
+                part.init_buffers()  # derived buffers (RoPE tables)
+            else:
+                for name, t in part.named_buffers():
+                    weights.fill_(clean_name(name), t)
+            continue
         for name, t in [*part.named_parameters(), *part.named_buffers()]:
             src = full_state[clean_name(name)]
             if isinstance(t, DTensor):
@@ -90,3 +166,6 @@ def materialize(parts: list[nn.Module], full_state: dict[str, torch.Tensor], dev
                 t.to_local().copy_(local.to_local())
             else:
                 t.copy_(src)
+    startup.full_state = None  # the seed path's full copy is not needed any more
+    read = (getattr(weights, "bytes_read", 0) - bytes_before) if weights is not None else 0
+    return {"path": path, "bytes_read": int(read), "peak_rss_bytes": peak_rss_bytes()}

@@ -3,14 +3,15 @@
 Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> context
 parallel hooks -> activation checkpointing -> FSDP2 / HSDP / DDP -> materialise from meta ->
 pipeline schedule. Everything up to materialisation runs on the meta device, so no rank ever
-holds more than its shard (plus the one CPU reference copy used for initialisation, see
-materialize.py).
+holds more than its shard: reference models initialise rank-locally, pretrained weights are read
+slice by slice (`weights=`); see materialize.py for the seed path of other modules.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from dtorch.parallel.check import check_plan, model_dims
 from dtorch.parallel.cp import apply_cp, check_cp
 from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, uses_fsdp, wrap_ddp
 from dtorch.parallel.hf import adapt
-from dtorch.parallel.materialize import materialize, reference_state
+from dtorch.parallel.materialize import Startup, materialize
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
 from dtorch.parallel.model import ParallelModel
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
@@ -51,6 +52,7 @@ def parallelize(
     device: torch.device | str | None = None,
     seed: int = 0,
     seq_len: int | None = None,
+    weights: Any = None,
 ) -> ParallelModel:
     """Shard `model_or_factory` as `plan` says, on this process's rank; see ParallelModel.
 
@@ -59,7 +61,9 @@ def parallelize(
     `loss_fn(logits, labels)` returns the mean loss of one micro-batch (e.g.
     `dtorch.train.losses.next_token`). Initial weights equal those of the single-device model
     initialised with `seed`. Raises ConfigError before any process group exists if the plan cannot
-    run this model (or `seq_len`, when given).
+    run this model (or `seq_len`, when given). `weights`: fill the parameters from a checkpoint
+    instead (e.g. `dtorch.checkpoint.hf_weights.HFWeights`; see materialize.py); what start-up
+    cost is in `ParallelModel.startup`.
     """
     if isinstance(model_or_factory, nn.Module):
         model_or_factory = adapt(model_or_factory)
@@ -77,7 +81,7 @@ def parallelize(
     if plan.tp > 1:
         check_roles(model, plan.sp)
     device = torch.device(device) if device is not None else default_device()
-    full_state = reference_state(model_or_factory, model, seed)
+    startup = Startup(model_or_factory, model, seed, weights)
 
     mesh = None
     if plan.world_size > 1 or dist.is_initialized():
@@ -104,7 +108,7 @@ def parallelize(
         elif plan.dp_replicate > 1 and not classic_ddp(plan):
             apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
     init_device = torch.device("cpu") if plan.offload == "params" else device
-    materialize([m for _, m in parts], full_state, init_device)
+    startup_stats = materialize([m for _, m in parts], startup, init_device)
     if classic_ddp(plan):
         parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan))]
     for _, part in parts:
@@ -113,7 +117,7 @@ def parallelize(
     stage_ids = [s for s, _ in parts]
     schedule = build_schedule(parts, plan, sub_mesh(mesh, "pp"), device, loss_fn) if plan.pp > 1 else None
     dp_mesh = sub_mesh(mesh, "dp")
-    return ParallelModel(
+    parallel = ParallelModel(
         plan, mesh, [m for _, m in parts], loss_fn, device,
         schedule=schedule,
         has_first_stage=0 in stage_ids,
@@ -123,3 +127,5 @@ def parallelize(
         dp_rank=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
         dp_size=dp_mesh.size() if dp_mesh is not None else 1,
     )
+    parallel.startup = startup_stats
+    return parallel

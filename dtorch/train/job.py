@@ -28,7 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default="auto",
                    help="auto | a plan JSON/YAML file | fixed fields like tp=2,ac=full (the rest is searched)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="a token file (uint16 .bin); default: the stdlib byte corpus")
+    p.add_argument("--data", default=None,
+                   help="a token file (uint16 .bin), or with --tokenizer text: .txt/.md/.jsonl/.parquet files or a "
+                        "directory of them (tokenised once, cached); default: the stdlib byte corpus")
+    p.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer.json (or its directory) to tokenise --data with")
+    p.add_argument("--init-from", default=None,
+                   help="a Hugging Face model directory (config.json + safetensors; Llama 3, Mistral, Qwen2, "
+                        "GPT-2): start from its weights; the model is built from its config.json")
     p.add_argument("--sample-tokens", type=int, default=200, help="tokens of text to generate at the end")
     p.add_argument("--no-progress", action="store_true", help="no console progress line")
 
@@ -47,17 +54,39 @@ def parse_plan(text: str):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from dtorch.errors import ConfigError
     from dtorch.models import build_model
     from dtorch.train.optim import AdamW, WarmupCosine
     from dtorch.train.trainer import Trainer
 
     data = None
-    if args.data:
+    if args.tokenizer and not args.data:
+        raise ConfigError("tokenizer", args.tokenizer, "a tokenizer needs text to tokenise: pass --data too")
+    if args.data and args.tokenizer:
+        from dtorch.train.tokenize import text_dataset
+
+        data = text_dataset(args.data, args.tokenizer, args.seq_len)
+    elif args.data:
+        from pathlib import Path
+
         from dtorch.train.data import TokenFile
+        from dtorch.train.tokenize import SUFFIXES
+
+        if Path(args.data).is_dir() or Path(args.data).suffix in SUFFIXES:
+            raise ConfigError("data", args.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
 
         data = TokenFile(args.data, args.seq_len)
+    init_from = getattr(args, "init_from", None)
+    from pathlib import Path
+
+    from dtorch.checkpoint.hf_weights import SEED_MARKER
+
+    seed_ckpt = bool(init_from) and (Path(init_from) / SEED_MARKER).is_file()
+    # a Hugging Face directory brings its own model (config.json); a seed checkpoint needs --model
+    make_model = (lambda: build_model(args.model)) if not init_from or seed_ckpt else None
     trainer = Trainer(
-        model=lambda: build_model(args.model),
+        model=make_model,
+        init_from=init_from,
         data=data,
         optimizer=AdamW(lr=args.lr, weight_decay=0.0),
         lr_schedule=WarmupCosine(warmup_steps=args.warmup),
@@ -80,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
             from dtorch.train.data import ByteTokenizer
             from dtorch.train.generate import generate
 
-            model = build_model(args.model)
+            model = trainer.model_factory()
             model.load_state_dict(full)
-            tok = ByteTokenizer()
+            tok = getattr(data, "tokenizer", None) or ByteTokenizer()
             prompt = torch.tensor(tok.encode("def "), dtype=torch.long)
             out = generate(model, prompt, args.sample_tokens, context=args.seq_len, seed=args.seed)
             print("---- generated text ----\n" + tok.decode(out) + "\n------------------------", flush=True)

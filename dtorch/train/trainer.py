@@ -61,7 +61,11 @@ class Trainer:
 
     Arguments (all keyword):
       model: a factory returning an nn.Module (called on the meta device; weights are initialised
-        by `init_weights(seed)` when the module has it), or a module.
+        by `init_weights(seed)` when the module has it), or a module. May be None with `init_from`.
+      init_from: a Hugging Face model directory (config.json + safetensors: Llama 3, Mistral,
+        Qwen2, GPT-2) or a DTorch seed checkpoint: the initial weights, each rank reading only its
+        slices (dtorch.checkpoint.hf_weights). Without `model`, the reference model is built from
+        its config.json. A checkpoint in `checkpoint_dir` still wins (the run resumes).
       data: a map-style dataset whose items are (input, target), a 1-D tensor of seq_len+1 tokens
         or a dict with input_ids; None = the default byte-level corpus (no download).
       loss: `loss(logits, labels) -> mean loss of a micro-batch`.
@@ -86,8 +90,9 @@ class Trainer:
     def __init__(
         self,
         *,
-        model: Callable[[], nn.Module] | nn.Module,
+        model: Callable[[], nn.Module] | nn.Module | None = None,
         data: Any = None,
+        init_from: str | os.PathLike | None = None,
         loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token,
         optimizer: Any = None,
         lr_schedule: Any = None,
@@ -111,8 +116,11 @@ class Trainer:
             raise ConfigError("seq_len", seq_len, "use a positive sequence length")
         if int(checkpoint_every) < 1:
             raise ConfigError("checkpoint_every", checkpoint_every, "use a positive number of steps")
-        self.model_factory = model
+        self.init_from = Path(init_from) if init_from is not None else None
+        self.hf_config: dict | None = None
+        self.model_factory = self._model_factory(model)
         self.data = data
+        self._check_vocab(data)
         self.loss_fn = loss
         self.optimizer_spec = optimizer or AdamW()
         self.lr_spec = lr_schedule or WarmupCosine()
@@ -139,6 +147,48 @@ class Trainer:
         self.step = 0
 
     # ---- setup -------------------------------------------------------------------------------
+    def _model_factory(self, model: Any) -> Any:
+        """The model factory, and the checks of `init_from` that need no process group: the
+        directory's architecture is known and every tensor's shape matches the model."""
+        if self.init_from is None:
+            if model is None:
+                raise ConfigError("model", None, "pass a model (a factory or a module), or init_from=<HF directory>")
+            return model
+        from dtorch.checkpoint.hf_weights import HFWeights, model_shapes, read_config
+
+        weights = HFWeights(self.init_from)  # ConfigError: not a model directory, unknown architecture
+        if model is None:
+            if weights.seed:
+                raise ConfigError("model", None, f"{self.init_from} is a seed checkpoint: pass the model it was "
+                                  "written from")
+            from dtorch.models import build_from_config
+
+            config = weights.config
+            model = lambda: build_from_config(config)  # noqa: E731 - a factory, called on meta
+        if not weights.seed:
+            self.hf_config = read_config(self.init_from)
+        from dtorch.parallel.hf import adapt
+        from dtorch.parallel.parallelize import meta_model
+
+        skeleton = adapt(model) if isinstance(model, nn.Module) else meta_model(model)
+        weights.check(model_shapes(skeleton))  # ConfigError naming the tensor
+        return model
+
+    def _check_vocab(self, data: Any) -> None:
+        """A dataset's token ids must fit the model's embedding (checked before any process group)."""
+        vocab = getattr(data, "vocab_size", None)
+        if vocab is None:
+            return
+        from dtorch.parallel.parallelize import meta_model
+
+        model = self.model_factory  # a module is looked at as it is (no copy of real weights)
+        model = model if isinstance(model, nn.Module) else meta_model(model)
+        emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        if emb and int(vocab) > emb[0].num_embeddings:
+            raise ConfigError("tokenizer", f"vocabulary of {vocab} tokens",
+                              f"the model's embedding has {emb[0].num_embeddings} rows; use a tokenizer with at "
+                              "most that many tokens or a model with a larger vocab_size")
+
     def _join(self) -> tuple[int, int, torch.device]:
         """Join the default process group when launched with several ranks; pick the device."""
         from dtorch.integrations.env import export_rank_env
@@ -272,7 +322,7 @@ class Trainer:
 
     def _setup(self, total_steps: int) -> None:
         from dtorch.monitor.metrics import MetricsLogger
-        from dtorch.parallel import parallelize
+        from dtorch.parallel.parallelize import parallelize  # (the submodule may already shadow the name)
 
         self.rank, self.world, self.device = self._join()
         self.ckpt = None
@@ -294,8 +344,20 @@ class Trainer:
                          f"{pred.get('memory_bytes_per_rank', 0) / 2**20:,.0f} MiB/rank)")
             print(f"dtorch: plan {self.plan.family()}: {self.plan.describe()}{extra}", flush=True)
 
+        weights = None
+        if self.init_from is not None:
+            from dtorch.checkpoint.hf_weights import HFWeights
+
+            weights = HFWeights(self.init_from)
+            if self.rank == 0 and self.checkpoint_dir is not None and self.hf_config is not None:
+                from dtorch.checkpoint.hf_weights import save_run_config
+
+                save_run_config(self.checkpoint_dir, self.hf_config)  # for `dtorch ckpt export --hf`
         self.parallel = parallelize(self.model_factory, self.plan, loss_fn=self.loss_fn,
-                                    device=self.device, seed=self.seed, seq_len=self.seq_len)
+                                    device=self.device, seed=self.seed, seq_len=self.seq_len, weights=weights)
+        st = self.parallel.startup
+        self.metrics.event("startup", path=st["path"], bytes_read=st["bytes_read"],
+                           peak_rss_bytes=st["peak_rss_bytes"], init_from=str(self.init_from or ""))
         # One optimizer per model part (pipeline chunks): the optimizer state dict then maps
         # cleanly onto each part's fully qualified names.
         self.optimizers = [self.optimizer_spec.build(p.parameters()) for p in self.parallel.model_parts]

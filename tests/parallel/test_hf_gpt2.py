@@ -122,7 +122,7 @@ def _tied_tp_logits() -> dict:
     still rejects tied embeddings under TP: tests below.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dtorch.parallel.materialize import materialize, reference_state
+    from dtorch.parallel.materialize import Startup, materialize
     from dtorch.parallel.tp import apply_tp
 
     torch.manual_seed(0)
@@ -131,7 +131,7 @@ def _tied_tp_logits() -> dict:
         model = adapt(_gpt2())
     apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sp=True, loss_parallel=False)
     tied = model.output.weight is model.tok_embeddings.weight
-    materialize([model], reference_state(adapt(hf), model, 0), torch.device("cpu"))
+    materialize([model], Startup(adapt(hf), model, 0), torch.device("cpu"))
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (model.eval()(x) - hf(x).logits).abs().max()

@@ -1,0 +1,575 @@
+"""Hugging Face checkpoints in and out of DTorch's reference models, one slice at a time.
+
+A Hugging Face model directory (``config.json`` plus ``model.safetensors`` or sharded
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``) of a supported family
+maps onto a DTorch reference model:
+
+    family     transformers class      DTorch model
+    llama      LlamaForCausalLM        Llama (Llama 3 RoPE scaling supported)
+    mistral    MistralForCausalLM      Llama (sliding window: full causal attention, exact while
+                                              the sequence is no longer than the window)
+    qwen2      Qwen2ForCausalLM        Llama with q/k/v biases
+    gpt2       GPT2LMHeadModel         GPT
+
+`ADAPTERS` is the one table of name mappings. Each DTorch tensor comes from one Hugging Face
+tensor by a transform:
+
+- ``copy``: the same tensor;
+- ``rope``: q/k projections (and biases): Hugging Face stores the two halves of each head's
+  rotary pairs apart ("rotate_half"), DTorch interleaves them (Meta's layout); rows are permuted
+  within each head;
+- ``conv``: GPT-2's Conv1D stores weights [in, out]; DTorch's nn.Linear [out, in] (transposed).
+  The fused ``c_attn`` holds q, k and v side by side: `part` says which third.
+
+`HFWeights(dir)` is what `parallelize(..., weights=)` / `Trainer(init_from=)` take: `fill_(name,
+param)` copies into a parameter (a DTensor or a tensor) the block this rank stores, reading from
+the safetensors files with `safe_open(...).get_slice` only the rows and columns that block needs
+(for a rope tensor: the whole heads it overlaps). No rank ever reads the full checkpoint.
+Tied input/output embeddings (GPT-2, small Llama 3.2 / Qwen2) load into DTorch's untied head as
+a copy of the embedding; export then writes both and ``tie_word_embeddings: false``.
+
+`export_hf(checkpoint_dir, out, ...)` writes a DCP checkpoint as such a directory, streaming: it
+reads from the DCP checkpoint only the tensors of one output shard file at a time.
+`write_seed_checkpoint(model, out)` writes any module's weights under their own names once, for
+start-up on the `weights=` path when its initialisation cannot be rank-local.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtorch.errors import ConfigError
+from dtorch.models.configs import GPTConfig, LlamaConfig, ModelConfig
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+SEED_MARKER = "dtorch_seed.json"
+DEFAULT_SHARD_BYTES = 2 * 10**9
+
+
+@dataclass(frozen=True)
+class Rule:
+    dtorch: str
+    """DTorch parameter name; ``{i}`` stands for a block number."""
+    hf: str
+    """Hugging Face tensor name."""
+    kind: str = "copy"
+    """copy | rope_q | rope_k | conv (see the module docstring)."""
+    part: tuple[int, int] = (0, 1)
+    """(j, n): this tensor is the j-th of n equal pieces of the HF tensor's output dimension."""
+
+
+_LLAMA = [
+    Rule("tok_embeddings.weight", "model.embed_tokens.weight"),
+    Rule("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    Rule("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight", "rope_q"),
+    Rule("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight", "rope_k"),
+    Rule("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    Rule("layers.{i}.attention.wq.bias", "model.layers.{i}.self_attn.q_proj.bias", "rope_q"),
+    Rule("layers.{i}.attention.wk.bias", "model.layers.{i}.self_attn.k_proj.bias", "rope_k"),
+    Rule("layers.{i}.attention.wv.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+    Rule("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    Rule("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    Rule("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    Rule("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    Rule("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    Rule("norm.weight", "model.norm.weight"),
+    Rule("output.weight", "lm_head.weight"),
+]
+_GPT2 = [
+    Rule("tok_embeddings.weight", "transformer.wte.weight"),
+    Rule("pos_embeddings.weight", "transformer.wpe.weight"),
+    Rule("layers.{i}.attention_norm.weight", "transformer.h.{i}.ln_1.weight"),
+    Rule("layers.{i}.attention_norm.bias", "transformer.h.{i}.ln_1.bias"),
+    *(Rule(f"layers.{{i}}.attention.w{x}.{p}", f"transformer.h.{{i}}.attn.c_attn.{p}", "conv", (j, 3))
+      for j, x in enumerate("qkv") for p in ("weight", "bias")),
+    Rule("layers.{i}.attention.wo.weight", "transformer.h.{i}.attn.c_proj.weight", "conv"),
+    Rule("layers.{i}.attention.wo.bias", "transformer.h.{i}.attn.c_proj.bias", "conv"),
+    Rule("layers.{i}.ffn_norm.weight", "transformer.h.{i}.ln_2.weight"),
+    Rule("layers.{i}.ffn_norm.bias", "transformer.h.{i}.ln_2.bias"),
+    Rule("layers.{i}.feed_forward.w1.weight", "transformer.h.{i}.mlp.c_fc.weight", "conv"),
+    Rule("layers.{i}.feed_forward.w1.bias", "transformer.h.{i}.mlp.c_fc.bias", "conv"),
+    Rule("layers.{i}.feed_forward.w2.weight", "transformer.h.{i}.mlp.c_proj.weight", "conv"),
+    Rule("layers.{i}.feed_forward.w2.bias", "transformer.h.{i}.mlp.c_proj.bias", "conv"),
+    Rule("norm.weight", "transformer.ln_f.weight"),
+    Rule("norm.bias", "transformer.ln_f.bias"),
+    Rule("output.weight", "lm_head.weight"),
+]
+ADAPTERS: dict[str, list[Rule]] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2}
+"""Per Hugging Face `model_type`: DTorch name <-> HF name, transform."""
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "gpt2": "GPT2LMHeadModel"}
+TIED_SOURCE = {"llama": "model.embed_tokens.weight", "mistral": "model.embed_tokens.weight",
+               "qwen2": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+
+
+def _compile(rules: list[Rule]) -> list[tuple[re.Pattern, Rule]]:
+    return [(re.compile("^" + re.escape(r.dtorch).replace(r"\{i\}", r"(\d+)") + "$"), r) for r in rules]
+
+
+def rule_for(family: str, name: str) -> tuple[Rule, str]:
+    """(the rule, the HF name) of DTorch tensor `name`; ConfigError if the table has none."""
+    for pattern, rule in _compile(ADAPTERS[family]):
+        m = pattern.match(name)
+        if m:
+            return rule, rule.hf.replace("{i}", m.group(1)) if m.groups() else rule.hf
+    raise ConfigError("init_from", name, f"no {family} checkpoint tensor maps to this parameter of the model")
+
+
+# ---- config.json <-> DTorch config ---------------------------------------------------------------
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError("init_from", str(directory),
+                          "not a Hugging Face model directory (no config.json); pass the directory "
+                          "save_pretrained wrote")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError("init_from", str(path), f"config.json is not valid JSON ({e})") from None
+
+
+def model_type(hf: dict[str, Any]) -> str:
+    kind = hf.get("model_type")
+    if kind not in ADAPTERS:
+        raise ConfigError("init_from", f"model_type={kind!r} (architectures={hf.get('architectures')})",
+                          "unknown architecture; supported: " + ", ".join(ADAPTERS))
+    return kind
+
+
+def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
+    """The reference-model config of a Hugging Face config.json (raises ConfigError for a feature
+    the reference models do not have)."""
+    kind = model_type(hf)
+
+    def refuse(key: str, fix: str) -> None:
+        raise ConfigError("init_from", f"{kind} {key}={hf.get(key)!r}", fix)
+
+    if kind == "gpt2":
+        if hf.get("scale_attn_by_inverse_layer_idx"):
+            refuse("scale_attn_by_inverse_layer_idx", "not supported by DTorch's GPT; use a checkpoint without it")
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            refuse("activation_function", "DTorch's GPT uses the tanh GeLU (gelu_new)")
+        if hf.get("scale_attn_weights", True) is False:
+            refuse("scale_attn_weights", "DTorch's GPT scales attention by 1/sqrt(head_dim)")
+        return GPTConfig(dim=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
+                         vocab_size=hf["vocab_size"], max_seq_len=max_seq_len or hf["n_positions"],
+                         ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
+                         dropout=float(hf.get("resid_pdrop", 0.1)),
+                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "DTorch's Llama uses SwiGLU with silu")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias", "DTorch's Llama has no MLP biases")
+    if hf.get("attention_bias") and kind != "qwen2":
+        refuse("attention_bias", "DTorch's Llama has no attention biases (only Qwen2's q/k/v biases)")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim * heads != hf["hidden_size"]:
+        refuse("head_dim", f"DTorch's Llama needs head_dim = hidden_size / num_attention_heads "
+                           f"= {hf['hidden_size'] // heads}")
+    rope = hf.get("rope_scaling") or None
+    if rope is None and isinstance(hf.get("rope_parameters"), dict):  # transformers >= 5 spelling
+        params = hf["rope_parameters"]
+        rope = params if params.get("rope_type", "default") != "default" else None
+    scaling = None
+    if rope is not None:
+        if rope.get("rope_type", rope.get("type")) != "llama3":
+            raise ConfigError("init_from", f"rope_scaling={rope}", "only Llama 3 RoPE scaling (rope_type llama3) is supported")
+        scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                   int(rope["original_max_position_embeddings"]))
+    theta = hf.get("rope_theta")
+    if theta is None and isinstance(hf.get("rope_parameters"), dict):
+        theta = hf["rope_parameters"].get("rope_theta")
+    return LlamaConfig(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+                       n_kv_heads=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
+                       ffn_hidden=hf["intermediate_size"],
+                       max_seq_len=max_seq_len or hf.get("max_position_embeddings", 8192),
+                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       rope_theta=float(theta if theta is not None else 10000.0),
+                       qkv_bias=kind == "qwen2", rope_scaling=scaling)
+
+
+def hf_config(config: ModelConfig, family: str | None = None, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for a DTorch config (`base`: the config.json it was loaded from, kept for the
+    keys DTorch does not model, e.g. token ids)."""
+    out = dict(base or {})
+    for k in ("_name_or_path", "transformers_version", "auto_map"):
+        out.pop(k, None)
+    if isinstance(config, GPTConfig):
+        family = "gpt2"
+        out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=config.dim, n_layer=config.n_layers,
+                   n_head=config.n_heads, vocab_size=config.vocab_size, n_positions=config.max_seq_len,
+                   n_inner=config.ffn_hidden, layer_norm_epsilon=config.norm_eps,
+                   activation_function="gelu_new", resid_pdrop=config.dropout, embd_pdrop=config.dropout,
+                   attn_pdrop=config.dropout)
+    else:
+        family = family or ("qwen2" if config.qkv_bias else "llama")
+        out.update(model_type=family, architectures=[ARCHITECTURES[family]], hidden_size=config.dim,
+                   num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+                   num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim,
+                   intermediate_size=config.ffn_hidden, vocab_size=config.vocab_size,
+                   max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
+                   rope_theta=config.rope_theta, hidden_act="silu")
+        if family == "llama":
+            out.update(attention_bias=False, mlp_bias=False)
+        if config.rope_scaling is not None and "rope_scaling" not in (base or {}):
+            f, lo, hi, orig = config.rope_scaling
+            out["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
+                                   "high_freq_factor": hi, "original_max_position_embeddings": orig}
+    out["tie_word_embeddings"] = False  # DTorch's head is its own tensor
+    out.setdefault("torch_dtype", "float32")
+    return out
+
+
+# ---- reading safetensors headers (no torch) -------------------------------------------------------
+_SAFE_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ConfigError("init_from", str(path), "not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            head = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConfigError("init_from", str(path), "not a safetensors file (bad header)") from None
+    head.pop("__metadata__", None)
+    return head
+
+
+def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
+    """{tensor name: the safetensors file holding it} of a model directory."""
+    d = Path(directory)
+    index = d / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return {k: d / v for k, v in weight_map.items()}
+    files = [d / SINGLE_NAME] if (d / SINGLE_NAME).is_file() else sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ConfigError("init_from", str(d), "no model.safetensors or model.safetensors.index.json in it "
+                          "(only safetensors checkpoints are read; re-save with save_pretrained)")
+    out: dict[str, Path] = {}
+    for f in files:
+        out.update(dict.fromkeys(_header(f), f))
+    return out
+
+
+def tensor_shapes(directory: str | os.PathLike) -> dict[str, tuple[list[int], str]]:
+    """{tensor name: (shape, safetensors dtype)} read from the file headers only."""
+    out: dict[str, tuple[list[int], str]] = {}
+    for f in sorted(set(weight_files(directory).values())):
+        for k, v in _header(f).items():
+            out[k] = (list(v["shape"]), v["dtype"])
+    return out
+
+
+def _hf_name(family: str, name: str, present: dict[str, Any]) -> tuple[Rule, str]:
+    rule, hf = rule_for(family, name)
+    if hf not in present and hf.startswith("transformer.") and hf.removeprefix("transformer.") in present:
+        hf = hf.removeprefix("transformer.")  # GPT-2 checkpoints saved from GPT2Model have no prefix
+    if hf not in present and rule.dtorch == "output.weight":
+        hf = TIED_SOURCE[family]
+        if hf not in present and hf.removeprefix("transformer.") in present:
+            hf = hf.removeprefix("transformer.")
+    return rule, hf
+
+
+def expected_hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the HF tensor that DTorch tensor of `shape` comes from under `rule`."""
+    if rule.kind == "conv":
+        n = rule.part[1]
+        return (shape[1], shape[0] * n) if len(shape) == 2 else (shape[0] * n,)
+    return tuple(shape)
+
+
+def check_shapes(directory: str | os.PathLike, model_shapes: dict[str, tuple[int, ...]], family: str) -> int:
+    """ConfigError naming the first tensor whose checkpoint shape does not match the model (or is
+    missing); returns the checkpoint's total bytes. Reads file headers only."""
+    present = tensor_shapes(directory)
+    for name, shape in model_shapes.items():
+        rule, hf = _hf_name(family, name, present)
+        if hf not in present:
+            raise ConfigError("init_from", f"{directory}: no tensor {hf}",
+                              f"the model's {name} needs it; is this a {family} checkpoint of this size?")
+        want = expected_hf_shape(rule, tuple(shape))
+        if tuple(present[hf][0]) != want:
+            raise ConfigError("init_from", f"{hf} has shape {list(present[hf][0])}",
+                              f"the model's {name} needs {list(want)}; the checkpoint does not match the model "
+                              "(check config.json against the weights, or the model you passed)")
+    return sum(math.prod(s) * _SAFE_DTYPES.get(dt, 4) for s, dt in present.values())
+
+
+# ---- loading: slices into DTensors --------------------------------------------------------------
+class HFWeights:
+    """Weights of a Hugging Face model directory (or a DTorch seed checkpoint) for
+    `parallelize(..., weights=)`: `fill_(name, param)` reads only this rank's block."""
+
+    def __init__(self, directory: str | os.PathLike, family: str | None = None, config: ModelConfig | None = None):
+        self.directory = Path(directory)
+        self.seed = (self.directory / SEED_MARKER).is_file()
+        if self.seed:
+            self.family = "seed"
+        else:
+            hf = read_config(self.directory)
+            self.family = family or model_type(hf)
+            self.config = config or dtorch_config(hf)
+        self.files = weight_files(self.directory)
+        self.bytes_read = 0
+        self._open: dict[Path, Any] = {}
+
+    @property
+    def head_dims(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.n_heads, c.n_kv_heads, c.head_dim
+
+    def _slice(self, hf: str):
+        from safetensors import safe_open
+
+        # A file stays memory-mapped while it is open, and the pages read count as this process's
+        # resident memory: open it per tensor, so at most one tensor's slice is mapped at a time.
+        handle = safe_open(str(self.files[hf]), framework="pt", device="cpu")
+        self._open["current"] = handle  # dropped (unmapped) when the next tensor is read
+        return handle.get_slice(hf)
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def check(self, model_shapes: dict[str, tuple[int, ...]]) -> int:
+        if self.seed:
+            present = tensor_shapes(self.directory)
+            for name, shape in model_shapes.items():
+                if name not in present:
+                    raise ConfigError("init_from", f"{self.directory}: no tensor {name}", "the seed checkpoint "
+                                      "was written for another model")
+                if tuple(present[name][0]) != tuple(shape):
+                    raise ConfigError("init_from", f"{name} has shape {present[name][0]}",
+                                      f"the model needs {list(shape)}")
+            return sum(math.prod(s) * _SAFE_DTYPES.get(dt, 4) for s, dt in present.values())
+        return check_shapes(self.directory, model_shapes, self.family)
+
+    def read(self, name: str, global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]):
+        """The block `offset`+`shape` of DTorch tensor `name` (whole shape `global_shape`)."""
+        if self.seed:
+            rule, hf = Rule(name, name), name
+        else:
+            rule, hf = _hf_name(self.family, name, self.files)
+        if hf not in self.files:
+            raise ConfigError("init_from", f"{self.directory}: no tensor {hf}", f"the model's {name} needs it")
+        sl = self._slice(hf)
+        box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        if rule.kind == "copy":
+            t = sl[box] if box else sl[:]
+        elif rule.kind == "conv":
+            j, n = rule.part
+            hf_shape = sl.get_shape()
+            width = hf_shape[-1] // n
+            if len(shape) == 2:
+                lo = j * width + offset[0]
+                t = sl[offset[1]:offset[1] + shape[1], lo:lo + shape[0]].t()
+            else:
+                lo = j * width + offset[0]
+                t = sl[lo:lo + shape[0]]
+        else:  # rope_q / rope_k: read the whole heads the block overlaps, un-rotate-half them
+            hd = self.head_dims[2]
+            r0, r1 = offset[0], offset[0] + shape[0]
+            h0, h1 = r0 // hd, -(-r1 // hd)
+            t = sl[(slice(h0 * hd, h1 * hd), *box[1:])]
+            t = hf_to_interleaved(t, h1 - h0, hd)[r0 - h0 * hd:r1 - h0 * hd]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def fill_(self, name: str, param) -> None:
+        from dtorch.models.init import local_box
+
+        local, shape, offset = local_box(param)
+        if local.numel() == 0:
+            return
+        block = self.read(name, tuple(param.shape), offset, shape)
+        local.copy_(block.reshape(local.shape))
+        del block
+        self.close()
+
+
+def hf_to_interleaved(t, heads: int, head_dim: int):
+    """Rows of q/k (per head: first halves, then second halves of the rotary pairs) to Meta's
+    interleaved layout (pairs adjacent). Works on [heads*head_dim, ...] and 1-D biases."""
+    rest = t.shape[1:]
+    return t.reshape(heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
+
+
+def interleaved_to_hf(t, heads: int, head_dim: int):
+    """Inverse of `hf_to_interleaved` (DTorch -> Hugging Face)."""
+    rest = t.shape[1:]
+    return t.reshape(heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
+
+
+def model_shapes(meta_model) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a (meta) module's parameters."""
+    return {n: tuple(p.shape) for n, p in meta_model.named_parameters()}
+
+
+def load_model_config(directory: str | os.PathLike, max_seq_len: int | None = None) -> tuple[str, ModelConfig]:
+    """(family, DTorch config) of a Hugging Face directory, or ConfigError."""
+    hf = read_config(directory)
+    return model_type(hf), dtorch_config(hf, max_seq_len=max_seq_len)
+
+
+# ---- out: a DCP checkpoint to a Hugging Face directory -------------------------------------------
+RUN_CONFIG = "hf_config.json"
+"""Written into a run's checkpoint directory when it started from a Hugging Face directory."""
+
+
+def save_run_config(checkpoint_dir: str | os.PathLike, hf: dict[str, Any]) -> None:
+    d = Path(checkpoint_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    _atomic_json(d / RUN_CONFIG, hf)
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def hf_tensor_plan(family: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple[Rule, str]]]:
+    """{HF name: [(rule, DTorch name), ...] in part order} for DTorch tensors of `shapes`."""
+    out: dict[str, list[tuple[Rule, str]]] = {}
+    for name in shapes:
+        rule, hf = rule_for(family, name)
+        out.setdefault(hf, []).append((rule, name))
+    for v in out.values():
+        v.sort(key=lambda rn: rn[0].part[0])
+    return out
+
+
+def to_hf(rules: list[tuple[Rule, Any]], config: ModelConfig):
+    """One HF tensor from the DTorch tensors of its rules (full tensors)."""
+    import torch
+
+    pieces = []
+    for rule, t in rules:
+        if rule.kind == "rope_q":
+            t = interleaved_to_hf(t, config.n_heads, config.head_dim)
+        elif rule.kind == "rope_k":
+            t = interleaved_to_hf(t, config.n_kv_heads, config.head_dim)
+        elif rule.kind == "conv" and t.dim() == 2:
+            t = t.t()
+        pieces.append(t)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).contiguous()
+
+
+def export_hf(
+    checkpoint_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    config: ModelConfig,
+    *,
+    family: str | None = None,
+    base_config: dict[str, Any] | None = None,
+    key: str = "model",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: str | None = None,
+) -> Path:
+    """Write committed DCP step directory `checkpoint_dir` (entry `key`: the model's state dict)
+    as a Hugging Face directory `out`: config.json, model-0000i-of-0000n.safetensors and
+    model.safetensors.index.json. One output shard's tensors are read from the checkpoint at a
+    time, so memory holds at most one shard (plus one tensor). `dtype`: cast (e.g. bfloat16)."""
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    family = "gpt2" if isinstance(config, GPTConfig) else (family or ("qwen2" if config.qkv_bias else "llama"))
+    reader = FileSystemReader(str(checkpoint_dir))
+    meta = reader.read_metadata().state_dict_metadata
+    prefix = key + "."
+    shapes = {k[len(prefix):]: tuple(v.size) for k, v in meta.items() if k.startswith(prefix) and hasattr(v, "size")}
+    if not shapes:
+        raise ConfigError("key", key, f"the checkpoint has no '{key}' entry with tensors")
+    plan = hf_tensor_plan(family, {k: v for k, v in shapes.items()})
+    cast = getattr(torch, dtype) if dtype else None
+
+    def nbytes(hf: str) -> int:
+        return sum(math.prod(shapes[n]) for _, n in plan[hf]) * (cast.itemsize if cast else 4)
+
+    groups: list[list[str]] = [[]]
+    size = 0
+    for hf in plan:
+        if groups[-1] and size + nbytes(hf) > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(hf)
+        size += nbytes(hf)
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        wanted = {prefix + n: torch.empty(shapes[n], dtype=meta[prefix + n].properties.dtype)
+                  for hf in group for _, n in plan[hf]}
+        dcp_load(wanted, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        tensors = {}
+        for hf in group:
+            t = to_hf([(rule, wanted[prefix + n]) for rule, n in plan[hf]], config)
+            tensors[hf] = t.to(cast) if cast else t
+            weight_map[hf] = fname
+            total += tensors[hf].numel() * tensors[hf].element_size()
+        del wanted
+        tmp = outdir / f".{fname}.tmp-{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, outdir / fname)
+        del tensors
+    _atomic_json(outdir / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    cfg = hf_config(config, family, base_config)
+    if dtype:
+        cfg["torch_dtype"] = dtype
+    _atomic_json(outdir / "config.json", cfg)
+    return outdir
+
+
+def write_seed_checkpoint(model, out: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the weights and buffers of `model` (a real module, e.g. one built and initialised
+    once on CPU) under their own names, for `HFWeights(out)` / `init_from=out`: each rank then
+    reads only its slices. Use it for modules whose initialisation cannot be rank-local."""
+    from safetensors.torch import save_file
+
+    from dtorch.parallel.hf import adapt
+    from dtorch.parallel.materialize import clean_name
+
+    model = adapt(model)
+    items = [(clean_name(n), t) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    groups: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for n, t in items:
+        b = t.numel() * t.element_size()
+        if groups[-1] and size + b > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((n, t))
+        size += b
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: t.detach().contiguous().clone() for n, t in group}, str(outdir / fname))
+        weight_map.update(dict.fromkeys((n for n, _ in group), fname))
+    _atomic_json(outdir / INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
+    _atomic_json(outdir / SEED_MARKER, {"format": "dtorch seed checkpoint", "tensors": len(items)})
+    return outdir
+
+
+__all__ = ["ADAPTERS", "HFWeights", "Rule", "check_shapes", "dtorch_config", "export_hf",
+           "hf_config", "load_model_config", "model_shapes", "read_config", "tensor_shapes",
+           "write_seed_checkpoint"]
