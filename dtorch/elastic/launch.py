@@ -187,6 +187,8 @@ def _agent_class():
             self._round_nodes: set[str] = set()
             self._round_t = 0.0
             self._grow_base: int | None = None
+            self.fatal: str | None = None
+            """The one-line message of an error a restart cannot fix (see bootstrap.is_fatal)."""
 
         # -- membership
         def _round(self) -> int:
@@ -238,6 +240,10 @@ def _agent_class():
             # ~1.8 s for forked workers here), so the failure was seen at t_check, not on return.
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
+                fatal = self._fatal_event()
+                if fatal is not None:
+                    self._on_fatal(fatal)
+                    return result
                 self._on_exit_failure(result, t_check)
             elif result.state == WorkerState.HEALTHY:
                 hang = self.watch.check()
@@ -250,6 +256,17 @@ def _agent_class():
                     return RunResult(state=WorkerState.UNHEALTHY)
                 self._maybe_report_recovery()
             return result
+
+        def _fatal_event(self) -> dict[str, Any] | None:
+            """The first `fatal` event of this epoch: a worker met an error no restart can fix."""
+            evs = [e for e in events.read(self.events_path) if e["kind"] == "fatal" and e.get("epoch") == self.epoch]
+            return min(evs, key=lambda e: (e["t"], e.get("rank", 0))) if evs else None
+
+        def _on_fatal(self, ev: dict[str, Any]) -> None:
+            self._remaining_restarts = 0  # torch's loop then stops the group and returns the failure
+            self.fatal = str(ev.get("message") or ev.get("error"))
+            events.log("stopped", self.events_path, cause="fatal", rank=ev.get("rank"), epoch=self.epoch,
+                       message=self.fatal)
 
         def _fault_time(self, ranks: list[int]) -> float | None:
             """When the fault happened: the chaos mark if one fired, else the last progress seen."""
@@ -410,6 +427,21 @@ def _agent_class():
     return DTorchAgent
 
 
+class _QuietFatal(logging.Filter):
+    """Drops torch's multi-line report of a worker that exited for a fatal error: the worker
+    logged the cause as one `fatal` event, and the agent prints that line instead."""
+
+    def __init__(self, events_path: str):
+        super().__init__()
+        self.events_path = events_path
+        self.since = time.time()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        return not any(e["kind"] == "fatal" and e["t"] >= self.since for e in events.read(self.events_path))
+
+
 class _GatedRendezvous:
     """The rendezvous handler, except that `num_nodes_waiting` goes through the agent's grow gate."""
 
@@ -487,12 +519,18 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
                            start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
                            shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
+    quiet = _QuietFatal(agent.events_path)
+    torch_mp_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    torch_mp_log.addFilter(quiet)
     shutdown_rdzv = True
     try:
         result = agent.run()
         agent._maybe_report_recovery(force=True)
         if result is None:  # the rendezvous was closed by another node: nothing left to do here
             return 0
+        if agent.fatal is not None:
+            print(f"dtorch: error: {agent.fatal}", file=sys.stderr, flush=True)
+            return 2
         if result.is_failed():
             ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(result.failures.items()))
             print(f"dtorch: job failed after {spec.max_restarts} restarts: {ranks or 'unhealthy workers'}",
@@ -503,6 +541,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         shutdown_rdzv = False  # closing the rendezvous would stop the other nodes from carrying on
         return 128 + int(e.sigval)
     finally:
+        torch_mp_log.removeFilter(quiet)
         if shutdown_rdzv:
             handler.shutdown()
         for k, v in saved.items():

@@ -65,8 +65,10 @@ def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
+    # forward_sync_buffers, not the deprecated broadcast_buffers (a FutureWarning on every rank);
+    # with init_sync=False neither syncs at init, so the two are the same here.
     return DistributedDataParallel(model, device_ids=ids, process_group=dp_mesh.get_group(),
-                                   broadcast_buffers=False, init_sync=False)
+                                   forward_sync_buffers=False, init_sync=False)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:
