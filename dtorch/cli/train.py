@@ -68,6 +68,35 @@ def preflight(args: argparse.Namespace, nproc: int) -> None:
         TokenFile(args.data, args.seq_len)  # exists, whole tokens, long enough
     _check_checkpoint_dir(args.checkpoint_dir)
     _check_plan(args, nproc)
+    _check_checkpoint_model(args)
+
+
+def _check_checkpoint_model(args: argparse.Namespace) -> None:
+    """The newest checkpoint's model shapes (DCP metadata, read with the allow-list) against the
+    model asked for: resuming another model's checkpoint fails here, not in every worker."""
+    from pathlib import Path
+
+    from dtorch.checkpoint import files as F
+    from dtorch.checkpoint import safe
+    from dtorch.errors import ConfigError
+    from dtorch.models import build_model
+    from dtorch.parallel.parallelize import meta_model
+
+    for _, path in F.committed_dirs(Path(args.checkpoint_dir)):
+        try:
+            F.read_manifest(path)
+            saved = safe.load_metadata(path / ".metadata").state_dict_metadata
+        except (F.ManifestError, safe.UnsafeMetadata, OSError):
+            continue  # damaged: the workers skip it with a warning and fall back
+        mine = {f"model.{k}": tuple(v.shape) for k, v in meta_model(lambda: build_model(args.model)).state_dict().items()}
+        shared = [k for k in mine if k in saved and hasattr(saved[k], "size")]
+        bad = [k for k in shared if tuple(saved[k].size) != mine[k]]
+        if bad or not shared:
+            what = (f"{bad[0][6:]} is {tuple(saved[bad[0]].size)} there, {mine[bad[0]]} in --model {args.model}"
+                    if bad else f"none of the parameters of --model {args.model} are in it")
+            raise ConfigError("checkpoint_dir", str(path), f"a checkpoint of another model ({what}); resume with the "
+                              "model it was written with, or use another --checkpoint-dir")
+        return
 
 
 def _check_checkpoint_dir(path: str) -> None:

@@ -437,7 +437,7 @@ class _QuietFatal(logging.Filter):
         self.since = time.time()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
+        if record.levelno < logging.WARNING:
             return True
         return not any(e["kind"] == "fatal" and e["t"] >= self.since for e in events.read(self.events_path))
 
@@ -520,8 +520,10 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
                            shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
     quiet = _QuietFatal(agent.events_path)
-    torch_mp_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    torch_mp_log.addFilter(quiet)
+    torch_logs = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
+                                                 "torch.multiprocessing.spawn")]
+    for lg in torch_logs:
+        lg.addFilter(quiet)
     shutdown_rdzv = True
     try:
         result = agent.run()
@@ -541,7 +543,8 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         shutdown_rdzv = False  # closing the rendezvous would stop the other nodes from carrying on
         return 128 + int(e.sigval)
     finally:
-        torch_mp_log.removeFilter(quiet)
+        for lg in torch_logs:
+            lg.removeFilter(quiet)
         if shutdown_rdzv:
             handler.shutdown()
         for k, v in saved.items():
