@@ -103,8 +103,11 @@ def tag(purpose: str, data: bytes, key: bytes | None = None) -> str:
     return hmac.new(k, data, hashlib.sha256).hexdigest()
 
 
-def check_tag(purpose: str, data: bytes, expected: str, key: bytes | None = None) -> bool:
-    return isinstance(expected, str) and hmac.compare_digest(tag(purpose, data, key), expected)
+def check_tag(purpose: str, data: bytes, expected: str | bytes, key: bytes | None = None) -> bool:
+    """Whether `expected` is the tag of `data` (constant time; any garbage is simply False)."""
+    if isinstance(expected, str):
+        expected = expected.encode("utf-8", "replace")
+    return isinstance(expected, bytes) and hmac.compare_digest(tag(purpose, data, key).encode(), expected)
 
 
 def trusted_dirs() -> list[Path]:
@@ -113,7 +116,7 @@ def trusted_dirs() -> list[Path]:
 
 def untrusted_reason(path: str | os.PathLike, *, private: bool = False) -> str | None:
     """Why `path` (a directory) is not to be trusted, or None. Refused: a symlink, a directory
-    owned by another user, one writable by others (with `private`, any group/other access)."""
+    owned by another user, one writable by others (with `private`, writable by the group too)."""
     p = Path(path)
     try:
         st = os.lstat(p)
@@ -125,8 +128,8 @@ def untrusted_reason(path: str | os.PathLike, *, private: bool = False) -> str |
         return "is not a directory"
     elif st.st_uid != os.geteuid():
         why = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    elif private and st.st_mode & 0o077:
-        why = f"has mode {stat.S_IMODE(st.st_mode):o}; it must be private (0700)"
+    elif private and st.st_mode & 0o022:
+        why = f"is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}); make it 0700"
     elif st.st_mode & 0o002:
         why = f"is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
     else:
@@ -148,7 +151,7 @@ def check_dir(path: str | os.PathLike, field: str, *, private: bool = False) -> 
 
 def private_dir(path: str | os.PathLike, field: str) -> Path:
     """Create `path` as a private directory (0700), or check that the existing one is ours and
-    private; never through a symlink."""
+    writable by nobody else; never through a symlink."""
     p = Path(path)
     try:
         os.mkdir(p, 0o700)

@@ -197,13 +197,25 @@ def read_beats(run_dir: str, epoch: int | None = None) -> dict[int, dict[str, An
         if not (n.startswith("rank") and n.endswith(".json")):
             continue
         try:
-            with open(os.path.join(d, n)) as f:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd) as f:
+                if os.fstat(fd).st_uid != os.geteuid():
+                    continue  # not written by one of our workers
                 rec = json.load(f)
-        except (OSError, json.JSONDecodeError):
+            rank = int(rec["rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if n != f"rank{rank}.json":
             continue
         if epoch is None or rec.get("epoch") == epoch:
-            out[int(rec["rank"])] = rec
+            out[rank] = rec
     return out
+
+
+def read_local_beats(run_dir: str, epoch: int, pids: dict[int, int]) -> dict[int, dict[str, Any]]:
+    """The records of this agent's workers (`pids`: global rank -> pid) only: a record whose pid
+    is not the worker's was not written by it (planted, or left by an earlier group) and is ignored."""
+    return {r: b for r, b in read_beats(run_dir, epoch).items() if r in pids and b.get("pid") == pids[r]}
 
 
 def proc_state(pid: int) -> str | None:
@@ -268,7 +280,7 @@ class HangWatch:
         if self.timeout <= 0 or now < self._next:
             return None
         self._next = now + self.period
-        beats = read_beats(self.run_dir, self.epoch)
+        beats = read_local_beats(self.run_dir, self.epoch, self.local)
         if not any(b.get("beats", 0) > 0 for b in beats.values()):
             return None
         steady = all(beats.get(r, {}).get("steps_done", 0) > 0 for r in self.local)

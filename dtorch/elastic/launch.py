@@ -39,6 +39,7 @@ import importlib
 import ipaddress
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -48,6 +49,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtorch import trust
 from dtorch.elastic import chaos, events, heartbeat
 from dtorch.elastic import store as rdzv_store
 from dtorch.errors import ConfigError
@@ -95,7 +97,8 @@ class LaunchSpec:
     chaos: str = ""
     """Fault-injection spec, see `dtorch.elastic.chaos`."""
     run_dir: str | None = None
-    """Where heartbeats, dumps, chaos marks and events.jsonl go. Default: $TMPDIR/dtorch-<rdzv_id>.
+    """Where heartbeats, dumps, chaos marks and events.jsonl go. Default: a fresh private
+    $TMPDIR/dtorch-<rdzv_id>-<random>. An existing one must be ours and writable by nobody else.
     Share it between nodes (or not) as you like: each agent only judges its own workers."""
     local_addr: str | None = None
     shutdown_timeout: int = 5
@@ -125,8 +128,8 @@ class LaunchSpec:
             self.local_addr = "127.0.0.1"  # keep MASTER_ADDR off the network when the job is local
         if self.rdzv_id is None:
             self.rdzv_id = f"dtorch-{uuid.uuid4().hex[:12]}" if self.max_nodes == 1 else "none"
-        if self.run_dir is None:
-            self.run_dir = os.path.join(tempfile.gettempdir(), f"dtorch-{self.rdzv_id}")
+        if self.run_dir is None:  # unpredictable: nobody can plant it before us
+            self.run_dir = os.path.join(tempfile.gettempdir(), f"dtorch-{self.rdzv_id}-{secrets.token_hex(8)}")
         if self.startup_timeout is None:
             self.startup_timeout = 10 * self.heartbeat_timeout
         chaos.parse(self.chaos)  # fail now, not in every worker
@@ -310,13 +313,12 @@ def _agent_class():
 
         def _rdzv_state(self) -> Any:
             """The rendezvous state as stored (read-only; None if unavailable)."""
+            backend = self._worker_group.spec.rdzv_handler._state_holder._backend
+            if not isinstance(backend, rdzv_store.SignedBackend):
+                return None  # another backend: its values are not authenticated, so not read here
             try:
-                import pickle
-
-                got = self._worker_group.spec.rdzv_handler._state_holder._backend.get_state()
-                # the same trust torch's own rendezvous places in the store
-                return pickle.loads(got[0]) if got is not None else None
-            except Exception:  # another backend, or a store hiccup: nothing to conclude
+                return rdzv_store.read_state(backend)
+            except Exception:  # a store hiccup: nothing to conclude
                 return None
 
         def _lost_nodes(self) -> dict[str, float]:
@@ -401,7 +403,7 @@ def _agent_class():
             if waiting <= 0:
                 self._grow_since = None
                 return 0
-            beats = heartbeat.read_beats(self.run_dir, self.epoch)
+            beats = heartbeat.read_local_beats(self.run_dir, self.epoch, self.local_pids)
             mine = [beats[r].get("committed_step") for r in self.local_pids if r in beats]
             self._saw_commits = self._saw_commits or any(c is not None for c in mine)
             now = time.time()
@@ -471,7 +473,10 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     run_dir: str = spec.run_dir  # type: ignore[assignment]
-    os.makedirs(run_dir, exist_ok=True)
+    trust.private_dir(run_dir, "run_dir")  # 0700, ours, not a symlink
+    for name in (events.EVENTS_FILE, heartbeat.HB_DIR, heartbeat.DUMP_DIR, "logs"):
+        if os.path.islink(os.path.join(run_dir, name)):
+            raise ConfigError("run_dir", run_dir, f"{name} in it is a symlink (planted?); remove it or use another --run-dir")
     # torch's log formatter imports torch._dynamo on the first exception it formats, and the agent
     # formats one on every worker failure: 2-5 s added to each first recovery here. Pay it now,
     # in the background, while the workers start.
