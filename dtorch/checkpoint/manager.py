@@ -183,6 +183,9 @@ class CheckpointManager:
         """The checkpoint the last successful `load_latest`/`load` restored (its extra, plan)."""
         self.last_committed: int | None = None
         """Step of the last save of this manager that committed (directory renamed, LATEST moved)."""
+        self.on_commit: Callable[[int], None] | None = None
+        """Called with the step on every rank as soon as a save has committed (for async saves:
+        from the background thread). The elastic worker uses it to tell its agent at once."""
 
     # ---- collectives on the checkpoint group (no-ops in a single process) ----------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -418,6 +421,11 @@ class CheckpointManager:
         result.committed, result.error, result.bytes, result.fatal = committed, problem, nbytes, fatal
         if committed:
             self.last_committed = step
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(step)
+                except Exception as e:  # a watcher's problem must not fail a committed save
+                    log.warning("checkpoint on_commit callback failed: %s", e)
         result.persist_s = time.perf_counter() - t0
         if committed:
             log.info(
@@ -618,8 +626,10 @@ class CheckpointManager:
             if manifest is None:
                 damaged.append(f"{Path(p).name}: {problems[0]}")
                 msg = f"checkpoint {p} is damaged ({'; '.join(problems[:3])}); falling back to an older one"
-                log.warning(msg)
-                warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                if self.rank == 0:  # every rank reached the same verdict: say it once per job
+                    warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                else:
+                    log.info(msg)
                 continue
             self._load_verified(Path(p), manifest, state)
             return step

@@ -45,6 +45,9 @@ def mark(step: int | None = None, phase: str | None = None, committed_step: int 
     """Record progress of the training loop (cheap: no I/O). Call at least once per step;
     `step_done=True` once a step has finished (the strict timeout applies from the first one)."""
     with _lock:
+        # a new step is published at once (one small file write per step), so a rank stopped or
+        # killed mid-step is reported at its real last step, not the writer thread's last one
+        publish = step is not None and int(step) != _state["step"]
         if step_done:
             _state["steps_done"] += 1
         if step is not None:
@@ -55,6 +58,11 @@ def mark(step: int | None = None, phase: str | None = None, committed_step: int 
             _state["committed_step"] = int(committed_step)
         _state["progress_t"] = time.time()
         _state["beats"] += 1
+    if publish:
+        try:
+            flush()
+        except OSError:  # a full disk must not stop training; the writer thread retries
+            pass
 
 
 def snapshot() -> dict[str, Any]:
@@ -96,16 +104,18 @@ class _Writer(threading.Thread):
         self.interval, self.agent_pid = interval, agent_pid
         self.path = hb_path(run_dir, rank)
         self._dumped = False
+        self._write_lock = threading.Lock()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
     def write_once(self) -> None:
-        rec = snapshot()
-        rec.update(rank=self.rank, epoch=self.epoch, pid=os.getpid(), written_t=time.time(),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, self.path)
+        with self._write_lock:  # the loop's thread (new step) and the writer thread both publish
+            rec = snapshot()
+            rec.update(rank=self.rank, epoch=self.epoch, pid=os.getpid(), written_t=time.time(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, self.path)
 
     def run(self) -> None:
         while True:

@@ -190,6 +190,7 @@ def _agent_class():
             self._round_nodes: set[str] = set()
             self._round_t = 0.0
             self._grow_base: int | None = None
+            self._grew = False
             self.fatal: str | None = None
             """The one-line message of an error a restart cannot fix (see bootstrap.is_fatal)."""
 
@@ -203,6 +204,14 @@ def _agent_class():
 
         def _rendezvous(self, worker_group: Any) -> None:
             t0 = time.time()
+            if self._grew:
+                # the group that just stopped was stopped to grow: name the checkpoint the grown
+                # group resumes from (workers publish each commit the moment it happens)
+                self._grew = False
+                beats = heartbeat.read_local_beats(self.run_dir, self.epoch, self.local_pids)
+                done = [b.get("committed_step") for b in beats.values() if b.get("committed_step") is not None]
+                events.log("grow_checkpoint", self.events_path, epoch=self.epoch,
+                           committed_step=min(done) if len(done) == len(self.local_pids) and done else None)
             if not self._saw_commits:  # did the group that just ended report checkpoints?
                 self._saw_commits = any(b.get("committed_step") is not None
                                         for b in heartbeat.read_beats(self.run_dir, self.epoch).values())
@@ -424,6 +433,7 @@ def _agent_class():
         def _admit(self, waiting: int, step: int | None, why: str) -> int:
             events.log("grow", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=step, why=why)
             self._grow_since = None
+            self._grew = True
             return waiting
 
     return DTorchAgent

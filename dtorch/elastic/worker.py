@@ -174,29 +174,35 @@ def step_begin(step: int, phase: str = "forward") -> None:
 # ---- the trainer's seam (dtorch.train.hooks): entry-only phase callbacks --------------------------
 _hooks_installed = False
 _open_phase: tuple[str, float] | None = None
-_pending_commit: int | None = None
+_trainer: Any = None
+_reported_commit: int | None = None
+
+
+def _report_commit() -> None:
+    """Report the trainer's last *committed* checkpoint (directory renamed, LATEST moved: the
+    manager's `last_committed`), never a save that has only started: the agent grows the job at
+    that boundary and restarts the workers, which would kill an async save mid-write."""
+    global _reported_commit
+    step = getattr(getattr(_trainer, "ckpt", None), "last_committed", None)
+    if step is not None and step != _reported_commit:
+        _reported_commit = step
+        checkpoint_committed(step)
 
 
 def _close_phase() -> None:
     """The trainer reports phase entries only: a phase ends at the next hook call."""
-    global _open_phase, _pending_commit
+    global _open_phase
     if _open_phase is not None:
         name, t0 = _open_phase
         _open_phase = None
         if name in events.RECOVERY_PHASES:
             events.log("phase", name=name, start=t0, seconds=time.time() - t0, ok=True)
-        if name == "checkpoint" and _pending_commit is not None:
-            # the save call returned (an async save is durable a little later; good enough for
-            # choosing when to grow)
-            checkpoint_committed(_pending_commit)
-            _pending_commit = None
+    _report_commit()
 
 
 def _on_phase(name: str, step: int) -> None:
-    global _open_phase, _pending_commit
+    global _open_phase
     _close_phase()
-    if name == "checkpoint":
-        _pending_commit = step
     heartbeat.mark(step=step, phase=name)
     chaos.maybe_inject(step, name)
     _open_phase = (name, time.time())
@@ -226,7 +232,12 @@ def install_hooks(trainer: Any = None) -> None:
     `checkpoint`), the `load` phase timed into the recovery record, checkpoint boundaries for
     growing, the first step after a restart. Called by `setup()` under `dtorch run` (so `load`
     is seen) and by the trainer's `hooks.started(trainer)`."""
-    global _hooks_installed
+    global _hooks_installed, _trainer
+    if trainer is not None:
+        _trainer = trainer
+        ckpt = getattr(trainer, "ckpt", None)
+        if ckpt is not None and hasattr(ckpt, "on_commit") and os.environ.get("DTORCH_RUN_DIR"):
+            ckpt.on_commit = _on_commit
     _close_phase()
     if _hooks_installed or not os.environ.get("DTORCH_RUN_DIR"):
         return
@@ -234,6 +245,13 @@ def install_hooks(trainer: Any = None) -> None:
     from dtorch.train import hooks
 
     hooks.register(before_step=_on_before_step, after_step=_on_after_step, on_phase=_on_phase)
+
+
+def _on_commit(step: int) -> None:
+    """From the checkpoint manager, the moment a save has committed: publish it now, so that an
+    agent that stops the group right after knows which checkpoint the next group resumes from."""
+    heartbeat.mark(committed_step=step)
+    heartbeat.flush()
 
 
 def checkpoint_committed(step: int) -> None:
