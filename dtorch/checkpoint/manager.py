@@ -71,6 +71,9 @@ class CheckpointError(ConfigError):
         super().__init__("checkpoint_dir", self.directory, f"{problem}; {fix}")
 
 
+_ITEM_OVERHEAD = 6 << 10  # bytes DCP adds per tensor written
+_FULL_BELOW = 256 << 10  # a failed write with less free than this was a full disk
+
 # Errors of the filesystem that a restart meets again.
 FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
@@ -181,6 +184,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self.loaded: CheckpointInfo | None = None
         """The checkpoint the last successful `load_latest`/`load` restored (its extra, plan)."""
+        self._last_bytes: int | None = None
         self.last_committed: int | None = None
         """Step of the last save of this manager that committed (directory renamed, LATEST moved)."""
         self.on_commit: Callable[[int], None] | None = None
@@ -260,11 +264,13 @@ class CheckpointManager:
     # ---- free space -------------------------------------------------------------------------------
     def _expected_bytes(self, tree: dict[str, Any], local: dict[str, Any]) -> int:
         """Bytes this rank will write: its DTensor shards (divided among their replicas), plain
-        tensors on rank 0 only (DCP writes one copy of replicated values), its rank-local file."""
+        tensors on rank 0 only (DCP writes one copy of replicated values), its rank-local file,
+        and DCP's framing of each tensor (~5 KB each on torch 2.13: a small archive per item)."""
         total = 0
+        items = 0
 
         def walk(obj: Any, plain: bool) -> None:
-            nonlocal total
+            nonlocal total, items
             if isinstance(obj, torch.Tensor):
                 lt = getattr(obj, "_local_tensor", None)
                 if lt is not None:
@@ -273,8 +279,10 @@ class CheckpointManager:
                         if pl.is_replicate():
                             reps *= obj.device_mesh.size(i)
                     total += lt.numel() * lt.element_size() // reps
+                    items += 1
                 elif plain:
                     total += obj.numel() * obj.element_size()
+                    items += 1
             elif isinstance(obj, dict):
                 for v in obj.values():
                     walk(v, plain)
@@ -284,11 +292,17 @@ class CheckpointManager:
 
         walk(tree, self.rank == 0)
         walk(local, True)  # every rank writes its rank-local file
-        return total + (64 << 10)  # metadata, manifest, rank file framing
+        return total + items * _ITEM_OVERHEAD + (16 << 10)  # + manifest
 
     def _free_bytes(self) -> int:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
+
+    def _disk_full(self) -> bool:
+        try:
+            return self._free_bytes() < _FULL_BELOW
+        except OSError:
+            return False
 
     def _check_space(self, step: int, tree: dict[str, Any], local: dict[str, Any]) -> int:
         """Before writing (collective): the checkpoint's expected size against the free space of
@@ -298,7 +312,8 @@ class CheckpointManager:
         mine = self._expected_bytes(tree, local)
         for attempt in (0, 1):
             gathered = self._all_gather((mine, self._free_bytes()))
-            need = sum(b for b, _ in gathered)
+            # the last checkpoint's real size is the best estimate of the next one
+            need = max(sum(b for b, _ in gathered), self._last_bytes or 0)
             free = gathered[0][1]
             short = need > free or any(b > f for b, f in gathered)  # shared or node-local disks
             if not short:
@@ -401,6 +416,10 @@ class CheckpointManager:
             # DCP's CheckpointException already names the failing ranks.
             error = error or (_describe(e) if isinstance(e, CheckpointException) else f"rank {self.rank}: {_describe(e)}")
             fatal = fatal or _is_fatal(e)
+            if not fatal and self._disk_full():
+                # torch.save reports a full disk as RuntimeError("unexpected pos ..."), not ENOSPC
+                fatal = True
+                error += f" (the filesystem of {self.root} is full: {self._free_bytes():,} bytes free)"
         if fatal and error and "expected_bytes" in meta:
             error += f" (the checkpoint needs about {meta['expected_bytes']:,} bytes)"
         try:
@@ -421,6 +440,7 @@ class CheckpointManager:
         result.committed, result.error, result.bytes, result.fatal = committed, problem, nbytes, fatal
         if committed:
             self.last_committed = step
+            self._last_bytes = nbytes
             if self.on_commit is not None:
                 try:
                     self.on_commit(step)
@@ -674,6 +694,7 @@ class CheckpointManager:
                     state[k].load_state_dict(local[k])
                 else:
                     log.warning("checkpoint %s has no rank-local state %r; left as is", path, k)
+        self._last_bytes = m.total_bytes  # the next save of this run will be about this size
         self.loaded = CheckpointInfo(
             m.step, path, m.world_size, m.total_bytes, m.created_unix, m.extra, m.plan, path.name == self.latest_pointer()
         )

@@ -104,3 +104,29 @@ def test_a_fatal_error_inside_a_worker_is_not_retried(tmp_path):
     evs = events.read(str(run_dir / events.EVENTS_FILE))
     assert sum(e["kind"] == "workers_started" for e in evs) == 1  # no restart
     assert any(e["kind"] == "stopped" and e["cause"] == "fatal" for e in evs)
+
+
+def test_full_disk_stops_the_job_at_the_save_with_the_bytes_needed_and_the_last_good(tmp_path):
+    """A 2-worker job whose checkpoint filesystem (a real 1.6 MB tmpfs) holds one checkpoint of
+    this model (~0.97 MB) but not two: the second save stops the job at once, in one line, with
+    the bytes needed and the last good checkpoint, which still verifies; no restart redoes work."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k,mode=0700", "tmpfs", str(fs)], check=True)
+    try:
+        ckpt = fs / "ckpt"
+        rc, lines, dt = _cli(["train", "--nproc", "2", *TINY, "--checkpoint-dir", str(ckpt), "--steps", "20",
+                              "--checkpoint-every", "5"], tmp_path, timeout=120)
+        print(f"full disk: {dt:.1f} s: {lines}")
+        assert rc == 2, lines
+        assert len(lines) == 1 and "not enough space for the checkpoint of step 10" in lines[0], lines
+        assert "bytes" in lines[0] and "last good checkpoint: " + str(ckpt / "step-00000005") in lines[0]
+        with open(ckpt / "metrics.jsonl") as f:
+            steps = [r["step"] for r in map(json.loads, f) if "loss" in r]
+        assert max(steps) == 10  # stopped at the failed save, not a step later
+        rc, lines, _ = _cli(["ckpt", "verify", str(ckpt)], tmp_path)
+        assert rc == 0 and "step-00000005: OK" in lines[0], lines
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=True)
