@@ -25,6 +25,10 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--chaos", default="", help="fault-injection drill, e.g. kill:rank=1:step=40 (see docs)")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="seconds without training progress before a rank is declared hung (default 30; 0 = off)")
+    p.add_argument("--run-dir", default=None,
+                   help="heartbeats, dumps and events.jsonl of the elastic run (default: a fresh private $TMPDIR/dtorch-*)")
+    p.add_argument("--snapshot-every", type=int, default=1,
+                   help="steps between in-memory snapshots that survive a worker's death (default 1; 0 = off)")
     p.set_defaults(func=run)
 
 
@@ -60,6 +64,8 @@ def preflight(args: argparse.Namespace, nproc: int) -> None:
             raise ConfigError(name, value, f"use a positive {flag}")
     if args.max_restarts < 0:
         raise ConfigError("max_restarts", args.max_restarts, "use 0 or more")
+    if args.snapshot_every < 0:
+        raise ConfigError("snapshot_every", args.snapshot_every, "use steps >= 1, or 0 for no snapshots")
     if args.heartbeat_timeout < 0:
         raise ConfigError("heartbeat_timeout", args.heartbeat_timeout, "use seconds > 0, or 0 to disable")
     if args.data:
@@ -167,5 +173,6 @@ def run(args: argparse.Namespace) -> int:
     if args.no_progress:
         forwarded.append("--no-progress")
     spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos,
-                      heartbeat_timeout=args.heartbeat_timeout)
+                      heartbeat_timeout=args.heartbeat_timeout, snapshot_every=args.snapshot_every,
+                      run_dir=args.run_dir)
     return launch(spec, "dtorch.train.job", forwarded, module=True)

@@ -105,6 +105,9 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when the agent stops its workers (torchrun: 30)."""
     grow_wait: float = 300.0
     """Longest time a waiting node is held back for a checkpoint boundary (seconds)."""
+    snapshot_every: int = 1
+    """Steps between in-memory snapshots of DTorch's trainer (0 = off): a worker failure then
+    costs at most this many steps, not the steps since the last durable checkpoint."""
     start_method: str = "forkserver"
     """How workers start: "forkserver" forks them from a server that imported torch once (fast
     restarts); "spawn" runs a fresh interpreter per worker, as torchrun does for scripts."""
@@ -116,6 +119,8 @@ class LaunchSpec:
             raise ConfigError("nnodes", f"{self.min_nodes}:{self.max_nodes}", "use N or MIN:MAX with 1 <= MIN <= MAX")
         if self.nproc_per_node < 1:
             raise ConfigError("nproc_per_node", self.nproc_per_node, "use a positive number of workers per node")
+        if self.snapshot_every < 0:
+            raise ConfigError("snapshot_every", self.snapshot_every, "use steps >= 1, or 0 for no snapshots")
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", self.max_restarts, "use 0 or more")
         if self.heartbeat_timeout < 0:
@@ -492,7 +497,14 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     # in the background, while the workers start.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
                      name="dtorch-preimport").start()
+    snap_dir = None
+    if spec.snapshot_every > 0:
+        # RAM (/dev/shm) when there is one: snapshots outlive workers, not the machine
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else run_dir
+        snap_dir = str(trust.private_dir(os.path.join(shm, f"dtorch-snap-{secrets.token_hex(8)}"), "snapshot_dir"))
     env = {
+        "DTORCH_SNAPSHOT_DIR": snap_dir or "",
+        "DTORCH_SNAPSHOT_EVERY": str(spec.snapshot_every),
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "DTORCH_RUN_DIR": run_dir,
         "DTORCH_AGENT_PID": str(os.getpid()),
@@ -560,6 +572,10 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     finally:
         for lg in torch_logs:
             lg.removeFilter(quiet)
+        if snap_dir:
+            import shutil
+
+            shutil.rmtree(snap_dir, ignore_errors=True)  # the agent owns the snapshots: gone with the job
         if shutdown_rdzv:
             handler.shutdown()
         for k, v in saved.items():

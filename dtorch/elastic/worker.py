@@ -176,6 +176,44 @@ _hooks_installed = False
 _open_phase: tuple[str, float] | None = None
 _trainer: Any = None
 _reported_commit: int | None = None
+_snap: Any = None
+_snap_every = 0
+
+
+def _start_snapshots(trainer: Any) -> None:
+    """Under `dtorch run` with DTORCH_SNAPSHOT_DIR: restore the newest in-memory snapshot when it
+    is newer than the durable checkpoint the trainer just loaded, then snapshot every
+    DTORCH_SNAPSHOT_EVERY steps (see `dtorch.checkpoint.snapshot`). Collective."""
+    global _snap, _snap_every
+    d = os.environ.get("DTORCH_SNAPSHOT_DIR")
+    _snap_every = int(os.environ.get("DTORCH_SNAPSHOT_EVERY", "1") or 0)
+    if not d or _snap_every <= 0 or not callable(getattr(trainer, "checkpoint_state", None)):
+        return
+    from dtorch.checkpoint.snapshot import Snapshotter
+
+    plan = getattr(trainer, "plan", None)
+    tag = f"{plan.describe() if plan is not None else ''}|seed={getattr(trainer, 'seed', '')}"
+    _snap = Snapshotter(d, trainer.rank, trainer.world, tag=tag)
+    durable = trainer.step
+    t0 = time.time()
+    step = _snap.restore(trainer.checkpoint_state(), durable_step=durable)
+    if step is not None:
+        trainer.step = trainer.train_state.step
+        events.log("phase", name="snapshot_restore", start=t0, seconds=time.time() - t0, ok=True, step=step,
+                   durable_step=durable)
+        if trainer.rank == 0:
+            print(f"dtorch: restored the in-memory snapshot of step {step} (newer than the durable checkpoint "
+                  f"{'of step ' + str(durable) if durable else 'none'})", file=sys.stderr, flush=True)
+
+
+def _take_snapshot(step: int) -> None:
+    if _snap is None or step % _snap_every:
+        return
+    _snap.take(step, _trainer.checkpoint_state())
+    n = len(_snap.stall_s)
+    if n % 50 == 0:  # the stall, for the drill report and the benchmark
+        recent = sorted(_snap.stall_s[-50:])
+        events.log("snapshot_stall", step=step, takes=n, median_s=recent[len(recent) // 2], max_s=recent[-1])
 
 
 def _report_commit() -> None:
@@ -215,6 +253,7 @@ def _on_before_step(step: int) -> None:
 
 def _on_after_step(step: int, loss: float) -> None:
     _close_phase()
+    _take_snapshot(step)
     first = not _first_step_logged
     step_done(step)
     if first:
@@ -238,6 +277,8 @@ def install_hooks(trainer: Any = None) -> None:
         ckpt = getattr(trainer, "ckpt", None)
         if ckpt is not None and hasattr(ckpt, "on_commit") and os.environ.get("DTORCH_RUN_DIR"):
             ckpt.on_commit = _on_commit
+        if os.environ.get("DTORCH_RUN_DIR"):
+            _start_snapshots(trainer)
     _close_phase()
     if _hooks_installed or not os.environ.get("DTORCH_RUN_DIR"):
         return

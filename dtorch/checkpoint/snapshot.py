@@ -1,0 +1,175 @@
+"""In-memory snapshots of training state between durable checkpoints, surviving a worker's death.
+
+A durable checkpoint every N steps means a failure redoes up to N steps. `Snapshotter` keeps
+the last steps' state of this rank in shared memory instead: a directory on a RAM filesystem
+(`/dev/shm`) that the elastic agent creates private (0700) and removes when the job ends, so a
+snapshot outlives the worker process that wrote it but never the machine, and costs no disk I/O.
+
+Each `take(step, state)` copies every tensor of the state into buffers that *are* shared
+memory (tensors mapped on files in that directory, `torch.from_file(shared=True)`): the copy is
+the snapshot, there is no write behind it, and its time is the whole stall. A small header
+(step, world size, plan tag, the non-tensor values) is written after the copy, atomically. Two
+slots alternate (``rank<R>-slot<step % 2>``), and a slot's header is removed before its buffers
+are overwritten, so a rank that dies mid-copy leaves the other slot intact. `restore(state, durable_step)` is collective: the ranks agree on
+the newest step that every rank holds complete for the same world size and plan, and restore it
+when it is newer than the durable checkpoint just loaded; the snapshot holds everything a
+checkpoint holds (model, optimizer, schedule, RNG streams, step), so the continuation is
+bit-identical. Snapshots load with ``weights_only=True``.
+
+Scope: plans whose state is plain tensors on every rank (DDP, one rank); sharded plans (DTensor
+state) are not snapshotted and recover from the durable checkpoint. A lost node loses its
+snapshots (no copy to a peer node yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtorch.checkpoint.state import is_stateful
+
+log = logging.getLogger("dtorch.checkpoint")
+_SLOTS = 2
+
+
+def _has_dtensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return hasattr(obj, "_local_tensor")
+    if isinstance(obj, dict):
+        return any(_has_dtensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dtensor(v) for v in obj)
+    return False
+
+
+class Snapshotter:
+    """Shared-memory snapshots of this rank's training state in `directory` (see module doc).
+    `tag` identifies the configuration (plan): snapshots of another tag are never restored."""
+
+    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = ""):
+        self.dir = Path(directory)
+        self.rank, self.world_size, self.tag = rank, world_size, tag
+        self._bufs: list[dict[str, torch.Tensor]] = [{} for _ in range(_SLOTS)]
+        self.disabled: str | None = None
+        """Why snapshots are off for this run (sharded state, no space), or None."""
+        self.stall_s: list[float] = []
+        """Seconds each `take` blocked the caller."""
+
+    def _header(self, slot: int) -> Path:
+        return self.dir / f"rank{self.rank}-slot{slot}.hdr"
+
+    def _buffer(self, slot: int, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs[slot].get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            path = self.dir / f"rank{self.rank}-slot{slot}-{len(self._bufs[slot])}.bin"
+            n = max(1, t.numel())
+            buf = torch.from_file(str(path), shared=True, size=n, dtype=t.dtype)[: t.numel()].view(t.shape)
+            self._bufs[slot][key] = buf
+            self._files = getattr(self, "_files", {})
+            self._files[(slot, key)] = path.name
+        return buf
+
+    def _pack(self, obj: Any, slot: int, key: str) -> Any:
+        """The tree with each tensor copied into its shared buffer and replaced by a reference."""
+        if isinstance(obj, torch.Tensor):
+            buf = self._buffer(slot, key, obj)
+            buf.copy_(obj.detach())
+            return {"__shm__": self._files[(slot, key)], "dtype": str(obj.dtype).removeprefix("torch."),
+                    "shape": list(obj.shape)}
+        if isinstance(obj, dict):
+            return {k: self._pack(v, slot, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            out = [self._pack(v, slot, f"{key}/{i}") for i, v in enumerate(obj)]
+            return out if isinstance(obj, list) else tuple(out)
+        return obj
+
+    def take(self, step: int, state: dict[str, Any]) -> None:
+        """Snapshot `state` (name -> Stateful or tensors/plain values) as of the end of `step`."""
+        if self.disabled:
+            return
+        t0 = time.perf_counter()
+        tree = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+        if _has_dtensor(tree):
+            self.disabled = "sharded (DTensor) state"
+            log.info("in-memory snapshots off for this plan: %s", self.disabled)
+            return
+        slot = int(step) % _SLOTS
+        header = self._header(slot)
+        try:
+            header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
+            with torch.no_grad():
+                packed = self._pack(tree, slot, "")
+            doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag,
+                   "tree": packed}
+            tmp = header.with_name(f".{header.name}.tmp")
+            with open(tmp, "wb") as f:
+                torch.save(doc, f)
+            os.replace(tmp, header)
+        except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
+            self.disabled = f"cannot write snapshots ({e})"
+            log.warning("in-memory snapshots off: %s", self.disabled)
+            return
+        self.stall_s.append(time.perf_counter() - t0)
+
+    def _available(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for slot in range(_SLOTS):
+            try:
+                doc = torch.load(self._header(slot), weights_only=True)
+            except (OSError, RuntimeError, EOFError, ValueError):
+                continue
+            if doc.get("world_size") == self.world_size and doc.get("tag") == self.tag and doc.get("rank") == self.rank:
+                out[int(doc["step"])] = doc
+        return out
+
+    def _unpack(self, obj: Any) -> Any:
+        if isinstance(obj, dict) and "__shm__" in obj:
+            name = str(obj["__shm__"])
+            if "/" in name or not name.startswith(f"rank{self.rank}-slot"):
+                raise ValueError(f"snapshot header names a foreign file {name!r}")
+            shape = [int(x) for x in obj["shape"]]
+            n = 1
+            for x in shape:
+                n *= x
+            dtype = getattr(torch, str(obj["dtype"]))
+            t = torch.from_file(str(self.dir / name), shared=False, size=max(1, n), dtype=dtype)
+            return t[:n].view(shape).clone()
+        if isinstance(obj, dict):
+            return {k: self._unpack(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._unpack(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(self._unpack(v) for v in obj)
+        return obj
+
+    def restore(self, state: dict[str, Any], durable_step: int | None) -> int | None:
+        """Collective. Load the newest snapshot that every rank holds, if newer than
+        `durable_step`, into `state` (Statefuls via load_state_dict); returns its step or None."""
+        mine = self._available()
+        steps = set(mine)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, sorted(steps))
+            for g in gathered:
+                steps &= set(g)
+        best = max(steps, default=None)
+        if best is None or (durable_step is not None and best <= durable_step):
+            return None
+        tree = self._unpack(mine[best]["tree"])
+        for k, v in state.items():
+            if k not in tree:
+                continue
+            if is_stateful(v):
+                v.load_state_dict(tree[k])
+            elif isinstance(v, dict):
+                v.update(tree[k])
+        return best
+
+    def close(self) -> None:
+        self._bufs = [{} for _ in range(_SLOTS)]
