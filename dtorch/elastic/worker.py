@@ -211,8 +211,8 @@ def _take_snapshot(step: int) -> None:
         return
     _snap.take(step, _trainer.checkpoint_state())
     n = len(_snap.stall_s)
-    if n % 50 == 0:  # the stall, for the drill report and the benchmark
-        recent = sorted(_snap.stall_s[-50:])
+    if n % 10 == 0:  # the stall, for the drill report and the benchmark
+        recent = sorted(_snap.stall_s[-10:])
         events.log("snapshot_stall", step=step, takes=n, median_s=recent[len(recent) // 2], max_s=recent[-1])
 
 
