@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     g.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", help="rendezvous backend (default c10d)")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="127.0.0.1:0",
                    help="HOST:PORT of the rendezvous store; default loopback with a free port (one node). "
-                        "The store has no authentication: use a private address for many nodes")
+                        "Its rendezvous state is signed with DTORCH_KEY (or the key file); use a private "
+                        "address for many nodes")
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by every node")
     g.add_argument("--rdzv-conf", "--rdzv_conf", default="", type=_conf,
                    help="KEY=VALUE,... rendezvous settings (override DTorch's fast defaults)")

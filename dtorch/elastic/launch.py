@@ -19,7 +19,13 @@ This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configu
   whatever host it is given, so the rendezvous store is built here on a socket bound to the
   endpoint's address only (`dtorch.elastic.store`); workers should create their process group
   with `dtorch.elastic.worker.init_process_group` for the same reason. Multi-node runs must name a
-  reachable endpoint explicitly (the store has no authentication: keep it on a private network).
+  reachable endpoint explicitly. The rendezvous state is signed with the job's key and verified
+  before torch unpickles it (`dtorch.elastic.store.SignedBackend`); the workers' store is not
+  authenticated: keep multi-node endpoints on a private network.
+- Errors no restart can fix (`dtorch.elastic.bootstrap.is_fatal`) stop the job at once: the agent
+  prints the worker's one line and `launch` returns 2.
+- In-memory snapshots (`dtorch.checkpoint.snapshot`): the agent owns a private /dev/shm directory
+  for them (DTORCH_SNAPSHOT_DIR), removed when the job ends.
 - Hang detection: the agent's monitor loop also reads the workers' heartbeats
   (`dtorch.elastic.heartbeat`); a rank without progress for `--heartbeat-timeout` seconds gets its
   stacks and flight recorder dumped, ONE line names it, and the local group is SIGKILLed so the
@@ -477,7 +483,8 @@ class _GatedRendezvous:
 def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False, no_python: bool = False) -> int:
     """Run `target` (a script path, a module with `module=True`, or an executable with `no_python`)
     on `spec.nproc_per_node` workers per node under the elastic agent. Returns the exit code:
-    0 when every worker succeeded, 1 when the job failed after its restarts.
+    0 when every worker succeeded, 1 when the job failed after its restarts, 2 when a worker met an
+    error no restart can fix (a `fatal` event: the agent prints its one line, no retries).
 
     Called from your own script with the forkserver start method, that script must guard its
     entry point with `if __name__ == "__main__":` (multiprocessing's forkserver imports the main
