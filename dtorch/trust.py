@@ -89,7 +89,11 @@ def secret() -> bytes:
     except FileNotFoundError:
         if os.environ.get("DTORCH_KEY_FILE"):
             raise ConfigError("DTORCH_KEY_FILE", str(path), "no such file; create it (mode 0600) on every node") from None
-        _create_key_file(path)
+        try:
+            _create_key_file(path)
+        except OSError as e:
+            raise ConfigError("DTORCH_KEY_FILE", str(path), f"cannot create the key ({e.strerror}); set DTORCH_KEY "
+                              "or DTORCH_KEY_FILE to a secret only you can read") from None
         key = _read_key_file(path)
     except OSError as e:  # a symlink (ELOOP) or unreadable
         raise ConfigError("DTORCH_KEY_FILE", str(path), f"cannot read the key ({e.strerror}); use a regular 0600 file") from None

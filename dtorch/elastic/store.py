@@ -113,7 +113,10 @@ class SignedBackend:
         if trust.check_tag(_PURPOSE, payload, tag, self._key):
             return (payload, token, *got[2:])
         self.rejected += 1
-        log.warning("rendezvous state in the store failed authentication (forged, or another key); ignored")
+        if self.rejected == 1:  # once: a mismatch would repeat on every sync
+            log.warning("dtorch: the rendezvous state in the store failed authentication and was ignored: "
+                        "forged, or written by an agent with another key (every agent of a job needs the "
+                        "same DTORCH_KEY or key file)")
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
         # our own pickle of an empty state: safe for torch to unpickle; a bitwise comparison with
