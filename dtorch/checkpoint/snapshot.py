@@ -8,13 +8,14 @@ snapshot outlives the worker process that wrote it but never the machine, and co
 Each `take(step, state)` copies every tensor of the state into buffers that *are* shared
 memory (tensors mapped on files in that directory, `torch.from_file(shared=True)`): the copy is
 the snapshot, there is no write behind it, and its time is the whole stall. A small header
-(step, world size, plan tag, the non-tensor values) is written after the copy, atomically. Two
+(step, world size, plan tag, the non-tensor values; a pickle of builtin containers only, read
+back with an unpickler that admits no class at all) is written after the copy, atomically. Two
 slots alternate (``rank<R>-slot<step % 2>``), and a slot's header is removed before its buffers
 are overwritten, so a rank that dies mid-copy leaves the other slot intact. `restore(state, durable_step)` is collective: the ranks agree on
 the newest step that every rank holds complete for the same world size and plan, and restore it
 when it is newer than the durable checkpoint just loaded; the snapshot holds everything a
 checkpoint holds (model, optimizer, schedule, RNG streams, step), so the continuation is
-bit-identical. Snapshots load with ``weights_only=True``.
+bit-identical.
 
 Scope: plans whose state is plain tensors on every rank (DDP, one rank); sharded plans (DTensor
 state) are not snapshotted and recover from the durable checkpoint. A lost node loses its
@@ -23,8 +24,10 @@ snapshots (no copy to a peer node yet).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -38,14 +41,21 @@ log = logging.getLogger("dtorch.checkpoint")
 _SLOTS = 2
 
 
-def _has_dtensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return hasattr(obj, "_local_tensor")
-    if isinstance(obj, dict):
-        return any(_has_dtensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_dtensor(v) for v in obj)
-    return False
+class _BuiltinsOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refused {module}.{name}: a snapshot header holds builtin values only")
+
+
+_SCALARS = {int, float, bool, str, type(None)}
+
+
+class _Sharded(Exception):
+    """The state holds DTensors: not snapshotted (see the module docstring)."""
+
+
+def _flat(obj: list | tuple) -> bool:
+    """A sequence of scalars only (Python's RNG state: 625 ints): kept whole, not walked."""
+    return set(map(type, obj)) <= _SCALARS
 
 
 class Snapshotter:
@@ -55,7 +65,8 @@ class Snapshotter:
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = ""):
         self.dir = Path(directory)
         self.rank, self.world_size, self.tag = rank, world_size, tag
-        self._bufs: list[dict[str, torch.Tensor]] = [{} for _ in range(_SLOTS)]
+        self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
+        self._next = 0
         self.disabled: str | None = None
         """Why snapshots are off for this run (sharded state, no space), or None."""
         self.stall_s: list[float] = []
@@ -64,28 +75,37 @@ class Snapshotter:
     def _header(self, slot: int) -> Path:
         return self.dir / f"rank{self.rank}-slot{slot}.hdr"
 
-    def _buffer(self, slot: int, key: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._bufs[slot].get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            path = self.dir / f"rank{self.rank}-slot{slot}-{len(self._bufs[slot])}.bin"
-            n = max(1, t.numel())
-            buf = torch.from_file(str(path), shared=True, size=n, dtype=t.dtype)[: t.numel()].view(t.shape)
-            self._bufs[slot][key] = buf
-            self._files = getattr(self, "_files", {})
-            self._files[(slot, key)] = path.name
-        return buf
+    def _buffer(self, slot: int, t: torch.Tensor) -> dict[str, Any]:
+        """The header reference of the next tensor in traversal order, its shared buffer filled."""
+        i = self._next
+        self._next += 1
+        bufs = self._bufs[slot]
+        if i < len(bufs) and bufs[i][0].shape == t.shape and bufs[i][0].dtype == t.dtype:
+            buf, ref = bufs[i]
+        else:
+            name = f"rank{self.rank}-slot{slot}-{i}.bin"
+            n = t.numel()
+            buf = torch.from_file(str(self.dir / name), shared=True, size=max(1, n), dtype=t.dtype)[:n].view(t.shape)
+            ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            if i < len(bufs):
+                bufs[i] = (buf, ref)
+            else:
+                bufs.append((buf, ref))
+        buf.copy_(t)
+        return ref
 
-    def _pack(self, obj: Any, slot: int, key: str) -> Any:
+    def _pack(self, obj: Any, slot: int) -> Any:
         """The tree with each tensor copied into its shared buffer and replaced by a reference."""
         if isinstance(obj, torch.Tensor):
-            buf = self._buffer(slot, key, obj)
-            buf.copy_(obj.detach())
-            return {"__shm__": self._files[(slot, key)], "dtype": str(obj.dtype).removeprefix("torch."),
-                    "shape": list(obj.shape)}
+            if hasattr(obj, "_local_tensor"):
+                raise _Sharded
+            return self._buffer(slot, obj)
         if isinstance(obj, dict):
-            return {k: self._pack(v, slot, f"{key}/{k}") for k, v in obj.items()}
+            return {k: self._pack(v, slot) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            out = [self._pack(v, slot, f"{key}/{i}") for i, v in enumerate(obj)]
+            if _flat(obj):
+                return obj  # pickled into the header in this same call: later changes do not matter
+            out = [self._pack(v, slot) for v in obj]
             return out if isinstance(obj, list) else tuple(out)
         return obj
 
@@ -95,22 +115,23 @@ class Snapshotter:
             return
         t0 = time.perf_counter()
         tree = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
-        if _has_dtensor(tree):
-            self.disabled = "sharded (DTensor) state"
-            log.info("in-memory snapshots off for this plan: %s", self.disabled)
-            return
         slot = int(step) % _SLOTS
         header = self._header(slot)
         try:
             header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
+            self._next = 0
             with torch.no_grad():
-                packed = self._pack(tree, slot, "")
+                packed = self._pack(tree, slot)
             doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag,
                    "tree": packed}
             tmp = header.with_name(f".{header.name}.tmp")
             with open(tmp, "wb") as f:
-                torch.save(doc, f)
+                f.write(pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL))
             os.replace(tmp, header)
+        except _Sharded:
+            self.disabled = "sharded (DTensor) state"
+            log.info("in-memory snapshots off for this plan: %s", self.disabled)
+            return
         except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
             self.disabled = f"cannot write snapshots ({e})"
             log.warning("in-memory snapshots off: %s", self.disabled)
@@ -121,8 +142,10 @@ class Snapshotter:
         out = {}
         for slot in range(_SLOTS):
             try:
-                doc = torch.load(self._header(slot), weights_only=True)
-            except (OSError, RuntimeError, EOFError, ValueError):
+                doc = _BuiltinsOnly(io.BytesIO(self._header(slot).read_bytes())).load()
+            except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+                continue
+            if not isinstance(doc, dict):
                 continue
             if doc.get("world_size") == self.world_size and doc.get("tag") == self.tag and doc.get("rank") == self.rank:
                 out[int(doc["step"])] = doc
@@ -172,4 +195,4 @@ class Snapshotter:
         return best
 
     def close(self) -> None:
-        self._bufs = [{} for _ in range(_SLOTS)]
+        self._bufs = [[] for _ in range(_SLOTS)]

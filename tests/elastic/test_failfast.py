@@ -54,6 +54,7 @@ CASES = {
     "missing_data_file": (lambda t: ["--data", str(t / "nope.bin")], "no such token file"),
     "checkpoint_of_another_model": (_other_models_checkpoint, "a checkpoint of another model"),
     "nproc_zero": (lambda t: ["--nproc", "0"], "nproc=0"),
+    "negative_hang_timeout": (lambda t: ["--heartbeat-timeout", "-1"], "heartbeat_timeout=-1.0"),
 }
 
 
