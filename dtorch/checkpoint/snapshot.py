@@ -18,7 +18,8 @@ checkpoint holds (model, optimizer, schedule, RNG streams, step), so the continu
 bit-identical.
 
 Scope: plans whose state is plain tensors on every rank (DDP, one rank); sharded plans (DTensor
-state) are not snapshotted and recover from the durable checkpoint. A lost node loses its
+state) are not snapshotted and recover from the durable checkpoint. Buffers are reserved with
+`posix_fallocate`, so a full /dev/shm turns snapshots off (with a warning) instead of crashing. A lost node loses its
 snapshots (no copy to a peer node yet).
 """
 
@@ -85,6 +86,12 @@ class Snapshotter:
         else:
             name = f"rank{self.rank}-slot{slot}-{i}.bin"
             n = t.numel()
+            # reserve the pages now: a shared mapping of a file on a full tmpfs would SIGBUS on write
+            fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, max(1, n) * t.element_size())
+            finally:
+                os.close(fd)
             buf = torch.from_file(str(self.dir / name), shared=True, size=max(1, n), dtype=t.dtype)[:n].view(t.shape)
             ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
             if i < len(bufs):

@@ -53,3 +53,23 @@ def test_snapshot_restores_the_newest_step_bit_exactly_and_skips_a_torn_slot(tmp
     assert Snapshotter(tmp_path, 0, 1, tag="plan-a").restore({"m": _Box(0)}, durable_step=3) is None
     assert Snapshotter(tmp_path, 0, 1, tag="plan-b").restore({"m": _Box(0)}, durable_step=None) is None
     assert Snapshotter(tmp_path, 0, 2, tag="plan-a").restore({"m": _Box(0)}, durable_step=None) is None
+
+
+def test_full_shared_memory_turns_snapshots_off_instead_of_crashing(tmp_path):
+    import os
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    fs = tmp_path / "shm"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(fs)], check=True)
+    try:
+        snap = Snapshotter(fs, rank=0, world_size=1, tag="t")
+        snap.take(1, {"m": {"w": torch.zeros(64 * 1024)}})  # 256 KiB into 64 KiB
+        assert snap.disabled and "cannot write snapshots" in snap.disabled
+        assert snap.restore({"m": {"w": torch.ones(3)}}, durable_step=None) is None
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=True)
