@@ -42,6 +42,19 @@ log = logging.getLogger("dtorch.checkpoint")
 _SLOTS = 2
 
 
+def available(directory: str | os.PathLike, rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    """Complete snapshots of `rank` in `directory` for `world_size`: step -> header."""
+    out = {}
+    for slot in range(_SLOTS):
+        try:
+            doc = _BuiltinsOnly(io.BytesIO((Path(directory) / f"rank{rank}-slot{slot}.hdr").read_bytes())).load()
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+            continue
+        if isinstance(doc, dict) and doc.get("world_size") == world_size and doc.get("rank") == rank:
+            out[int(doc["step"])] = doc
+    return out
+
+
 class _BuiltinsOnly(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"refused {module}.{name}: a snapshot header holds builtin values only")
@@ -146,17 +159,7 @@ class Snapshotter:
         self.stall_s.append(time.perf_counter() - t0)
 
     def _available(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for slot in range(_SLOTS):
-            try:
-                doc = _BuiltinsOnly(io.BytesIO(self._header(slot).read_bytes())).load()
-            except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
-                continue
-            if not isinstance(doc, dict):
-                continue
-            if doc.get("world_size") == self.world_size and doc.get("tag") == self.tag and doc.get("rank") == self.rank:
-                out[int(doc["step"])] = doc
-        return out
+        return {s: d for s, d in available(self.dir, self.rank, self.world_size).items() if d.get("tag") == self.tag}
 
     def _unpack(self, obj: Any) -> Any:
         if isinstance(obj, dict) and "__shm__" in obj:

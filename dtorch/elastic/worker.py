@@ -197,6 +197,16 @@ def _start_snapshots(trainer: Any) -> None:
     durable = trainer.step
     t0 = time.time()
     step = _snap.restore(_snapshot_state(trainer), durable_step=durable)
+    ckpt = getattr(trainer, "ckpt", None)
+    if step is None and getattr(ckpt, "deferred_to_snapshot", None) is not None:
+        # the trainer skipped its checkpoint load for a snapshot that is not usable after all
+        # (another plan): load the checkpoint now, as the trainer would have
+        ckpt.deferred_to_snapshot = None
+        ckpt.defer_to_snapshots = False
+        with events.phase("load"):
+            got = ckpt.load_latest(trainer.checkpoint_state())
+        trainer.step = trainer.train_state.step if got is not None else 0
+        return
     if step is not None:
         trainer.step = trainer.train_state.step
         events.log("phase", name="snapshot_restore", start=t0, seconds=time.time() - t0, ok=True, step=step,
