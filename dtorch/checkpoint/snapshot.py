@@ -81,6 +81,8 @@ class Snapshotter:
         self.rank, self.world_size, self.tag = rank, world_size, tag
         self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
         self._next = 0
+        self._dst: list[torch.Tensor] = []
+        self._src: list[torch.Tensor] = []
         self.disabled: str | None = None
         """Why snapshots are off for this run (sharded state, no space), or None."""
         self.stall_s: list[float] = []
@@ -111,7 +113,8 @@ class Snapshotter:
                 bufs[i] = (buf, ref)
             else:
                 bufs.append((buf, ref))
-        buf.copy_(t)
+        self._dst.append(buf)
+        self._src.append(t)
         return ref
 
     def _pack(self, obj: Any, slot: int) -> Any:
@@ -139,9 +142,11 @@ class Snapshotter:
         header = self._header(slot)
         try:
             header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
-            self._next = 0
+            self._next, self._dst, self._src = 0, [], []
             with torch.no_grad():
                 packed = self._pack(tree, slot)
+                torch._foreach_copy_(self._dst, self._src)  # one call instead of one per tensor
+            self._dst, self._src = [], []
             doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag,
                    "tree": packed}
             tmp = header.with_name(f".{header.name}.tmp")
