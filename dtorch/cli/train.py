@@ -86,7 +86,8 @@ def _check_checkpoint_model(args: argparse.Namespace) -> None:
     from dtorch.checkpoint import safe
     from dtorch.errors import ConfigError
     from dtorch.models import build_model
-    from dtorch.parallel.parallelize import meta_model
+    from dtorch.parallel import parallelize  # noqa: F401 - first: binds the lazy name to the function,
+    from dtorch.parallel.parallelize import meta_model  # not to the submodule importing it would bind
 
     for _, path in F.committed_dirs(Path(args.checkpoint_dir)):
         try:

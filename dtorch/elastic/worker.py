@@ -244,9 +244,10 @@ def _snapshot_state(trainer: Any) -> dict[str, Any]:
 def _take_snapshot(step: int) -> None:
     if _snap is None or step % _snap_every:
         return
+    before = len(_snap.stall_s)
     _snap.take(step, _snapshot_state(_trainer))
     n = len(_snap.stall_s)
-    if n % 10 == 0:  # the stall, for the drill report and the benchmark
+    if n > before and n % 10 == 0:  # a take happened (snapshots may be off for this plan)  # the stall, for the drill report and the benchmark
         recent = sorted(_snap.stall_s[-10:])
         events.log("snapshot_stall", step=step, takes=n, median_s=recent[len(recent) // 2], max_s=recent[-1])
 
