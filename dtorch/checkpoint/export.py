@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from dtorch.checkpoint import files as F
+from dtorch.checkpoint.safe import SafeFileSystemReader
 from dtorch.errors import ConfigError
 
 
@@ -36,9 +36,9 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], objects: d
 
 def load_full_state_dict(directory: Path) -> dict[str, Any]:
     """Every entry of a DCP checkpoint as whole (unsharded) CPU tensors and plain values.
-    Call only on a verified directory: DCP unpickles its metadata."""
+    Call only on a verified directory; `.metadata` is unpickled with an allow-list."""
     sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(sd, storage_reader=SafeFileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return sd
 
 

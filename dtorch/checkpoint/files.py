@@ -4,12 +4,15 @@ A checkpoint directory is committed in this order, so that a crash at any instan
 the previous state or the new complete one, never a mix:
 
 1. every file is written into a fresh ``step-XXXXXXXX.tmp-<nonce>`` directory and fsynced;
-2. ``manifest.json`` (step, world size, per-file SHA-256 and size, plan, user metadata, and a
-   SHA-256 of its own body) is written and fsynced, then the directory itself is fsynced;
+2. ``manifest.json`` (step, world size, per-file SHA-256 and size, plan, user metadata, a
+   SHA-256 of its own body, and an HMAC of it keyed with the user's secret, `dtorch.trust`) is
+   written and fsynced, then the directory itself is fsynced;
 3. the directory is renamed to ``step-XXXXXXXX`` and the parent directory is fsynced;
 4. ``LATEST`` is replaced atomically (temp file + fsync + rename + fsync of the parent).
 
 Only directories named ``step-XXXXXXXX`` with a manifest whose hashes match are ever loaded.
+The plain SHA-256 finds corruption; the HMAC finds forgery: whoever can write the directory can
+recompute a hash, but not the HMAC without the key.
 """
 
 from __future__ import annotations
@@ -18,14 +21,20 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dtorch import trust
 
 FORMAT = "dtorch-checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 STEP_RE = re.compile(r"^step-(\d{8,})$")
+_HMAC_PURPOSE = "dtorch-checkpoint-manifest/1"
+TRUST_FIX = ("if you trust this checkpoint, re-sign it with `dtorch ckpt trust DIR`; if it was written "
+             "with another key, point DTORCH_KEY_FILE at that key")
 _CHUNK = 1 << 22
 
 
@@ -117,9 +126,10 @@ class ManifestError(Exception):
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write ``manifest.json`` durably; the body carries its own SHA-256 so that a flipped byte
-    in the manifest itself is detected too."""
+    in the manifest itself is detected too, and an HMAC so that a forged one is."""
     body = manifest.to_dict()
-    doc = {"manifest": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}
+    canon = _canonical(body)
+    doc = {"manifest": body, "sha256": hashlib.sha256(canon).hexdigest(), "hmac": trust.tag(_HMAC_PURPOSE, canon)}
     path = directory / MANIFEST
     with open(path, "wb") as f:
         f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
@@ -127,22 +137,71 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
         os.fsync(f.fileno())
 
 
-def read_manifest(directory: Path) -> Manifest:
-    """Read and self-check ``manifest.json``; raises ManifestError naming the problem."""
+def read_manifest(directory: Path, *, check_key: bool = True) -> Manifest:
+    """Read and self-check ``manifest.json`` (its SHA-256, then its HMAC unless `check_key` is
+    False); raises ManifestError naming the problem."""
     path = directory / MANIFEST
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_small(path, 64 << 20))
         body = doc["manifest"]
         digest = doc["sha256"]
     except FileNotFoundError:
         raise ManifestError(f"{MANIFEST}: missing") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ManifestError(f"{MANIFEST}: unreadable ({type(e).__name__}: {e})") from None
-    if hashlib.sha256(_canonical(body)).hexdigest() != digest:
+    canon = _canonical(body)
+    if hashlib.sha256(canon).hexdigest() != digest:
         raise ManifestError(f"{MANIFEST}: its SHA-256 does not match its content (corrupted)")
+    if check_key:
+        if "hmac" not in doc:
+            raise ManifestError(f"{MANIFEST}: not signed (written before signing existed, or edited); {TRUST_FIX}")
+        if not trust.check_tag(_HMAC_PURPOSE, canon, doc["hmac"]):
+            raise ManifestError(f"{MANIFEST}: its signature does not match this user's key (forged or "
+                                f"signed with another key); {TRUST_FIX}")
     if body.get("format") != FORMAT:
         raise ManifestError(f"{MANIFEST}: format {body.get('format')!r}, expected {FORMAT!r}")
     return Manifest(**body)
+
+
+def resign_manifest(directory: Path) -> Manifest:
+    """Sign an (unsigned or foreign-signed) manifest with this user's key, after checking its
+    plain SHA-256 and every file's hash. The person who calls this vouches for the checkpoint."""
+    m = read_manifest(directory, check_key=False)
+    problems = [p for n, exp in sorted(m.files.items()) if (p := check_file(directory, n, exp))]
+    if problems:
+        raise ManifestError("; ".join(problems))
+    write_manifest(directory, m)
+    fsync_dir(directory)
+    return m
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, never through a symlink: LATEST and
+    manifests are small, and a link to /dev/zero or a FIFO must not hang or exhaust memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        if st.st_size > limit:
+            raise OSError(f"{path.name} is {st.st_size} bytes, more than {limit}")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_latest(root: Path) -> str | None:
+    """The step directory name LATEST points to, or None when it is absent or is not a valid
+    pointer (binary bytes, a directory, a link, a name that is not ``step-XXXXXXXX``). LATEST is
+    for people and tools; load never depends on it."""
+    try:
+        text = read_small(root / LATEST, 4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if STEP_RE.match(text) else None
 
 
 def check_file(directory: Path, name: str, expected: dict[str, Any]) -> str | None:
@@ -166,6 +225,6 @@ def committed_dirs(root: Path) -> list[tuple[int, Path]]:
     if root.is_dir():
         for p in root.iterdir():
             m = STEP_RE.match(p.name)
-            if m and p.is_dir():
+            if m and p.is_dir() and not p.is_symlink():
                 out.append((int(m.group(1)), p))
     return sorted(out, reverse=True)

@@ -4,9 +4,9 @@ Layout under `root`::
 
     step-00000100/            committed (renamed into place only after its manifest is durable)
         __0_0.distcp ...      DCP shards, one or more per rank
-        .metadata             DCP's index (a pickle: read only after the manifest check)
+        .metadata             DCP's index (a pickle: read only with an allow-list, after the manifest check)
         rank-00000.pt ...     rank-local state (RNG), weights_only-loadable
-        manifest.json         step, world size, per-file SHA-256/size, plan, user metadata
+        manifest.json         step, world size, per-file SHA-256/size, plan, user metadata, HMAC
     step-00000200.tmp-1a2b3c  a save in progress (or a crashed one; removed by the next save)
     LATEST                    "step-00000100", moved atomically after each commit
 
@@ -16,10 +16,16 @@ a dedicated gloo group gives rank 0 every rank's outcome, and rank 0 commits onl
 succeeded, then tells everyone. The dedicated group keeps checkpoint traffic (which runs in a
 background thread for async saves) apart from training collectives, and gives async DCP the CPU
 backend it needs even when training runs on NCCL.
+
+Trust: the root and every step directory must belong to this user and not be writable by others
+(`dtorch.trust`), the manifest's HMAC must match the user's key, and `.metadata` is unpickled with
+an allow-list (`dtorch.checkpoint.safe`). Faults that a restart cannot fix (no space, no
+permission, an incompatible checkpoint) raise `CheckpointError` with `retryable = False`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -39,7 +45,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dtorch import trust
 from dtorch.checkpoint import files as F
+from dtorch.checkpoint import safe
 from dtorch.checkpoint.state import Stager, is_rank_local, is_stateful, materialize, stage
 from dtorch.errors import ConfigError
 
@@ -54,10 +62,26 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 class CheckpointError(ConfigError):
     """No usable checkpoint, or a save that did not commit: names the directory and what to do."""
 
-    def __init__(self, directory: str | os.PathLike, problem: str, fix: str):
+    def __init__(self, directory: str | os.PathLike, problem: str, fix: str, *, retryable: bool = False):
         self.directory = str(directory)
         self.problem = problem
+        self.retryable = retryable
+        """True when a restart can help (a peer died during a save); False for faults that would
+        recur: no space, no permission, a damaged or incompatible checkpoint."""
         super().__init__("checkpoint_dir", self.directory, f"{problem}; {fix}")
+
+
+_ITEM_OVERHEAD = 6 << 10  # bytes DCP adds per tensor written
+_FULL_BELOW = 256 << 10  # a failed write with less free than this was a full disk
+
+# Errors of the filesystem that a restart meets again.
+FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def _is_fatal(e: BaseException) -> bool:
+    if isinstance(e, CheckpointException):
+        return any(_is_fatal(exc) for exc, _ in e.failures.values())
+    return isinstance(e, OSError) and e.errno in FATAL_ERRNOS
 
 
 class CheckpointWarning(UserWarning):
@@ -79,6 +103,8 @@ class SaveResult:
     bytes: int | None = None
     committed: bool = False
     error: str | None = None
+    fatal: bool = False
+    """The failure would recur on a restart (no space, no permission)."""
 
 
 @dataclass
@@ -151,12 +177,23 @@ class CheckpointManager:
         self.rank = dist.get_rank(self._pg) if self._distributed else 0
         self.world_size = dist.get_world_size(self._pg) if self._distributed else 1
         self.root.mkdir(parents=True, exist_ok=True)
+        trust.check_dir(self.root, "checkpoint_dir")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-ckpt")
         self._pending: tuple[Future, SaveResult] | None = None
         self._stager = Stager()
         self._lock = threading.Lock()
         self.loaded: CheckpointInfo | None = None
         """The checkpoint the last successful `load_latest`/`load` restored (its extra, plan)."""
+        self._last_bytes: int | None = None
+        self.last_committed: int | None = None
+        """Step of the last save of this manager that committed (directory renamed, LATEST moved)."""
+        self.defer_to_snapshots = True
+        """`load_latest` returns None (deferring to the snapshot) when every rank holds an
+        in-memory snapshot newer than every checkpoint; `deferred_to_snapshot` is then its step."""
+        self.deferred_to_snapshot: int | None = None
+        self.on_commit: Callable[[int], None] | None = None
+        """Called with the step on every rank as soon as a save has committed (for async saves:
+        from the background thread). The elastic worker uses it to tell its agent at once."""
 
     # ---- collectives on the checkpoint group (no-ops in a single process) ----------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -210,8 +247,11 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise ConfigError("extra", extra, f"extra and plan must be JSON-serialisable ({e})") from None
         path = self.root / F.step_dirname(step)
+        tree = materialize(dcp_state)
+        need = self._check_space(int(step), tree, local)
+        meta["expected_bytes"] = need
         if async_:
-            staged = self._stager.stage(materialize(dcp_state))
+            staged = self._stager.stage(tree)
             local = stage(local)
             result = SaveResult(step=int(step), path=path, stall_s=time.perf_counter() - t0, async_=True)
             fut = self._executor.submit(self._write_and_commit, int(step), staged, local, meta, t0, result)
@@ -219,11 +259,101 @@ class CheckpointManager:
             log.info("checkpoint step %d: async save started, stall %.3f s", step, result.stall_s)
             return result
         result = SaveResult(step=int(step), path=path, stall_s=0.0)
-        self._write_and_commit(int(step), dcp_state, stage(local), meta, t0, result)
+        self._write_and_commit(int(step), tree, stage(local), meta, t0, result)
         result.stall_s = time.perf_counter() - t0
         if result.error:
-            raise CheckpointError(self.root, f"save of step {step} did not commit: {result.error}", _SAVE_FIX)
+            raise self._save_error(result, "save")
         return result
+
+    # ---- free space -------------------------------------------------------------------------------
+    def _expected_bytes(self, tree: dict[str, Any], local: dict[str, Any]) -> int:
+        """Bytes this rank will write: its DTensor shards (divided among their replicas), plain
+        tensors on rank 0 only (DCP writes one copy of replicated values), its rank-local file,
+        and DCP's framing of each tensor (~5 KB each on torch 2.13: a small archive per item)."""
+        total = 0
+        items = 0
+
+        def walk(obj: Any, plain: bool) -> None:
+            nonlocal total, items
+            if isinstance(obj, torch.Tensor):
+                lt = getattr(obj, "_local_tensor", None)
+                if lt is not None:
+                    reps = 1
+                    for i, pl in enumerate(obj.placements):
+                        if pl.is_replicate():
+                            reps *= obj.device_mesh.size(i)
+                    total += lt.numel() * lt.element_size() // reps
+                    items += 1
+                elif plain:
+                    total += obj.numel() * obj.element_size()
+                    items += 1
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    walk(v, plain)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    walk(v, plain)
+
+        walk(tree, self.rank == 0)
+        walk(local, True)  # every rank writes its rank-local file
+        return total + items * _ITEM_OVERHEAD + (16 << 10)  # + manifest
+
+    def _free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def _disk_full(self) -> bool:
+        try:
+            return self._free_bytes() < _FULL_BELOW
+        except OSError:
+            return False
+
+    def _check_space(self, step: int, tree: dict[str, Any], local: dict[str, Any]) -> int:
+        """Before writing (collective): the checkpoint's expected size against the free space of
+        the filesystem. Too little: first drop the checkpoints retention would drop after this
+        commit anyway (never the newest good one), then, if still short, raise a CheckpointError
+        naming the bytes needed and the last good checkpoint. Returns the expected bytes."""
+        mine = self._expected_bytes(tree, local)
+        for attempt in (0, 1):
+            gathered = self._all_gather((mine, self._free_bytes()))
+            # the last checkpoint's real size is the best estimate of the next one
+            need = max(sum(b for b, _ in gathered), self._last_bytes or 0)
+            free = gathered[0][1]
+            short = need > free or any(b > f for b, f in gathered)  # shared or node-local disks
+            if not short:
+                return need
+            if attempt == 0 and self.keep_last is not None and self.keep_last > 1:
+                if self.rank == 0:
+                    dropped = self._prune(self.keep_last - 1)
+                    if dropped:
+                        log.warning("checkpoint step %d: %d bytes needed, %d free; removed %s early",
+                                    step, need, free, ", ".join(p.name for p in dropped))
+                self._broadcast(None)  # everyone re-reads free space after rank 0 pruned
+                continue
+            break
+        raise CheckpointError(
+            self.root,
+            f"not enough space for the checkpoint of step {step}: it needs {need:,} bytes, "
+            f"{free:,} are free; last good checkpoint: {self._last_good()}",
+            "free disk space or point --checkpoint-dir at a larger filesystem, then resume",
+        )
+
+    def _last_good(self) -> str:
+        dirs = F.committed_dirs(self.root)
+        return str(dirs[0][1]) if dirs else "none"
+
+    def _save_error(self, result: SaveResult, what: str) -> CheckpointError:
+        problem = f"{what} of step {result.step} did not commit: {result.error}"
+        if result.fatal:
+            return CheckpointError(self.root, f"{problem}; last good checkpoint: {self._last_good()}",
+                                   "free disk space / fix permissions, then resume")
+        return CheckpointError(self.root, problem, _SAVE_FIX, retryable=True)
+
+    def raise_if_failed(self) -> None:
+        """Cheap, not collective: if the pending async save has finished and failed, raise its
+        CheckpointError now (call once per step, so a failed save is known at the next step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
 
     def warm_up(self, state: dict[str, Any]) -> float:
         """Allocate the CPU staging buffers of async saves now (outside any training step), so
@@ -242,7 +372,7 @@ class CheckpointManager:
         self._pending = None
         fut.result()  # _write_and_commit records failures in result; it raises only on bugs
         if result.error and raise_on_error:
-            raise CheckpointError(self.root, f"async save of step {result.step} did not commit: {result.error}", _SAVE_FIX)
+            raise self._save_error(result, "async save")
         return result
 
     def _write_and_commit(
@@ -253,6 +383,7 @@ class CheckpointManager:
         tmp = self.root / f"{name}.tmp-{nonce}"
         self._phase("begin")
         error: str | None = None
+        fatal = False
         mine: dict[str, dict[str, Any]] = {}
         try:
             if self.rank == 0:
@@ -260,6 +391,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             error = f"rank {self.rank}: cannot create {tmp}: {e}"
+            fatal = e.errno in FATAL_ERRNOS
         # Every rank enters dcp.save even after a local error: it is collective, and a rank that
         # skipped it would leave the others waiting. DCP then fails everywhere together.
         try:
@@ -287,12 +419,19 @@ class CheckpointManager:
         except _FAILURES as e:
             # DCP's CheckpointException already names the failing ranks.
             error = error or (_describe(e) if isinstance(e, CheckpointException) else f"rank {self.rank}: {_describe(e)}")
+            fatal = fatal or _is_fatal(e)
+            if not fatal and self._disk_full():
+                # torch.save reports a full disk as RuntimeError("unexpected pos ..."), not ENOSPC
+                fatal = True
+                error += f" (the filesystem of {self.root} is full: {self._free_bytes():,} bytes free)"
+        if fatal and error and "expected_bytes" in meta:
+            error += f" (the checkpoint needs about {meta['expected_bytes']:,} bytes)"
         try:
-            reports = self._all_gather((error, mine))
+            reports = self._all_gather((error, mine, fatal))
         except _FAILURES as e:  # a rank died or the group broke: no agreement, so no commit
             reports = None
             lost = f"lost the other ranks before the commit ({_describe(e)}); nothing was committed"
-        outcome: tuple[bool, str | None, int] = (False, None if reports else lost, 0)
+        outcome: tuple[bool, str | None, int, bool] = (False, None if reports else lost, 0, False)
         if self.rank == 0 and reports is not None:
             outcome = self._commit(step, tmp, reports, meta)
         if reports is not None:
@@ -300,9 +439,17 @@ class CheckpointManager:
                 outcome = self._broadcast(outcome)
             except _FAILURES as e:
                 if self.rank != 0:  # rank 0 knows what it did; the others cannot tell
-                    outcome = (False, f"lost rank 0 during the commit ({_describe(e)}); outcome unknown", 0)
-        committed, problem, nbytes = outcome
-        result.committed, result.error, result.bytes = committed, problem, nbytes
+                    outcome = (False, f"lost rank 0 during the commit ({_describe(e)}); outcome unknown", 0, False)
+        committed, problem, nbytes, fatal = outcome
+        result.committed, result.error, result.bytes, result.fatal = committed, problem, nbytes, fatal
+        if committed:
+            self.last_committed = step
+            self._last_bytes = nbytes
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(step)
+                except Exception as e:  # a watcher's problem must not fail a committed save
+                    log.warning("checkpoint on_commit callback failed: %s", e)
         result.persist_s = time.perf_counter() - t0
         if committed:
             log.info(
@@ -313,15 +460,15 @@ class CheckpointManager:
         else:
             log.error("checkpoint step %d did not commit: %s", step, problem)
 
-    def _commit(self, step: int, tmp: Path, reports: list[Any], meta: dict[str, Any]) -> tuple[bool, str | None, int]:
+    def _commit(self, step: int, tmp: Path, reports: list[Any], meta: dict[str, Any]) -> tuple[bool, str | None, int, bool]:
         """Rank 0: manifest -> fsync -> rename -> fsync parent -> LATEST -> retention."""
-        errors = list(dict.fromkeys(e for e, _ in reports if e))  # DCP reports one failure on every rank
+        errors = list(dict.fromkeys(e for e, _, _ in reports if e))  # DCP reports one failure on every rank
         if errors:
             shutil.rmtree(tmp, ignore_errors=True)
-            return False, "; ".join(errors), 0
+            return False, "; ".join(errors), 0, any(f for _, _, f in reports)
         try:
             files: dict[str, dict[str, Any]] = {}
-            for _, mine in reports:
+            for _, mine, _ in reports:
                 files.update(mine)
             for p in sorted(tmp.iterdir()):
                 if p.name not in files and p.name != F.MANIFEST:
@@ -358,14 +505,18 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
         except _FAILURES as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            return False, _describe(e), 0
+            fatal = _is_fatal(e)
+            why = _describe(e)
+            if fatal:
+                why += f" (the checkpoint needs about {meta.get('expected_bytes', 0):,} bytes)"
+            return False, why, 0, fatal
         try:
             # The step just committed was hashed a moment ago: it is the newest good one and
             # retention counts it first, so it is never deleted here.
             self._prune(self.keep_last, known_good=step)
         except OSError as e:
             log.warning("checkpoint retention failed (checkpoints kept): %s", e)
-        return True, None, manifest.total_bytes
+        return True, None, manifest.total_bytes, False
 
     def _remove_debris(self, keep: Path) -> None:
         """Remove directories of crashed saves (``*.tmp-*``), replaced or pruned steps
@@ -425,11 +576,9 @@ class CheckpointManager:
         return path
 
     def latest_pointer(self) -> str | None:
-        """The directory name LATEST points to (None if absent)."""
-        try:
-            return (self.root / F.LATEST).read_text().strip() or None
-        except FileNotFoundError:
-            return None
+        """The directory name LATEST points to (None if absent or not a valid pointer: binary
+        bytes, a directory, a symlink; load never depends on it)."""
+        return F.read_latest(self.root)
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, newest first, from their manifests (files are not hashed)."""
@@ -448,25 +597,36 @@ class CheckpointManager:
     def verify(self, step_or_path: int | str | os.PathLike | None = None) -> VerifyReport:
         """Hash every file of one checkpoint (default: the newest) against its manifest."""
         path = self._resolve(step_or_path)
+        why = trust.untrusted_reason(path)
+        if why is not None:
+            return VerifyReport(path, None, False, [f"directory {why}; {_TRUST_DIR_FIX}"], 0, 0)
         try:
             m = F.read_manifest(path)
         except F.ManifestError as e:
             return VerifyReport(path, None, False, [str(e)], 0, 0)
         problems = [p for n, exp in sorted(m.files.items()) if (p := F.check_file(path, n, exp))]
         problems += [f"{n}: not in the manifest" for n in m.rank_files if n not in m.files]
+        if not problems:
+            problems += _metadata_problems(path)
         return VerifyReport(path, m.step, not problems, problems, len(m.files), m.total_bytes)
 
     def _verify_shared(self, path: Path) -> tuple[F.Manifest | None, list[str]]:
         """Verify with the hashing spread over the ranks; every rank gets the same answer."""
-        try:
-            m = F.read_manifest(path)
-        except F.ManifestError as e:
-            problems = [str(e)]
-            m = None
+        why = trust.untrusted_reason(path)
+        m = None
+        if why is not None:
+            problems = [f"directory {why}; {_TRUST_DIR_FIX}"]
         else:
-            names = sorted(m.files)
-            problems = [p for n in names[self.rank :: self.world_size] if (p := F.check_file(path, n, m.files[n]))]
-            problems += [f"{n}: not in the manifest" for n in m.rank_files if n not in m.files]
+            try:
+                m = F.read_manifest(path)
+            except F.ManifestError as e:
+                problems = [str(e)]
+            else:
+                names = sorted(m.files)
+                problems = [p for n in names[self.rank :: self.world_size] if (p := F.check_file(path, n, m.files[n]))]
+                problems += [f"{n}: not in the manifest" for n in m.rank_files if n not in m.files]
+                if self.rank == 0 and not problems:
+                    problems += _metadata_problems(path)
         gathered = self._all_gather(problems)
         merged = sorted({p for ps in gathered for p in ps})
         return (m if not merged else None), merged
@@ -482,6 +642,13 @@ class CheckpointManager:
         """
         self.wait()
         dirs = self._broadcast([(s, str(p)) for s, p in F.committed_dirs(self.root)] if self.rank == 0 else None)
+        snap = self._snapshot_step()
+        if snap is not None and (not dirs or snap > dirs[0][0]):
+            # every rank holds an in-memory snapshot newer than any checkpoint: whoever restores it
+            # (dtorch.elastic.worker) does not need this load; it falls back to it if it must
+            self.deferred_to_snapshot = snap
+            log.info("checkpoint load deferred to the in-memory snapshot of step %d", snap)
+            return None
         if not dirs:
             return None
         damaged = []
@@ -490,8 +657,10 @@ class CheckpointManager:
             if manifest is None:
                 damaged.append(f"{Path(p).name}: {problems[0]}")
                 msg = f"checkpoint {p} is damaged ({'; '.join(problems[:3])}); falling back to an older one"
-                log.warning(msg)
-                warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                if self.rank == 0:  # every rank reached the same verdict: say it once per job
+                    warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                else:
+                    log.info(msg)
                 continue
             self._load_verified(Path(p), manifest, state)
             return step
@@ -500,6 +669,17 @@ class CheckpointManager:
             "no intact checkpoint: " + "; ".join(damaged),
             "restore the damaged files from a copy, or move the step-* directories away to start from scratch",
         )
+
+    def _snapshot_step(self) -> int | None:
+        """Collective: the newest step of which every rank holds an in-memory snapshot for this
+        world size (DTORCH_SNAPSHOT_DIR, set by `dtorch run`), or None."""
+        d = os.environ.get("DTORCH_SNAPSHOT_DIR") if self.defer_to_snapshots else None
+        from dtorch.checkpoint.snapshot import available
+
+        steps = set(available(d, self.rank, self.world_size)) if d else set()
+        for theirs in self._all_gather(sorted(steps)):
+            steps &= set(theirs)
+        return max(steps, default=None)
 
     def load(self, step_or_path: int | str | os.PathLike, state: dict[str, Any]) -> int:
         """Restore one given checkpoint (verified first, no fallback); returns its step."""
@@ -514,7 +694,14 @@ class CheckpointManager:
     def _load_verified(self, path: Path, m: F.Manifest, state: dict[str, Any]) -> None:
         dcp_state = {k: v for k, v in state.items() if not is_rank_local(v)}
         local_keys = [k for k, v in state.items() if is_rank_local(v)]
-        dcp.load(dcp_state, checkpoint_id=path, process_group=self._pg, no_dist=not self._multi)
+        try:
+            dcp.load(dcp_state, storage_reader=safe.SafeFileSystemReader(path), process_group=self._pg,
+                     no_dist=not self._multi)
+        except _FAILURES as e:
+            # e.g. a checkpoint of another model: DCP's "Size mismatch" on every rank, or missing keys
+            raise CheckpointError(path, f"incompatible with this run: {_describe(e)}",
+                                  "resume with the model and settings it was written with, or use another "
+                                  "--checkpoint-dir") from None
         for k, v in dcp_state.items():
             if not is_stateful(v):
                 state[k] = v  # DCP replaces non-tensor top-level leaves in our shallow copy
@@ -529,6 +716,7 @@ class CheckpointManager:
                     state[k].load_state_dict(local[k])
                 else:
                     log.warning("checkpoint %s has no rank-local state %r; left as is", path, k)
+        self._last_bytes = m.total_bytes  # the next save of this run will be about this size
         self.loaded = CheckpointInfo(
             m.step, path, m.world_size, m.total_bytes, m.created_unix, m.extra, m.plan, path.name == self.latest_pointer()
         )
@@ -561,13 +749,34 @@ class CheckpointManager:
 
 
 def _describe(e: BaseException) -> str:
-    """One line per failure: DCP's CheckpointException prints whole tracebacks of every rank."""
+    """One line per failure: DCP's CheckpointException prints whole tracebacks of every rank;
+    ranks failing with the same message are named together."""
     if isinstance(e, CheckpointException):
-        parts = []
+        by_msg: dict[str, list[int]] = {}
         for rank, (exc, _trace) in sorted(e.failures.items()):
-            parts.append(f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+            by_msg.setdefault(_one_line(exc), []).append(rank)
+        parts = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {msg}" for msg, rs in by_msg.items()]
         return "; ".join(parts) or "CheckpointException"
-    return f"{type(e).__name__}: {e}"
+    return _one_line(e)
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    return f"{type(e).__name__}: {' '.join(lines)[:400]}"
+
+
+_TRUST_DIR_FIX = "fix its owner/mode, or trust it explicitly with DTORCH_TRUST=DIR"
+
+
+def _metadata_problems(path: Path) -> list[str]:
+    """Problems of DCP's `.metadata` read with the allow-list (it may only hold DCP metadata)."""
+    try:
+        safe.load_metadata(path / ".metadata")
+    except FileNotFoundError:
+        return [".metadata: missing"]
+    except (OSError, safe.UnsafeMetadata) as e:
+        return [f".metadata: {e}"]
+    return []
 
 
 _SAVE_FIX = "the previous checkpoints are untouched; check free disk space and permissions, then save again"

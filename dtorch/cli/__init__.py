@@ -58,12 +58,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dtorch: '{args.command}' is not available in this build", file=sys.stderr)
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe surfaces here, inside the handler, not at exit
+        return code
     except ConfigError as e:
         print(f"dtorch {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _broken_pipe()
+
+
+def _broken_pipe() -> int:
+    """`dtorch plan ... | head`: the reader left. Stop quietly, as Unix tools do, and keep Python
+    from reporting the failed flush of stdout at exit."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     dtorch ckpt export runs/a out.safetensors [--step N] [--key model]
     dtorch ckpt export runs/a OUT_DIR --hf [--model SPEC | --config HF_DIR] [--dtype bfloat16]
                                                 a Hugging Face directory transformers loads
+    dtorch ckpt trust runs/a [--step N]         vouch for checkpoints: re-sign their manifests with your key
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     ex.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="with --hf: cast the weights (default: as trained)")
     ex.add_argument("--shard-mb", type=int, default=2000, help="with --hf: largest shard file (default 2000 MB)")
+    tr = csub.add_parser("trust", help="re-sign manifests with your key (checkpoints you vouch for: copied from "
+                                       "another user or written before signing)")
+    tr.add_argument("dir", help="checkpoint directory of a run")
+    tr.add_argument("--step", type=int, default=None, help="only this step (default: every committed step)")
     p.set_defaults(func=run)
 
 
@@ -46,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not Path(args.dir).is_dir():
         raise ConfigError("dir", args.dir, "no such directory; pass the checkpoint_dir of a run")
+    if args.ckpt_command == "trust":
+        return _trust(Path(args.dir), args.step)
     mgr = CheckpointManager(args.dir, keep_last=None)
     try:
         if args.ckpt_command == "ls":
@@ -86,3 +93,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         mgr.close()
     return 2
+
+
+def _trust(root, step: int | None) -> int:
+    """Re-sign manifests (after checking every file's hash); `.metadata` is still read with the
+    allow-list afterwards, so trusting a checkpoint never lets it run code."""
+    from dtorch.checkpoint import files as F
+    from dtorch.errors import ConfigError
+
+    dirs = [(s, p) for s, p in F.committed_dirs(root) if step is None or s == step]
+    if not dirs:
+        raise ConfigError("step", step, f"no committed checkpoint under {root} to trust")
+    bad = 0
+    for _, path in dirs:
+        try:
+            F.resign_manifest(path)
+            print(f"{path}: signed with this user's key")
+        except (F.ManifestError, OSError) as e:
+            print(f"{path}: NOT signed: {e}")
+            bad += 1
+    return 1 if bad else 0

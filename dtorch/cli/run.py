@@ -35,8 +35,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     g.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d", help="rendezvous backend (default c10d)")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
                    help="HOST:PORT of the rendezvous store; default loopback with a free port (one node), or "
-                        "inside a Slurm/Kubeflow/SkyPilot allocation its first node. "
-                        "The store has no authentication: use a private address for many nodes")
+                        "inside a Slurm/Kubeflow/SkyPilot allocation its first node. Its rendezvous state is "
+                        "signed with DTORCH_KEY (or the key file); use a private address for many nodes")
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by every node")
     g.add_argument("--rdzv-conf", "--rdzv_conf", default="", type=_conf,
                    help="KEY=VALUE,... rendezvous settings (override DTorch's fast defaults)")
@@ -59,6 +59,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     d.add_argument("--start-method", default="forkserver", choices=("forkserver", "spawn"),
                    help="forkserver (default): workers fork from a server that imported torch once, so a "
                         "restart takes a fork; spawn: a fresh interpreter per worker, as torchrun")
+    d.add_argument("--snapshot-every", type=int, default=1,
+                   help="steps between in-memory snapshots of DTorch's trainer (default 1; 0 = off)")
     d.add_argument("--shutdown-timeout", type=int, default=5, help="seconds from SIGTERM to SIGKILL (default 5)")
     p.add_argument("target", help="training script (or module with -m, executable with --no-python)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -99,5 +101,5 @@ def run(args: argparse.Namespace) -> int:
                       monitor_interval=args.monitor_interval, heartbeat_timeout=args.heartbeat_timeout,
                       startup_timeout=args.startup_timeout, chaos=args.chaos, run_dir=args.run_dir,
                       local_addr=args.local_addr, shutdown_timeout=args.shutdown_timeout,
-                      start_method=args.start_method)
+                      start_method=args.start_method, snapshot_every=args.snapshot_every)
     return launch(spec, args.target, list(args.args), module=args.module, no_python=args.no_python)

@@ -1,6 +1,12 @@
 """`dtorch train`: the main job. With no arguments it trains a small GPT on this machine's default
 corpus, on all local GPUs or else 2 CPU worker processes, auto-planned and checkpointed, and
-prints generated text at the end. Run it again and it resumes."""
+prints generated text at the end. Run it again and it resumes.
+
+Inputs are checked here, before any worker or process group exists (`preflight`): a mistake
+ends the command at once with one line and exit code 2 instead of being retried by the elastic
+agent. What can only be found inside a worker (an incompatible checkpoint) ends the job the same
+way (see `dtorch.elastic.bootstrap.is_fatal`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,12 @@ def add_parser(sub, help_text: str) -> None:
                    help="worker processes (default: the number of local GPUs, else 2 on CPU)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts after a failure (default 3)")
     p.add_argument("--chaos", default="", help="fault-injection drill, e.g. kill:rank=1:step=40 (see docs)")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds without training progress before a rank is declared hung (default 30; 0 = off)")
+    p.add_argument("--run-dir", default=None,
+                   help="heartbeats, dumps and events.jsonl of the elastic run (default: a fresh private $TMPDIR/dtorch-*)")
+    p.add_argument("--snapshot-every", type=int, default=1,
+                   help="steps between in-memory snapshots that survive a worker's death (default 1; 0 = off)")
     p.set_defaults(func=run)
 
 
@@ -53,11 +65,118 @@ def _spec_vocab(spec: str) -> int:
     return model_config(spec).vocab_size
 
 
+def _same_model(a: str, b: str) -> bool:
+    from dtorch.models.configs import model_config
+
+    if a == b:
+        return True
+    try:
+        return model_config(a) == model_config(b)
+    except Exception:  # a preset or spec this build cannot parse: compare as written
+        return False
+
+
+def preflight(args: argparse.Namespace, nproc: int) -> None:
+    """Check every input of the job that can be checked without a process group; raises
+    ConfigError naming the first problem."""
+    from dtorch.errors import ConfigError
+
+    for name, flag in (("steps", "--steps"), ("global_batch", "--global-batch"), ("seq_len", "--seq-len"),
+                       ("checkpoint_every", "--checkpoint-every")):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(name, value, f"use a positive {flag}")
+    if args.max_restarts < 0:
+        raise ConfigError("max_restarts", args.max_restarts, "use 0 or more")
+    if args.snapshot_every < 0:
+        raise ConfigError("snapshot_every", args.snapshot_every, "use steps >= 1, or 0 for no snapshots")
+    if args.heartbeat_timeout < 0:
+        raise ConfigError("heartbeat_timeout", args.heartbeat_timeout, "use seconds > 0, or 0 to disable")
+    if args.data:
+        from dtorch.train.data import TokenFile
+
+        TokenFile(args.data, args.seq_len)  # exists, whole tokens, long enough
+    _check_checkpoint_dir(args.checkpoint_dir)
+    _check_plan(args, nproc)
+    _check_checkpoint_model(args)
+
+
+def _check_checkpoint_model(args: argparse.Namespace) -> None:
+    """The newest checkpoint's model shapes (DCP metadata, read with the allow-list) against the
+    model asked for: resuming another model's checkpoint fails here, not in every worker."""
+    from pathlib import Path
+
+    from dtorch.checkpoint import files as F
+    from dtorch.checkpoint import safe
+    from dtorch.errors import ConfigError
+    from dtorch.models import build_model
+    from dtorch.parallel import parallelize  # noqa: F401 - first: binds the lazy name to the function,
+    from dtorch.parallel.parallelize import meta_model  # not to the submodule importing it would bind
+
+    for _, path in F.committed_dirs(Path(args.checkpoint_dir)):
+        try:
+            F.read_manifest(path)
+            saved = safe.load_metadata(path / ".metadata").state_dict_metadata
+        except (F.ManifestError, safe.UnsafeMetadata, OSError):
+            continue  # damaged: the workers skip it with a warning and fall back
+        mine = {f"model.{k}": tuple(v.shape) for k, v in meta_model(lambda: build_model(args.model)).state_dict().items()}
+        shared = [k for k in mine if k in saved and hasattr(saved[k], "size")]
+        bad = [k for k in shared if tuple(saved[k].size) != mine[k]]
+        if bad or not shared:
+            what = (f"{bad[0][6:]} is {tuple(saved[bad[0]].size)} there, {mine[bad[0]]} in --model {args.model}"
+                    if bad else f"none of the parameters of --model {args.model} are in it")
+            raise ConfigError("checkpoint_dir", str(path), f"a checkpoint of another model ({what}); resume with the "
+                              "model it was written with, or use another --checkpoint-dir")
+        return
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    import errno
+    import tempfile
+
+    from dtorch import trust
+    from dtorch.errors import ConfigError
+
+    d = os.path.abspath(path)
+    existing = d
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    trust.check_dir(d, "checkpoint_dir")
+    try:  # a real write: as root, os.access says yes even on a read-only filesystem
+        fd, probe = tempfile.mkstemp(prefix=".dtorch-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        what = "is on a read-only filesystem" if e.errno == errno.EROFS else f"is not writable ({e.strerror})"
+        raise ConfigError("checkpoint_dir", path, f"{existing} {what}; pass a writable --checkpoint-dir") from None
+
+
+def _check_plan(args: argparse.Namespace, nproc: int) -> None:
+    """The plan the workers would choose, chosen here for a world of `nproc` (same code path)."""
+    from dtorch.errors import ConfigError
+    from dtorch.models import build_model
+    from dtorch.plan.plan import Plan
+    from dtorch.train.job import parse_plan
+    from dtorch.train.trainer import Trainer
+
+    request = parse_plan(args.plan)
+    if isinstance(request, str) and request != "auto":
+        plan = Plan.load(request)
+        if plan.model and not _same_model(plan.model, args.model):
+            raise ConfigError("plan", request, f"it was made for model {plan.model!r}, not {args.model!r}; "
+                              f"make a plan for this model (dtorch plan {args.model} ... --out FILE) or pass --model {plan.model}")
+    trainer = Trainer(model=lambda: build_model(args.model), global_batch=args.global_batch, seq_len=args.seq_len,
+                      checkpoint_dir=None, checkpoint_every=args.checkpoint_every, plan=request, seed=args.seed,
+                      console=False)
+    trainer.ckpt = None
+    trainer._choose_plan(nproc, 0)
+
+
 def run(args: argparse.Namespace) -> int:
     from dtorch.cluster.local import default_workers
     from dtorch.errors import ConfigError
 
-    nproc = args.nproc or default_workers()
+    nproc = args.nproc if args.nproc is not None else default_workers()
     if nproc < 1:
         raise ConfigError("nproc", nproc, "use at least 1 worker process")
     if args.data and not args.tokenizer:
@@ -67,8 +186,10 @@ def run(args: argparse.Namespace) -> int:
 
         if Path(args.data).is_dir() or Path(args.data).suffix in SUFFIXES:
             raise ConfigError("data", args.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
-    if os.environ.get("RANK") is None and (args.init_from or args.tokenizer):
-        _check_inputs(args)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
+    if os.environ.get("RANK") is None:
+        if args.init_from or args.tokenizer:
+            _check_inputs(args)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
+        preflight(args, nproc)
     if os.environ.get("RANK") is not None or (nproc == 1 and not args.chaos):
         from dtorch.train.job import run as run_job
 
@@ -87,5 +208,7 @@ def run(args: argparse.Namespace) -> int:
             forwarded += [flag, str(value)]
     if args.no_progress:
         forwarded.append("--no-progress")
-    spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos)
+    spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos,
+                      heartbeat_timeout=args.heartbeat_timeout, snapshot_every=args.snapshot_every,
+                      run_dir=args.run_dir)
     return launch(spec, "dtorch.train.job", forwarded, module=True)

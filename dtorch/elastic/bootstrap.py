@@ -10,16 +10,50 @@ Either way the worker setup runs before the script's first line, so any script (
 trainer) gets it: parent-death signal (no orphans when the agent is SIGKILLed), faulthandler on
 SIGUSR1 (stack dumps of a hung rank), the heartbeat thread. Then TARGET runs as `__main__` (a path,
 or a module with `-m`), with `sys.argv` as the script would see it under torchrun.
+
+Errors that a restart would only meet again (`is_fatal`: a `ConfigError` such as a bad flag, plan,
+data file or an incompatible checkpoint; no space, no permission, a read-only filesystem) are not
+left to the elastic agent's retries: the worker logs one `fatal` event with the message and exits
+with code 2 at once, and the agent ends the job with that one line (`dtorch.elastic.launch`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import runpy
 import sys
 
+FATAL_EXIT = 2
+_FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Whether a restart would meet `e` again: user mistakes and full/read-only/forbidden disks.
+    A CheckpointError marked `retryable` (a peer died during a save) is not fatal."""
+    from dtorch.errors import ConfigError
+
+    if isinstance(e, ConfigError):
+        return not getattr(e, "retryable", False)
+    return isinstance(e, OSError) and e.errno in _FATAL_ERRNOS
+
 
 def _run(target: str, args: list[str], module: bool) -> None:
+    try:
+        _run_target(target, args, module)
+    except Exception as e:
+        if not is_fatal(e) or not os.environ.get("DTORCH_RUN_DIR"):
+            raise
+        from dtorch.elastic import events
+
+        message = str(e) if not isinstance(e, OSError) or e.filename is None else f"{e.filename}: {e.strerror}"
+        events.log("fatal", error=type(e).__name__, message=message.splitlines()[0] if message else type(e).__name__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FATAL_EXIT)  # no traceback, no atexit: the agent prints the one line
+
+
+def _run_target(target: str, args: list[str], module: bool) -> None:
     from dtorch.elastic import worker
 
     worker.setup()

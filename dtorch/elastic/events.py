@@ -48,7 +48,8 @@ def log(kind: str, path: str | None = None, **fields: Any) -> dict[str, Any] | N
         rec["epoch"] = int(os.environ["DTORCH_EPOCH"])
     rec.update(fields)
     line = (json.dumps(rec, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    # never through a symlink: a link planted in the run directory must not redirect our appends
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, line)
     finally:

@@ -45,6 +45,9 @@ def mark(step: int | None = None, phase: str | None = None, committed_step: int 
     """Record progress of the training loop (cheap: no I/O). Call at least once per step;
     `step_done=True` once a step has finished (the strict timeout applies from the first one)."""
     with _lock:
+        # a new step is published at once (one small file write per step), so a rank stopped or
+        # killed mid-step is reported at its real last step, not the writer thread's last one
+        publish = step is not None and int(step) != _state["step"]
         if step_done:
             _state["steps_done"] += 1
         if step is not None:
@@ -55,6 +58,11 @@ def mark(step: int | None = None, phase: str | None = None, committed_step: int 
             _state["committed_step"] = int(committed_step)
         _state["progress_t"] = time.time()
         _state["beats"] += 1
+    if publish:
+        try:
+            flush()
+        except OSError:  # a full disk must not stop training; the writer thread retries
+            pass
 
 
 def snapshot() -> dict[str, Any]:
@@ -96,16 +104,18 @@ class _Writer(threading.Thread):
         self.interval, self.agent_pid = interval, agent_pid
         self.path = hb_path(run_dir, rank)
         self._dumped = False
+        self._write_lock = threading.Lock()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
     def write_once(self) -> None:
-        rec = snapshot()
-        rec.update(rank=self.rank, epoch=self.epoch, pid=os.getpid(), written_t=time.time(),
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(rec, f)
-        os.replace(tmp, self.path)
+        with self._write_lock:  # the loop's thread (new step) and the writer thread both publish
+            rec = snapshot()
+            rec.update(rank=self.rank, epoch=self.epoch, pid=os.getpid(), written_t=time.time(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, self.path)
 
     def run(self) -> None:
         while True:
@@ -197,13 +207,25 @@ def read_beats(run_dir: str, epoch: int | None = None) -> dict[int, dict[str, An
         if not (n.startswith("rank") and n.endswith(".json")):
             continue
         try:
-            with open(os.path.join(d, n)) as f:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd) as f:
+                if os.fstat(fd).st_uid != os.geteuid():
+                    continue  # not written by one of our workers
                 rec = json.load(f)
-        except (OSError, json.JSONDecodeError):
+            rank = int(rec["rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if n != f"rank{rank}.json":
             continue
         if epoch is None or rec.get("epoch") == epoch:
-            out[int(rec["rank"])] = rec
+            out[rank] = rec
     return out
+
+
+def read_local_beats(run_dir: str, epoch: int, pids: dict[int, int]) -> dict[int, dict[str, Any]]:
+    """The records of this agent's workers (`pids`: global rank -> pid) only: a record whose pid
+    is not the worker's was not written by it (planted, or left by an earlier group) and is ignored."""
+    return {r: b for r, b in read_beats(run_dir, epoch).items() if r in pids and b.get("pid") == pids[r]}
 
 
 def proc_state(pid: int) -> str | None:
@@ -268,7 +290,7 @@ class HangWatch:
         if self.timeout <= 0 or now < self._next:
             return None
         self._next = now + self.period
-        beats = read_beats(self.run_dir, self.epoch)
+        beats = read_local_beats(self.run_dir, self.epoch, self.local)
         if not any(b.get("beats", 0) > 0 for b in beats.values()):
             return None
         steady = all(beats.get(r, {}).get("steps_done", 0) > 0 for r in self.local)

@@ -19,7 +19,13 @@ This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configu
   whatever host it is given, so the rendezvous store is built here on a socket bound to the
   endpoint's address only (`dtorch.elastic.store`); workers should create their process group
   with `dtorch.elastic.worker.init_process_group` for the same reason. Multi-node runs must name a
-  reachable endpoint explicitly (the store has no authentication: keep it on a private network).
+  reachable endpoint explicitly. The rendezvous state is signed with the job's key and verified
+  before torch unpickles it (`dtorch.elastic.store.SignedBackend`); the workers' store is not
+  authenticated: keep multi-node endpoints on a private network.
+- Errors no restart can fix (`dtorch.elastic.bootstrap.is_fatal`) stop the job at once: the agent
+  prints the worker's one line and `launch` returns 2.
+- In-memory snapshots (`dtorch.checkpoint.snapshot`): the agent owns a private /dev/shm directory
+  for them (DTORCH_SNAPSHOT_DIR), removed when the job ends.
 - Hang detection: the agent's monitor loop also reads the workers' heartbeats
   (`dtorch.elastic.heartbeat`); a rank without progress for `--heartbeat-timeout` seconds gets its
   stacks and flight recorder dumped, ONE line names it, and the local group is SIGKILLed so the
@@ -39,6 +45,7 @@ import importlib
 import ipaddress
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -48,6 +55,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtorch import trust
 from dtorch.elastic import chaos, events, heartbeat, preemption
 from dtorch.elastic import store as rdzv_store
 from dtorch.errors import ConfigError
@@ -95,13 +103,17 @@ class LaunchSpec:
     chaos: str = ""
     """Fault-injection spec, see `dtorch.elastic.chaos`."""
     run_dir: str | None = None
-    """Where heartbeats, dumps, chaos marks and events.jsonl go. Default: $TMPDIR/dtorch-<rdzv_id>.
+    """Where heartbeats, dumps, chaos marks and events.jsonl go. Default: a fresh private
+    $TMPDIR/dtorch-<rdzv_id>-<random>. An existing one must be ours and writable by nobody else.
     Share it between nodes (or not) as you like: each agent only judges its own workers."""
     local_addr: str | None = None
     shutdown_timeout: int = 5
     """Seconds between SIGTERM and SIGKILL when the agent stops its workers (torchrun: 30)."""
     grow_wait: float = 300.0
     """Longest time a waiting node is held back for a checkpoint boundary (seconds)."""
+    snapshot_every: int = 1
+    """Steps between in-memory snapshots of DTorch's trainer (0 = off): a worker failure then
+    costs at most this many steps, not the steps since the last durable checkpoint."""
     start_method: str = "forkserver"
     """How workers start: "forkserver" forks them from a server that imported torch once (fast
     restarts); "spawn" runs a fresh interpreter per worker, as torchrun does for scripts."""
@@ -113,6 +125,8 @@ class LaunchSpec:
             raise ConfigError("nnodes", f"{self.min_nodes}:{self.max_nodes}", "use N or MIN:MAX with 1 <= MIN <= MAX")
         if self.nproc_per_node < 1:
             raise ConfigError("nproc_per_node", self.nproc_per_node, "use a positive number of workers per node")
+        if self.snapshot_every < 0:
+            raise ConfigError("snapshot_every", self.snapshot_every, "use steps >= 1, or 0 for no snapshots")
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", self.max_restarts, "use 0 or more")
         if self.heartbeat_timeout < 0:
@@ -125,8 +139,8 @@ class LaunchSpec:
             self.local_addr = "127.0.0.1"  # keep MASTER_ADDR off the network when the job is local
         if self.rdzv_id is None:
             self.rdzv_id = f"dtorch-{uuid.uuid4().hex[:12]}" if self.max_nodes == 1 else "none"
-        if self.run_dir is None:
-            self.run_dir = os.path.join(tempfile.gettempdir(), f"dtorch-{self.rdzv_id}")
+        if self.run_dir is None:  # unpredictable: nobody can plant it before us
+            self.run_dir = os.path.join(tempfile.gettempdir(), f"dtorch-{self.rdzv_id}-{secrets.token_hex(8)}")
         if self.startup_timeout is None:
             self.startup_timeout = 10 * self.heartbeat_timeout
         chaos.parse(self.chaos)  # fail now, not in every worker
@@ -187,6 +201,9 @@ def _agent_class():
             self._round_nodes: set[str] = set()
             self._round_t = 0.0
             self._grow_base: int | None = None
+            self._grew = False
+            self.fatal: str | None = None
+            """The one-line message of an error a restart cannot fix (see bootstrap.is_fatal)."""
 
         # -- membership
         def _round(self) -> int:
@@ -198,6 +215,14 @@ def _agent_class():
 
         def _rendezvous(self, worker_group: Any) -> None:
             t0 = time.time()
+            if self._grew:
+                # the group that just stopped was stopped to grow: name the checkpoint the grown
+                # group resumes from (workers publish each commit the moment it happens)
+                self._grew = False
+                beats = heartbeat.read_local_beats(self.run_dir, self.epoch, self.local_pids)
+                done = [b.get("committed_step") for b in beats.values() if b.get("committed_step") is not None]
+                events.log("grow_checkpoint", self.events_path, epoch=self.epoch,
+                           committed_step=min(done) if len(done) == len(self.local_pids) and done else None)
             if not self._saw_commits:  # did the group that just ended report checkpoints?
                 self._saw_commits = any(b.get("committed_step") is not None
                                         for b in heartbeat.read_beats(self.run_dir, self.epoch).values())
@@ -239,6 +264,10 @@ def _agent_class():
             # ~1.8 s for forked workers here), so the failure was seen at t_check, not on return.
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
+                fatal = self._fatal_event()
+                if fatal is not None:
+                    self._on_fatal(fatal)
+                    return result
                 self._on_exit_failure(result, t_check)
             elif result.state == WorkerState.HEALTHY:
                 hang = self.watch.check()
@@ -251,6 +280,17 @@ def _agent_class():
                     return RunResult(state=WorkerState.UNHEALTHY)
                 self._maybe_report_recovery()
             return result
+
+        def _fatal_event(self) -> dict[str, Any] | None:
+            """The first `fatal` event of this epoch: a worker met an error no restart can fix."""
+            evs = [e for e in events.read(self.events_path) if e["kind"] == "fatal" and e.get("epoch") == self.epoch]
+            return min(evs, key=lambda e: (e["t"], e.get("rank", 0))) if evs else None
+
+        def _on_fatal(self, ev: dict[str, Any]) -> None:
+            self._remaining_restarts = 0  # torch's loop then stops the group and returns the failure
+            self.fatal = str(ev.get("message") or ev.get("error"))
+            events.log("stopped", self.events_path, cause="fatal", rank=ev.get("rank"), epoch=self.epoch,
+                       message=self.fatal)
 
         def _fault_time(self, ranks: list[int]) -> float | None:
             """When the fault happened: the chaos mark if one fired, else the last progress seen."""
@@ -294,13 +334,12 @@ def _agent_class():
 
         def _rdzv_state(self) -> Any:
             """The rendezvous state as stored (read-only; None if unavailable)."""
+            backend = self._worker_group.spec.rdzv_handler._state_holder._backend
+            if not isinstance(backend, rdzv_store.SignedBackend):
+                return None  # another backend: its values are not authenticated, so not read here
             try:
-                import pickle
-
-                got = self._worker_group.spec.rdzv_handler._state_holder._backend.get_state()
-                # the same trust torch's own rendezvous places in the store
-                return pickle.loads(got[0]) if got is not None else None
-            except Exception:  # another backend, or a store hiccup: nothing to conclude
+                return rdzv_store.read_state(backend)
+            except Exception:  # a store hiccup: nothing to conclude
                 return None
 
         def _lost_nodes(self) -> dict[str, float]:
@@ -385,7 +424,7 @@ def _agent_class():
             if waiting <= 0:
                 self._grow_since = None
                 return 0
-            beats = heartbeat.read_beats(self.run_dir, self.epoch)
+            beats = heartbeat.read_local_beats(self.run_dir, self.epoch, self.local_pids)
             mine = [beats[r].get("committed_step") for r in self.local_pids if r in beats]
             self._saw_commits = self._saw_commits or any(c is not None for c in mine)
             now = time.time()
@@ -406,9 +445,25 @@ def _agent_class():
         def _admit(self, waiting: int, step: int | None, why: str) -> int:
             events.log("grow", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=step, why=why)
             self._grow_since = None
+            self._grew = True
             return waiting
 
     return DTorchAgent
+
+
+class _QuietFatal(logging.Filter):
+    """Drops torch's multi-line report of a worker that exited for a fatal error: the worker
+    logged the cause as one `fatal` event, and the agent prints that line instead."""
+
+    def __init__(self, events_path: str):
+        super().__init__()
+        self.events_path = events_path
+        self.since = time.time()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        return not any(e["kind"] == "fatal" and e["t"] >= self.since for e in events.read(self.events_path))
 
 
 class _GatedRendezvous:
@@ -429,7 +484,8 @@ class _GatedRendezvous:
 def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False, no_python: bool = False) -> int:
     """Run `target` (a script path, a module with `module=True`, or an executable with `no_python`)
     on `spec.nproc_per_node` workers per node under the elastic agent. Returns the exit code:
-    0 when every worker succeeded, 1 when the job failed after its restarts.
+    0 when every worker succeeded, 1 when the job failed after its restarts, 2 when a worker met an
+    error no restart can fix (a `fatal` event: the agent prints its one line, no retries).
 
     Called from your own script with the forkserver start method, that script must guard its
     entry point with `if __name__ == "__main__":` (multiprocessing's forkserver imports the main
@@ -440,14 +496,24 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     run_dir: str = spec.run_dir  # type: ignore[assignment]
-    os.makedirs(run_dir, exist_ok=True)
+    trust.private_dir(run_dir, "run_dir")  # 0700, ours, not a symlink
+    for name in (events.EVENTS_FILE, heartbeat.HB_DIR, heartbeat.DUMP_DIR, "logs"):
+        if os.path.islink(os.path.join(run_dir, name)):
+            raise ConfigError("run_dir", run_dir, f"{name} in it is a symlink (planted?); remove it or use another --run-dir")
     preemption.clear(run_dir)
     # torch's log formatter imports torch._dynamo on the first exception it formats, and the agent
     # formats one on every worker failure: 2-5 s added to each first recovery here. Pay it now,
     # in the background, while the workers start.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
                      name="dtorch-preimport").start()
+    snap_dir = None
+    if spec.snapshot_every > 0:
+        # RAM (/dev/shm) when there is one: snapshots outlive workers, not the machine
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else run_dir
+        snap_dir = str(trust.private_dir(os.path.join(shm, f"dtorch-snap-{secrets.token_hex(8)}"), "snapshot_dir"))
     env = {
+        "DTORCH_SNAPSHOT_DIR": snap_dir or "",
+        "DTORCH_SNAPSHOT_EVERY": str(spec.snapshot_every),
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "DTORCH_RUN_DIR": run_dir,
         "DTORCH_AGENT_PID": str(os.getpid()),
@@ -489,12 +555,20 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
                            start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
                            shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
+    quiet = _QuietFatal(agent.events_path)
+    torch_logs = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
+                                                 "torch.multiprocessing.spawn")]
+    for lg in torch_logs:
+        lg.addFilter(quiet)
     shutdown_rdzv = True
     try:
         result = agent.run()
         agent._maybe_report_recovery(force=True)
         if result is None:  # the rendezvous was closed by another node: nothing left to do here
             return 0
+        if agent.fatal is not None:
+            print(f"dtorch: error: {agent.fatal}", file=sys.stderr, flush=True)
+            return 2
         if result.is_failed():
             ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(result.failures.items()))
             print(f"dtorch: job failed after {spec.max_restarts} restarts: {ranks or 'unhealthy workers'}",
@@ -505,6 +579,12 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         shutdown_rdzv = False  # closing the rendezvous would stop the other nodes from carrying on
         return 128 + int(e.sigval)
     finally:
+        for lg in torch_logs:
+            lg.removeFilter(quiet)
+        if snap_dir:
+            import shutil
+
+            shutil.rmtree(snap_dir, ignore_errors=True)  # the agent owns the snapshots: gone with the job
         if shutdown_rdzv:
             handler.shutdown()
         for k, v in saved.items():

@@ -174,29 +174,109 @@ def step_begin(step: int, phase: str = "forward") -> None:
 # ---- the trainer's seam (dtorch.train.hooks): entry-only phase callbacks --------------------------
 _hooks_installed = False
 _open_phase: tuple[str, float] | None = None
-_pending_commit: int | None = None
+_trainer: Any = None
+_reported_commit: int | None = None
+_snap: Any = None
+_snap_every = 0
+
+
+def _start_snapshots(trainer: Any) -> None:
+    """Under `dtorch run` with DTORCH_SNAPSHOT_DIR: restore the newest in-memory snapshot when it
+    is newer than the durable checkpoint the trainer just loaded, then snapshot every
+    DTORCH_SNAPSHOT_EVERY steps (see `dtorch.checkpoint.snapshot`). Collective."""
+    global _snap, _snap_every
+    d = os.environ.get("DTORCH_SNAPSHOT_DIR")
+    _snap_every = int(os.environ.get("DTORCH_SNAPSHOT_EVERY", "1") or 0)
+    if not d or _snap_every <= 0 or not callable(getattr(trainer, "checkpoint_state", None)):
+        return
+    from dtorch.checkpoint.snapshot import Snapshotter
+
+    plan = getattr(trainer, "plan", None)
+    tag = f"{plan.describe() if plan is not None else ''}|seed={getattr(trainer, 'seed', '')}"
+    _snap = Snapshotter(d, trainer.rank, trainer.world, tag=tag)
+    durable = trainer.step
+    t0 = time.time()
+    step = _snap.restore(_snapshot_state(trainer), durable_step=durable)
+    ckpt = getattr(trainer, "ckpt", None)
+    if step is None and getattr(ckpt, "deferred_to_snapshot", None) is not None:
+        # the trainer skipped its checkpoint load for a snapshot that is not usable after all
+        # (another plan): load the checkpoint now, as the trainer would have
+        ckpt.deferred_to_snapshot = None
+        ckpt.defer_to_snapshots = False
+        with events.phase("load"):
+            got = ckpt.load_latest(trainer.checkpoint_state())
+        trainer.step = trainer.train_state.step if got is not None else 0
+        return
+    if step is not None:
+        trainer.step = trainer.train_state.step
+        events.log("phase", name="snapshot_restore", start=t0, seconds=time.time() - t0, ok=True, step=step,
+                   durable_step=durable)
+        if trainer.rank == 0:
+            print(f"dtorch: restored the in-memory snapshot of step {step} (newer than the durable checkpoint "
+                  f"{'of step ' + str(durable) if durable else 'none'})", file=sys.stderr, flush=True)
+
+
+class _Native:
+    """Modules or optimizers as one Stateful over their own `state_dict()`: for a snapshot of the
+    same plan the native state dicts are exact and far cheaper than the distributed-checkpoint
+    helpers (which a durable, reshardable checkpoint needs)."""
+
+    def __init__(self, objs: list[Any]):
+        self.objs = objs
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(i): o.state_dict() for i, o in enumerate(self.objs)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for i, o in enumerate(self.objs):
+            o.load_state_dict(sd[str(i)])
+
+
+def _snapshot_state(trainer: Any) -> dict[str, Any]:
+    """What a snapshot holds: everything a checkpoint holds, model and optimizer natively."""
+    state = dict(trainer.checkpoint_state())
+    parts, optims = getattr(getattr(trainer, "parallel", None), "model_parts", None), getattr(trainer, "optimizers", None)
+    if parts is not None and optims is not None and "model" in state and "optim" in state:
+        state["model"], state["optim"] = _Native(list(parts)), _Native(list(optims))
+    return state
+
+
+def _take_snapshot(step: int) -> None:
+    if _snap is None or step % _snap_every:
+        return
+    before = len(_snap.stall_s)
+    _snap.take(step, _snapshot_state(_trainer))
+    n = len(_snap.stall_s)
+    if n > before and n % 10 == 0:  # a take happened (snapshots may be off for this plan)  # the stall, for the drill report and the benchmark
+        recent = sorted(_snap.stall_s[-10:])
+        events.log("snapshot_stall", step=step, takes=n, median_s=recent[len(recent) // 2], max_s=recent[-1])
+
+
+def _report_commit() -> None:
+    """Report the trainer's last *committed* checkpoint (directory renamed, LATEST moved: the
+    manager's `last_committed`), never a save that has only started: the agent grows the job at
+    that boundary and restarts the workers, which would kill an async save mid-write."""
+    global _reported_commit
+    step = getattr(getattr(_trainer, "ckpt", None), "last_committed", None)
+    if step is not None and step != _reported_commit:
+        _reported_commit = step
+        checkpoint_committed(step)
 
 
 def _close_phase() -> None:
     """The trainer reports phase entries only: a phase ends at the next hook call."""
-    global _open_phase, _pending_commit
+    global _open_phase
     if _open_phase is not None:
         name, t0 = _open_phase
         _open_phase = None
         if name in events.RECOVERY_PHASES:
             events.log("phase", name=name, start=t0, seconds=time.time() - t0, ok=True)
-        if name == "checkpoint" and _pending_commit is not None:
-            # the save call returned (an async save is durable a little later; good enough for
-            # choosing when to grow)
-            checkpoint_committed(_pending_commit)
-            _pending_commit = None
+    _report_commit()
 
 
 def _on_phase(name: str, step: int) -> None:
-    global _open_phase, _pending_commit
+    global _open_phase
     _close_phase()
-    if name == "checkpoint":
-        _pending_commit = step
     heartbeat.mark(step=step, phase=name)
     chaos.maybe_inject(step, name)
     _open_phase = (name, time.time())
@@ -209,6 +289,7 @@ def _on_before_step(step: int) -> None:
 
 def _on_after_step(step: int, loss: float) -> None:
     _close_phase()
+    _take_snapshot(step)
     first = not _first_step_logged
     step_done(step)
     if first:
@@ -226,7 +307,14 @@ def install_hooks(trainer: Any = None) -> None:
     `checkpoint`), the `load` phase timed into the recovery record, checkpoint boundaries for
     growing, the first step after a restart. Called by `setup()` under `dtorch run` (so `load`
     is seen) and by the trainer's `hooks.started(trainer)`."""
-    global _hooks_installed
+    global _hooks_installed, _trainer
+    if trainer is not None:
+        _trainer = trainer
+        ckpt = getattr(trainer, "ckpt", None)
+        if ckpt is not None and hasattr(ckpt, "on_commit") and os.environ.get("DTORCH_RUN_DIR"):
+            ckpt.on_commit = _on_commit
+        if os.environ.get("DTORCH_RUN_DIR"):
+            _start_snapshots(trainer)
     _close_phase()
     if _hooks_installed or not os.environ.get("DTORCH_RUN_DIR"):
         return
@@ -234,6 +322,13 @@ def install_hooks(trainer: Any = None) -> None:
     from dtorch.train import hooks
 
     hooks.register(before_step=_on_before_step, after_step=_on_after_step, on_phase=_on_phase)
+
+
+def _on_commit(step: int) -> None:
+    """From the checkpoint manager, the moment a save has committed: publish it now, so that an
+    agent that stops the group right after knows which checkpoint the next group resumes from."""
+    heartbeat.mark(committed_step=step)
+    heartbeat.flush()
 
 
 def checkpoint_committed(step: int) -> None:

@@ -99,8 +99,10 @@ def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, plan: 
 
     ids = [device.index] if device.type == "cuda" else None
     group = dp_mesh.get_group()
+    # forward_sync_buffers, not the deprecated broadcast_buffers (a FutureWarning on every rank);
+    # with init_sync=False neither syncs at init, so the two are the same here.
     ddp = DistributedDataParallel(model, device_ids=ids, process_group=group,
-                                  broadcast_buffers=False, init_sync=False)
+                                  forward_sync_buffers=False, init_sync=False)
     ddp.register_comm_hook((group, getattr(torch, plan.reduce_dtype)), reduce_in_dtype)
     return ddp
 

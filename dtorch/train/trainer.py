@@ -460,6 +460,8 @@ class Trainer:
             while self.step < steps:
                 t0 = time.perf_counter()
                 hooks.before_step(self.step + 1)
+                if self.ckpt is not None:
+                    self.ckpt.raise_if_failed()  # a failed async save stops the run at the next step
                 idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size)
                 if samples_log is not None:
                     samples_log.write(json.dumps({"step": self.step + 1, "dp_rank": self.parallel.dp_rank,

@@ -181,6 +181,13 @@ def _shrink_and_grow(procs, start, worlds, path, ckpt) -> None:
     ws = worlds()
     assert ws.index(4) < len(ws) - 1 - ws[::-1].index(2) < len(ws) - 1 - ws[::-1].index(4)
     assert any('"final_step": 200' in o for o in outs)
+    # Growing loses nothing: the grown job resumed from the very checkpoint named when the group
+    # was stopped to grow, which is the one the admission waited for or (when an async save
+    # committed in the moment between admission and stop) a newer one, never an older one.
+    named = [e for e in events.read(path) if e["kind"] == "grow_checkpoint"][-1]
+    with open(ckpt / "metrics.jsonl") as f:
+        resumes = [r for r in map(json.loads, f) if r.get("event") == "resume"]
+    assert resumes[-1]["step"] == named["committed_step"] >= grows[-1]["committed_step"], (resumes, named, grows)
     recs = events.recoveries(path)
     assert recs and recs[0]["world_size"] == 2 and recs[0]["load"] is not None
     print(events.format_recovery(recs[0]))

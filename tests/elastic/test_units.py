@@ -4,6 +4,7 @@ hang judgement and culprit naming, the launcher's validation, straggler scoring.
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -217,12 +218,14 @@ def test_trainer_hooks_time_load_report_commits_and_the_first_step(tmp_path, mon
     monkeypatch.setattr(worker, "_setup_done", True)  # no heartbeat thread / parent-death signal in pytest
     monkeypatch.setattr(worker, "_hooks_installed", False)
     monkeypatch.setattr(worker, "_first_step_logged", False)
+    monkeypatch.setattr(worker, "_reported_commit", None)
     hooks.clear()
     try:
         worker.install_hooks()
         with hooks.phase("load"):  # the trainer loads before `hooks.started`
             time.sleep(0.01)
-        hooks.started(object())  # installs again: must not double-register
+        trainer = SimpleNamespace(ckpt=SimpleNamespace(last_committed=None))
+        hooks.started(trainer)  # installs again: must not double-register
         for step in (5, 6):
             hooks.before_step(step)
             with hooks.phase("forward_backward"):
@@ -230,12 +233,41 @@ def test_trainer_hooks_time_load_report_commits_and_the_first_step(tmp_path, mon
             hooks.after_step(step, 1.0)
             with hooks.phase("checkpoint"):
                 pass
+            if step == 5:
+                trainer.ckpt.last_committed = 5  # the async save of step 5 commits during step 6
         hooks.before_step(7)
+        # the save of step 6 has started but not committed: growing now would lose it
+        assert heartbeat.snapshot()["committed_step"] == 5
+        trainer.ckpt.last_committed = 6
+        hooks.after_step(7, 1.0)
     finally:
         hooks.clear()
+        monkeypatch.setattr(worker, "_trainer", None)
     evs = events.read(str(tmp_path / events.EVENTS_FILE))
     (load,) = [e for e in evs if e["kind"] == "phase"]
     assert load["name"] == "load" and load["seconds"] >= 0.01 and load["epoch"] == 3
     (first,) = [e for e in evs if e["kind"] == "first_step"]
     assert first["step"] == 5
     assert heartbeat.snapshot()["committed_step"] == 6 and heartbeat.snapshot()["step"] == 7
+
+
+def test_cli_output_into_a_closed_pipe_ends_quietly():
+    """`dtorch plan ... | head`: no BrokenPipeError traceback when the reader has gone."""
+    import subprocess
+    import sys
+
+    code = "import sys; from dtorch.cli import main; sys.exit(main(['plan', '--model', 'gpt2-small', '--seq-len', '1024']))"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader leaves before the first line
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_new_step_is_published_at_once_so_a_stopped_rank_reports_its_real_step(tmp_path, monkeypatch):
+    """The writer thread publishes every interval; a rank stopped between two publishes used to
+    be reported at a stale step. A new step is now written by the loop itself."""
+    w = heartbeat._Writer(str(tmp_path), 0, 1, 3600.0, None)  # its thread never runs here
+    monkeypatch.setattr(heartbeat, "_writer", w)
+    for step in (41, 42):
+        heartbeat.mark(step=step, phase="forward")
+        assert heartbeat.read_beats(str(tmp_path), 1)[0]["step"] == step

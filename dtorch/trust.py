@@ -1,0 +1,167 @@
+"""What DTorch trusts on disk and on the wire: a per-user secret key, and private directories.
+
+Checkpoint manifests and the rendezvous store's payloads carry an HMAC-SHA256 made with a secret
+only the job's user holds, so that whoever can write a run's files or reach its store cannot
+forge them. The key is found in this order:
+
+1. ``DTORCH_KEY``: the secret itself (any string of 16+ characters), e.g. handed to every node
+   of a job by the scheduler;
+2. ``DTORCH_KEY_FILE``: a file holding it (owned by this user, mode 0600), e.g. on a shared
+   filesystem that every node mounts;
+3. ``$XDG_CONFIG_HOME/dtorch/key`` (default ``~/.config/dtorch/key``), created with 32 random
+   bytes and mode 0600 on first use. Nodes that share the home directory share it.
+
+Every process that reads a checkpoint or joins the rendezvous must see the same key; a key file
+readable by others is refused. Directories are checked with `check_dir`: a directory owned by
+another user, writable by others, or reached through a symlink is refused unless it is listed in
+``DTORCH_TRUST`` (paths separated by ``:``), which is how a person trusts one explicitly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from pathlib import Path
+
+from dtorch.errors import ConfigError
+
+_MIN_KEY = 16
+_cache: dict[str, bytes] = {}
+
+
+def key_file() -> Path:
+    """The key file in use (DTORCH_KEY_FILE, else the per-user default)."""
+    explicit = os.environ.get("DTORCH_KEY_FILE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "dtorch" / "key"
+
+
+def _read_key_file(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError("DTORCH_KEY_FILE", str(path),
+                              f"the key file must be owned by uid {os.geteuid()} with mode 0600 "
+                              f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+        data = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(data) < _MIN_KEY:
+        raise ConfigError("DTORCH_KEY_FILE", str(path), f"the key file holds fewer than {_MIN_KEY} bytes")
+    return data
+
+
+def _create_key_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, os.urandom(32).hex().encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # atomic and never replaces: two first users agree on one key
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
+def secret() -> bytes:
+    """This user's (or this job's) secret key, see the module docstring."""
+    env = os.environ.get("DTORCH_KEY")
+    if env:
+        if len(env) < _MIN_KEY:
+            raise ConfigError("DTORCH_KEY", "<hidden>", f"use a secret of at least {_MIN_KEY} characters")
+        return env.encode()
+    path = key_file()
+    cached = _cache.get(str(path))
+    if cached is not None:
+        return cached
+    try:
+        key = _read_key_file(path)
+    except FileNotFoundError:
+        if os.environ.get("DTORCH_KEY_FILE"):
+            raise ConfigError("DTORCH_KEY_FILE", str(path), "no such file; create it (mode 0600) on every node") from None
+        try:
+            _create_key_file(path)
+        except OSError as e:
+            raise ConfigError("DTORCH_KEY_FILE", str(path), f"cannot create the key ({e.strerror}); set DTORCH_KEY "
+                              "or DTORCH_KEY_FILE to a secret only you can read") from None
+        key = _read_key_file(path)
+    except OSError as e:  # a symlink (ELOOP) or unreadable
+        raise ConfigError("DTORCH_KEY_FILE", str(path), f"cannot read the key ({e.strerror}); use a regular 0600 file") from None
+    _cache[str(path)] = key
+    return key
+
+
+def tag(purpose: str, data: bytes, key: bytes | None = None) -> str:
+    """Hex HMAC-SHA256 of `data` for `purpose` (each purpose gets its own derived key)."""
+    k = hmac.new(key if key is not None else secret(), purpose.encode(), hashlib.sha256).digest()
+    return hmac.new(k, data, hashlib.sha256).hexdigest()
+
+
+def check_tag(purpose: str, data: bytes, expected: str | bytes, key: bytes | None = None) -> bool:
+    """Whether `expected` is the tag of `data` (constant time; any garbage is simply False)."""
+    if isinstance(expected, str):
+        expected = expected.encode("utf-8", "replace")
+    return isinstance(expected, bytes) and hmac.compare_digest(tag(purpose, data, key).encode(), expected)
+
+
+def trusted_dirs() -> list[Path]:
+    return [Path(p).resolve() for p in os.environ.get("DTORCH_TRUST", "").split(os.pathsep) if p]
+
+
+def untrusted_reason(path: str | os.PathLike, *, private: bool = False) -> str | None:
+    """Why `path` (a directory) is not to be trusted, or None. Refused: a symlink, a directory
+    owned by another user, one writable by others (with `private`, writable by the group too)."""
+    p = Path(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symlink"
+    elif not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    elif st.st_uid != os.geteuid():
+        why = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif private and st.st_mode & 0o022:
+        why = f"is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}); make it 0700"
+    elif st.st_mode & 0o002:
+        why = f"is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+    else:
+        return None
+    resolved = p.resolve()
+    if any(resolved == t or t in resolved.parents for t in trusted_dirs()):
+        return None
+    return why
+
+
+def check_dir(path: str | os.PathLike, field: str, *, private: bool = False) -> None:
+    """Raise ConfigError when `path` is not to be trusted (see `untrusted_reason`)."""
+    why = untrusted_reason(path, private=private)
+    if why is not None:
+        raise ConfigError(field, str(path),
+                          f"refused: it {why}; fix its owner/mode (chmod o-w, chown), or trust it explicitly "
+                          f"with DTORCH_TRUST={os.path.abspath(path)}")
+
+
+def private_dir(path: str | os.PathLike, field: str) -> Path:
+    """Create `path` as a private directory (0700), or check that the existing one is ours and
+    writable by nobody else; never through a symlink."""
+    p = Path(path)
+    try:
+        os.mkdir(p, 0o700)
+    except FileExistsError:
+        check_dir(p, field, private=True)
+    except FileNotFoundError:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(p, 0o700)
+    return p

@@ -1,0 +1,139 @@
+"""Nothing from the rendezvous store or the run directory is trusted unverified: a pickle set
+under the rendezvous key by another process runs nothing, planted run directories, symlinked
+event logs and forged heartbeats are refused. Real TCPStores, real torch rendezvous handler."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dtorch.elastic import events, heartbeat
+from dtorch.elastic import store as rdzv_store
+
+CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
+
+pytestmark = [pytest.mark.slow]
+
+
+class _Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+ATTACKER = """
+import base64, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+port, key, payload, fake_tag = int(sys.argv[1]), sys.argv[2], bytes.fromhex(sys.argv[3]), sys.argv[4] == "1"
+store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), multi_tenant=True)
+bits = (b"0" * 64 + payload) if fake_tag else payload
+store.set(key, base64.b64encode(bits).decode())
+"""
+
+
+@pytest.mark.parametrize("fake_tag", [False, True])
+def test_pickle_set_under_the_rendezvous_key_by_another_process_runs_nothing(tmp_path, fake_tag):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    port = _free_port()
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="victim", min_nodes=1,
+                                  max_nodes=2, local_addr="127.0.0.1", last_call_timeout=1, join_timeout=30)
+    handler = rdzv_store.rendezvous_handler(params)
+    try:
+        handler.next_rendezvous()
+        backend = handler._state_holder._backend
+        assert isinstance(backend, rdzv_store.SignedBackend)
+        assert rdzv_store.read_state(backend).participants  # the real, signed state reads back
+        marker = tmp_path / "PWNED"
+        payload = pickle.dumps(_Payload(str(marker)))
+        subprocess.run([sys.executable, "-c", ATTACKER, str(port), "torch.rendezvous.victim", payload.hex(),
+                        "1" if fake_tag else "0"], check=True, timeout=60)
+        got = base64.b64decode(handler._store.get("torch.rendezvous.victim"))
+        assert got.endswith(payload)  # the forgery is in the store
+        assert handler.num_nodes_waiting() == 0  # torch's handler syncs the state: nothing runs
+        assert rdzv_store.read_state(backend).participants == {}  # seen as empty, not unpickled
+        assert backend.rejected >= 1
+        time.sleep(0.5)
+        assert not marker.exists()
+    finally:
+        handler.shutdown()
+
+
+def _run(tmp_path, run_dir, timeout=120) -> subprocess.CompletedProcess:
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    return subprocess.run([*CLI, "--nproc-per-node", "1", "--run-dir", str(run_dir), str(script)],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_planted_world_writable_run_directory_is_refused(tmp_path):
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    planted.chmod(0o777)
+    p = _run(tmp_path, planted)
+    assert p.returncode == 2 and "writable by its group or others" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "ran" not in p.stdout
+    if os.geteuid() == 0:
+        planted.chmod(0o700)
+        os.chown(planted, 65534, 65534)
+        p = _run(tmp_path, planted)
+        assert p.returncode == 2 and "owned by uid 65534" in p.stderr, p.stderr
+
+
+def test_symlinked_event_log_is_refused_and_never_written_through(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    (run_dir / events.EVENTS_FILE).symlink_to(victim)
+    p = _run(tmp_path, run_dir)
+    assert p.returncode == 2 and "events.jsonl in it is a symlink" in p.stderr, p.stderr
+    with pytest.raises(OSError):
+        events.log("probe", str(run_dir / events.EVENTS_FILE))  # O_NOFOLLOW, for the workers too
+    assert victim.read_text() == "untouched\n"
+
+
+def test_default_run_directory_is_private_and_unpredictable(tmp_path):
+    from dtorch.elastic.launch import LaunchSpec
+
+    a, b = LaunchSpec(rdzv_id="job"), LaunchSpec(rdzv_id="job")
+    assert a.run_dir != b.run_dir and os.path.basename(a.run_dir).startswith("dtorch-job-")
+    from dtorch import trust
+
+    d = trust.private_dir(tmp_path / "fresh", "run_dir")
+    assert (os.stat(d).st_mode & 0o777) == 0o700
+
+
+def test_planted_heartbeat_of_another_pid_is_ignored_by_the_hang_watch(tmp_path):
+    run_dir = str(tmp_path)
+    os.makedirs(os.path.join(run_dir, heartbeat.HB_DIR))
+    now = time.time()
+    real = {"rank": 0, "epoch": 3, "pid": os.getpid(), "step": 7, "progress_t": now, "beats": 5, "steps_done": 5}
+    forged = {**real, "rank": 1, "pid": 1, "progress_t": now - 1000}  # pid 1 is not our worker
+    for rec in (real, forged):
+        with open(heartbeat.hb_path(run_dir, rec["rank"]), "w") as f:
+            json.dump(rec, f)
+    watch = heartbeat.HangWatch(run_dir, timeout=5, startup_timeout=50)
+    watch.reset(3, {0: os.getpid(), 1: 999999})
+    assert set(heartbeat.read_local_beats(run_dir, 3, watch.local)) == {0}
+    watch.t_start = now  # rank 1 has published nothing of its own: it is still starting
+    assert watch.check() is None
