@@ -160,6 +160,15 @@ def _block(hidden: int, heads: int, seq: int, batch: int):
     return Block(), torch.randn(batch, seq, hidden, requires_grad=True)
 
 
+def block_shape(workload: tuple[int, int, int]) -> tuple[int, int, int, int]:
+    """(hidden, heads, seq, batch) of the block timed for `workload` (capped, about 512 tokens)."""
+    hidden, heads, seq = workload
+    heads = max(1, min(heads, hidden // 16))
+    hidden = max(heads * 16, min(hidden, MAX_HIDDEN) // heads * heads)
+    seq = max(16, min(seq, MAX_SEQ))
+    return hidden, heads, seq, max(1, 512 // seq)
+
+
 def measure_speeds(threads: int, workload: tuple[int, int, int] = DEFAULT_WORKLOAD, *,
                    rounds: int = 5) -> dict[str, float]:
     """Training speed of each dtype over float32's on `threads` threads, for a transformer block of
@@ -169,10 +178,7 @@ def measure_speeds(threads: int, workload: tuple[int, int, int] = DEFAULT_WORKLO
     is not timed further (its GEMM ratio stands for it). About 0.1-0.5 s."""
     import torch
 
-    hidden, heads, seq = workload
-    heads = max(1, min(heads, hidden // 16))
-    hidden = max(heads * 16, min(hidden, MAX_HIDDEN) // heads * heads)
-    seq = max(16, min(seq, MAX_SEQ))
+    hidden, heads, seq, batch = block_shape(workload)
     old = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
@@ -181,7 +187,7 @@ def measure_speeds(threads: int, workload: tuple[int, int, int] = DEFAULT_WORKLO
         for d in DTYPES:
             x, y = a.to(getattr(torch, d)), b.to(getattr(torch, d))
             gemm[d] = 1.0 / _best_time(lambda x=x, y=y: torch.mm(x, y), 5)
-        block, x = _block(hidden, heads, seq, max(1, 512 // seq))
+        block, x = _block(hidden, heads, seq, batch)
 
         def step(dtype):
             with torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=dtype != "float32"):
@@ -197,7 +203,9 @@ def measure_speeds(threads: int, workload: tuple[int, int, int] = DEFAULT_WORKLO
                 best[d] = min(best[d], _best_time(lambda d=d: step(d), 1))
     finally:
         torch.set_num_threads(old)
-    return {d: best["float32"] / best[d] if d in best else gemm[d] / gemm["float32"] for d in DTYPES}
+    out = {d: best["float32"] / best[d] if d in best else gemm[d] / gemm["float32"] for d in DTYPES}
+    out["float32_block_s"] = best["float32"]
+    return out
 
 
 def measured(threads: int, workload: tuple[int, int, int] = DEFAULT_WORKLOAD) -> dict[str, float]:
@@ -207,7 +215,7 @@ def measured(threads: int, workload: tuple[int, int, int] = DEFAULT_WORKLOAD) ->
     doc = _read_cache()
     entry = doc.get(key)
     try:
-        return {d: float(entry["speed"][d]) for d in DTYPES}
+        return {d: float(entry["speed"][d]) for d in (*DTYPES, "float32_block_s")}
     except (TypeError, KeyError, ValueError):
         pass
     speeds = measure_speeds(threads, workload)
@@ -229,7 +237,27 @@ def _can_measure() -> bool:
 def cpu_speeds(threads: int, *, measure: bool = True,
                workload: tuple[int, int, int] | None = None) -> tuple[dict[str, float], str]:
     """(training speed of each dtype over float32's, where it came from: 'measured' or 'flags').
-    Measuring needs torch; without it, or with `measure` False, the flags decide."""
+    Measuring needs torch; without it, or with `measure` False, the flags decide. A measured result
+    also carries 'float32_block_s', the float32 block's best time (see `speed_scale`)."""
     if measure and _can_measure():
         return measured(threads, workload or DEFAULT_WORKLOAD), "measured"
     return nominal_ratios(), "flags"
+
+
+def speed_scale(block_s: float, workload: tuple[int, int, int], peak_flops: float, efficiency: float,
+                memory_bandwidth: float) -> float:
+    """How much faster the timed float32 block ran than the cost model predicts it on a device of
+    nominal `peak_flops`, `efficiency` and `memory_bandwidth` (one rank's share): the factor by which
+    those nominal numbers are scaled, so that before any probe the model's arithmetic and element-wise
+    terms add up to what this CPU measurably does at the model's shape. The block's work is counted
+    as the cost model counts it: 72 h^2 + 12 h s FLOPs per token, 34 h bytes of 16-bit activations per
+    token through `elementwise_passes` passes (dtorch.plan.cost; imported here, as the probe does,
+    because measuring the cluster is the one place the planner's model meets the hardware)."""
+    from dtorch.plan.cost import DEFAULT_CONSTANTS, shape_factor
+
+    hidden, _, seq, batch = block_shape(workload)
+    tokens = batch * seq
+    flops = tokens * (72.0 * hidden * hidden + 12.0 * hidden * seq)
+    t = flops / (peak_flops * efficiency * shape_factor(hidden, tokens, DEFAULT_CONSTANTS))
+    t += DEFAULT_CONSTANTS.elementwise_passes * 2.0 * tokens * 34.0 * hidden / memory_bandwidth
+    return t / block_s

@@ -334,21 +334,29 @@ def cpu_device(threads: int | None = None, *, measure: bool = False,
     emulated, and with `measure` a transformer block of `workload`'s shape (hidden, heads, seq) is
     timed per dtype on `threads` threads (see `dtorch.cluster.capability`). `dtorch probe` measures
     the real curve."""
-    from dtorch.cluster.capability import cpu_speeds
+    from dtorch.cluster.capability import DEFAULT_WORKLOAD, cpu_speeds, speed_scale
 
     cores = os.cpu_count() or 1
-    flops = cores * _cpu_ghz() * 1e9 * 32
-    ratios, _ = cpu_speeds(threads or cores, measure=measure, workload=workload)
+    flops, bandwidth, eff = cores * _cpu_ghz() * 1e9 * 32, 20e9, 0.5
+    threads = threads or cores
+    speeds, _ = cpu_speeds(threads, measure=measure, workload=workload)
+    block_s = speeds.pop("float32_block_s", None)
+    if block_s:
+        # the nominal clock x FLOP/cycle says nothing of AVX-512 or of PyTorch's kernels at this shape:
+        # scale FLOP/s and bandwidth alike so that the timed block costs what it measurably did
+        share = threads / cores
+        k = speed_scale(block_s, workload or DEFAULT_WORKLOAD, flops * share, eff, bandwidth * share)
+        flops, bandwidth = flops * k, bandwidth * k
     return DeviceType(
         name=f"CPU-{cores}core",
-        peak_flops={d: flops * r for d, r in ratios.items()},
+        peak_flops={d: flops * r for d, r in speeds.items()},
         memory_bytes=_host_memory(),
-        memory_bandwidth=20e9,
-        matmul_efficiency=0.5,
+        memory_bandwidth=bandwidth,
+        matmul_efficiency=eff,
         kind="cpu",
         # eager PyTorch on a CPU: ~4-9 us of host time per operator, ~10-20 us more on DTensors
         # (measured by `dtorch probe`, which replaces these nominal values)
         op_overhead_s=5e-6,
         dtensor_op_overhead_s=10e-6,
-        elementwise_speed=dict(ratios),
+        elementwise_speed=dict(speeds),
     )
