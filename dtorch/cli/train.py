@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
                               ("seq_len", "--seq-len"), ("lr", "--lr"), ("warmup", "--warmup"),
                               ("checkpoint_dir", "--checkpoint-dir"), ("checkpoint_every", "--checkpoint-every"),
                               ("plan", "--plan"), ("seed", "--seed"), ("data", "--data"),
-                              ("sample_tokens", "--sample-tokens")):
+                              ("sample_tokens", "--sample-tokens"), ("monitor_port", "--monitor-port"),
+                              ("metrics_every", "--metrics-every")):
         value = getattr(args, action_dest)
         if value is not None:
             forwarded += [flag, str(value)]

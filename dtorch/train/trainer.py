@@ -81,6 +81,11 @@ class Trainer:
       straggler_every: every N steps all ranks compare their mean block-forward time; a rank at
         least 1.5x slower than the fastest (or suddenly slow against its own history) for two
         checks in a row is named once on the console and as a `straggler` event (0 = off).
+      metrics_every: every N steps all ranks gather their step-time terms, memory and GPU readings
+        into a ``ranks`` record of metrics.jsonl (0 = off; default $DTORCH_METRICS_EVERY or 10).
+      monitor_port / monitor_host / monitor_token: serve Prometheus /metrics and the live page on
+        rank 0 (port 0 = a free one; default $DTORCH_MONITOR_PORT, unset = no server); see
+        docs/monitoring.md.
     """
 
     def __init__(
@@ -104,6 +109,10 @@ class Trainer:
         keep_last: int = 3,
         console: bool = True,
         straggler_every: int = 10,
+        metrics_every: int | None = None,
+        monitor_port: int | None = None,
+        monitor_host: str | None = None,
+        monitor_token: str | None = None,
     ):
         if int(global_batch) < 1:
             raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
@@ -128,6 +137,9 @@ class Trainer:
         if int(straggler_every) < 0:
             raise ConfigError("straggler_every", straggler_every, "check every N >= 1 steps, or 0 for never")
         self.straggler_every = int(straggler_every)
+        from dtorch.monitor.live import MonitorConfig
+
+        self.monitor_config = MonitorConfig.resolve(metrics_every, monitor_port, monitor_host, monitor_token)
         self.async_checkpoint = async_checkpoint
         self.keep_last = keep_last
         self.console = console
@@ -331,6 +343,12 @@ class Trainer:
             from dtorch.monitor.straggler import StragglerWatch
 
             watch = StragglerWatch(self.parallel.model_parts, self.world, every=self.straggler_every)
+        from dtorch.monitor.live import RunMonitor
+
+        mon = RunMonitor.start(self.monitor_config, rank=self.rank, world=self.world, device=self.device,
+                               metrics=self.metrics, plan=self.plan, mesh=self.parallel.mesh,
+                               tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
+                               peak_flops=peak, console=self.console)
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
@@ -340,10 +358,15 @@ class Trainer:
                     samples_log.write(json.dumps({"step": self.step + 1, "dp_rank": self.parallel.dp_rank,
                                                   "indices": idx}) + "\n")
                 inputs, labels = batch_for(self.dataset, idx)
+                t_data = time.perf_counter()
+                comm0 = mon.comm_snapshot() if mon is not None else None
                 with hooks.phase("forward_backward"):
                     loss = self.parallel.forward_backward(inputs, labels)
+                t_fb = time.perf_counter()
+                comm1 = mon.comm_snapshot() if mon is not None else None
                 gnorm = (self.parallel.clip_grad_norm_(self.max_grad_norm) if self.max_grad_norm
                          else torch.zeros(()))
+                t_opt = time.perf_counter()
                 with hooks.phase("optimizer"):
                     for o in self.optimizers:
                         o.step()
@@ -351,6 +374,7 @@ class Trainer:
                     lr = self.schedulers[0].get_last_lr()[0]
                     for s in self.schedulers:
                         s.step()
+                t_end = time.perf_counter()
                 self.step += 1
                 self.train_state.step = self.step
                 self.train_state.tokens_seen += tokens_per_step
@@ -366,6 +390,9 @@ class Trainer:
                     peak_memory_bytes=peak_memory_bytes(self.device), world_size=self.world,
                     epoch=int(os.environ.get("DTORCH_EPOCH", "0"))))
                 hooks.after_step(self.step, loss_f)
+                if mon is not None:
+                    mon.step(self.step, step_s=dt, data_s=t_data - t0, fb_s=t_fb - t_data, opt_s=t_end - t_opt,
+                             comm_before=comm0, comm_after_fb=comm1)
                 report = watch.step_done(self.step) if watch is not None else None
                 if report is not None and report.new:
                     self.metrics.event("straggler", step=self.step, ranks=report.new,
@@ -383,6 +410,8 @@ class Trainer:
                 self._save(final=True)
             self._feedback(step_times)
         finally:
+            if mon is not None:
+                mon.close()
             if watch is not None:
                 watch.close()
             if self.ckpt is not None:

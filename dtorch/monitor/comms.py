@@ -1,0 +1,160 @@
+"""Exposed communication time per mesh axis, measured without synchronising anything.
+
+What a rank *waits* for is what costs it: the time its Python thread spends inside a blocking
+collective, or inside `Work.wait()` / `wait_tensor()` of an asynchronous one. `CommTimer` wraps
+those entry points of `torch.distributed` (the c10d collectives, `Work.wait`, and the functional
+collectives DTensor uses) with a `perf_counter` pair and adds the seconds to the mesh axis of the
+process group the collective ran on. Nothing is launched, nothing is synchronised.
+
+What it cannot see: waits done inside C++ (classic DDP's reducer, NCCL stream waits a GPU kernel
+queues without the host waiting), and on GPUs the time a kernel waits on a stream is not host
+time. There the share reads low; the docs (docs/monitoring.md) say so. Waits on a group that is no
+mesh axis (or whose group is not known at wait time) land in ``other``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+AXES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "other")
+"""Axes reported, in a fixed order (the per-rank vector is gathered by position)."""
+
+# c10d functions that take a process group (and maybe async_op); p2p ops and batch_isend_irecv
+# are left alone: the pipeline schedule compares `P2POp.op` against `dist.isend` by identity.
+_C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+         "reduce_scatter_single", "reduce_scatter", "broadcast", "all_to_all_single", "barrier")
+
+_lock = threading.Lock()
+_active: CommTimer | None = None
+
+
+class CommTimer:
+    """Accumulates host-blocking communication seconds per axis for this process (one at a time).
+
+    `install()` wraps torch's entry points (idempotent; `uninstall()` restores them). `seconds` is
+    a dict axis -> seconds since creation; `snapshot()` copies it (the trainer takes one before and
+    after forward/backward and keeps the difference)."""
+
+    def __init__(self, mesh: Any = None):
+        self.group_axis: dict[Any, str] = {}
+        self.name_axis: dict[str, str] = {}
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
+        for name in names:
+            try:
+                pg = mesh.get_group(name)
+            except Exception:  # noqa: BLE001 - a flattened or odd axis: not attributed
+                continue
+            axis = name if name in AXES else ("dp_shard" if name.startswith("dp_shard") else "other")
+            self.group_axis[pg] = axis
+            self.name_axis[getattr(pg, "group_name", "")] = axis
+        self.seconds: dict[str, float] = dict.fromkeys(AXES, 0.0)
+        self.calls = 0
+        self._pending: dict[int, str] = {}
+        self._last_funcol_axis = "other"
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+    # ---- attribution -------------------------------------------------------------------------
+    def _axis(self, group: Any) -> str:
+        if group is None:
+            # the default group: the only axis when the mesh has one, else not attributable
+            return next(iter(self.group_axis.values())) if len(self.group_axis) == 1 else "other"
+        return self.group_axis.get(group, "other")
+
+    def _add(self, axis: str, dt: float) -> None:
+        self.seconds[axis] = self.seconds.get(axis, 0.0) + dt
+        self.calls += 1
+
+    # ---- wrappers ------------------------------------------------------------------------------
+    def _wrap_c10d(self, fn: Callable) -> Callable:
+        params = list(inspect.signature(fn).parameters)
+        gi = params.index("group") if "group" in params else None
+        ai = params.index("async_op") if "async_op" in params else None
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            dt = time.perf_counter() - t
+            group = kwargs.get("group", args[gi] if gi is not None and len(args) > gi else None)
+            axis = self._axis(group)
+            self._add(axis, dt)
+            is_async = kwargs.get("async_op", args[ai] if ai is not None and len(args) > ai else False)
+            if is_async and out is not None:
+                if len(self._pending) > 4096:  # works never waited on (fire and forget): forget them
+                    self._pending.clear()
+                self._pending[id(out)] = axis
+            return out
+
+        wrapper.__dtorch_comm_timer__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    def _wrap_wait(self, fn: Callable) -> Callable:
+        def wait(work, *args, **kwargs):
+            t = time.perf_counter()
+            out = fn(work, *args, **kwargs)
+            self._add(self._pending.pop(id(work), "other"), time.perf_counter() - t)
+            return out
+
+        return wait
+
+    def _wrap_resolve(self, fn: Callable) -> Callable:
+        def resolve(group, tag: str = ""):
+            name = fn(group, tag)
+            self._last_funcol_axis = self.name_axis.get(name, "other")
+            return name
+
+        return resolve
+
+    def _wrap_wait_tensor(self, fn: Callable) -> Callable:
+        def wait_tensor(tensor):
+            t = time.perf_counter()
+            out = fn(tensor)
+            self._add(self._last_funcol_axis, time.perf_counter() - t)
+            return out
+
+        return wait_tensor
+
+    def _patch(self, owner: Any, name: str, new: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def install(self) -> CommTimer:
+        global _active
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+
+        with _lock:
+            if _active is self:
+                return self
+            if _active is not None:
+                _active.uninstall()
+            for name in _C10D:
+                fn = getattr(c10d, name, None)
+                if fn is None:
+                    continue
+                wrapped = self._wrap_c10d(fn)
+                self._patch(c10d, name, wrapped)
+                if getattr(dist, name, None) is fn:
+                    self._patch(dist, name, wrapped)
+            self._patch(c10d.Work, "wait", self._wrap_wait(c10d.Work.wait))
+            self._patch(funcol, "_resolve_group_name", self._wrap_resolve(funcol._resolve_group_name))
+            self._patch(funcol, "wait_tensor", self._wrap_wait_tensor(funcol.wait_tensor))
+            _active = self
+        return self
+
+    def uninstall(self) -> None:
+        global _active
+        for owner, name, old in reversed(self._saved):
+            setattr(owner, name, old)
+        self._saved.clear()
+        if _active is self:
+            _active = None
