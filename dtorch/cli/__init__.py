@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "run": "elastic, fault-tolerant launch of a training script (torchrun-compatible flags)",
     "probe": "measure this machine/cluster and write a calibration file for the planner",
     "ckpt": "list, verify and export checkpoints",
+    "report": "an HTML report with plots of a run (metrics.jsonl + event log), also of a crashed run",
 }
 
 

@@ -57,6 +57,8 @@ class CommTimer:
         self._pending: dict[int, str] = {}
         self._last_funcol_axis = "other"
         self._saved: list[tuple[Any, str, Any]] = []
+        # a blocking c10d call waits on its own Work inside: that wait is already in the call's time
+        self._inside = threading.local()
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.seconds)
@@ -80,8 +82,15 @@ class CommTimer:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            inside = self._inside
+            if getattr(inside, "on", False):
+                return fn(*args, **kwargs)
+            inside.on = True
             t = time.perf_counter()
-            out = fn(*args, **kwargs)
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                inside.on = False
             dt = time.perf_counter() - t
             group = kwargs.get("group", args[gi] if gi is not None and len(args) > gi else None)
             axis = self._axis(group)
@@ -98,6 +107,8 @@ class CommTimer:
 
     def _wrap_wait(self, fn: Callable) -> Callable:
         def wait(work, *args, **kwargs):
+            if getattr(self._inside, "on", False):
+                return fn(work, *args, **kwargs)
             t = time.perf_counter()
             out = fn(work, *args, **kwargs)
             self._add(self._pending.pop(id(work), "other"), time.perf_counter() - t)

@@ -104,7 +104,7 @@ class MetricsLogger:
         """A non-step record (plan chosen, checkpoint saved, resume, recovery) in the same JSONL log."""
         if self.rank != 0:
             return
-        record = {"event": kind, "time_s": round(time.perf_counter() - self._t0, 6), **fields}
+        record = {"event": kind, "time_s": round(time.perf_counter() - self._t0, 6), "t": time.time(), **fields}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record, default=str) + "\n")
         for sink in self.sinks:

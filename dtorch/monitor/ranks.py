@@ -60,6 +60,8 @@ def rss_bytes() -> int:
 def predicted_terms(predicted: dict | None) -> dict[str, float]:
     """The plan's predicted seconds per step for each measured term (only terms it predicts)."""
     br = (predicted or {}).get("time_breakdown") or {}
+    if not br:
+        return {}
     out = {}
     for term, keys in PREDICTED_OF.items():
         v = sum(float(br.get(k, 0.0)) for k in keys)
