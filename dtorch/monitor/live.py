@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,8 @@ class MonitorConfig:
 
 class RunMonitor:
     def __init__(self, cfg: MonitorConfig, *, rank: int, world: int, device, metrics, plan, mesh,
-                 tokens_per_step: int, flops_per_token: float, peak_flops: float, console: bool = True):
+                 tokens_per_step: int, flops_per_token: float, peak_flops: float, console: bool = True,
+                 model_parts: tuple = ()):
         from dtorch.monitor.comms import CommTimer
 
         self.cfg, self.rank, self.metrics, self.plan, self.console = cfg, rank, metrics, plan, console
@@ -73,6 +75,16 @@ class RunMonitor:
         self.server = None
         self.state = None
         self._named: set[int] = set()
+        self.block_s = 0.0
+        self._block_prev = 0.0
+        self._t_block = 0.0
+        self._handles: list = []
+        if self.collector is not None:
+            for part in model_parts:
+                layers = getattr(getattr(part, "module", part), "layers", None)  # DDP wraps the module
+                for block in (layers.children() if layers is not None else ()):
+                    self._handles.append(block.register_forward_pre_hook(self._pre))
+                    self._handles.append(block.register_forward_hook(self._post))
         if rank == 0 and cfg.port is not None:
             from dtorch.elastic.events import events_path
             from dtorch.monitor.server import MonitorServer, MonitorState
@@ -84,6 +96,12 @@ class RunMonitor:
             self.server.write_info(getattr(metrics, "log_dir", None))
             if console:
                 print(f"dtorch: monitor at {self.server.url} (Prometheus: {self.server.url}metrics)", flush=True)
+
+    def _pre(self, module, args) -> None:
+        self._t_block = time.perf_counter()
+
+    def _post(self, module, args, out) -> None:
+        self.block_s += time.perf_counter() - self._t_block
 
     @classmethod
     def start(cls, cfg: MonitorConfig, **kw) -> RunMonitor | None:
@@ -105,7 +123,9 @@ class RunMonitor:
         if comm_before is not None and now is not None:
             c_fb = {a: comm_after_fb[a] - comm_before[a] for a in comm_before}
             c_all = {a: now[a] - comm_before[a] for a in comm_before}
-        self.collector.step(step_s=step_s, data_s=data_s, fb_s=fb_s, opt_s=opt_s, comm_fb=c_fb, comm_all=c_all)
+        fwd, self._block_prev = self.block_s - self._block_prev, self.block_s
+        self.collector.step(step_s=step_s, data_s=data_s, fb_s=fb_s, opt_s=opt_s, comm_fb=c_fb, comm_all=c_all,
+                            fwd_blocks_s=fwd)
         rows = self.collector.maybe_gather(step)
         if rows is None:
             return None
@@ -119,8 +139,9 @@ class RunMonitor:
                 self.metrics.event("straggler", step=step, ranks=[r], ratio=rec["ranks"][r]["own_ratio"],
                                    source="per-rank view")
                 if self.console:
-                    print(f"dtorch: rank {r} is the slowest: its own work per step (data + compute + optimizer) is "
-                          f"{rec['ranks'][r]['own_ratio']:.2f}x the fastest rank's", file=sys.stderr, flush=True)
+                    print(f"dtorch: rank {r} is the slowest: its own work per step (data, compute, optimizer; "
+                          f"waits excluded) is {rec['ranks'][r]['own_ratio']:.2f}x the fastest rank's",
+                          file=sys.stderr, flush=True)
         for r in rec["throttling"]:
             if ("throttle", r) not in self._named:
                 self._named.add(("throttle", r))  # type: ignore[arg-type]
@@ -128,6 +149,9 @@ class RunMonitor:
         return rec
 
     def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
         if self.comm is not None:
             self.comm.uninstall()
         if self.server is not None:

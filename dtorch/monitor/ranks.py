@@ -10,11 +10,16 @@ those:
   send/receive waits: the bubble and the transfers together; it needs the pp collectives to go
   through the c10d Python API, see comms.py)
 - ``optimizer``, ``data``; ``other`` = the rest of the step (gradient clipping, logging)
+- ``fwd_blocks`` (not a term: it is inside compute) = the forward time of the model's blocks
 
 Every `every` steps all ranks all_gather one float64 vector of window means (one small collective
 per N steps, outside the timed step), rank 0 turns it into a ``ranks`` record (metrics.jsonl, the
-page, Prometheus) and names the slowest rank: the one whose own work (data + compute + optimizer)
-is longest, since in synchronous training everybody else's excess time is waiting for it.
+page, Prometheus) and names the slowest rank: the one whose own work is longest, since in
+synchronous training everybody else's excess time is waiting for it. A rank's own work is data +
+optimizer + 3 x its blocks' forward time (forward + backward ~ 3 forwards) when the blocks were
+timed, else data + compute + optimizer: under DDP the gradient all-reduce is waited for inside
+C++ during backward, invisible to `CommTimer`, so "compute" of the fast ranks includes their
+wait for the slow one and would hide it.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from dtorch.monitor.comms import AXES
 TERMS = ("data", "compute", *[f"comm_{a}" for a in AXES], "optimizer", "other")
 """Step-time terms per rank, seconds per step; they add up to ``step``."""
 
-FIELDS = ("steps", "step", "max_step", *TERMS, "tokens_per_s", "mfu", "mem_current_bytes", "mem_peak_bytes",
-          "mem_reserved_bytes", "gpu_util", "gpu_temp_c", "gpu_sm_clock_mhz", "gpu_power_w", "gpu_throttle_mask")
+FIELDS = ("steps", "step", "max_step", *TERMS, "fwd_blocks", "tokens_per_s", "mfu", "mem_current_bytes", "mem_peak_bytes",
+          "mem_reserved_bytes", "gpu_util", "gpu_temp_c", "gpu_sm_clock_mhz", "gpu_power_w", "gpu_throttle_mask", "pid")
 
 PREDICTED_OF = {  # measured term -> the planner's time_breakdown keys it corresponds to
     "compute": ("compute", "recompute", "host"),
@@ -87,6 +92,7 @@ class RankCollector:
         self.n = 0
         self.sums = dict.fromkeys(TERMS, 0.0)
         self.sums["step"] = 0.0
+        self.sums["fwd_blocks"] = 0.0
         self.max_step = 0.0
 
     # ---- per step ----------------------------------------------------------------------------
@@ -94,7 +100,8 @@ class RankCollector:
         return self.comm.snapshot() if self.comm is not None else None
 
     def step(self, *, step_s: float, data_s: float, fb_s: float, opt_s: float,
-             comm_fb: dict[str, float] | None = None, comm_all: dict[str, float] | None = None) -> None:
+             comm_fb: dict[str, float] | None = None, comm_all: dict[str, float] | None = None,
+             fwd_blocks_s: float = 0.0) -> None:
         """One step's host times (seconds). `comm_fb`/`comm_all`: per-axis blocking communication
         inside forward/backward / inside the whole step (differences of `comm_snapshot()`)."""
         s = self.sums
@@ -110,6 +117,7 @@ class RankCollector:
         s["optimizer"] += opt_s
         s["other"] += max(0.0, step_s - data_s - compute - c_all - opt_s)
         s["step"] += step_s
+        s["fwd_blocks"] += fwd_blocks_s
         self.max_step = max(self.max_step, step_s)
         self.n += 1
 
@@ -127,9 +135,10 @@ class RankCollector:
             mem = [float(rss_bytes()), float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, float("nan")]
             gpu = {}
         nan = float("nan")
-        return [float(self.n), step, self.max_step, *[self.sums[t] / n for t in TERMS], tps, mfu, *mem,
+        return [float(self.n), step, self.max_step, *[self.sums[t] / n for t in TERMS], self.sums["fwd_blocks"] / n,
+                tps, mfu, *mem,
                 *[gpu.get(k, nan) for k in ("gpu_util", "gpu_temp_c", "gpu_sm_clock_mhz", "gpu_power_w",
-                                            "gpu_throttle_mask")]]
+                                            "gpu_throttle_mask")], float(os.getpid())]
 
     def maybe_gather(self, step: int) -> list[dict[str, float]] | None:
         """Every `every` steps: all ranks' rows (rank 0; others get None). Collective when due."""
@@ -157,16 +166,23 @@ def _clean(x: float) -> float | None:
     return None if x != x else round(x, 9)  # NaN (not measured) -> null in JSON
 
 
+def own_work(r: dict[str, float]) -> float:
+    """Seconds per step of work a rank does itself, without waiting for others (see module doc)."""
+    fwd = r.get("fwd_blocks") or 0.0
+    return r["data"] + r["optimizer"] + (3.0 * fwd if fwd > 0 else r["compute"])
+
+
 def ranks_record(rows: list[dict[str, float]], step: int, predicted: dict | None = None) -> dict[str, Any]:
     """The ``ranks`` record written to metrics.jsonl: per-rank terms and memory, the slowest rank
     and the stragglers, and the plan's predicted terms next to the ranks' mean."""
-    own = [r["data"] + r["compute"] + r["optimizer"] for r in rows]
+    own = [own_work(r) for r in rows]
     fastest = max(min(own), 1e-12)
     slowest = max(range(len(own)), key=lambda i: own[i])
     ratio = [o / fastest for o in own]
     per_rank = []
     for i, r in enumerate(rows):
-        d = {"rank": i, **{k: _clean(v) for k, v in r.items() if k != "steps"}, "steps": int(r["steps"]),
+        d = {"rank": i, **{k: _clean(v) for k, v in r.items() if k not in ("steps", "pid")},
+             "steps": int(r["steps"]), "pid": int(r.get("pid", 0)),
              "own_ratio": round(ratio[i], 4)}
         mask = r.get("gpu_throttle_mask")
         if mask == mask and mask:

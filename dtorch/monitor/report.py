@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dtorch.errors import ConfigError
+from dtorch.monitor.ranks import own_work
 
 COLORS = {"data": "#8d6e63", "compute": "#1e88e5", "comm_dp_replicate": "#43a047", "comm_dp_shard": "#7cb342",
           "comm_tp": "#e53935", "comm_cp": "#fb8c00", "comm_pp": "#8e24aa", "comm_other": "#9e9e9e",
@@ -80,10 +81,11 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         per_rank = []
         for r in range(world):
             rows = [w["ranks"][r] for w in windows if len(w["ranks"]) == world]
-            mean = {t: statistics.fmean((x.get(t) or 0.0) for x in rows) for t in (*terms, "step", "own_ratio")}
+            mean = {t: statistics.fmean((x.get(t) or 0.0) for x in rows)
+                    for t in (*terms, "step", "own_ratio", "fwd_blocks")}
             mean["mem_peak_bytes"] = max((x.get("mem_peak_bytes") or 0) for x in rows)
             per_rank.append({"rank": r, **mean})
-        own = [p["data"] + p["compute"] + p["optimizer"] for p in per_rank]
+        own = [own_work(p) for p in per_rank]
         slowest = max(range(world), key=lambda i: own[i])
         out["world"] = world
         out["terms"] = terms
@@ -204,8 +206,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
             ("median tokens/s", f"{s.get('median_tokens_per_s', 0):,.0f}"),
             ("median MFU", f"{100 * s.get('median_mfu', 0):.1f} %")]
     if "slowest_rank" in s:
-        rows.append(("slowest rank", f"rank {s['slowest_rank']}: its own work (data + compute + optimizer) is "
-                                     f"{s['slowest_ratio']:.2f}x the fastest rank's"))
+        rows.append(("slowest rank", f"rank {s['slowest_rank']}: its own work (data, compute, optimizer; "
+                                     f"waits excluded) is {s['slowest_ratio']:.2f}x the fastest rank's"))
         rows.append(("stragglers named", ", ".join(f"rank {r}" for r in s["stragglers"]) or "none"))
     parts = ["<!doctype html><meta charset=utf-8><title>DTorch run report</title>",
              "<style>body{font:14px system-ui,sans-serif;margin:20px;max-width:1100px}"

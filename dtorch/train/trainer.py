@@ -348,7 +348,7 @@ class Trainer:
         mon = RunMonitor.start(self.monitor_config, rank=self.rank, world=self.world, device=self.device,
                                metrics=self.metrics, plan=self.plan, mesh=self.parallel.mesh,
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
-                               peak_flops=peak, console=self.console)
+                               peak_flops=peak, console=self.console, model_parts=self.parallel.model_parts)
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
