@@ -25,7 +25,8 @@ AXES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "other")
 """Axes reported, in a fixed order (the per-rank vector is gathered by position)."""
 
 # c10d functions that take a process group (and maybe async_op); p2p ops and batch_isend_irecv
-# are left alone: the pipeline schedule compares `P2POp.op` against `dist.isend` by identity.
+# are left alone (the pipeline schedule compares `P2POp.op` against `dist.isend` by identity):
+# the schedule's waits for them are timed in its `_wait_batch_p2p` and counted on ``pp``.
 _C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
          "reduce_scatter_single", "reduce_scatter", "broadcast", "all_to_all_single", "barrier")
 
@@ -133,6 +134,21 @@ class CommTimer:
 
         return wait_tensor
 
+    def _wrap_pp_wait(self, fn: Callable) -> Callable:
+        def wait_batch_p2p(work):
+            inside = self._inside
+            if getattr(inside, "on", False):
+                return fn(work)
+            inside.on = True
+            t = time.perf_counter()
+            try:
+                return fn(work)
+            finally:
+                inside.on = False
+                self._add("pp", time.perf_counter() - t)
+
+        return wait_batch_p2p
+
     def _patch(self, owner: Any, name: str, new: Any) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, new)
@@ -159,6 +175,13 @@ class CommTimer:
             self._patch(c10d.Work, "wait", self._wrap_wait(c10d.Work.wait))
             self._patch(funcol, "_resolve_group_name", self._wrap_resolve(funcol._resolve_group_name))
             self._patch(funcol, "wait_tensor", self._wrap_wait_tensor(funcol.wait_tensor))
+            try:  # the pipeline schedule waits for its sends/receives through this one function
+                from torch.distributed.pipelining import schedules
+
+                if hasattr(schedules, "_wait_batch_p2p"):
+                    self._patch(schedules, "_wait_batch_p2p", self._wrap_pp_wait(schedules._wait_batch_p2p))
+            except ImportError:
+                pass
             _active = self
         return self
 
