@@ -188,7 +188,17 @@ class Trainer:
             plan = Plan.load(req)
         else:
             fixed = dict(req) if isinstance(req, dict) else {}
-            plan = (self._checkpointed_plan(world) if not fixed else None) or self._search(world, fixed)
+            from dtorch.monitor import oom
+
+            # an earlier start ran out of memory: plan under the memory it found, not the plan that failed
+            budget, failed = oom.memory_budget(self.log_dir, world)
+            plan = self._checkpointed_plan(world) if not fixed else None
+            if plan is not None and plan.describe() in failed:
+                plan = None
+            plan = plan or self._search(world, fixed, memory_budget=budget)
+            if budget is not None and rank == 0 and self.console:
+                print(f"dtorch: re-planned after an out-of-memory error, within {budget / 2**20:,.1f} MiB/rank "
+                      f"(estimated): {plan.describe()}", flush=True)
         if plan.global_batch is None:
             # A hand-written plan may leave micro-batching open: fill it from the global batch.
             local, rem = divmod(self.global_batch, plan.dp)
@@ -202,12 +212,16 @@ class Trainer:
                               f"the plan is for global_batch={plan.global_batch}; make them agree")
         return plan
 
-    def _search(self, world: int, fixed: dict) -> Plan:
+    def _search(self, world: int, fixed: dict, memory_budget: int | None = None) -> Plan:
         from dtorch.cluster import load_cluster, local_cluster
         from dtorch.model import profile_module
         from dtorch.plan.search import search
 
         cluster = load_cluster(self.cluster_spec) if self.cluster_spec else local_cluster(world)
+        if memory_budget is not None:  # after an OOM: the memory the planner may plan with, per device
+            groups = [dataclasses.replace(g, device=dataclasses.replace(
+                g.device, memory_bytes=min(g.device.memory_bytes, memory_budget))) for g in cluster.groups]
+            cluster = dataclasses.replace(cluster, groups=groups)
         self._cluster_name = cluster.name
         if cluster.world_size != world:
             raise ConfigError("cluster", self.cluster_spec,
@@ -349,8 +363,15 @@ class Trainer:
                                metrics=self.metrics, plan=self.plan, mesh=self.parallel.mesh,
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                                peak_flops=peak, console=self.console, model_parts=self.parallel.model_parts)
+        from dtorch.monitor import oom
+
+        mem_base = oom._status("VmRSS") or 0
+        oom.reset_peak()
+        cap = oom.MemoryCap(self.rank, mem_base)
+        phase = "data"
         try:
             while self.step < steps:
+                phase = "data"
                 t0 = time.perf_counter()
                 hooks.before_step(self.step + 1)
                 idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size)
@@ -360,13 +381,16 @@ class Trainer:
                 inputs, labels = batch_for(self.dataset, idx)
                 t_data = time.perf_counter()
                 comm0 = mon.comm_snapshot() if mon is not None else None
+                phase = "forward_backward"
                 with hooks.phase("forward_backward"):
                     loss = self.parallel.forward_backward(inputs, labels)
+                cap.check()
                 t_fb = time.perf_counter()
                 comm1 = mon.comm_snapshot() if mon is not None else None
                 gnorm = (self.parallel.clip_grad_norm_(self.max_grad_norm) if self.max_grad_norm
                          else torch.zeros(()))
                 t_opt = time.perf_counter()
+                phase = "optimizer"
                 with hooks.phase("optimizer"):
                     for o in self.optimizers:
                         o.step()
@@ -405,10 +429,16 @@ class Trainer:
                     # before it has state runs a zero-lr step that shifts Adam's step count.
                     self.ckpt.warm_up(self.checkpoint_state())
                 if self.step % self.checkpoint_every == 0 and self.step < steps:
+                    phase = "checkpoint"
                     self._save()
             if self.ckpt is not None and (resumed is None or resumed < steps):
+                phase = "checkpoint"
                 self._save(final=True)
             self._feedback(step_times)
+        except BaseException as e:
+            if oom.is_oom(e):
+                self._name_oom(e, phase, mem_base, cap)
+            raise
         finally:
             if mon is not None:
                 mon.close()
@@ -422,6 +452,24 @@ class Trainer:
         result.final_step = self.step
         result.wall_s = time.perf_counter() - t_start
         return result
+
+    def _name_oom(self, exc: BaseException, phase: str, mem_base: int, cap) -> None:
+        """Write the OOM's record (rank, phase, stage, memory vs estimate; see dtorch.monitor.oom)."""
+        from dtorch.monitor import oom
+
+        stages = [0]
+        if self.plan.pp > 1 and self.parallel is not None and self.parallel.mesh is not None:
+            from dtorch.parallel.pipeline import stage_ids
+
+            stages = list(stage_ids(self.plan, self.parallel.mesh["pp"].get_local_rank()))
+        try:
+            rec = oom.describe(exc, rank=self.rank, phase=phase, step=self.step + 1, stages=stages, plan=self.plan,
+                               device=self.device, base_bytes=mem_base, cap=cap)
+            oom.record(rec, self.log_dir)
+            self.metrics.event("oom", **rec)
+            print(oom.message(rec), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - naming the OOM must never hide it
+            log.exception("could not record the out-of-memory error")
 
     def _feedback(self, step_times: list[float]) -> None:
         """Compare the measured step time and peak memory with the plan's prediction, log the gap,
