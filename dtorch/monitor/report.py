@@ -1,7 +1,8 @@
 """`dtorch report RUN_DIR`: an HTML report and PNG plots of a run, finished or crashed.
 
 Reads `RUN_DIR/metrics.jsonl` (step records, and the ``plan``, ``ranks``, ``checkpoint``,
-``straggler``, ``oom`` ... events) and, when there is one, the elastic event log
+``straggler`` ... events), `RUN_DIR/oom.jsonl` (out-of-memory records of every rank) and, when
+there is one, the elastic event log
 (`RUN_DIR/events.jsonl` or `--events PATH`: failures, recoveries, phases). Torn or partial lines (a
 process killed mid-write) are skipped, so a run that crashed reports what it got to.
 
@@ -56,7 +57,7 @@ def load_run(run_dir: str | Path, events: str | Path | None = None) -> dict[str,
     ranks = [r for r in recs if r.get("event") == "ranks" and r.get("ranks")]
     others = [r for r in recs if "event" in r and r.get("event") != "ranks"]
     return {"steps": steps, "ranks": ranks, "events": others, "run_events": read_jsonl(ev_path),
-            "run_dir": str(run)}
+            "ooms": read_jsonl(run / "oom.jsonl"), "run_dir": str(run)}
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -99,8 +100,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         out["predicted_vs_measured"] = [
             {"term": k, "predicted_s": v,
              "measured_s": statistics.fmean(w["mean"].get(k, 0.0) for w in windows)} for k, v in pred.items()]
-    out["ooms"] = [e for e in events if e.get("event") == "oom"] + [
-        e for e in run["run_events"] if e.get("kind") == "oom"]
+    out["ooms"] = run.get("ooms") or [e for e in run["run_events"] if e.get("kind") == "oom"]
     out["failures"] = [e for e in run["run_events"] if "fail" in str(e.get("kind", ""))]
     return out
 
@@ -234,9 +234,15 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
                          f"<td>{ratio:.2f}x</td></tr>")
         parts.append("</table>")
     if s["ooms"]:
+        from dtorch.monitor.oom import message
+
         parts.append("<h2>Out of memory</h2><ul>")
         for o in s["ooms"]:
-            parts.append(f"<li>{e(json.dumps(o, default=str))}</li>")
+            try:
+                text = message(o)
+            except (KeyError, TypeError):
+                text = json.dumps(o, default=str)
+            parts.append(f"<li>{e(text)}<br><code>{e(json.dumps(o.get('measured'), default=str))}</code></li>")
         parts.append("</ul>")
     parts += [f"<h2>{e(img[:-4])}</h2><img src='{img}' alt='{img}'>" for img in images]
     notable = [x for x in run["events"] if x.get("event") not in ("plan",)] + [

@@ -384,7 +384,7 @@ class Trainer:
                 phase = "forward_backward"
                 with hooks.phase("forward_backward"):
                     loss = self.parallel.forward_backward(inputs, labels)
-                cap.check()
+                cap.check(self.step + 1)
                 t_fb = time.perf_counter()
                 comm1 = mon.comm_snapshot() if mon is not None else None
                 gnorm = (self.parallel.clip_grad_norm_(self.max_grad_norm) if self.max_grad_norm
