@@ -30,4 +30,6 @@ def run(args: argparse.Namespace) -> int:
         if s["stragglers"]:
             line += "; stragglers: " + ", ".join(f"rank {r}" for r in s["stragglers"])
     print(line + ")")
+    if s.get("comm_mismatch_text"):
+        print("dtorch report: " + s["comm_mismatch_text"])
     return 0

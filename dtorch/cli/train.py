@@ -53,5 +53,7 @@ def run(args: argparse.Namespace) -> int:
             forwarded += [flag, str(value)]
     if args.no_progress:
         forwarded.append("--no-progress")
+    if getattr(args, "trace_comms", False):
+        forwarded.append("--trace-comms")
     spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos)
     return launch(spec, "dtorch.train.job", forwarded, module=True)

@@ -6,6 +6,13 @@ those entry points of `torch.distributed` (the c10d collectives, `Work.wait`, an
 collectives DTensor uses) with a `perf_counter` pair and adds the seconds to the mesh axis of the
 process group the collective ran on. Nothing is launched, nothing is synchronised.
 
+With tracing on (`trace_to(path)`, the trainer's ``--trace-comms``), every collective this rank
+launches is also appended to a per-rank file *before* it runs (op, axis, bytes, step, position),
+so that after a hang the files show where the ranks' sequences part (`find_mismatch`): the rank
+that called a different collective, or none, at the same position is the cause. Each step ends
+with a summary line (count, bytes and blocking seconds per op and axis, and PyTorch's
+`CommDebugMode` counts per module for DTensor collectives).
+
 What it cannot see: waits done inside C++ (classic DDP's reducer, NCCL stream waits a GPU kernel
 queues without the host waiting), and on GPUs the time a kernel waits on a stream is not host
 time. There the share reads low; the docs (docs/monitoring.md) say so. Waits on a group that is no
@@ -16,9 +23,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 AXES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "other")
@@ -60,6 +70,43 @@ class CommTimer:
         self._saved: list[tuple[Any, str, Any]] = []
         # a blocking c10d call waits on its own Work inside: that wait is already in the call's time
         self._inside = threading.local()
+        self._trace_fd: int | None = None
+        self.step = 0
+        self._index = 0
+        self._step_stats: dict[str, list[float]] = {}
+
+    # ---- tracing --------------------------------------------------------------------------------
+    def trace_to(self, path: str | os.PathLike) -> None:
+        """Append every launch (and per-step summaries) to `path`, one JSON object a line."""
+        self._trace_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        os.write(self._trace_fd, (json.dumps(rec, default=str) + "\n").encode())
+
+    def _launch(self, op: str, axis: str, tensor: Any) -> None:
+        nbytes = 0
+        if hasattr(tensor, "numel"):
+            nbytes = int(tensor.numel() * tensor.element_size())
+        elif isinstance(tensor, (list, tuple)) and tensor and hasattr(tensor[0], "numel"):
+            nbytes = int(sum(t.numel() * t.element_size() for t in tensor))
+        self._write({"step": self.step, "i": self._index, "op": op, "axis": axis, "bytes": nbytes})
+        self._index += 1
+        st = self._step_stats.setdefault(f"{op}/{axis}", [0, 0, 0.0])
+        st[0] += 1
+        st[1] += nbytes
+
+    def begin_step(self, step: int) -> None:
+        self.step, self._index, self._step_stats = step, 0, {}
+
+    def end_step(self, modules: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Write (and return) this step's summary when tracing."""
+        if self._trace_fd is None:
+            return None
+        rec = {"step": self.step, "summary": {k: {"count": int(v[0]), "bytes": int(v[1]), "seconds": round(v[2], 6)}
+                                              for k, v in self._step_stats.items()},
+               "calls": self._index, "modules": modules or {}}
+        self._write(rec)
+        return rec
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.seconds)
@@ -86,6 +133,9 @@ class CommTimer:
             inside = self._inside
             if getattr(inside, "on", False):
                 return fn(*args, **kwargs)
+            if self._trace_fd is not None:
+                group = kwargs.get("group", args[gi] if gi is not None and len(args) > gi else None)
+                self._launch(fn.__name__, self._axis(group), args[0] if args else kwargs.get("tensor"))
             inside.on = True
             t = time.perf_counter()
             try:
@@ -96,6 +146,8 @@ class CommTimer:
             group = kwargs.get("group", args[gi] if gi is not None and len(args) > gi else None)
             axis = self._axis(group)
             self._add(axis, dt)
+            if self._trace_fd is not None:
+                self._step_stats.setdefault(f"{fn.__name__}/{axis}", [0, 0, 0.0])[2] += dt
             is_async = kwargs.get("async_op", args[ai] if ai is not None and len(args) > ai else False)
             if is_async and out is not None:
                 if len(self._pending) > 4096:  # works never waited on (fire and forget): forget them
@@ -121,6 +173,8 @@ class CommTimer:
         def resolve(group, tag: str = ""):
             name = fn(group, tag)
             self._last_funcol_axis = self.name_axis.get(name, "other")
+            if self._trace_fd is not None:
+                self._launch("functional", self._last_funcol_axis, None)
             return name
 
         return resolve
@@ -187,8 +241,63 @@ class CommTimer:
 
     def uninstall(self) -> None:
         global _active
+        if self._trace_fd is not None:
+            os.close(self._trace_fd)
+            self._trace_fd = None
         for owner, name, old in reversed(self._saved):
             setattr(owner, name, old)
         self._saved.clear()
         if _active is self:
             _active = None
+
+
+def trace_path(log_dir: str | os.PathLike, rank: int) -> str:
+    return os.path.join(log_dir, f"comms-rank{rank}.jsonl")
+
+
+def find_mismatch(log_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The first place where two ranks' collective sequences part, from the trace files of a run
+    (`comms-rank*.jsonl`), or None when every rank launched the same sequence. The result names
+    both ranks: `rank_a` (rank 0, or the lowest rank) and `rank_b`, the step, the position, and
+    what each launched there (None: that rank launched nothing more, e.g. it is stuck elsewhere).
+    Pipeline stages run different collectives by design: pass a run with pp=1, or read per stage."""
+    import glob
+    import re
+
+    from dtorch.monitor.report import read_jsonl
+
+    seqs: dict[int, dict[int, list[tuple]]] = {}
+    for f in glob.glob(os.path.join(log_dir, "comms-rank*.jsonl")):
+        m = re.search(r"comms-rank(\d+)\.jsonl$", f)
+        if not m:
+            continue
+        per_step: dict[int, list[tuple]] = {}
+        for rec in read_jsonl(Path(f)):
+            if "op" in rec:
+                per_step.setdefault(rec["step"], []).append((rec["op"], rec["axis"], rec["bytes"]))
+        seqs[int(m.group(1))] = per_step
+    if len(seqs) < 2:
+        return None
+    ranks = sorted(seqs)
+    steps = sorted(set().union(*[set(s) for s in seqs.values()]))
+    for step in steps:
+        ref_rank = ranks[0]
+        ref = seqs[ref_rank].get(step, [])
+        for r in ranks[1:]:
+            other = seqs[r].get(step, [])
+            for i in range(max(len(ref), len(other))):
+                a = ref[i] if i < len(ref) else None
+                b = other[i] if i < len(other) else None
+                if a != b:
+                    return {"step": step, "index": i, "rank_a": ref_rank, "call_a": a, "rank_b": r, "call_b": b}
+    return None
+
+
+def describe_mismatch(m: dict[str, Any]) -> str:
+    def call(c):
+        return "nothing (it never reached a collective here: stuck or finished)" if c is None else \
+            f"{c[0]} on {c[1]} ({c[2]:,} bytes)"
+
+    return (f"collective sequences differ at step {m['step']}, collective #{m['index']}: rank {m['rank_a']} "
+            f"launched {call(m['call_a'])}, rank {m['rank_b']} launched {call(m['call_b'])}; a collective that "
+            f"its peers do not join waits forever: this is where the job hangs")

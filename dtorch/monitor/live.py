@@ -9,15 +9,19 @@ Settings (Trainer arguments, or the environment for launched jobs):
   monitor_host    DTORCH_MONITOR_HOST      default 127.0.0.1; another address needs allow_remote
                                            (DTORCH_MONITOR_ALLOW_REMOTE=1) and a token
   monitor_token   DTORCH_MONITOR_TOKEN     required on every request when set
+  trace_comms     DTORCH_TRACE_COMMS=1     record every collective per rank (<log_dir>/comms-rank<r>.jsonl,
+                                           see dtorch.monitor.comms); slows steps, for debugging
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dtorch.errors import ConfigError
@@ -33,10 +37,12 @@ class MonitorConfig:
     host: str = "127.0.0.1"
     token: str | None = None
     allow_remote: bool = False
+    trace_comms: bool = False
 
     @classmethod
     def resolve(cls, metrics_every: int | None = None, port: int | None = None, host: str | None = None,
-                token: str | None = None, allow_remote: bool | None = None) -> MonitorConfig:
+                token: str | None = None, allow_remote: bool | None = None,
+                trace_comms: bool | None = None) -> MonitorConfig:
         """Arguments win over the environment; see the module docstring for the names."""
         env = os.environ
 
@@ -58,17 +64,27 @@ class MonitorConfig:
             raise ConfigError("monitor_port", port, "use a TCP port 0..65535 (0 = any free port)")
         remote = allow_remote if allow_remote is not None else env.get("DTORCH_MONITOR_ALLOW_REMOTE") == "1"
         return cls(metrics_every=every, port=port, host=host or env.get("DTORCH_MONITOR_HOST") or "127.0.0.1",
-                   token=token or env.get("DTORCH_MONITOR_TOKEN") or None, allow_remote=remote)
+                   token=token or env.get("DTORCH_MONITOR_TOKEN") or None, allow_remote=remote,
+                   trace_comms=trace_comms if trace_comms is not None else env.get("DTORCH_TRACE_COMMS") == "1")
 
 
 class RunMonitor:
     def __init__(self, cfg: MonitorConfig, *, rank: int, world: int, device, metrics, plan, mesh,
                  tokens_per_step: int, flops_per_token: float, peak_flops: float, console: bool = True,
-                 model_parts: tuple = ()):
+                 model_parts: tuple = (), trace_dir=None, first_step: int = 1):
         from dtorch.monitor.comms import CommTimer
 
         self.cfg, self.rank, self.metrics, self.plan, self.console = cfg, rank, metrics, plan, console
-        self.comm = CommTimer(mesh).install() if cfg.metrics_every else None
+        self.comm = CommTimer(mesh).install() if cfg.metrics_every or cfg.trace_comms else None
+        if cfg.trace_comms:
+            from dtorch.monitor.comms import trace_path
+
+            if trace_dir is None:
+                raise ConfigError("trace_comms", True, "tracing writes <log_dir>/comms-rank<r>.jsonl: give a log_dir "
+                                  "or checkpoint_dir")
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            self.comm.trace_to(trace_path(trace_dir, rank))
+            self.comm.begin_step(first_step)
         self.collector = RankCollector(rank=rank, world=world, device=device, every=cfg.metrics_every or 1,
                                        tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                                        peak_flops=peak_flops, comm=self.comm) if cfg.metrics_every else None
@@ -105,9 +121,31 @@ class RunMonitor:
 
     @classmethod
     def start(cls, cfg: MonitorConfig, **kw) -> RunMonitor | None:
-        if not cfg.metrics_every and cfg.port is None:
+        if not cfg.metrics_every and cfg.port is None and not cfg.trace_comms:
             return None
         return cls(cfg, **kw)
+
+    def trace_modules(self):
+        """Around forward/backward: PyTorch's CommDebugMode when tracing (DTensor collectives per
+        module), else nothing."""
+        if not self.cfg.trace_comms:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self._debug_mode = CommDebugMode()
+        return self._debug_mode
+
+    def _module_counts(self) -> dict[str, Any]:
+        mode = getattr(self, "_debug_mode", None)
+        if mode is None:
+            return {}
+        out = {}
+        for fqn, d in mode.comm_module_counts.items():
+            counts = {f"{phase}:{getattr(op, '__name__', str(op))}": n for phase in ("forward", "backward")
+                      for op, n in (d.get(phase) or {}).items() if n}
+            if counts:
+                out[fqn] = counts
+        return out
 
     def comm_snapshot(self) -> dict[str, float] | None:
         return self.comm.snapshot() if self.comm is not None else None
@@ -117,6 +155,9 @@ class RunMonitor:
         """Record one step; every N steps gather all ranks (collective) and, on rank 0, write the
         ``ranks`` record. Returns that record on rank 0 when one was made."""
         if self.collector is None:
+            if self.comm is not None:  # tracing only
+                self.comm.end_step(self._module_counts())
+                self.comm.begin_step(step + 1)
             return None
         now = self.comm.snapshot() if self.comm is not None else None
         c_fb = c_all = None
@@ -127,6 +168,9 @@ class RunMonitor:
         self.collector.step(step_s=step_s, data_s=data_s, fb_s=fb_s, opt_s=opt_s, comm_fb=c_fb, comm_all=c_all,
                             fwd_blocks_s=fwd)
         rows = self.collector.maybe_gather(step)
+        if self.comm is not None and self.cfg.trace_comms:
+            self.comm.end_step(self._module_counts())
+            self.comm.begin_step(step + 1)
         if rows is None:
             return None
         rec = ranks_record(rows, step, self.plan.predicted if self.plan is not None else None)

@@ -102,6 +102,12 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
              "measured_s": statistics.fmean(w["mean"].get(k, 0.0) for w in windows)} for k, v in pred.items()]
     out["ooms"] = run.get("ooms") or [e for e in run["run_events"] if e.get("kind") == "oom"]
     out["failures"] = [e for e in run["run_events"] if "fail" in str(e.get("kind", ""))]
+    from dtorch.monitor.comms import describe_mismatch, find_mismatch
+
+    mismatch = find_mismatch(run["run_dir"])
+    out["comm_mismatch"] = mismatch
+    if mismatch is not None:
+        out["comm_mismatch_text"] = describe_mismatch(mismatch)
     return out
 
 
@@ -233,6 +239,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
             parts.append(f"<tr><td>{e(p['term'])}</td><td>{_ms(p['predicted_s'])}</td><td>{_ms(p['measured_s'])}</td>"
                          f"<td>{ratio:.2f}x</td></tr>")
         parts.append("</table>")
+    if s.get("comm_mismatch_text"):
+        parts.append(f"<h2>Communication</h2><p><b>HANG CAUSE:</b> {e(s['comm_mismatch_text'])}</p>")
     if s["ooms"]:
         from dtorch.monitor.oom import message
 

@@ -17,6 +17,7 @@ Resuming is automatic: the same command picks up from `checkpoint_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -86,6 +87,8 @@ class Trainer:
       monitor_port / monitor_host / monitor_token: serve Prometheus /metrics and the live page on
         rank 0 (port 0 = a free one; default $DTORCH_MONITOR_PORT, unset = no server); see
         docs/monitoring.md.
+      trace_comms: record every collective of every rank to <log_dir>/comms-rank<r>.jsonl, with a
+        per-step summary and CommDebugMode's per-module counts (default $DTORCH_TRACE_COMMS=1).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class Trainer:
         monitor_port: int | None = None,
         monitor_host: str | None = None,
         monitor_token: str | None = None,
+        trace_comms: bool | None = None,
     ):
         if int(global_batch) < 1:
             raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
@@ -139,7 +143,8 @@ class Trainer:
         self.straggler_every = int(straggler_every)
         from dtorch.monitor.live import MonitorConfig
 
-        self.monitor_config = MonitorConfig.resolve(metrics_every, monitor_port, monitor_host, monitor_token)
+        self.monitor_config = MonitorConfig.resolve(metrics_every, monitor_port, monitor_host, monitor_token,
+                                                    trace_comms=trace_comms)
         self.async_checkpoint = async_checkpoint
         self.keep_last = keep_last
         self.console = console
@@ -362,7 +367,8 @@ class Trainer:
         mon = RunMonitor.start(self.monitor_config, rank=self.rank, world=self.world, device=self.device,
                                metrics=self.metrics, plan=self.plan, mesh=self.parallel.mesh,
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
-                               peak_flops=peak, console=self.console, model_parts=self.parallel.model_parts)
+                               peak_flops=peak, console=self.console, model_parts=self.parallel.model_parts,
+                               trace_dir=self.log_dir, first_step=self.step + 1)
         from dtorch.monitor import oom
 
         mem_base = oom._status("VmRSS") or 0
@@ -382,7 +388,7 @@ class Trainer:
                 t_data = time.perf_counter()
                 comm0 = mon.comm_snapshot() if mon is not None else None
                 phase = "forward_backward"
-                with hooks.phase("forward_backward"):
+                with hooks.phase("forward_backward"), (mon.trace_modules() if mon is not None else _nothing()):
                     loss = self.parallel.forward_backward(inputs, labels)
                 cap.check(self.step + 1)
                 t_fb = time.perf_counter()
@@ -531,6 +537,9 @@ class Trainer:
         from dtorch.parallel.materialize import clean_name
 
         return {clean_name(k): v for k, v in full.items()} if self.rank == 0 else None
+
+
+_nothing = contextlib.nullcontext
 
 
 class _SchedulersState:
