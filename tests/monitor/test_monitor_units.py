@@ -183,3 +183,38 @@ def test_config_reads_the_environment_and_rejects_bad_values(monkeypatch):
 
 def test_format_eta():
     assert (format_eta(42), format_eta(185), format_eta(7620)) == ("42s", "3m05s", "2h07m")
+
+
+def test_a_throttling_gpu_is_named_in_the_record():
+    from dtorch.monitor import nvml
+
+    assert nvml.throttle_names(0x4 | 0x20) == ["sw_power_cap", "sw_thermal"]
+    rows = [_row(compute=0.05), _row(compute=0.05, gpu_throttle_mask=float(0x40), gpu_temp_c=91.0)]
+    rec = ranks_record(rows, step=10)
+    assert rec["throttling"] == [1] and rec["ranks"][1]["gpu_throttle"] == ["hw_thermal"]
+    assert "gpu_throttle" not in rec["ranks"][0]
+    if nvml.sample(0) is None:  # no NVML here (CPU machine, or nvidia-ml-py not installed): nothing breaks
+        assert nvml.sample(1) is None
+
+
+def test_oom_budget_is_below_the_failed_plan_and_the_lowest_holds(tmp_path):
+    from dtorch.monitor import oom
+    from dtorch.plan.plan import Plan
+
+    plan = Plan(dp_replicate=2, microbatch_size=4, num_microbatches=1, global_batch=8, seq_len=16)
+    plan.predicted = {"memory_bytes_per_rank": 1000 * 2**20,
+                      "memory_breakdown": {"params": 100 * 2**20, "activations": 400 * 2**20, "margin": 500 * 2**20}}
+    err = torch.OutOfMemoryError("test")
+    for cap_mb in (400, 300):
+        cap = oom.MemoryCap.__new__(oom.MemoryCap)
+        cap.limit, cap.from_step = (200 + cap_mb) * 2**20, 1
+        rec = oom.describe(err, rank=1, phase="forward_backward", step=3, stages=[0], plan=plan,
+                           device=torch.device("cpu"), base_bytes=200 * 2**20, cap=cap)
+        assert rec["rank"] == 1 and rec["measured"]["cap"] == cap.limit
+        assert rec["budget_bytes"] < plan.predicted["memory_bytes_per_rank"]
+        oom.record(rec, tmp_path)
+    budget, failed = oom.memory_budget(tmp_path, world_size=2)
+    recs = oom.read(tmp_path)
+    assert budget == min(r["budget_bytes"] for r in recs) and failed == [plan.describe()] * 2
+    assert oom.memory_budget(tmp_path, world_size=4) == (None, [])
+    assert "OUT OF MEMORY on rank 1 in forward_backward at step 3" in oom.message(recs[0])
