@@ -180,7 +180,7 @@ class RunMonitor:
         for r in rec["stragglers"]:
             if r not in self._named:
                 self._named.add(r)
-                self.metrics.event("straggler", step=step, ranks=[r], ratio=rec["ranks"][r]["own_ratio"],
+                self.metrics.event("slow_rank", step=step, ranks=[r], ratio=rec["ranks"][r]["own_ratio"],
                                    source="per-rank view")
                 if self.console:
                     print(f"dtorch: rank {r} is the slowest: its own work per step (data, compute, optimizer; "

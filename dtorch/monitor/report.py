@@ -94,7 +94,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         out["slowest_rank"] = slowest
         out["slowest_ratio"] = own[slowest] / max(min(own), 1e-12)
         named = sorted({r for w in windows for r in w.get("stragglers", [])}
-                       | {r for e in events if e.get("event") == "straggler" for r in e.get("ranks", [])})
+                       | {r for e in events if e.get("event") in ("straggler", "slow_rank") for r in e.get("ranks", [])})
         out["stragglers"] = named
         pred = windows[-1].get("predicted") or {}
         out["predicted_vs_measured"] = [

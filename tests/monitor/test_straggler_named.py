@@ -69,7 +69,7 @@ def test_a_worker_slowed_by_a_competing_process_is_named():
                 named = rec
         assert named["slowest_rank"] == 1 and 0 not in named["stragglers"]
         assert named["ranks"][1]["own_ratio"] >= 1.5
-        assert any(e.get("event") == "straggler" and e.get("ranks") == [1] for e in data["events"])
+        assert any(e.get("event") == "slow_rank" and e.get("ranks") == [1] for e in data["events"])
         time.sleep(4)  # a few more windows in the log for the report
     finally:
         for hog in hogs:
