@@ -91,6 +91,8 @@ class RunMonitor:
         self.server = None
         self.state = None
         self._named: set[int] = set()
+        self._streak: dict[int, int] = {}
+        self._windows = 0
         self.block_s = 0.0
         self._block_prev = 0.0
         self._t_block = 0.0
@@ -177,7 +179,11 @@ class RunMonitor:
         self.metrics.event("ranks", **rec)
         if len(rows) > 1:
             self.metrics.note = f"slowest r{rec['slowest_rank']} {rec['slowest_ratio']:.2f}x"
-        for r in rec["stragglers"]:
+        # named after two windows in a row, never on the first (it carries one-time work): a load
+        # spike on a shared host is not a straggler
+        self._windows += 1
+        self._streak = {r: self._streak.get(r, 0) + 1 for r in rec["stragglers"]} if self._windows > 1 else {}
+        for r in (r for r, n in self._streak.items() if n >= 2):
             if r not in self._named:
                 self._named.add(r)
                 self.metrics.event("slow_rank", step=step, ranks=[r], ratio=rec["ranks"][r]["own_ratio"],

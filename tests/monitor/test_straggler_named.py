@@ -53,7 +53,12 @@ def test_a_worker_slowed_by_a_competing_process_is_named():
             time.sleep(0.5)
         pids = {r["rank"]: r["pid"] for r in data["ranks"]["ranks"]}
         for rank, pid in pids.items():  # rank r alone on core r (all its threads)
-            subprocess.run(["taskset", "-a", "-p", "-c", str(rank), str(pid)], check=True, capture_output=True)
+            for _ in range(5):  # a thread that ends while taskset walks them fails the call: try again
+                res = subprocess.run(["taskset", "-a", "-p", "-c", str(rank), str(pid)], capture_output=True, text=True)
+                if res.returncode == 0:
+                    break
+                time.sleep(0.2)
+            assert res.returncode == 0, res.stderr
         root = os.geteuid() == 0
         hog = (["nice", "-n", "-15"] if root else []) + ["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]
         hogs = [subprocess.Popen(hog) for _ in range(2 if root else 4)]
@@ -65,11 +70,11 @@ def test_a_worker_slowed_by_a_competing_process_is_named():
             time.sleep(1.0)
             data = _data(url)
             rec = data["ranks"]
-            if rec["step"] > pinned_at + 3 and 1 in rec["stragglers"]:
+            if rec["step"] > pinned_at + 3 and 1 in rec["stragglers"] and any(
+                    e.get("event") == "slow_rank" and e.get("ranks") == [1] for e in data["events"]):
                 named = rec
         assert named["slowest_rank"] == 1 and 0 not in named["stragglers"]
         assert named["ranks"][1]["own_ratio"] >= 1.5
-        assert any(e.get("event") == "slow_rank" and e.get("ranks") == [1] for e in data["events"])
         time.sleep(4)  # a few more windows in the log for the report
     finally:
         for hog in hogs:
