@@ -93,9 +93,18 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         out["per_rank"] = per_rank
         out["slowest_rank"] = slowest
         out["slowest_ratio"] = own[slowest] / max(min(own), 1e-12)
-        named = sorted({r for w in windows for r in w.get("stragglers", [])}
-                       | {r for e in events if e.get("event") in ("straggler", "slow_rank") for r in e.get("ranks", [])})
-        out["stragglers"] = named
+        # named as the live view names them: flagged in two windows in a row (the first window
+        # excluded), or by an event; most often flagged first
+        flagged: dict[int, int] = {}
+        for prev, cur in zip(windows, windows[1:]):
+            for r in set(prev.get("stragglers", [])) & set(cur.get("stragglers", [])):
+                flagged[r] = flagged.get(r, 0) + 1
+        for e in events:
+            if e.get("event") in ("straggler", "slow_rank"):
+                for r in e.get("ranks", []):
+                    flagged.setdefault(r, 0)
+        out["stragglers"] = sorted(flagged, key=lambda r: (-flagged[r], r))
+        out["straggler_windows"] = {str(r): n for r, n in flagged.items()}
         pred = windows[-1].get("predicted") or {}
         out["predicted_vs_measured"] = [
             {"term": k, "predicted_s": v,
