@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -37,10 +36,10 @@ def _fetch(url: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def live_run():
+def live_run(tmp_path_factory):
     """A 2-worker `dtorch train` with the monitor on a free port; yields once the page has a
     per-rank window; stopped (SIGTERM to its own process group) at teardown."""
-    tmp = Path(tempfile.mkdtemp(prefix="dtorch-monitor-"))
+    tmp = tmp_path_factory.mktemp("monitor")
     run_dir = tmp / "run"
     cmd = [sys.executable, "-m", "dtorch.cli", "train", "--nproc", "2", "--model", MODEL, "--seq-len", "64",
            "--global-batch", "4", "--steps", "100000", "--checkpoint-dir", str(run_dir), "--checkpoint-every",

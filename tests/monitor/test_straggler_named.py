@@ -14,10 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -31,8 +29,8 @@ def _data(url: str) -> dict:
 
 @pytest.mark.skipif(shutil.which("taskset") is None or (os.cpu_count() or 1) < 2,
                     reason="needs taskset and two cores to pin the workers apart")
-def test_a_worker_slowed_by_a_competing_process_is_named():
-    tmp = Path(tempfile.mkdtemp(prefix="dtorch-straggler-"))
+def test_a_worker_slowed_by_a_competing_process_is_named(tmp_path):
+    tmp = tmp_path
     run_dir = tmp / "run"
     cmd = [sys.executable, "-m", "dtorch.cli", "train", "--nproc", "2",
            "--model", "gpt:layers=2,hidden=64,heads=2,vocab=256,seq=64", "--seq-len", "64",
