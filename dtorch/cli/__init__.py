@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "ckpt": "list, verify and export checkpoints",
     "submit": "a Slurm script or Kubernetes manifests sized from the plan (and, with --now, the job)",
     "status": "what a run last reported: state, step, tokens/s, checkpoint, failure",
+    "report": "an HTML report with plots of a run (metrics.jsonl + event log), also of a crashed run",
 }
 
 

@@ -202,12 +202,15 @@ def run(args: argparse.Namespace) -> int:
                               ("checkpoint_dir", "--checkpoint-dir"), ("checkpoint_every", "--checkpoint-every"),
                               ("plan", "--plan"), ("seed", "--seed"), ("data", "--data"),
                               ("tokenizer", "--tokenizer"), ("init_from", "--init-from"),
-                              ("sample_tokens", "--sample-tokens")):
+                              ("sample_tokens", "--sample-tokens"), ("monitor_port", "--monitor-port"),
+                              ("metrics_every", "--metrics-every")):
         value = getattr(args, action_dest)
         if value is not None:
             forwarded += [flag, str(value)]
     if args.no_progress:
         forwarded.append("--no-progress")
+    if getattr(args, "trace_comms", False):
+        forwarded.append("--trace-comms")
     spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos,
                       heartbeat_timeout=args.heartbeat_timeout, snapshot_every=args.snapshot_every,
                       run_dir=args.run_dir)

@@ -51,6 +51,12 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._t0 = time.perf_counter()
+        self.sinks: list = []
+        """Callables given every record written (rank 0): the live monitor's state."""
+        self.note = ""
+        """Appended to the console line (the per-rank view's slowest rank)."""
+        self._ema_step: float | None = None
+        self.log_dir = Path(log_dir) if log_dir is not None and rank == 0 else None
         if log_dir is not None and rank == 0:
             path = Path(log_dir)
             path.mkdir(parents=True, exist_ok=True)
@@ -69,6 +75,10 @@ class MetricsLogger:
         record = asdict(m)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink(record)
+        # ETA from a moving average of the step time (the first steps are slow, old ones stale)
+        self._ema_step = m.step_time_s if self._ema_step is None else 0.9 * self._ema_step + 0.1 * m.step_time_s
         if self._tb is not None:
             for k in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu"):
                 self._tb.add_scalar(k, record[k], m.step)
@@ -83,6 +93,10 @@ class MetricsLogger:
             line = (f"\r[{bar}] step {m.step}{total} loss {m.loss:.4f} gnorm {m.grad_norm:.3f} "
                     f"{m.tokens_per_s:,.0f} tok/s mfu {m.mfu * 100:.1f}% {m.step_time_s * 1e3:.0f} ms "
                     f"mem {m.peak_memory_bytes / 2**20:,.0f} MiB")
+            if self.total_steps and m.step < self.total_steps:
+                line += f" ETA {format_eta((self.total_steps - m.step) * self._ema_step)}"
+            if self.note:
+                line += f" {self.note}"
             end = "\n" if (not tty or m.step == self.total_steps) else ""
             print(line if tty else line.lstrip("\r"), end=end, file=sys.stderr, flush=True)
 
@@ -90,9 +104,11 @@ class MetricsLogger:
         """A non-step record (plan chosen, checkpoint saved, resume, recovery) in the same JSONL log."""
         if self.rank != 0:
             return
-        record = {"event": kind, "time_s": round(time.perf_counter() - self._t0, 6), **fields}
+        record = {"event": kind, "time_s": round(time.perf_counter() - self._t0, 6), "t": time.time(), **fields}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record, default=str) + "\n")
+        for sink in self.sinks:
+            sink(record)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -101,6 +117,16 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def format_eta(seconds: float) -> str:
+    """'42s', '3m05s', '2h07m'."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
 _GEMM_PEAK_CACHE: dict[tuple[str, str], float] = {}

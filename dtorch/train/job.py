@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GPT-2): start from its weights; the model is built from its config.json")
     p.add_argument("--sample-tokens", type=int, default=200, help="tokens of text to generate at the end")
     p.add_argument("--no-progress", action="store_true", help="no console progress line")
+    p.add_argument("--monitor-port", type=int, default=None,
+                   help="serve Prometheus /metrics and the live page on rank 0 at 127.0.0.1:PORT (0 = a free "
+                        "port; see docs/monitoring.md for another interface)")
+    p.add_argument("--trace-comms", action="store_true",
+                   help="record every collective per rank to <checkpoint-dir>/comms-rank<r>.jsonl (slow; for debugging)")
+    p.add_argument("--metrics-every", type=int, default=None,
+                   help="gather every rank's step-time terms and memory every N steps (default 10; 0 = off)")
 
 
 def parse_plan(text: str):
@@ -97,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         plan=parse_plan(args.plan),
         seed=args.seed,
         console=not args.no_progress,
+        monitor_port=getattr(args, "monitor_port", None),
+        metrics_every=getattr(args, "metrics_every", None),
+        trace_comms=True if getattr(args, "trace_comms", False) else None,
     )
     result = trainer.fit(steps=args.steps)
     full = trainer.full_state_dict() if args.sample_tokens > 0 else None

@@ -17,6 +17,7 @@ Resuming is automatic: the same command picks up from `checkpoint_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -85,6 +86,13 @@ class Trainer:
       straggler_every: every N steps all ranks compare their mean block-forward time; a rank at
         least 1.5x slower than the fastest (or suddenly slow against its own history) for two
         checks in a row is named once on the console and as a `straggler` event (0 = off).
+      metrics_every: every N steps all ranks gather their step-time terms, memory and GPU readings
+        into a ``ranks`` record of metrics.jsonl (0 = off; default $DTORCH_METRICS_EVERY or 10).
+      monitor_port / monitor_host / monitor_token: serve Prometheus /metrics and the live page on
+        rank 0 (port 0 = a free one; default $DTORCH_MONITOR_PORT, unset = no server); see
+        docs/monitoring.md.
+      trace_comms: record every collective of every rank to <log_dir>/comms-rank<r>.jsonl, with a
+        per-step summary and CommDebugMode's per-module counts (default $DTORCH_TRACE_COMMS=1).
     """
 
     def __init__(
@@ -109,6 +117,11 @@ class Trainer:
         keep_last: int = 3,
         console: bool = True,
         straggler_every: int = 10,
+        metrics_every: int | None = None,
+        monitor_port: int | None = None,
+        monitor_host: str | None = None,
+        monitor_token: str | None = None,
+        trace_comms: bool | None = None,
     ):
         if int(global_batch) < 1:
             raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
@@ -136,6 +149,10 @@ class Trainer:
         if int(straggler_every) < 0:
             raise ConfigError("straggler_every", straggler_every, "check every N >= 1 steps, or 0 for never")
         self.straggler_every = int(straggler_every)
+        from dtorch.monitor.live import MonitorConfig
+
+        self.monitor_config = MonitorConfig.resolve(metrics_every, monitor_port, monitor_host, monitor_token,
+                                                    trace_comms=trace_comms)
         self.async_checkpoint = async_checkpoint
         self.keep_last = keep_last
         self.console = console
@@ -269,7 +286,17 @@ class Trainer:
             plan = Plan.load(req)
         else:
             fixed = dict(req) if isinstance(req, dict) else {}
-            plan = (self._checkpointed_plan(world) if not fixed else None) or self._search(world, fixed)
+            from dtorch.monitor import oom
+
+            # an earlier start ran out of memory: plan under the memory it found, not the plan that failed
+            budget, failed = oom.memory_budget(self.log_dir, world)
+            plan = self._checkpointed_plan(world) if not fixed else None
+            if plan is not None and plan.describe() in failed:
+                plan = None
+            plan = plan or self._search(world, fixed, memory_budget=budget)
+            if budget is not None and rank == 0 and self.console:
+                print(f"dtorch: re-planned after an out-of-memory error, within {budget / 2**20:,.1f} MiB/rank "
+                      f"(estimated): {plan.describe()}", flush=True)
         if plan.global_batch is None:
             # A hand-written plan may leave micro-batching open: fill it from the global batch.
             local, rem = divmod(self.global_batch, plan.dp)
@@ -283,7 +310,7 @@ class Trainer:
                               f"the plan is for global_batch={plan.global_batch}; make them agree")
         return plan
 
-    def _search(self, world: int, fixed: dict) -> Plan:
+    def _search(self, world: int, fixed: dict, memory_budget: int | None = None) -> Plan:
         from dtorch.cluster import load_cluster, local_cluster
         from dtorch.model import profile_module
         from dtorch.plan.search import search
@@ -293,6 +320,10 @@ class Trainer:
         workload = (profile.hidden, profile.num_heads, profile.seq_len)
         cluster = (load_cluster(self.cluster_spec, workload=workload) if self.cluster_spec
                    else local_cluster(world, workload=workload))
+        if memory_budget is not None:  # after an OOM: the memory the planner may plan with, per device
+            groups = [dataclasses.replace(g, device=dataclasses.replace(
+                g.device, memory_bytes=min(g.device.memory_bytes, memory_budget))) for g in cluster.groups]
+            cluster = dataclasses.replace(cluster, groups=groups)
         self._cluster_name = cluster.name
         if cluster.world_size != world:
             raise ConfigError("cluster", self.cluster_spec,
@@ -456,8 +487,23 @@ class Trainer:
             from dtorch.monitor.straggler import StragglerWatch
 
             watch = StragglerWatch(self.parallel.model_parts, self.world, every=self.straggler_every)
+        from dtorch.monitor.live import RunMonitor
+
+        mon = RunMonitor.start(self.monitor_config, rank=self.rank, world=self.world, device=self.device,
+                               metrics=self.metrics, plan=self.plan, mesh=self.parallel.mesh,
+                               tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
+                               peak_flops=peak, console=self.console, model_parts=self.parallel.model_parts,
+                               trace_dir=self.log_dir, first_step=self.step + 1)
+        from dtorch.monitor import oom
+
+        mem_base = oom._status("VmRSS") or 0
+        cap = oom.MemoryCap(self.rank, mem_base)
+        if cap.limit is not None:  # a test's memory cap counts from here (other peaks stay untouched)
+            oom.reset_peak()
+        phase = "data"
         try:
             while self.step < steps:
+                phase = "data"
                 t0 = time.perf_counter()
                 hooks.before_step(self.step + 1)
                 if self.ckpt is not None:
@@ -467,10 +513,18 @@ class Trainer:
                     samples_log.write(json.dumps({"step": self.step + 1, "dp_rank": self.parallel.dp_rank,
                                                   "indices": idx}) + "\n")
                 inputs, labels = batch_for(self.dataset, idx)
-                with hooks.phase("forward_backward"):
+                t_data = time.perf_counter()
+                comm0 = mon.comm_snapshot() if mon is not None else None
+                phase = "forward_backward"
+                with hooks.phase("forward_backward"), (mon.trace_modules() if mon is not None else _nothing()):
                     loss = self.parallel.forward_backward(inputs, labels)
+                cap.check(self.step + 1)
+                t_fb = time.perf_counter()
+                comm1 = mon.comm_snapshot() if mon is not None else None
                 gnorm = (self.parallel.clip_grad_norm_(self.max_grad_norm) if self.max_grad_norm
                          else torch.zeros(()))
+                t_opt = time.perf_counter()
+                phase = "optimizer"
                 with hooks.phase("optimizer"):
                     for o in self.optimizers:
                         o.step()
@@ -478,6 +532,7 @@ class Trainer:
                     lr = self.schedulers[0].get_last_lr()[0]
                     for s in self.schedulers:
                         s.step()
+                t_end = time.perf_counter()
                 self.step += 1
                 self.train_state.step = self.step
                 self.train_state.tokens_seen += tokens_per_step
@@ -493,6 +548,9 @@ class Trainer:
                     peak_memory_bytes=peak_memory_bytes(self.device), world_size=self.world,
                     epoch=int(os.environ.get("DTORCH_EPOCH", "0"))))
                 hooks.after_step(self.step, loss_f)
+                if mon is not None:
+                    mon.step(self.step, step_s=dt, data_s=t_data - t0, fb_s=t_fb - t_data, opt_s=t_end - t_opt,
+                             comm_before=comm0, comm_after_fb=comm1)
                 report = watch.step_done(self.step) if watch is not None else None
                 if report is not None and report.new:
                     self.metrics.event("straggler", step=self.step, ranks=report.new,
@@ -505,6 +563,7 @@ class Trainer:
                     # before it has state runs a zero-lr step that shifts Adam's step count.
                     self.ckpt.warm_up(self.checkpoint_state())
                 if self.step % self.checkpoint_every == 0 and self.step < steps:
+                    phase = "checkpoint"
                     self._save()
                     self.status.report("checkpointed", checkpoint_step=self.step, step=self.step, total_steps=steps)
                 else:
@@ -516,15 +575,21 @@ class Trainer:
                                        checkpoint_step=self.step if self.ckpt is not None else None)
                     raise SystemExit(EXIT_PREEMPTED)
             if self.ckpt is not None and (resumed is None or resumed < steps):
+                phase = "checkpoint"
                 self._save(final=True)
             self._feedback(step_times)
             self.status.report("finished", step=self.step, checkpoint_step=self.step if self.ckpt else None,
                                total_steps=steps)
-        except Exception as e:
-            self.status.report("failed", step=self.step, why=f"{type(e).__name__}: {e}"[:300])
+        except BaseException as e:
+            if oom.is_oom(e):
+                self._name_oom(e, phase, mem_base, cap)
+            if isinstance(e, Exception):
+                self.status.report("failed", step=self.step, why=f"{type(e).__name__}: {e}"[:300])
             raise
         finally:
             preemption.close()
+            if mon is not None:
+                mon.close()
             if watch is not None:
                 watch.close()
             if self.ckpt is not None:
@@ -535,6 +600,24 @@ class Trainer:
         result.final_step = self.step
         result.wall_s = time.perf_counter() - t_start
         return result
+
+    def _name_oom(self, exc: BaseException, phase: str, mem_base: int, cap) -> None:
+        """Write the OOM's record (rank, phase, stage, memory vs estimate; see dtorch.monitor.oom)."""
+        from dtorch.monitor import oom
+
+        stages = [0]
+        if self.plan.pp > 1 and self.parallel is not None and self.parallel.mesh is not None:
+            from dtorch.parallel.pipeline import stage_ids
+
+            stages = list(stage_ids(self.plan, self.parallel.mesh["pp"].get_local_rank()))
+        try:
+            rec = oom.describe(exc, rank=self.rank, phase=phase, step=self.step + 1, stages=stages, plan=self.plan,
+                               device=self.device, base_bytes=mem_base, cap=cap)
+            oom.record(rec, self.log_dir)
+            self.metrics.event("oom", **rec)
+            print(oom.message(rec), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - naming the OOM must never hide it
+            log.exception("could not record the out-of-memory error")
 
     def _feedback(self, step_times: list[float]) -> None:
         """Compare the measured step time and peak memory with the plan's prediction, log the gap,
@@ -596,6 +679,9 @@ class Trainer:
         from dtorch.parallel.materialize import clean_name
 
         return {clean_name(k): v for k, v in full.items()} if self.rank == 0 else None
+
+
+_nothing = contextlib.nullcontext
 
 
 class _SchedulersState:

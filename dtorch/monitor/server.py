@@ -1,0 +1,251 @@
+"""The live monitor: one small HTTP server on rank 0 serving a Prometheus endpoint and a web page.
+
+    GET /metrics    Prometheus text format (prometheus_client), one series per rank where per-rank
+    GET /           the live page (dtorch/monitor/assets/page.html; it polls /api/data)
+    GET /api/data   the JSON the page draws: step records, the latest per-rank view, plan, events
+
+The server binds 127.0.0.1 by default. Any other address must be asked for (`allow_remote=True`,
+``--monitor-host``) and then needs a token: every request must carry ``Authorization: Bearer
+TOKEN`` or ``?token=TOKEN`` (the page forwards the one in its own URL), or it gets 401. Requests
+are answered from the in-memory `MonitorState` the trainer's logger feeds; nothing waits on the
+training loop, and the training loop never waits on a request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from dtorch.errors import ConfigError
+
+MAX_STEPS = 20000
+"""Step records kept for the page (older ones are thinned to every other one)."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost"; "" (every interface) is not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class MonitorState:
+    """What the page and the endpoint show, fed by `MetricsLogger` records (`feed`), thread-safe."""
+
+    def __init__(self, events_path: str | None = None):
+        self.lock = threading.Lock()
+        self.steps: list[dict[str, Any]] = []
+        self.ranks: dict[str, Any] | None = None
+        self.rank_history: deque[dict[str, Any]] = deque(maxlen=200)
+        self.events: deque[dict[str, Any]] = deque(maxlen=500)
+        self.plan: dict[str, Any] | None = None
+        self.events_path = events_path
+        self.started = time.time()
+
+    def feed(self, record: dict[str, Any]) -> None:
+        kind = record.get("event")
+        with self.lock:
+            if kind is None:
+                self.steps.append(record)
+                if len(self.steps) > MAX_STEPS:
+                    self.steps = self.steps[::2]
+            elif kind == "ranks":
+                self.ranks = record
+                self.rank_history.append({k: record[k] for k in ("step", "mean", "slowest_rank", "slowest_ratio",
+                                                                 "stragglers")})
+            else:
+                if kind == "plan":
+                    self.plan = record
+                self.events.append(record)
+
+    def run_events(self) -> list[dict[str, Any]]:
+        """The elastic event log's records (recoveries, failures), when the run has one."""
+        if not self.events_path or not os.path.exists(self.events_path):
+            return []
+        from dtorch.elastic.events import read
+
+        keep = ("failure", "recovery", "rendezvous", "workers_started", "oom", "hang", "straggler", "fault")
+        return [e for e in read(self.events_path)[-2000:] if any(k in str(e.get("kind", "")) for k in keep)][-200:]
+
+    def data(self) -> dict[str, Any]:
+        with self.lock:
+            return {"steps": list(self.steps), "ranks": self.ranks, "rank_history": list(self.rank_history),
+                    "events": list(self.events), "plan": self.plan, "run_events": self.run_events(),
+                    "started": self.started, "now": time.time()}
+
+
+class _Collector:
+    """prometheus_client custom collector: the series are built at scrape time from the state."""
+
+    def __init__(self, state: MonitorState):
+        self.state = state
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.state
+        with st.lock:
+            last = st.steps[-1] if st.steps else None
+            ranks = st.ranks
+        if last is not None:
+            yield CounterMetricFamily("dtorch_steps", "optimizer steps done", value=last["step"])
+            for key, name, help_text in (
+                    ("loss", "dtorch_loss", "training loss (global mean)"),
+                    ("grad_norm", "dtorch_grad_norm", "gradient norm"),
+                    ("lr", "dtorch_learning_rate", "learning rate"),
+                    ("step_time_s", "dtorch_step_seconds", "seconds per step (rank 0)"),
+                    ("tokens_per_s", "dtorch_tokens_per_second", "tokens per second, whole job"),
+                    ("mfu", "dtorch_mfu", "model FLOPs utilisation, 0..1")):
+                yield GaugeMetricFamily(name, help_text, value=float(last[key]))
+        if ranks is None:
+            return
+        term = GaugeMetricFamily("dtorch_rank_step_term_seconds", "seconds per step by term, per rank "
+                                 "(window mean)", labels=["rank", "term"])
+        step = GaugeMetricFamily("dtorch_rank_step_seconds", "seconds per step, per rank (window mean)",
+                                 labels=["rank"])
+        tps = GaugeMetricFamily("dtorch_rank_tokens_per_second", "job tokens/s at this rank's step time",
+                                labels=["rank"])
+        mem = GaugeMetricFamily("dtorch_rank_memory_bytes", "memory per rank: current, peak, reserved",
+                                labels=["rank", "kind"])
+        gpu = GaugeMetricFamily("dtorch_rank_gpu", "NVML readings per rank", labels=["rank", "reading"])
+        ratio = GaugeMetricFamily("dtorch_rank_own_time_ratio", "this rank's own work (data+compute+optimizer) "
+                                  "over the fastest rank's", labels=["rank"])
+        strag = GaugeMetricFamily("dtorch_rank_straggler", "1 when the rank is named a straggler", labels=["rank"])
+        for r in ranks["ranks"]:
+            lab = str(r["rank"])
+            for t in ranks["terms"]:
+                if r.get(t) is not None:
+                    term.add_metric([lab, t], r[t])
+            step.add_metric([lab], r["step"])
+            tps.add_metric([lab], r["tokens_per_s"])
+            for kind in ("current", "peak", "reserved"):
+                v = r.get(f"mem_{kind}_bytes")
+                if v is not None:
+                    mem.add_metric([lab, kind], v)
+            for k in ("gpu_util", "gpu_temp_c", "gpu_sm_clock_mhz", "gpu_power_w"):
+                if r.get(k) is not None:
+                    gpu.add_metric([lab, k], r[k])
+            ratio.add_metric([lab], r["own_ratio"])
+            strag.add_metric([lab], 1.0 if r["rank"] in ranks["stragglers"] else 0.0)
+        yield from (term, step, tps, mem, gpu, ratio, strag)
+        pred = ranks.get("predicted") or {}
+        if pred:
+            p = GaugeMetricFamily("dtorch_predicted_step_term_seconds", "the plan's predicted seconds per step "
+                                  "by term", labels=["term"])
+            for k, v in pred.items():
+                p.add_metric([k], v)
+            yield p
+
+
+def _page() -> bytes:
+    return resources.files("dtorch.monitor").joinpath("assets/page.html").read_bytes()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def log_message(self, format, *args):  # noqa: A002 - the stdlib's name
+        pass  # no access log on the training console
+
+    def _authorised(self, query: dict[str, list[str]]) -> bool:
+        token = self.server.token
+        if not token:
+            return True
+        given = ""
+        auth = self.headers.get("Authorization", "")
+        if auth.startswith("Bearer "):
+            given = auth[len("Bearer "):].strip()
+        elif query.get("token"):
+            given = query["token"][0]
+        return hmac.compare_digest(given.encode(), token.encode())
+
+    def _send(self, code: int, body: bytes, ctype: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        url = urlparse(self.path)
+        if not self._authorised(parse_qs(url.query)):
+            self._send(401, b"token required: Authorization: Bearer TOKEN or ?token=TOKEN\n", "text/plain")
+            return
+        if url.path == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
+        elif url.path == "/api/data":
+            self._send(200, json.dumps(self.server.state.data(), default=str).encode(), "application/json")
+        elif url.path in ("/", "/index.html"):
+            self._send(200, _page(), "text/html; charset=utf-8")
+        else:
+            self._send(404, b"not found\n", "text/plain")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    token: str | None
+    state: MonitorState
+    registry: Any
+
+
+class MonitorServer:
+    """Serve `state` on host:port in a daemon thread (`port=0`: a free port; see `.url`).
+
+    A host that is not a loopback address needs `allow_remote=True` and a `token`; both are
+    checked here, before anything binds."""
+
+    def __init__(self, state: MonitorState, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 allow_remote: bool = False):
+        if not is_loopback(host):
+            if not allow_remote:
+                raise ConfigError("monitor_host", host, "the monitor binds 127.0.0.1 unless asked: pass "
+                                  "--monitor-allow-remote (and a token) to serve another interface")
+            if not token:
+                raise ConfigError("monitor_token", None, f"serving on {host} needs a token: set "
+                                  "DTORCH_MONITOR_TOKEN or --monitor-token")
+        from prometheus_client import CollectorRegistry
+
+        self.state = state
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(state))
+        self.httpd = _Server((host, int(port)), _Handler)
+        self.httpd.token, self.httpd.state, self.httpd.registry = token, state, registry
+        self.host, self.port = self.httpd.server_address[:2]
+        self.token = token
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="dtorch-monitor", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in str(self.host) else self.host
+        return f"http://{host}:{self.port}/"
+
+    def write_info(self, log_dir: str | Path | None) -> None:
+        """<log_dir>/monitor.json: where the server listens (the token is not written)."""
+        if log_dir is None:
+            return
+        info = {"url": self.url, "host": self.host, "port": self.port, "token_required": bool(self.token),
+                "pid": os.getpid()}
+        Path(log_dir, "monitor.json").write_text(json.dumps(info) + "\n")
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)

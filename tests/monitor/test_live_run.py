@@ -1,0 +1,150 @@
+"""A real 2-worker run with the monitor on: Prometheus scrape, the live page in headless Chromium,
+and `dtorch report` of the run after it was stopped (killed mid-run, so it never finished)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gpt:layers=2,hidden=64,heads=2,vocab=256,seq=64"
+
+
+def _jsonl(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=20) as r:
+        return r.read()
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A 2-worker `dtorch train` with the monitor on a free port; yields once the page has a
+    per-rank window; stopped (SIGTERM to its own process group) at teardown."""
+    tmp = tmp_path_factory.mktemp("monitor")
+    run_dir = tmp / "run"
+    cmd = [sys.executable, "-m", "dtorch.cli", "train", "--nproc", "2", "--model", MODEL, "--seq-len", "64",
+           "--global-batch", "4", "--steps", "100000", "--checkpoint-dir", str(run_dir), "--checkpoint-every",
+           "100000", "--sample-tokens", "0", "--monitor-port", "0", "--metrics-every", "3", "--no-progress",
+           "--max-restarts", "0"]
+    log = open(tmp / "log.txt", "w")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        info = run_dir / "monitor.json"
+        deadline = time.time() + 240
+        while not info.exists():
+            assert proc.poll() is None, (tmp / "log.txt").read_text()[-3000:]
+            assert time.time() < deadline, "the monitor never started"
+            time.sleep(0.5)
+        url = json.loads(info.read_text())["url"]
+        while True:
+            data = json.loads(_fetch(url + "api/data"))
+            if data["ranks"] is not None and len(data["steps"]) >= 8:
+                break
+            assert proc.poll() is None, (tmp / "log.txt").read_text()[-3000:]
+            assert time.time() < deadline, "no per-rank window within the deadline"
+            time.sleep(1.0)
+        yield {"url": url, "run_dir": run_dir, "proc": proc, "tmp": tmp}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def test_prometheus_scrape_during_a_two_worker_run_has_every_rank(live_run):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = _fetch(live_run["url"] + "metrics").decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["dtorch_steps"].samples[0].value >= 8
+    for name in ("dtorch_rank_step_seconds", "dtorch_rank_tokens_per_second", "dtorch_rank_own_time_ratio"):
+        assert {s.labels["rank"] for s in fams[name].samples} == {"0", "1"}, name
+    mem = {(s.labels["rank"], s.labels["kind"]) for s in fams["dtorch_rank_memory_bytes"].samples}
+    assert {("0", "current"), ("1", "current"), ("0", "peak"), ("1", "peak")} <= mem
+    per_term = {(s.labels["rank"], s.labels["term"]): s.value for s in fams["dtorch_rank_step_term_seconds"].samples}
+    assert per_term[("0", "compute")] > 0 and per_term[("1", "compute")] > 0
+    assert all(v >= 0 for v in per_term.values())
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _browser(args: list[str], profile: Path) -> subprocess.CompletedProcess:
+    base = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-default-apps",
+            f"--user-data-dir={profile}", "--virtual-time-budget=8000"]
+    return subprocess.run(base + args, capture_output=True, text=True, timeout=120)
+
+
+def test_live_page_in_headless_chromium_shows_this_runs_data(live_run):
+    if _chromium() is None:
+        msg = "chromium is not installed (apt-get install chromium; .ci/run installs it as root)"
+        print("SKIP: " + msg)
+        pytest.skip(msg)
+    tmp = live_run["tmp"]
+    url = live_run["url"]
+    dom = _browser(["--dump-dom", url], tmp / "profile-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    start = dom.stdout.index('<pre id="page-data"')
+    text = dom.stdout[dom.stdout.index(">", start) + 1: dom.stdout.index("</pre>", start)]
+    page = json.loads(text)
+    records = _jsonl(live_run["run_dir"] / "metrics.jsonl")
+    by_step = {r["step"]: r for r in records if "event" not in r}
+    assert len(page["steps"]) >= 8
+    for step, loss, tps in zip(page["steps"], page["loss"], page["tokens_per_s"]):
+        assert by_step[step]["loss"] == loss and by_step[step]["tokens_per_s"] == tps
+    assert page["heat_rows"] == 2 and len(page["ranks"]) == 2
+    window = next(r for r in records if r.get("event") == "ranks" and r["step"] == page["ranks_step"])
+    for drawn, logged in zip(page["ranks"], window["ranks"]):
+        assert drawn["rank"] == logged["rank"] and drawn["compute"] == logged["compute"]
+    shot = tmp / "monitor-page.png"
+    res = _browser(["--hide-scrollbars", "--window-size=1240,1000", f"--screenshot={shot}", url],
+                   tmp / "profile-shot")
+    assert res.returncode == 0 and shot.stat().st_size > 20_000, res.stderr[-2000:]
+    if os.environ.get("DTORCH_SAVE_SCREENSHOT"):
+        shutil.copy(shot, os.environ["DTORCH_SAVE_SCREENSHOT"])
+
+
+def test_report_of_the_stopped_run(live_run):
+    from dtorch.monitor.report import load_run, summarize, write_report
+
+    proc = live_run["proc"]
+    os.killpg(proc.pid, signal.SIGKILL)  # a crash: nothing gets to finish
+    proc.wait(timeout=60)
+    run_dir = live_run["run_dir"]
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99999, "loss": 1.0, "tok')  # a torn last line, as a killed writer leaves
+    out = subprocess.run([sys.executable, "-m", "dtorch.cli", "report", str(run_dir)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "not finished" in out.stdout
+    s = summarize(load_run(run_dir))
+    assert s["finished"] is False and s["world"] == 2 and s["last_step"] >= 8
+    index = write_report(run_dir)
+    for png in ("loss.png", "throughput.png", "ranks.png", "timeline.png"):
+        assert (index.parent / png).stat().st_size > 5000, png
+    assert "slowest rank" in index.read_text()

@@ -1,0 +1,220 @@
+"""The monitor's parts in one process: step terms, the per-rank record, communication timing,
+the Prometheus endpoint, the token and the loopback-only default."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import socket
+import struct
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from dtorch.errors import ConfigError
+from dtorch.monitor.live import MonitorConfig
+from dtorch.monitor.metrics import format_eta
+from dtorch.monitor.ranks import FIELDS, TERMS, RankCollector, predicted_terms, ranks_record
+from dtorch.monitor.server import MonitorServer, MonitorState, is_loopback
+
+
+def _row(**kw) -> dict[str, float]:
+    row = dict.fromkeys(FIELDS, 0.0) | {"steps": 10.0, "mem_reserved_bytes": float("nan")}
+    row.update(kw)
+    row["step"] = sum(row[t] for t in TERMS)
+    return row
+
+
+def test_step_terms_add_up_to_the_step_and_comm_is_taken_out_of_compute():
+    c = RankCollector(rank=0, world=1, device=torch.device("cpu"), every=2, tokens_per_step=100)
+    for _ in range(2):
+        c.step(step_s=0.100, data_s=0.010, fb_s=0.060, opt_s=0.020, comm_fb={"tp": 0.015, "other": 0.0},
+               comm_all={"tp": 0.015, "other": 0.005})
+    rows = c.maybe_gather(2)
+    assert rows is not None and len(rows) == 1
+    r = rows[0]
+    assert r["compute"] == pytest.approx(0.045)
+    assert r["comm_tp"] == pytest.approx(0.015) and r["comm_other"] == pytest.approx(0.005)
+    assert r["other"] == pytest.approx(0.100 - 0.010 - 0.045 - 0.020 - 0.020)
+    assert sum(r[t] for t in TERMS) == pytest.approx(r["step"])
+    assert r["tokens_per_s"] == pytest.approx(1000.0)
+    assert r["mem_current_bytes"] > 0 and r["steps"] == 2
+    assert c.maybe_gather(3) is None  # not due
+
+
+def test_ranks_record_names_the_slowest_rank_and_stragglers():
+    rows = [_row(compute=0.05, comm_dp_replicate=0.06), _row(compute=0.11, comm_dp_replicate=0.0),
+            _row(compute=0.05, comm_dp_replicate=0.06)]
+    pred = {"step_time_s": 0.1, "time_breakdown": {"compute": 0.07, "recompute": 0.01, "dp": 0.02, "tp": 0.0}}
+    rec = ranks_record(rows, step=20, predicted=pred)
+    assert rec["slowest_rank"] == 1 and rec["slowest_ratio"] == pytest.approx(2.2)
+    assert rec["stragglers"] == [1]
+    assert rec["predicted"]["compute"] == pytest.approx(0.08) and rec["predicted"]["comm_dp_replicate"] == 0.02
+    assert "comm_tp" not in rec["predicted"]  # not predicted for this plan
+    assert rec["ranks"][0]["mem_reserved_bytes"] is None  # NaN (not measured) becomes null
+    json.dumps(rec, allow_nan=False)
+    assert predicted_terms(None) == {}
+
+
+def test_comm_timer_attributes_blocking_and_async_collectives_and_uninstalls(tmp_path):
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from dtorch.monitor.comms import CommTimer
+
+    originals = (dist.all_reduce, c10d.Work.wait)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        t = CommTimer().install()
+        x = torch.ones(1000)
+        dist.all_reduce(x)
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        assert t.calls == 3  # two launches and one wait
+        assert t.seconds["other"] > 0  # the default group is no mesh axis here
+        t.uninstall()
+        assert (dist.all_reduce, c10d.Work.wait) == originals
+        dist.all_reduce(x)
+        assert t.calls == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _state() -> MonitorState:
+    st = MonitorState()
+    st.feed({"event": "plan", "plan": "dp_replicate=2", "family": "DDP"})
+    for s in (1, 2):
+        st.feed({"step": s, "loss": 3.0 / s, "grad_norm": 1.0, "lr": 1e-3, "step_time_s": 0.1, "tokens_per_s": 5e3,
+                 "mfu": 0.1, "peak_memory_bytes": 1, "world_size": 2, "epoch": 0})
+    st.feed({"event": "ranks", **ranks_record([_row(compute=0.05), _row(compute=0.06)], step=2)})
+    return st
+
+
+def test_prometheus_endpoint_parses_and_has_every_rank():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = MonitorServer(_state(), port=0)
+    try:
+        assert srv.host == "127.0.0.1"
+        code, body = _get(srv.url + "metrics")
+        assert code == 200
+        fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        assert fams["dtorch_loss"].samples[0].value == pytest.approx(1.5)
+        ranks = {s.labels["rank"] for s in fams["dtorch_rank_step_seconds"].samples}
+        assert ranks == {"0", "1"}
+        terms = {s.labels["term"] for s in fams["dtorch_rank_step_term_seconds"].samples}
+        assert {"compute", "comm_tp", "optimizer"} <= terms
+        code, body = _get(srv.url + "api/data")
+        assert code == 200 and [s["step"] for s in json.loads(body)["steps"]] == [1, 2]
+        code, body = _get(srv.url)
+        assert code == 200 and b"DTorch monitor" in body
+    finally:
+        srv.close()
+
+
+def test_a_token_is_required_on_every_request_when_set():
+    srv = MonitorServer(_state(), port=0, token="s3cret")
+    try:
+        for path in ("metrics", "api/data", ""):
+            assert _get(srv.url + path)[0] == 401
+            assert _get(srv.url + path + "?token=wrong")[0] == 401
+            assert _get(srv.url + path, {"Authorization": "Bearer s3cret"})[0] == 200
+            assert _get(srv.url + path + "?token=s3cret")[0] == 200
+    finally:
+        srv.close()
+
+
+def _local_non_loopback_ipv4() -> list[str]:
+    """This machine's own IPv4 addresses other than loopback (ioctl SIOCGIFADDR; nothing is sent)."""
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            addr = socket.inet_ntoa(raw[20:24])
+            if not is_loopback(addr):
+                out.append(addr)
+    return out
+
+
+def test_by_default_the_server_binds_loopback_and_refuses_other_interfaces():
+    with pytest.raises(ConfigError, match="127.0.0.1 unless asked"):
+        MonitorServer(MonitorState(), host="0.0.0.0", port=0)
+    with pytest.raises(ConfigError, match="needs a token"):
+        MonitorServer(MonitorState(), host="0.0.0.0", port=0, allow_remote=True)
+    srv = MonitorServer(MonitorState(), port=0)
+    try:
+        assert srv.httpd.socket.getsockname()[0] == "127.0.0.1"
+        addrs = _local_non_loopback_ipv4()
+        if not addrs:
+            pytest.skip("this machine has no non-loopback IPv4 address to try")
+        for addr in addrs:  # the machine's own address: the connection must be refused
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((addr, srv.port), timeout=5).close()
+    finally:
+        srv.close()
+
+
+def test_config_reads_the_environment_and_rejects_bad_values(monkeypatch):
+    monkeypatch.setenv("DTORCH_MONITOR_PORT", "0")
+    monkeypatch.setenv("DTORCH_METRICS_EVERY", "5")
+    cfg = MonitorConfig.resolve()
+    assert (cfg.port, cfg.metrics_every, cfg.host, cfg.token) == (0, 5, "127.0.0.1", None)
+    assert MonitorConfig.resolve(metrics_every=0).metrics_every == 0
+    with pytest.raises(ConfigError):
+        MonitorConfig.resolve(metrics_every=-1)
+    monkeypatch.setenv("DTORCH_MONITOR_PORT", "x")
+    with pytest.raises(ConfigError):
+        MonitorConfig.resolve()
+
+
+def test_format_eta():
+    assert (format_eta(42), format_eta(185), format_eta(7620)) == ("42s", "3m05s", "2h07m")
+
+
+def test_a_throttling_gpu_is_named_in_the_record():
+    from dtorch.monitor import nvml
+
+    assert nvml.throttle_names(0x4 | 0x20) == ["sw_power_cap", "sw_thermal"]
+    rows = [_row(compute=0.05), _row(compute=0.05, gpu_throttle_mask=float(0x40), gpu_temp_c=91.0)]
+    rec = ranks_record(rows, step=10)
+    assert rec["throttling"] == [1] and rec["ranks"][1]["gpu_throttle"] == ["hw_thermal"]
+    assert "gpu_throttle" not in rec["ranks"][0]
+    if nvml.sample(0) is None:  # no NVML here (CPU machine, or nvidia-ml-py not installed): nothing breaks
+        assert nvml.sample(1) is None
+
+
+def test_oom_budget_is_below_the_failed_plan_and_the_lowest_holds(tmp_path):
+    from dtorch.monitor import oom
+    from dtorch.plan.plan import Plan
+
+    plan = Plan(dp_replicate=2, microbatch_size=4, num_microbatches=1, global_batch=8, seq_len=16)
+    plan.predicted = {"memory_bytes_per_rank": 1000 * 2**20,
+                      "memory_breakdown": {"params": 100 * 2**20, "activations": 400 * 2**20, "margin": 500 * 2**20}}
+    err = torch.OutOfMemoryError("test")
+    for cap_mb in (400, 300):
+        cap = oom.MemoryCap.__new__(oom.MemoryCap)
+        cap.limit, cap.from_step = (200 + cap_mb) * 2**20, 1
+        rec = oom.describe(err, rank=1, phase="forward_backward", step=3, stages=[0], plan=plan,
+                           device=torch.device("cpu"), base_bytes=200 * 2**20, cap=cap)
+        assert rec["rank"] == 1 and rec["measured"]["cap"] == cap.limit
+        assert rec["budget_bytes"] < plan.predicted["memory_bytes_per_rank"]
+        oom.record(rec, tmp_path)
+    budget, failed = oom.memory_budget(tmp_path, world_size=2)
+    recs = oom.read(tmp_path)
+    assert budget == min(r["budget_bytes"] for r in recs) and failed == [plan.describe()] * 2
+    assert oom.memory_budget(tmp_path, world_size=4) == (None, [])
+    assert "OUT OF MEMORY on rank 1 in forward_backward at step 3" in oom.message(recs[0])
