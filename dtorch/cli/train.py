@@ -76,6 +76,20 @@ def _same_model(a: str, b: str) -> bool:
         return False
 
 
+def _model_factory(args: argparse.Namespace):
+    """What the workers build: the Hugging Face checkpoint's architecture with --init-from (unless it is
+    a seed checkpoint of --model), else --model."""
+    from dtorch.models import build_from_config, build_model
+
+    if args.init_from:
+        from dtorch.checkpoint.hf_weights import HFWeights
+
+        weights = HFWeights(args.init_from)
+        if not weights.seed:
+            return lambda: build_from_config(weights.config)
+    return lambda: build_model(args.model)
+
+
 def preflight(args: argparse.Namespace, nproc: int) -> None:
     """Check every input of the job that can be checked without a process group; raises
     ConfigError naming the first problem."""
@@ -109,7 +123,6 @@ def _check_checkpoint_model(args: argparse.Namespace) -> None:
     from dtorch.checkpoint import files as F
     from dtorch.checkpoint import safe
     from dtorch.errors import ConfigError
-    from dtorch.models import build_model
     from dtorch.parallel import parallelize  # noqa: F401 - first: binds the lazy name to the function,
     from dtorch.parallel.parallelize import meta_model  # not to the submodule importing it would bind
 
@@ -119,7 +132,7 @@ def _check_checkpoint_model(args: argparse.Namespace) -> None:
             saved = safe.load_metadata(path / ".metadata").state_dict_metadata
         except (F.ManifestError, safe.UnsafeMetadata, OSError):
             continue  # damaged: the workers skip it with a warning and fall back
-        mine = {f"model.{k}": tuple(v.shape) for k, v in meta_model(lambda: build_model(args.model)).state_dict().items()}
+        mine = {f"model.{k}": tuple(v.shape) for k, v in meta_model(_model_factory(args)).state_dict().items()}
         shared = [k for k in mine if k in saved and hasattr(saved[k], "size")]
         bad = [k for k in shared if tuple(saved[k].size) != mine[k]]
         if bad or not shared:
@@ -154,7 +167,6 @@ def _check_checkpoint_dir(path: str) -> None:
 def _check_plan(args: argparse.Namespace, nproc: int) -> None:
     """The plan the workers would choose, chosen here for a world of `nproc` (same code path)."""
     from dtorch.errors import ConfigError
-    from dtorch.models import build_model
     from dtorch.plan.plan import Plan
     from dtorch.train.job import parse_plan
     from dtorch.train.trainer import Trainer
@@ -165,7 +177,7 @@ def _check_plan(args: argparse.Namespace, nproc: int) -> None:
         if plan.model and not _same_model(plan.model, args.model):
             raise ConfigError("plan", request, f"it was made for model {plan.model!r}, not {args.model!r}; "
                               f"make a plan for this model (dtorch plan {args.model} ... --out FILE) or pass --model {plan.model}")
-    trainer = Trainer(model=lambda: build_model(args.model), global_batch=args.global_batch, seq_len=args.seq_len,
+    trainer = Trainer(model=_model_factory(args), global_batch=args.global_batch, seq_len=args.seq_len,
                       checkpoint_dir=None, checkpoint_every=args.checkpoint_every, plan=request, seed=args.seed,
                       console=False)
     trainer.ckpt = None

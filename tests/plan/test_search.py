@@ -21,13 +21,16 @@ def l70():
 
 
 def test_search_ranks_fitting_plans_best_first(l70):
+    """Best first by step time, where reduced precision and uneven stages must win by their margin."""
+    from dtorch.plan.search import _precision_penalty as handicap
+
     r = search(l70, load_cluster("h100:8x8"), global_batch=512, top_k=5)
-    times = [e.step_time_s for _, e in r.ranked]
-    assert len(r.ranked) == 5 and times == sorted(times)
+    scores = [e.step_time_s * handicap(p) for p, e in r.ranked]
+    assert len(r.ranked) == 5 and scores == sorted(scores)
     assert all(e.fits for _, e in r.ranked)
     best_plan, best = r.best
     assert best_plan.family() in r.best_by_family
-    assert all(best.step_time_s <= e.step_time_s for _, e in r.best_by_family.values())
+    assert all(best.step_time_s * handicap(best_plan) <= e.step_time_s * handicap(p) for p, e in r.best_by_family.values())
     assert r.rejected  # pure DDP cannot hold 70B on 80 GB devices
     for plan, _ in r.ranked:
         check(plan, l70, load_cluster("h100:8x8"))
