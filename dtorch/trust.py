@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import stat
 from pathlib import Path
@@ -165,3 +166,14 @@ def private_dir(path: str | os.PathLike, field: str) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(p, 0o700)
     return p
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost"; "" (every interface) is not loopback. What the
+    unauthenticated servers (rendezvous store, monitor page) may bind to without an explicit opt-in."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -42,7 +42,6 @@ This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configu
 from __future__ import annotations
 
 import importlib
-import ipaddress
 import logging
 import os
 import secrets
@@ -135,7 +134,7 @@ class LaunchSpec:
         if self.rdzv_backend == "c10d" and port == 0 and self.max_nodes > 1:
             raise ConfigError("rdzv_endpoint", self.rdzv_endpoint,
                               "several nodes need a fixed port every node can reach, e.g. --rdzv-endpoint HOST:29400")
-        if self.local_addr is None and _is_loopback(host):
+        if self.local_addr is None and trust.is_loopback(host):
             self.local_addr = "127.0.0.1"  # keep MASTER_ADDR off the network when the job is local
         if self.rdzv_id is None:
             self.rdzv_id = f"dtorch-{uuid.uuid4().hex[:12]}" if self.max_nodes == 1 else "none"
@@ -155,15 +154,6 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
         return host.strip("[]"), int(port)
     except ValueError:
         raise ConfigError("rdzv_endpoint", endpoint, "use HOST:PORT, e.g. 127.0.0.1:29400") from None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -14,7 +14,6 @@ training loop, and the training loop never waits on a request.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import os
 import threading
@@ -27,19 +26,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from dtorch.errors import ConfigError
+from dtorch.trust import is_loopback
 
 MAX_STEPS = 20000
 """Step records kept for the page (older ones are thinned to every other one)."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and "localhost"; "" (every interface) is not loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class MonitorState:
