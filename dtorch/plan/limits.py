@@ -30,6 +30,11 @@ def unsupported(plan: Plan) -> str | None:
     if plan.offload == "optimizer":
         return ("optimizer-state offload (ZeRO-Offload) is not implemented by this executor; "
                 "offload=params (FSDP2 CPU offload) is")
+    if plan.pp > 1 and plan.schedule == "zero_bubble" and plan.ac == "selective":
+        # zero-bubble runs a stage's backward in two passes (input, then weight gradients); torch's
+        # selective checkpointing allows one backward per recomputed region ("Trying to backward an
+        # extra time"), seen on a 2-worker gloo job re-planned after an OOM
+        return "zero-bubble with selective activation checkpointing fails in torch 2.13; use ac=full or another schedule"
     if plan.pp > 1 and plan.schedule == "zero_bubble" and plan.sp and plan.num_stages > 2:
         # the split input/weight backward of a middle stage fails on the sequence-parallel boundary
         # ("Can't detach views in-place"), measured on gloo with pp=2, v=2

@@ -32,7 +32,9 @@ def test_forced_oom_is_named_and_the_replanned_restart_finishes(tmp_path):
            # float32, as the cap was sized for: the precision the search picks depends on this CPU's
            # measured bf16 speed, and bf16 activations under autocast on a CPU are not half the RSS
            "--plan", "param_dtype=float32"]
-    env = {**os.environ, "DTORCH_TEST_MEMORY_CAP": "rank=1,over_base=70MB,from_step=3"}
+    # its own calibration: the runtime feedback earlier tests of the suite wrote would change the plans
+    env = {**os.environ, "DTORCH_TEST_MEMORY_CAP": "rank=1,over_base=70MB,from_step=3",
+           "DTORCH_CALIBRATION_DIR": str(tmp_path / "calibration")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     ooms = read_jsonl(ckpt / "oom.jsonl")

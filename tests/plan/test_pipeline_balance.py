@@ -72,3 +72,15 @@ def test_plan_on_this_machine_models_the_workers_train_starts(monkeypatch):
     b = search(prof, train, global_batch=16).best
     assert a[0].describe() == b[0].describe()
     assert a[1].step_time_s == pytest.approx(b[1].step_time_s)
+
+
+def test_zero_bubble_with_selective_checkpointing_is_not_offered():
+    """torch 2.13's selective checkpointing allows one backward per region; zero-bubble runs two."""
+    from dtorch.plan.limits import unsupported
+
+    assert "selective" in unsupported(Plan(pp=2, schedule="zero_bubble", ac="selective", num_microbatches=2))
+    assert unsupported(Plan(pp=2, schedule="zero_bubble", ac="full", num_microbatches=2)) is None
+    prof = get_profile("gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256", 256)
+    r = search(prof, load_cluster("cpu:1x2"), global_batch=16, top_k=20, fixed={"pp": 2})
+    assert all(not (p.schedule == "zero_bubble" and p.ac == "selective")
+               for p, _ in [*r.ranked, *r.best_by_family.values()])
