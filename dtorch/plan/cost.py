@@ -272,8 +272,13 @@ def rank_loads(plan: Plan, num_layers: int) -> list[RankLoad]:
 
 @lru_cache(maxsize=4096)
 def _distinct_loads(pp: int, v: int, num_layers: int, sizes: tuple[int, ...] | None) -> tuple[RankLoad, ...]:
+    loads = _rank_loads(pp, v, num_layers, sizes)
     distinct: dict[tuple, RankLoad] = {}
-    for ld in _rank_loads(pp, v, num_layers, sizes):
+    for ld in loads:
+        # a middle rank with no more blocks than the first is dominated by it: no more time (the first
+        # also runs the embedding) and no more memory (the first holds more micro-batches in flight)
+        if ld.pp_rank > 0 and not ld.head and ld.blocks <= loads[0].blocks:
+            continue
         distinct.setdefault((ld.blocks, ld.embedding, ld.head), ld)
     return tuple(distinct.values())
 
@@ -526,6 +531,17 @@ def estimate(
     # twice a bf16 one), converted and computed in float32 on a CPU (measured per dtype)
     elem_s_per_byte = passes * 2.0 / (dev.memory_bandwidth * dev.elementwise(compute_dtype))
     act_full = tokens_mb / cp * h * act_b  # one activation tensor of the micro-batch, full over TP
+    # collectives whose size does not depend on the pipeline rank: computed once
+    tp_small = collective_time("all_gather", 64.0, tp, st_tp, g) if tp > 1 else 0.0  # latency-bound
+    tp_act = collective_time("all_gather", act_full, tp, st_tp, g) if tp > 1 else 0.0
+    kv_dim = h * profile.num_kv_heads / profile.num_heads
+    cp_kv = collective_time("all_gather", 2.0 * tokens_mb * kv_dim * act_b / tp, cp, st_cp, g) if cp > 1 else 0.0
+    p_block = profile.params_per_block / tp
+    if fs > 1:
+        ag_unit = collective_time("all_gather", 1.0, fs, st_fs, g)
+        rs_unit = collective_time("reduce_scatter", 1.0, fs, st_fs, g)
+        ag_block = collective_time("all_gather", p_block * param_b, fs, st_fs, g)
+    ar_unit = collective_time("all_reduce", 1.0, dpr, st_dpr, g) if dpr > 1 else 0.0
 
     def rank_share(load: RankLoad) -> _Rank:
         r = _Rank()
@@ -552,31 +568,23 @@ def estimate(
         # TP / CP per micro-batch
         if tp > 1:
             n_ops = 8 + (4 if plan.ac == "full" else 0)
-            small = collective_time("all_gather", 64.0, tp, st_tp, g)  # latency-bound (norm weights, RoPE, loss)
-            r.tp = blocks * n_ops * collective_time("all_gather", act_full, tp, st_tp, g)
-            r.tp += counts.tp_small_per_microbatch * small
+            r.tp = blocks * n_ops * tp_act + counts.tp_small_per_microbatch * tp_small  # norm weights, RoPE, loss
             r.tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
-            r.tp_step = counts.tp_small_per_step * small * c.tp_exposed
+            r.tp_step = counts.tp_small_per_step * tp_small * c.tp_exposed
         if cp > 1:
             # K and V all-gathered forward, again in backward with a reduce-scatter of their gradients;
             # the executor issues them before attention, so nothing hides them (dtorch/parallel/cp.py)
-            kv_dim = h * profile.num_kv_heads / profile.num_heads
-            kv_bytes = 2.0 * tokens_mb * kv_dim * act_b / tp
             n_ops = 3 + (1 if plan.ac == "full" else 0)
-            r.cp = blocks * n_ops * collective_time("all_gather", kv_bytes, cp, st_cp, g)
+            r.cp = blocks * n_ops * cp_kv
         # data parallel
         p_stage = _rank_params(load, profile, tp)
-        p_block = profile.params_per_block / tp
         states = _states(plan, p_stage)
         busy = r.compute + r.recompute
         if fs > 1:
             # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
             units = blocks + 1
-            ag = collective_time("all_gather", p_stage * param_b, fs, st_fs, g)
-            ag += (units - 1) * collective_time("all_gather", 1.0, fs, st_fs, g)
-            rs = collective_time("reduce_scatter", p_stage * red_b, fs, st_fs, g)
-            rs += (units - 1) * collective_time("reduce_scatter", 1.0, fs, st_fs, g)
-            ag_block = collective_time("all_gather", p_block * param_b, fs, st_fs, g)
+            ag = collective_time("all_gather", p_stage * param_b, fs, st_fs, g) + (units - 1) * ag_unit
+            rs = collective_time("reduce_scatter", p_stage * red_b, fs, st_fs, g) + (units - 1) * rs_unit
             if pp == 1:
                 comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
                 r.fsdp = _exposed(comm, m * busy, c) + m * ag_block
@@ -589,7 +597,7 @@ def estimate(
             grad_bytes = p_stage * red_b / fs
             ar = collective_time("all_reduce", grad_bytes, dpr, st_dpr, g)
             # DDP all-reduces a small first bucket, then one per `ddp_bucket_bytes`
-            ar += math.ceil(grad_bytes / c.ddp_bucket_bytes) * collective_time("all_reduce", 1.0, dpr, st_dpr, g)
+            ar += math.ceil(grad_bytes / c.ddp_bucket_bytes) * ar_unit
             r.dp = _exposed(ar, (2.0 / 3.0) * r.compute, c)
         # optimizer and offload
         p_local = p_stage / fs

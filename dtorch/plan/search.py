@@ -437,7 +437,8 @@ def _partitions_cached(pp: int, v: int, L: int, head: float) -> list[list[int] |
         ranks[-1] += head
         return max(ranks)
 
-    return [None, bal] if bal != even and busiest(bal) < busiest(even) - 1e-9 else [None]
+    # worth trying only where it can win the ranking's margin for uneven partitions
+    return [None, bal] if bal != even and busiest(bal) < busiest(even) * (1.0 - PARTITION_MARGIN) else [None]
 
 
 def search(
