@@ -234,12 +234,16 @@ def exported(world4: dict, dirs: dict[str, Path], tmp_path_factory) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def world2(dirs: dict[str, Path], exported: dict[str, Path]) -> dict:
-    cases = [(f, {"dir": str(d), "plan": PP}) for f, d in dirs.items()]
+def world2(dirs: dict[str, Path], exported: dict[str, Path], tmp_path_factory) -> dict:
+    ck = tmp_path_factory.mktemp("dcp2")
+    cases = [(f, {"dir": str(d), "plan": PP, **({"save": str(ck / f)} if f == "mistral" else {})})
+             for f, d in dirs.items()]
     # the llama checkpoint saved at world 4 (FSDP x TP), loaded at world 2 (PP) through its export
     cases.append(("llama-resharded", {"dir": str(exported["llama"]), "plan": PP, "train": False,
                                       "return_weights": True}))
-    return dict(zip([c[0] for c in cases], run_group(2, cases, _worker)))
+    out = dict(zip([c[0] for c in cases], run_group(2, cases, _worker)))
+    out["mistral-checkpoint"] = ck / "mistral"
+    return out
 
 
 def _check_parallel(results: list[dict], directory: Path) -> None:
@@ -300,6 +304,26 @@ def test_checkpoint_saved_at_world4_loads_at_world2_identically(world4: dict, wo
     assert sorted(loaded) == sorted(saved)
     for name, t in saved.items():
         assert torch.equal(torch.tensor(loaded[name]), t), name
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_world2_loads_at_world4_identically(world2: dict, dirs: dict[str, Path],
+                                                                 tmp_path_factory) -> None:
+    """The reverse of 4 -> 2: the mistral checkpoint fine-tuned by the two pipeline stages, exported,
+    loaded by FSDP x TP+SP ranks at world 4."""
+    from dtorch.checkpoint.export import load_full_state_dict
+
+    ck = world2["mistral-checkpoint"]
+    saved = load_full_state_dict(ck)["model"]
+    hf, cfg = json.loads((dirs["mistral"] / "config.json").read_text()), load_model_config(dirs["mistral"])[1]
+    out = export_hf(ck, tmp_path_factory.mktemp("w2export") / "mistral", cfg, family="mistral", base_config=hf)
+    results = run_group(4, [("mistral-from-world2", {"dir": str(out), "plan": FSDP_TP_SP, "train": False,
+                                                     "return_weights": True})], _worker)[0]
+    for r, res in enumerate(results):
+        assert "error" not in res, res.get("error")
+        assert sorted(res["weights"]) == sorted(saved)
+        for name, t in saved.items():
+            assert torch.equal(torch.tensor(res["weights"][name]), t), (r, name)
 
 
 @pytest.mark.slow
