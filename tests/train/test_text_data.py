@@ -53,6 +53,19 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
             "docs": docs}
 
 
+def test_parquet_text_column_gives_the_same_tokens_as_jsonl(corpus, tmp_path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"text": corpus["docs"], "id": list(range(len(corpus["docs"])))}), path,
+                   row_group_size=64)  # several row groups: read in batches
+    a = text_dataset(path, corpus["tok"], seq_len=32, cache=tmp_path / "pq")
+    b = text_dataset(corpus["jsonl"], corpus["tok"], seq_len=32, cache=tmp_path / "js")
+    assert a.num_documents == b.num_documents == len(corpus["docs"])
+    assert list(a.tokens) == list(b.tokens) and list(a.doc_starts) == list(b.doc_starts)
+
+
 def test_tokenised_once_packed_with_document_boundaries(corpus, tmp_path, monkeypatch) -> None:
     ds = text_dataset(corpus["jsonl"], corpus["tok"], seq_len=32, cache=tmp_path)
     tok = ds.tokenizer
