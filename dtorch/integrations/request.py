@@ -107,11 +107,15 @@ def _cluster(group: NodeGroup, nodes: int) -> Cluster:
 
 
 def _plan_on(profile, group: NodeGroup, nodes: int, global_batch: int, dtype: str):
+    from dtorch.progress import search_progress
+
     cl = _cluster(group, nodes)
+    cb, shown = search_progress(f"planning {nodes} node{'s' if nodes != 1 else ''} of {group.device.name}")
     try:
-        r = search(profile, cl, global_batch=global_batch, top_k=1, dtype=dtype, suggest=False)
+        r = search(profile, cl, global_batch=global_batch, top_k=1, dtype=dtype, suggest=False, progress=cb)
     except ConfigError as e:
         return None, None, e.fix
+    shown.close(f"searched {r.meshes:,} meshes, {r.evaluated:,} plans estimated")
     if r.best is None:
         return None, None, "no plan fits in memory"
     return r.best[0], r.best[1], ""
