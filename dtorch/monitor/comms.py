@@ -184,8 +184,9 @@ class CommTimer:
             else:
                 self._last_funcol_axis = self.group_axis.get(got) or self.name_axis.get(
                     getattr(got, "group_name", ""), "other")
-            if self._trace_fd is not None:
-                self._launch("functional", self._last_funcol_axis, None)
+            if self._trace_fd is not None:  # the launch, named by the wrapper it runs in, if any
+                op, tensor = getattr(self._inside, "funcol_op", None) or ("functional", None)
+                self._launch(op, self._last_funcol_axis, tensor)
             return got
 
         return resolve
@@ -199,12 +200,17 @@ class CommTimer:
             if getattr(inside, "funcol", False):
                 return fn(*args, **kwargs)
             inside.funcol = True
+            inside.funcol_op = (fn.__name__, args[0] if args else kwargs.get("self"))
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 inside.funcol = False
-                self._add(self._last_funcol_axis, time.perf_counter() - t)
+                inside.funcol_op = None
+                dt = time.perf_counter() - t
+                self._add(self._last_funcol_axis, dt)
+                if self._trace_fd is not None:
+                    self._step_stats.setdefault(f"{fn.__name__}/{self._last_funcol_axis}", [0, 0, 0.0])[2] += dt
 
         return launch
 
@@ -214,7 +220,10 @@ class CommTimer:
                 return fn(tensor)
             t = time.perf_counter()
             out = fn(tensor)
-            self._add(self._last_funcol_axis, time.perf_counter() - t)
+            dt = time.perf_counter() - t
+            self._add(self._last_funcol_axis, dt)
+            if self._trace_fd is not None:  # waits are not tied to one op: their own line per axis
+                self._step_stats.setdefault(f"wait_tensor/{self._last_funcol_axis}", [0, 0, 0.0])[2] += dt
             return out
 
         return wait_tensor
