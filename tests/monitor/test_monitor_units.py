@@ -254,3 +254,17 @@ def test_comm_profile_summary_takes_unions_on_the_training_thread():
     assert s["exposed_s"] == pytest.approx(150e-6) and s["wait_s"] == pytest.approx(100e-6)
     assert s["flight_s"] == pytest.approx(230e-6)
     assert s["ops"]["gloo:all_reduce"] == {"count": 1, "seconds": 0.0002}
+
+
+def test_console_line_shows_eta_and_the_slowest_rank(capsys):
+    from dtorch.monitor.metrics import MetricsLogger, StepMetrics
+
+    log = MetricsLogger(None, total_steps=30, console=True)  # a log file: a line every step of 30
+    # what RunMonitor sets from each per-rank window (world > 1)
+    rec = ranks_record([_row(compute=0.05), _row(compute=0.09)], step=10)
+    log.note = f"slowest r{rec['slowest_rank']} {rec['slowest_ratio']:.2f}x"
+    for s in (1, 2):
+        log.log(StepMetrics(step=s, loss=3.0, grad_norm=1.0, lr=1e-3, step_time_s=0.5, tokens_per_s=1e3, mfu=0.1,
+                            peak_memory_bytes=2**20, world_size=2, epoch=0))
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "step 2/30" in line and "ETA 14s" in line and line.endswith("slowest r1 1.80x")
