@@ -124,4 +124,10 @@ def test_deadline_sizing_skips_only_sizes_whose_planner_bound_already_misses():
     best = search(profile, cl, global_batch=1024, top_k=1, dtype="bfloat16", suggest=False).best[1]
     floor = step_time_floor(profile, cl, global_batch=1024, dtype="bfloat16")
     assert floor <= best.step_time_s
+    small = get_profile("llama3-8b", 4096)
+    for nodes in (1, 2, 4):  # and on other sizes, no plan the search finds beats it
+        c = Cluster([dataclasses.replace(group, num_nodes=nodes)])
+        r = search(small, c, global_batch=256, top_k=1, dtype="bfloat16", suggest=False)
+        assert step_time_floor(small, c, global_batch=256, dtype="bfloat16") <= min(
+            e.step_time_s for _, e in r.best_by_family.values())
     assert 1e12 / (1024 * 4096 / best.step_time_s) > 30 * 86400  # the full search agrees: 32 misses
