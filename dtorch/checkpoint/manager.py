@@ -694,9 +694,13 @@ class CheckpointManager:
     def _load_verified(self, path: Path, m: F.Manifest, state: dict[str, Any]) -> None:
         dcp_state = {k: v for k, v in state.items() if not is_rank_local(v)}
         local_keys = [k for k, v in state.items() if is_rank_local(v)]
+        from dtorch.progress import phase
+
         try:
-            dcp.load(dcp_state, storage_reader=safe.SafeFileSystemReader(path), process_group=self._pg,
-                     no_dist=not self._multi)
+            with phase(f"loading checkpoint {path.name} ({m.total_bytes / 2**30:.2f} GiB)",
+                       enabled=None if self.rank == 0 else False):
+                dcp.load(dcp_state, storage_reader=safe.SafeFileSystemReader(path), process_group=self._pg,
+                         no_dist=not self._multi)
         except _FAILURES as e:
             # e.g. a checkpoint of another model: DCP's "Size mismatch" on every rank, or missing keys
             raise CheckpointError(path, f"incompatible with this run: {_describe(e)}",

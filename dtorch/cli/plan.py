@@ -53,6 +53,9 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="pin the compute dtype (param_dtype); default: searched, like --fix param_dtype=...")
     p.add_argument("--json", action="store_true", help="print the chosen Plan as JSON (with `predicted`)")
+    p.add_argument("--progress", action="store_true",
+                   help="progress lines on stderr during a long search (default: only on a terminal; "
+                        "DTORCH_PROGRESS=1/0 forces)")
     p.add_argument("--out", default=None, help="write the chosen Plan to this .json/.yaml file")
     p.add_argument("--recommend", action="store_true", help="size a cluster: GPUs/nodes, plan, time to train")
     p.add_argument("--device-type", default=None, help="--recommend: device preset (h100, a100, h200, b200, mi300x)")
@@ -129,7 +132,13 @@ def run(args) -> int:
 
     cluster = load_cluster(args.cluster or "detect", workload=(profile.hidden, profile.num_heads, profile.seq_len))
     gb = args.global_batch or cluster.world_size
-    result = search(profile, cluster, global_batch=gb, fixed=parse_fix(args.fix), top_k=args.top, dtype=args.dtype)
+    from dtorch.progress import search_progress
+
+    cb, shown = search_progress(f"planning {args.model} on {cluster.world_size:,} devices",
+                                enabled=True if args.progress else None)
+    result = search(profile, cluster, global_batch=gb, fixed=parse_fix(args.fix), top_k=args.top, dtype=args.dtype,
+                    progress=cb)
+    shown.close(f"searched {result.meshes:,} meshes, {result.evaluated:,} plans estimated")
     if not result.ranked:
         if args.json:
             print(json.dumps({"error": "no plan fits in memory", "suggestions": result.suggestions,

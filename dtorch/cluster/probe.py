@@ -554,11 +554,17 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         rows, widths, k = tuple(4 * r for r in rows), tuple(8 * w for w in widths), 4096
     else:
         k = GEMM_K
+    from dtorch.progress import Ticker
+
+    p = Ticker(f"probing {world} rank{'s' if world > 1 else ''}", enabled=None if rank == 0 else False).start()
+    p.note = f"GEMMs ({len(dtypes)} dtypes x {len(rows) * len(widths)} shapes)"
     gemm = measure_gemm(device, dtypes, rows, widths, k, min_time=0.01 if quick else 0.03)
+    p.note = "memory bandwidth and per-op overheads"
     membw = measure_memory_bandwidth(device, (16 if quick else 64) * 2**20, 0.03 if quick else 0.1)
     membw["dispatch_s"] = measure_dispatch_overhead(device, 0.01 if quick else 0.03)
     membw["op_s"] = measure_op_overhead(device, 0.03 if quick else 0.1)
     membw["dtensor_s"] = measure_dtensor_overhead(device, 0.02 if quick else 0.05)
+    p.note = "collectives"
 
     colls: dict[str, dict] = {}
     links: dict[str, dict] = {}
@@ -582,6 +588,7 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
                                                  min_time=0.01 if quick else 0.03)
             links["inter"] = _link_fit(colls["inter"], nodes, "ib" if backend == "nccl" else "ethernet")
 
+    p.stop()
     mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links}
     gathered = [None] * world
     if distributed and world > 1:

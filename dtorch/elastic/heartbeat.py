@@ -33,6 +33,9 @@ from typing import Any
 
 HB_DIR = "hb"
 DUMP_DIR = "dumps"
+NCCL_DUMP_DIR = "nccl"
+"""Under an epoch's dump directory: where the NCCL watchdog writes its flight-recorder pickles on a
+collective timeout (`TORCH_FR_DUMP_TEMP_FILE`, see `dtorch.elastic.worker.nccl_flight_recorder`)."""
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"step": -1, "phase": "start", "progress_t": time.time(), "beats": 0,
@@ -170,8 +173,8 @@ def flight_recorder() -> dict[str, Any] | None:
     except Exception:
         return None
     raw = data.get("entries", [])
-    entries = [{k: e.get(k) for k in ("record_id", "pg_id", "collective_seq_id", "profiling_name",
-                                      "state", "input_sizes", "time_created_ns", "retired")} for e in raw]
+    entries = [{k: e.get(k) for k in ("record_id", "pg_id", "process_group", "collective_seq_id", "profiling_name",
+                                      "state", "input_sizes", "time_created_ns", "retired", "is_p2p")} for e in raw]
     max_seq: dict[str, int] = {}
     for e in raw:
         if not e.get("is_p2p"):
@@ -426,6 +429,14 @@ def diagnose(hang: Hang, beats: dict[int, dict[str, Any]], pids: dict[int, int],
             f"for {now - b.get('progress_t', now):.1f} s at step {b.get('step')} in phase '{b.get('phase')}'")
     if coll:
         line += f", last collective issued {coll}"
+    divergence = None
+    if dump:
+        from dtorch.monitor.flight import describe, find_divergence_in
+
+        # DTorch's dumps of this hang, then what the NCCL watchdog wrote on its own timeout
+        divergence = find_divergence_in(dump, os.path.join(dump, NCCL_DUMP_DIR))
+        if divergence is not None:
+            line += f"; {describe(divergence)}"
     if others:
         line += "; " + "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} in {k}"
                                  for k, rs in others.items())
@@ -433,5 +444,5 @@ def diagnose(hang: Hang, beats: dict[int, dict[str, Any]], pids: dict[int, int],
         line += f"; stacks: {dump}"
     fields = {"rank": culprit, "step": b.get("step"), "phase": b.get("phase"), "state": st,
               "no_progress_s": now - b.get("progress_t", now), "collective": coll, "dump": dump,
-              "fault_t": b.get("progress_t")}
+              "fault_t": b.get("progress_t"), "divergence": divergence}
     return line, fields

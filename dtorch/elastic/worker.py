@@ -348,6 +348,27 @@ def set_collective_timeout(seconds: float, group: Any = None) -> None:
     _set_pg_timeout(timedelta(seconds=seconds), group)
 
 
+def nccl_flight_recorder(w: WorkerInfo) -> str | None:
+    """Before an NCCL process group exists: keep torch's flight recorder on (the launcher's
+    TORCH_FR_BUFFER_SIZE, also under its older name TORCH_NCCL_TRACE_BUFFER_SIZE) and have the NCCL
+    watchdog dump it on a collective timeout into <run_dir>/dumps/epoch<E>/nccl/rank_<R>, where the
+    hang report reads it (`dtorch.elastic.heartbeat.diagnose`). The user's own settings win.
+    Returns the dump directory (None outside `dtorch run`)."""
+    from dtorch.elastic import heartbeat
+
+    env = os.environ
+    size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
+    env.setdefault("TORCH_FR_BUFFER_SIZE", size)
+    env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", size)
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if not w.run_dir:
+        return None
+    d = os.path.join(heartbeat.dump_dir(w.run_dir, w.epoch), heartbeat.NCCL_DUMP_DIR)
+    os.makedirs(d, exist_ok=True)
+    env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(d, "rank_"))
+    return d
+
+
 def init_process_group(backend: str | None = None, timeout: float | None = None) -> None:
     """`torch.distributed.init_process_group` for a worker of `dtorch run`, with its store listening
     on MASTER_ADDR only (torch's own env:// store listens on every interface; see
@@ -363,6 +384,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(w.local_rank)
+        nccl_flight_recorder(w)
     t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
     s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
     kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}

@@ -6,7 +6,8 @@ Sizing (`size_request`):
 - `--nodes N`: the planner's best plan for N nodes of the device type;
 - `--tokens` with `--deadline`: the smallest power-of-two node count whose predicted time to train
   meets the deadline (`dtorch.plan.recommend`'s rule). Sizes that cannot meet it even at 100 %
-  MFU are not planned (that bound alone skips most sizes, which keeps this under a second or two);
+  MFU are not planned, nor those where the planner's own lower bound on the step time misses it
+  (the bounds skip most sizes, which keeps a 70B model on H100s to one search, about 1.5 s);
 - `--tokens` alone: `dtorch.plan.recommend.recommend` (fewest GPU-hours over all sizes).
 Pure arithmetic: never imports torch.
 """
@@ -26,7 +27,7 @@ from dtorch.cluster.spec import Cluster, NodeGroup
 from dtorch.errors import ConfigError
 from dtorch.plan.cost import Estimate
 from dtorch.plan.plan import Plan
-from dtorch.plan.recommend import Recommendation, SizeOption, recommend
+from dtorch.plan.recommend import Recommendation, SizeOption, recommend, step_time_floor
 from dtorch.plan.search import search
 
 GiB = 2**30
@@ -100,13 +101,21 @@ def device_group(device: str, gpus_per_node: int | None) -> NodeGroup:
     return group
 
 
+def _cluster(group: NodeGroup, nodes: int) -> Cluster:
+    return Cluster([dataclasses.replace(group, num_nodes=nodes)],
+                   name=f"{group.device.name}:{nodes}x{group.devices_per_node}")
+
+
 def _plan_on(profile, group: NodeGroup, nodes: int, global_batch: int, dtype: str):
-    cl = Cluster([dataclasses.replace(group, num_nodes=nodes)],
-                 name=f"{group.device.name}:{nodes}x{group.devices_per_node}")
+    from dtorch.progress import search_progress
+
+    cl = _cluster(group, nodes)
+    cb, shown = search_progress(f"planning {nodes} node{'s' if nodes != 1 else ''} of {group.device.name}")
     try:
-        r = search(profile, cl, global_batch=global_batch, top_k=1, dtype=dtype, suggest=False)
+        r = search(profile, cl, global_batch=global_batch, top_k=1, dtype=dtype, suggest=False, progress=cb)
     except ConfigError as e:
         return None, None, e.fix
+    shown.close(f"searched {r.meshes:,} meshes, {r.evaluated:,} plans estimated")
     if r.best is None:
         return None, None, "no plan fits in memory"
     return r.best[0], r.best[1], ""
@@ -115,18 +124,33 @@ def _plan_on(profile, group: NodeGroup, nodes: int, global_batch: int, dtype: st
 def size_for_deadline(profile, group: NodeGroup, *, tokens: float, deadline_s: float, global_batch: int,
                       max_nodes: int, dtype: str) -> Recommendation:
     """The smallest power-of-two node count that meets the deadline. Sizes whose throughput could
-    not meet it even at the devices' peak FLOP/s are skipped; the rest are planned upward until one
+    not meet it even at the devices' peak FLOP/s are skipped; so are those where even the planner's
+    own lower bound on the step time (`step_time_floor`, milliseconds) misses it, which spares the
+    full search (seconds each) of sizes that cannot win. The rest are planned upward until one
     meets it. Raises ConfigError when none up to `max_nodes` does (naming the fastest)."""
-    rec = Recommendation(device=group.device.name, tokens=float(tokens), deadline_s=deadline_s)
+    rec = Recommendation(device=group.device.name, tokens=float(tokens), deadline_s=deadline_s,
+                         batch_rule="fixed by --global-batch")
     peak_tps_per_device = group.device.peak(dtype) / profile.flops_per_token
     need_devices = tokens / deadline_s / peak_tps_per_device
     nodes = 1
     while nodes * 2 <= max_nodes and nodes * group.devices_per_node < need_devices:
         nodes *= 2  # even at 100 % MFU, fewer devices than need_devices cannot meet the deadline
     best: SizeOption | None = None
+    floor_best: tuple[int, float] | None = None
     while nodes <= max_nodes:
-        plan, est, note = _plan_on(profile, group, nodes, global_batch, dtype)
         gpus = nodes * group.devices_per_node
+        cl = _cluster(group, nodes)
+        floor_s = step_time_floor(profile, cl, global_batch=global_batch, dtype=dtype)
+        if floor_s is not None:
+            t_floor = tokens / (global_batch * profile.seq_len) * floor_s
+            if t_floor > deadline_s:
+                rec.options.append(SizeOption(nodes, gpus, None, None, None, None, lower_bound_s=t_floor,
+                                              note=f"cannot meet the deadline: >= {format_duration(t_floor)} "
+                                                   "with any plan (planner's bound, not searched)"))
+                floor_best = (nodes, t_floor)
+                nodes *= 2
+                continue
+        plan, est, note = _plan_on(profile, group, nodes, global_batch, dtype)
         if plan is None:
             rec.options.append(SizeOption(nodes, gpus, None, None, None, None, note=note))
             if "divide" in note or "batch" in note:
@@ -142,8 +166,12 @@ def size_for_deadline(profile, group: NodeGroup, *, tokens: float, deadline_s: f
                 rec.reason = f"smallest cluster that trains {tokens:.3g} tokens within the deadline"
                 return rec
         nodes *= 2
-    fastest = (f"the fastest planned size, {best.nodes} nodes, needs {format_duration(best.time_to_train_s)}"
-               if best else "no size fits the model")
+    if best:
+        fastest = f"the fastest planned size, {best.nodes} nodes, needs {format_duration(best.time_to_train_s)}"
+    elif floor_best:
+        fastest = f"even at {floor_best[0]} nodes any plan needs at least {format_duration(floor_best[1])}"
+    else:
+        fastest = "no size fits the model"
     raise ConfigError("deadline", format_duration(deadline_s),
                       f"no cluster of up to {max_nodes} {group.device.name} nodes meets it ({fastest}); "
                       "give a later deadline, fewer --tokens, or a larger --max-nodes")

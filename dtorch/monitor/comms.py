@@ -1,9 +1,9 @@
 """Exposed communication time per mesh axis, measured without synchronising anything.
 
 What a rank *waits* for is what costs it: the time its Python thread spends inside a blocking
-collective, or inside `Work.wait()` / `wait_tensor()` of an asynchronous one. `CommTimer` wraps
-those entry points of `torch.distributed` (the c10d collectives, `Work.wait`, and the functional
-collectives DTensor uses) with a `perf_counter` pair and adds the seconds to the mesh axis of the
+collective, launching an asynchronous one, or inside `Work.wait()` / `wait_tensor()` of it.
+`CommTimer` wraps those entry points of `torch.distributed` (the c10d collectives, `Work.wait`,
+and the functional collectives DTensor uses, launch and wait) with a `perf_counter` pair and adds the seconds to the mesh axis of the
 process group the collective ran on. Nothing is launched, nothing is synchronised.
 
 With tracing on (`trace_to(path)`, the trainer's ``--trace-comms``), every collective this rank
@@ -39,6 +39,11 @@ AXES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "other")
 # the schedule's waits for them are timed in its `_wait_batch_p2p` and counted on ``pp``.
 _C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
          "reduce_scatter_single", "reduce_scatter", "broadcast", "all_to_all_single", "barrier")
+
+# functional collectives (what DTensor calls): their launches are timed, their waits in wait_tensor
+_FUNCOL = ("broadcast", "all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
+           "reduce_scatter_tensor", "all_reduce_coalesced", "all_gather_single_coalesced",
+           "reduce_scatter_single_coalesced", "all_to_all_single", "all_gather_inplace")
 
 _lock = threading.Lock()
 _active: CommTimer | None = None
@@ -170,20 +175,55 @@ class CommTimer:
         return wait
 
     def _wrap_resolve(self, fn: Callable) -> Callable:
+        # every functional collective resolves its group first: torch 2.13's `_resolve_group`
+        # returns the ProcessGroup or its name (older torch: `_resolve_group_name`, the name)
         def resolve(group, tag: str = ""):
-            name = fn(group, tag)
-            self._last_funcol_axis = self.name_axis.get(name, "other")
-            if self._trace_fd is not None:
-                self._launch("functional", self._last_funcol_axis, None)
-            return name
+            got = fn(group, tag)
+            if isinstance(got, str):
+                self._last_funcol_axis = self.name_axis.get(got, "other")
+            else:
+                self._last_funcol_axis = self.group_axis.get(got) or self.name_axis.get(
+                    getattr(got, "group_name", ""), "other")
+            if self._trace_fd is not None:  # the launch, named by the wrapper it runs in, if any
+                op, tensor = getattr(self._inside, "funcol_op", None) or ("functional", None)
+                self._launch(op, self._last_funcol_axis, tensor)
+            return got
 
         return resolve
 
+    def _wrap_funcol(self, fn: Callable) -> Callable:
+        # the launch of a functional collective (enqueueing it, allocating its output) is time the
+        # training thread spends on communication too: torch's profiler counts it, so do we
+        @functools.wraps(fn)
+        def launch(*args, **kwargs):
+            inside = self._inside
+            if getattr(inside, "funcol", False):
+                return fn(*args, **kwargs)
+            inside.funcol = True
+            inside.funcol_op = (fn.__name__, args[0] if args else kwargs.get("self"))
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside.funcol = False
+                inside.funcol_op = None
+                dt = time.perf_counter() - t
+                self._add(self._last_funcol_axis, dt)
+                if self._trace_fd is not None:
+                    self._step_stats.setdefault(f"{fn.__name__}/{self._last_funcol_axis}", [0, 0, 0.0])[2] += dt
+
+        return launch
+
     def _wrap_wait_tensor(self, fn: Callable) -> Callable:
         def wait_tensor(tensor):
+            if getattr(self._inside, "funcol", False):  # a synchronous launch: timed by it
+                return fn(tensor)
             t = time.perf_counter()
             out = fn(tensor)
-            self._add(self._last_funcol_axis, time.perf_counter() - t)
+            dt = time.perf_counter() - t
+            self._add(self._last_funcol_axis, dt)
+            if self._trace_fd is not None:  # waits are not tied to one op: their own line per axis
+                self._step_stats.setdefault(f"wait_tensor/{self._last_funcol_axis}", [0, 0, 0.0])[2] += dt
             return out
 
         return wait_tensor
@@ -227,8 +267,13 @@ class CommTimer:
                 if getattr(dist, name, None) is fn:
                     self._patch(dist, name, wrapped)
             self._patch(c10d.Work, "wait", self._wrap_wait(c10d.Work.wait))
-            self._patch(funcol, "_resolve_group_name", self._wrap_resolve(funcol._resolve_group_name))
+            # one of the two, never both (`_resolve_group_name` calls `_resolve_group`)
+            resolver = "_resolve_group" if hasattr(funcol, "_resolve_group") else "_resolve_group_name"
+            self._patch(funcol, resolver, self._wrap_resolve(getattr(funcol, resolver)))
             self._patch(funcol, "wait_tensor", self._wrap_wait_tensor(funcol.wait_tensor))
+            for name in _FUNCOL:
+                if hasattr(funcol, name):
+                    self._patch(funcol, name, self._wrap_funcol(getattr(funcol, name)))
             try:  # the pipeline schedule waits for its sends/receives through this one function
                 from torch.distributed.pipelining import schedules
 

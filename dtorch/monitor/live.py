@@ -11,6 +11,10 @@ Settings (Trainer arguments, or the environment for launched jobs):
   monitor_token   DTORCH_MONITOR_TOKEN     required on every request when set
   trace_comms     DTORCH_TRACE_COMMS=1     record every collective per rank (<log_dir>/comms-rank<r>.jsonl,
                                            see dtorch.monitor.comms); slows steps, for debugging
+                  DTORCH_PROFILE_COMMS=1   profile the second metrics window with torch's profiler, an
+                                           independent measure of communication time to check the
+                                           metrics against (<log_dir>/comm-profile-rank<r>.json,
+                                           see dtorch.monitor.commprofile)
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ class RunMonitor:
         self.collector = RankCollector(rank=rank, world=world, device=device, every=cfg.metrics_every or 1,
                                        tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                                        peak_flops=peak_flops, comm=self.comm) if cfg.metrics_every else None
+        self.profile = None
+        if self.collector is not None and os.environ.get("DTORCH_PROFILE_COMMS") == "1" and trace_dir is not None:
+            from dtorch.monitor.commprofile import CommProfile
+
+            every = cfg.metrics_every
+            self.profile = CommProfile(rank=rank, first=every + 1, last=2 * every, out_dir=trace_dir)
         self.server = None
         self.state = None
         self._named: set[int] = set()
@@ -169,7 +179,11 @@ class RunMonitor:
         fwd, self._block_prev = self.block_s - self._block_prev, self.block_s
         self.collector.step(step_s=step_s, data_s=data_s, fb_s=fb_s, opt_s=opt_s, comm_fb=c_fb, comm_all=c_all,
                             fwd_blocks_s=fwd)
+        if self.profile is not None:
+            self.profile.stop_if_due(step)
         rows = self.collector.maybe_gather(step)
+        if self.profile is not None:
+            self.profile.start_if_due(step)
         if self.comm is not None and self.cfg.trace_comms:
             self.comm.end_step(self._module_counts())
             self.comm.begin_step(step + 1)
@@ -199,6 +213,8 @@ class RunMonitor:
         return rec
 
     def close(self) -> None:
+        if self.profile is not None:
+            self.profile.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -28,6 +28,7 @@ sizes upwards until per-GPU throughput has fallen below 90 % of the best for two
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass, field
 
@@ -35,9 +36,12 @@ from dtorch.cluster.load import preset_group
 from dtorch.cluster.spec import Cluster
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
-from dtorch.plan.cost import Estimate, base_efficiency, estimate
+from dtorch.plan.cost import DEFAULT_CONSTANTS, Estimate, base_efficiency, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.search import check, search
+
+# the module, not the function `dtorch.plan` re-exports under the same name
+_search_module = importlib.import_module("dtorch.plan.search")
 
 BATCH_BOUND_GAIN = 0.05
 """A size is batch-bound when twice the tokens per step would give more than this much more
@@ -119,6 +123,20 @@ class Recommendation:
                 for o in self.options
             ],
         }
+
+
+def step_time_floor(profile: ModelProfile, cluster: Cluster, *, global_batch: int, dtype: str | None = None) -> float | None:
+    """Seconds per step that no plan `search` can return for this cluster and batch beats: the
+    smallest of the search's own per-mesh lower bounds (ideal compute at the best GEMM efficiency,
+    unavoidable TP traffic, the least bubble, the data-parallel floor). Costs milliseconds, where the
+    search costs seconds; None when no mesh exists (the search would raise and say why)."""
+    fixed = _search_module.normalize_fixed({"param_dtype": dtype} if dtype else {})
+    group = cluster.slowest_group()
+    precs, _ = _search_module.precisions(group, fixed)
+    meshes = _search_module._meshes(profile, cluster, global_batch, fixed) if precs else []
+    if not meshes:
+        return None
+    return min(_search_module._bound(m, 0, profile, group, global_batch, precs, DEFAULT_CONSTANTS) for m in meshes)
 
 
 def _with_local_batch(plan: Plan, mbs: int, nmb: int) -> Plan:

@@ -20,6 +20,7 @@ import functools
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -453,12 +454,15 @@ def search(
     constants: CostConstants = DEFAULT_CONSTANTS,
     suggest: bool = True,
     executable_only: bool = True,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
     tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
     v, reshard, dtype); impossible ones raise ConfigError. Precision (param_dtype, reduce_dtype) is
     searched like the rest; `dtype`, when given, pins param_dtype. Returns the top `top_k`, the best
-    plan of each family, why other families were rejected, and when nothing fits, suggestions."""
+    plan of each family, why other families were rejected, and when nothing fits, suggestions.
+    `progress(meshes_done, meshes_total, plans_estimated)`, when given, is called once per mesh
+    (`dtorch.progress.search_progress` prints it)."""
     t0 = time.perf_counter()
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError("global_batch", global_batch, "must be a positive integer (sequences per step)")
@@ -553,7 +557,9 @@ def search(
         # still reach the top k (its best is then exact whenever it matters, an upper bound otherwise)
         return bound < kth() or fam not in best_family
 
-    for mesh in meshes:
+    for i, mesh in enumerate(meshes):
+        if progress is not None:
+            progress(i, len(meshes), evaluated)
         fam = mesh.family
         if not worth(mesh.bound, fam):
             pruned += 1

@@ -208,6 +208,30 @@ def test_diagnosis_names_the_rank_behind_in_the_flight_recorder(tmp_path):
     assert f["rank"] == 1 and "gloo:all_reduce #11" in line
 
 
+def test_hang_report_names_both_ranks_whose_collective_sequences_differ(tmp_path):
+    """Rank 2 issued all_gather as the 7th collective of group 0 where ranks 0 and 1 issued
+    all_reduce (dumps as the heartbeat thread writes them): the line names ranks 0 and 2."""
+    d = str(tmp_path)
+    now = time.time()
+    for r in range(3):
+        _beat(d, r, progress_t=now - 5)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for r in range(3):
+        op = "gloo:all_gather" if r == 2 else "gloo:all_reduce"
+        entries = [{"process_group": ["0", "default_pg"], "collective_seq_id": s, "profiling_name": "gloo:all_reduce",
+                    "input_sizes": [[8]], "is_p2p": False} for s in range(1, 7)]
+        entries.append({"process_group": ["0", "default_pg"], "collective_seq_id": 7, "profiling_name": op,
+                        "input_sizes": [[64]], "is_p2p": False})
+        (dump / f"rank{r}.flight-recorder.json").write_text(json.dumps({"entries": entries,
+                                                                         "max_seq_by_pg": {"0": 7}}))
+        (dump / f"rank{r}.py-stacks.txt").write_text("...")
+    line, f = heartbeat.diagnose(heartbeat.Hang({0: 5}, 0), heartbeat.read_beats(d, 0), {0: 1000},
+                                 {0: "S", 1: "S", 2: "S"}, str(dump))
+    assert f["divergence"]["kind"] == "mismatch" and (f["divergence"]["rank_a"], f["divergence"]["rank_b"]) == (0, 2)
+    assert "rank 0 issued all_reduce [[64]], rank 2 issued all_gather [[64]]" in line
+
+
 def test_trainer_hooks_time_load_report_commits_and_the_first_step(tmp_path, monkeypatch):
     from dtorch.elastic import worker
     from dtorch.train import hooks

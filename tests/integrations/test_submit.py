@@ -100,3 +100,34 @@ def test_preemption_flag_set_by_signal_single_process(monkeypatch):
     finally:
         p.close()
     assert signal.getsignal(signal.SIGUSR1) is before  # the previous handler is back
+
+
+def test_deadline_sizing_skips_only_sizes_whose_planner_bound_already_misses():
+    """The bound that spares the 32-node search (issue 15: < 2 s) is a true floor of what the
+    search finds there, and the chosen size is the one the full search of every size would choose."""
+    import dataclasses
+
+    from dtorch.cluster.load import preset_group
+    from dtorch.cluster.spec import Cluster
+    from dtorch.integrations.request import size_for_deadline
+    from dtorch.plan.profiles import get_profile
+    from dtorch.plan.recommend import step_time_floor
+    from dtorch.plan.search import search
+
+    group = preset_group("h100")
+    profile = get_profile("llama3-70b", 4096)
+    rec = size_for_deadline(profile, group, tokens=1e12, deadline_s=30 * 86400, global_batch=1024,
+                            max_nodes=2048, dtype="bfloat16")
+    skipped = [o for o in rec.options if o.estimate is None and "not searched" in o.note]
+    assert [o.nodes for o in skipped] == [32] and rec.chosen.nodes == 64
+    cl = Cluster([dataclasses.replace(group, num_nodes=32)])
+    best = search(profile, cl, global_batch=1024, top_k=1, dtype="bfloat16", suggest=False).best[1]
+    floor = step_time_floor(profile, cl, global_batch=1024, dtype="bfloat16")
+    assert floor <= best.step_time_s
+    small = get_profile("llama3-8b", 4096)
+    for nodes in (1, 2, 4):  # and on other sizes, no plan the search finds beats it
+        c = Cluster([dataclasses.replace(group, num_nodes=nodes)])
+        r = search(small, c, global_batch=256, top_k=1, dtype="bfloat16", suggest=False)
+        assert step_time_floor(small, c, global_batch=256, dtype="bfloat16") <= min(
+            e.step_time_s for _, e in r.best_by_family.values())
+    assert 1e12 / (1024 * 4096 / best.step_time_s) > 30 * 86400  # the full search agrees: 32 misses

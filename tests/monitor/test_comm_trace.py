@@ -30,6 +30,10 @@ def test_trace_comms_records_every_rank_and_names_a_departing_rank(tmp_path):
         assert [x["step"] for x in summaries] == [1, 2, 3]
         assert all(x["summary"] and x["calls"] > 0 for x in summaries)
         assert all(k.endswith("/tp") for x in summaries for k in x["summary"])
+        # DTensor's functional collectives are in the ordered sequence by name, with their time
+        last = summaries[-1]["summary"]
+        assert last["all_gather_single/tp"]["count"] > 0 and last["reduce_scatter_single/tp"]["bytes"] > 0
+        assert last["wait_tensor/tp"]["seconds"] > 0
         # DTensor's collectives per module, from CommDebugMode
         assert any(k.startswith("GPT.layers.0") for k in summaries[-1]["modules"])
     assert find_mismatch(run) is None

@@ -218,3 +218,53 @@ def test_oom_budget_is_below_the_failed_plan_and_the_lowest_holds(tmp_path):
     assert budget == min(r["budget_bytes"] for r in recs) and failed == [plan.describe()] * 2
     assert oom.memory_budget(tmp_path, world_size=4) == (None, [])
     assert "OUT OF MEMORY on rank 1 in forward_backward at step 3" in oom.message(recs[0])
+
+
+def test_functional_collectives_land_on_their_mesh_axis_launch_and_wait(tmp_path):
+    """DTensor's collectives (funcol) are timed on the axis of their group: torch 2.13 resolves the
+    group through `_resolve_group`, which used to leave every TP wait in ``other``."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtorch.monitor.comms import CommTimer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        t = CommTimer(mesh).install()
+        out = funcol.all_reduce(torch.ones(1000), "sum", (mesh, 0))
+        funcol.wait_tensor(out)
+        t.uninstall()
+        assert t.seconds["tp"] > 0 and t.seconds["other"] == 0
+        assert t.calls >= 2  # the launch and the wait(s)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_comm_profile_summary_takes_unions_on_the_training_thread():
+    from dtorch.monitor.commprofile import summarise
+
+    evs = [("aten::mm", 1, 0, 10), ("aten::add", 1, 10, 5), ("aten::mm", 7, 0, 1),
+           ("_c10d_functional::all_reduce", 1, 100, 50), ("c10d::allreduce_", 1, 110, 20),  # nested: once
+           ("_c10d_functional::wait_tensor", 1, 300, 100),
+           ("gloo:all_reduce", 7, 120, 200), ("gloo:all_gather", 8, 250, 100),  # overlapping flights
+           ("_c10d_functional::wait_tensor", 7, 0, 1000)]  # not the training thread: ignored
+    s = summarise(evs)
+    assert s["exposed_s"] == pytest.approx(150e-6) and s["wait_s"] == pytest.approx(100e-6)
+    assert s["flight_s"] == pytest.approx(230e-6)
+    assert s["ops"]["gloo:all_reduce"] == {"count": 1, "seconds": 0.0002}
+
+
+def test_console_line_shows_eta_and_the_slowest_rank(capsys):
+    from dtorch.monitor.metrics import MetricsLogger, StepMetrics
+
+    log = MetricsLogger(None, total_steps=30, console=True)  # a log file: a line every step of 30
+    # what RunMonitor sets from each per-rank window (world > 1)
+    rec = ranks_record([_row(compute=0.05), _row(compute=0.09)], step=10)
+    log.note = f"slowest r{rec['slowest_rank']} {rec['slowest_ratio']:.2f}x"
+    for s in (1, 2):
+        log.log(StepMetrics(step=s, loss=3.0, grad_norm=1.0, lr=1e-3, step_time_s=0.5, tokens_per_s=1e3, mfu=0.1,
+                            peak_memory_bytes=2**20, world_size=2, epoch=0))
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "step 2/30" in line and "ETA 14s" in line and line.endswith("slowest r1 1.80x")
