@@ -78,6 +78,8 @@ class Row:
     dtype: str = "bfloat16"
     compiled: bool = False
     async_tp: bool = False
+    selective: str = "attention_core"
+    """What the run's selective activation checkpointing recomputes (`dtorch.plan.cost.estimate`)."""
     memory_gib: float | None = None
     published: str = ""
     """The number as the source prints it, with its unit."""
@@ -135,7 +137,8 @@ def _load(folder: str) -> tuple[tuple[Source, ...], tuple[Row, ...], tuple[tuple
             raise ValueError(f"row {r['name']}: give tokens_per_s_per_gpu, seconds_per_iteration or tflops_per_gpu")
         out.append(Row(name=r["name"], source=src.id, model=r["model"], cluster=r["cluster"], plan=plan,
                        tokens_per_s_per_gpu=tps, dtype=r.get("dtype", "bfloat16"), compiled=r.get("compiled", False),
-                       async_tp=r.get("async_tp", False), memory_gib=r.get("memory_gib"), published=shown))
+                       async_tp=r.get("async_tp", False),
+                       selective=r.get("selective", "attention_core"), memory_gib=r.get("memory_gib"), published=shown))
     return tuple(sources), tuple(out), tuple(sorted(models.items()))
 
 
@@ -178,7 +181,7 @@ def predict(row: Row, constants: CostConstants = DEFAULT_CONSTANTS, models: dict
     plan = Plan(**row.plan)
     plan.validate(cluster.world_size)
     est = estimate(plan, models[row.model], cluster, row.dtype, compiled=row.compiled, async_tp=row.async_tp,
-                   constants=constants)
+                   selective=row.selective, constants=constants)
     return est.tokens_per_s_per_gpu, est
 
 

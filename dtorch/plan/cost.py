@@ -440,6 +440,21 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     )
 
 
+SELECTIVE_POLICIES = ("attention_core", "every_second_mm")
+"""What selective activation checkpointing recomputes (see `estimate`)."""
+
+
+def every_second_matmul_params(profile: ModelProfile) -> float:
+    """Weights per block of the matmuls an op-level policy that saves every matmul output except
+    every second one (torchtitan's 'op' selective AC, counting per block in call order) recomputes.
+    Llama calls q, k, v, o, w1, w3, w2: k, o and w3 are re-run. A GPT block calls qkv, proj, fc1,
+    fc2: proj and fc2."""
+    h, f = float(profile.hidden), float(profile.ffn_hidden)
+    if profile.family == "llama":
+        return h * h * profile.num_kv_heads / profile.num_heads + h * h + h * f
+    return h * h + f * h
+
+
 def _exposed(comm: float, compute: float, c: CostConstants) -> float:
     """Exposed seconds of `comm` overlapped with `compute`: what does not fit under the overlappable
     share of compute, and never less than the contention floor."""
@@ -477,6 +492,7 @@ def estimate(
     *,
     compiled: bool = False,
     async_tp: bool = False,
+    selective: str = "attention_core",
     constants: CostConstants = DEFAULT_CONSTANTS,
 ) -> Estimate:
     """Predict step time, throughput, MFU and per-rank memory of `plan` (see module doc).
@@ -484,7 +500,12 @@ def estimate(
     The compute dtype is the plan's `param_dtype`: that is what the executor runs. `dtype`,
     `compiled` and `async_tp` describe runs this executor does not make (float8 linear layers,
     torch.compile, async TP): the calibration uses them for published measurements; the search
-    never does. The plan's degrees must multiply to the cluster's world size."""
+    never does. `selective` says what `ac='selective'` recomputes: 'attention_core' (the attention
+    scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm' (torchtitan's op-level
+    policy, see `every_second_matmul_params`). The plan's degrees must multiply to the cluster's
+    world size."""
+    if selective not in SELECTIVE_POLICIES:
+        raise ConfigError("selective", selective, f"one of {{{', '.join(SELECTIVE_POLICIES)}}}")
     if plan.world_size != cluster.world_size:
         raise ConfigError(
             "degrees", plan.mesh_shape,
@@ -556,6 +577,11 @@ def estimate(
         if plan.ac == "full":
             rec_flops = tokens_mb * blocks * fb / 3.0 / (tp * cp)
             r.recompute = r.compute * (rec_flops / flops_mb) if flops_mb else 0.0
+        elif plan.ac == "selective" and selective == "every_second_mm":
+            # torchtitan's op-level policy: every second matmul of a block re-run, and the block's
+            # element-wise forward (a third of its forward + backward element-wise work)
+            rec_mm = 2.0 * tokens_mb * blocks * every_second_matmul_params(profile) / (tp * cp)
+            r.recompute = rec_mm / linear + tokens_mb * blocks * a_none / (tp * cp) * elem_s_per_byte / 3.0
         elif plan.ac == "selective":
             r.recompute = tokens_mb * blocks * attn_fwd / (tp * cp) / speed
         # host overhead of eager execution: operators x seconds per operator (0 when unmeasured). A
