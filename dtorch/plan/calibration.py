@@ -159,10 +159,9 @@ def _models() -> dict[str, ModelProfile]:
     return {n: _profile(n, spec) for n, spec in _load(str(PUBLISHED_DIR))[2]}
 
 
-CALIBRATION_BASE = replace(DEFAULT_CONSTANTS, float8_linear_speedup=2.0)
-"""The shipped constants, with float8 GEMMs of published float8 runs at the spec sheets' fp8 / bf16
-peak ratio (2.0 on H100 and B200) instead of one implementation's measured speed-up: the device
-efficiency then covers both dtypes alike."""
+CALIBRATION_BASE = DEFAULT_CONSTANTS
+"""The shipped constants (float8 GEMMs of published float8 runs at the device's fp8 / bf16 peak
+ratio, `CostConstants.float8_linear_speedup`)."""
 
 
 @lru_cache(maxsize=256)

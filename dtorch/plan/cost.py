@@ -89,8 +89,9 @@ class CostConstants:
     over the block's saved activations (AC 'none' bytes) and the head's, at HBM bandwidth."""
     compile_elementwise_factor: float = 0.5
     """torch.compile fuses element-wise kernels: share of the memory-bound passes left."""
-    float8_linear_speedup: float = 1.45
-    """Speed-up of linear-layer GEMMs in float8 over bf16 (torchtitan 8B: 8,532 vs 6,667 TPS overall)."""
+    float8_linear_speedup: float = 0.0
+    """Speed-up of linear-layer GEMMs in float8 over bf16; 0 = the device's float8 / bf16 peak ratio
+    (2.0 on H100 and B200 spec sheets), the device efficiency covering both dtypes alike."""
     optimizer_bytes_per_param: float = 28.0
     """Adam step memory traffic: read p, g, m, v (16 B) and write p, m, v (12 B), fp32."""
     host_link_bandwidth: float = 25e9
@@ -455,6 +456,24 @@ def every_second_matmul_params(profile: ModelProfile) -> float:
     return h * h + f * h
 
 
+def float8_cast_bytes_per_token_block(profile: ModelProfile, compiled: bool) -> float:
+    """HBM bytes per token per block that dynamic tensor-wise float8 scaling adds (torchao's
+    Float8Linear as torchtitan ran it in 2024; Transformer Engine's current scaling does the same
+    passes). Every GEMM operand that is not a weight is cast: each distinct linear input in the
+    forward, each linear output's gradient in the backward. Per element: the 16-bit tensor read for
+    its amax, read again for the cast (2 + 2 bytes), the float8 copy written (1) and its transpose
+    for the weight-gradient GEMM written from it (1 + 1). torch.compile fuses the amax into the
+    kernel that produced the tensor (-2). Weights are cast once per micro-batch on their shard
+    (negligible per token)."""
+    h, f = float(profile.hidden), float(profile.ffn_hidden)
+    kv = h * profile.num_kv_heads / profile.num_heads
+    if profile.family == "llama":  # inputs: x (q, k, v), attention out, x (w1, w3), w2's; grads of q k v o w1 w3 w2
+        elements = (3 * h + f) + (3 * h + 2 * kv + 2 * f)
+    else:  # qkv, proj, fc1, fc2
+        elements = (3 * h + f) + (5 * h + f)
+    return elements * (5.0 if compiled else 7.0)
+
+
 def _exposed(comm: float, compute: float, c: CostConstants) -> float:
     """Exposed seconds of `comm` overlapped with `compute`: what does not fit under the overlappable
     share of compute, and never less than the contention floor."""
@@ -527,6 +546,8 @@ def estimate(
         raise ConfigError("param_dtype", compute_dtype,
                           f"{dev.name} has no {compute_dtype} arithmetic; use one of "
                           f"{{{', '.join(sorted(dev.peak_flops))}}}") from None
+    if dtype == "float8" and not dev.supports("float8"):
+        raise ConfigError("dtype", dtype, f"{dev.name} has no float8 tensor cores; use bfloat16")
     s = profile.seq_len
     h = profile.hidden
     tp, cp, pp, v = plan.tp, plan.cp, plan.pp, plan.virtual_stages
@@ -569,8 +590,17 @@ def estimate(
         blocks = load.blocks
         flops_mb = tokens_mb * (blocks * fb + (fh if load.head else 0.0)) / (tp * cp)
         attn_part = tokens_mb * blocks * 3 * attn_fwd / (tp * cp)  # the attention core, at its own speed
-        linear = speed * (c.float8_linear_speedup if dtype == "float8" else 1.0)
-        r.compute = (flops_mb - attn_part) / linear + attn_part / speed
+        linear = speed * ((c.float8_linear_speedup or dev.peak("float8") / peak) if dtype == "float8" else 1.0)
+        if dtype == "float8":
+            # float8 covers the blocks' linear layers; the output head stays in bf16 (torchao's and
+            # Transformer Engine's recipes leave the output projection out); each linear's operands
+            # are cast with a tensor-wide scale: element-wise traffic at HBM bandwidth
+            head_mb = tokens_mb * fh / (tp * cp) if load.head else 0.0
+            r.compute = (flops_mb - attn_part - head_mb) / linear + (attn_part + head_mb) / speed
+            cast_bytes = float8_cast_bytes_per_token_block(profile, compiled)
+            r.compute += tokens_mb * blocks * cast_bytes / (tp * cp) / dev.memory_bandwidth
+        else:
+            r.compute = (flops_mb - attn_part) / linear + attn_part / speed
         # memory-bound element-wise work, forward + backward (and forward again under full AC)
         elem_bytes = tokens_mb * (blocks * a_none + (profile.act_bytes_per_token_head if load.head else 0.0)) / (tp * cp)
         r.compute += elem_bytes * elem_s_per_byte
