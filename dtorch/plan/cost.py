@@ -135,7 +135,7 @@ class CostConstants:
 
 # Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
 # fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
-# H100 SXM 0.7148, H100 96GB/500 W 0.4876), so that `dtorch probe` measurements replace them.
+# H100 SXM 0.7148, H100 96GB/500 W 0.542 over its power-capped peak), so that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=64.0,
     gemm_rows_half=256.0,
