@@ -7,8 +7,8 @@ configuration (model, cluster, Plan, dtype, compile / async-TP where the run use
 
 What is fitted, and how it is judged:
 
-- the base matmul efficiency of each device (per generation and power level: A100 80GB, H100 SXM
-  at 700 W, H100 96GB at 500 W, B200, ...), and four global constants of the cost model (GEMM-width
+- the base matmul efficiency of each device (A100 80GB, H100 SXM at 700 W, H100 96GB at 500 W
+  over its power-capped peak, H200, B200, ...), and four global constants of the cost model (GEMM-width
   half point, element-wise passes, exposed TP share, exposed data-parallel floor), minimising the mean
   squared log error with every source weighted alike;
 - leave-one-source-out (`loso`): for each source, fit on all the others and report the error on
