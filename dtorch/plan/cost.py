@@ -109,7 +109,12 @@ class CostConstants:
     """Autograd dispatches about two operators per forward operator (measured on the reference
     models in torch 2.13: Llama 1.7, GPT 2.4)."""
     selective_recompute_ops: float = 0.15
-    """Share of a block's forward operators selective AC re-runs (the attention core)."""
+    """Share of a block's forward operators the published runs' selective AC re-runs (the attention
+    core; 'attention_core' and 'every_second_mm' policies)."""
+    checkpoint_detach_ops_per_forward_op: float = 0.85
+    """torch's non-reentrant checkpoint detaches every tensor the recomputed forward saves or returns
+    from its cache: operators per forward operator of the block, beside the recomputed ones (counted
+    in torch 2.13 on the reference blocks: Llama 63 per 93, GPT 45 per 38)."""
     default_ops_per_block: int = 93
     """Forward operators per block when the profile does not say (the reference Llama's count)."""
     default_ops_head: int = 20
@@ -400,27 +405,26 @@ class StepCounts:
 
 
 def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
-                c: CostConstants = DEFAULT_CONSTANTS, load: RankLoad | None = None) -> StepCounts:
+                c: CostConstants = DEFAULT_CONSTANTS, load: RankLoad | None = None,
+                selective: str = "matmuls_saved") -> StepCounts:
     """Operators and latency-bound collectives one step of `plan` dispatches on pipeline rank `load`
     (default: the rank that dispatches the most).
 
     Operators: the profile's forward count per block and outside the blocks, backward
-    `backward_ops_per_forward_op` per forward op, full AC re-runs the block forward (selective a
-    share); the optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
+    `backward_ops_per_forward_op` per forward op, AC's recompute per `recompute_ops_per_block`; the optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
     DTensor operator; under FSDP the optimizer's are. The first and the last stage each hold half of
     the operators outside the blocks. Under autocast every matmul casts its input and weight
     (`autocast_ops_per_weight` per weight tensor per micro-batch)."""
     if load is None:
         loads = rank_loads(plan, profile.num_layers)
-        counts = [step_counts(plan, profile, device_kind, c, ld) for ld in loads]
+        counts = [step_counts(plan, profile, device_kind, c, ld, selective) for ld in loads]
         return max(counts, key=lambda n: n.ops_per_microbatch + n.optimizer_ops)
     blocks = load.blocks
     head_share = 0.5 * load.embedding + 0.5 * load.head
     ob = profile.ops_per_block or c.default_ops_per_block
     oh = profile.ops_head or c.default_ops_head
     per_op = 1.0 + c.backward_ops_per_forward_op
-    rec = 1.0 if plan.ac == "full" else (c.selective_recompute_ops if plan.ac == "selective" else 0.0)
-    ops_mb = blocks * ob * (per_op + rec) + head_share * oh * per_op
+    ops_mb = blocks * (ob * per_op + recompute_ops_per_block(profile, plan.ac, selective, c)) + head_share * oh * per_op
     tpb = profile.tensors_per_block or 9
     if autocast_applies(plan):
         ops_mb += (blocks * max(1, tpb - 2) + head_share) * c.autocast_ops_per_weight
@@ -429,7 +433,7 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     tp_mb = tp_step = 0.0
     if plan.tp > 1:
         f, b, r = c.tp_small_collectives_per_block
-        tp_mb = blocks * (f + b + (r if plan.ac == "full" else 0.0)) + head_share * c.tp_collectives_head
+        tp_mb = blocks * (f + b + (r if recompute_reruns_collectives(plan.ac, selective) else 0.0)) + head_share * c.tp_collectives_head
         tp_step = blocks * c.tp_collectives_per_step[0] + c.tp_collectives_per_step[1]
     return StepCounts(
         ops_per_microbatch=ops_mb,
@@ -441,8 +445,73 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     )
 
 
-SELECTIVE_POLICIES = ("attention_core", "every_second_mm")
-"""What selective activation checkpointing recomputes (see `estimate`)."""
+SELECTIVE_POLICIES = ("matmuls_saved", "attention_core", "every_second_mm")
+"""What selective activation checkpointing recomputes (see `estimate`). 'matmuls_saved' is DTorch's
+own (`dtorch.parallel.ac`): the outputs of matmuls and of the attention kernel are kept, every other
+op of the block is re-run in backward. The other two describe published runs (calibration rows)."""
+
+_LINEAR_ROLES = ("colwise", "rowwise")
+
+
+def _saved_ops_per_block(profile: ModelProfile) -> int:
+    """Operators per block whose outputs DTorch's selective checkpointing keeps (not re-run): one per
+    linear layer (the profile's colwise/rowwise roles; Llama 7, GPT 6) and the attention kernel."""
+    linears = sum(1 for role in profile.tp_roles.values() if role in _LINEAR_ROLES)
+    if not linears:
+        linears = {"llama": 7, "gpt": 6}.get(profile.family, 0)
+    return linears + 1 if linears else 0
+
+
+def recompute_ops_per_block(profile: ModelProfile, ac: str, selective: str = "matmuls_saved",
+                            c: CostConstants = DEFAULT_CONSTANTS) -> float:
+    """Operators one block's activation checkpointing dispatches in backward beside the backward's
+    own: the re-run forward operators, plus torch's checkpoint detaching what the recompute saves
+    (`checkpoint_detach_ops_per_forward_op`). Full AC re-runs the whole forward; DTorch's selective
+    policy all but the matmuls and the attention kernel (their outputs come from its cache); the
+    published policies re-run a share (`selective_recompute_ops`)."""
+    ob = profile.ops_per_block or c.default_ops_per_block
+    detach = ob * c.checkpoint_detach_ops_per_forward_op
+    if ac == "full":
+        return ob + detach
+    if ac != "selective":
+        return 0.0
+    if selective == "matmuls_saved":
+        return max(0.0, ob - _saved_ops_per_block(profile)) + detach
+    return ob * c.selective_recompute_ops
+
+
+def recompute_reruns_collectives(ac: str, selective: str = "matmuls_saved") -> bool:
+    """Whether a block's recompute issues its tensor- and context-parallel collectives again: under
+    full AC and DTorch's selective policy they are not among the saved ops, and the norm and the
+    matmul inputs they produce are needed by the backward."""
+    return ac == "full" or (ac == "selective" and selective == "matmuls_saved")
+
+
+def matmuls_saved_act_bytes(profile: ModelProfile) -> float:
+    """Activation bytes per token per block (16-bit) that DTorch's selective checkpointing keeps:
+    the block input, the output of every linear layer and of the attention kernel (its output and a
+    float32 log-sum-exp per head); norms, RoPE, activations and residual adds are recomputed.
+    Llama: x h, q/k/v q + 2 kv, attention out q, o h, w1/w3 2 f, w2 h (q = h for every preset, kv =
+    h kv_heads / heads). GPT: x h, q/k/v 3 h, attention out h, o h, w1 f, w2 h. Other modules: the
+    profiler's measurement with the same op list (`act_bytes_per_token_block['selective']`)."""
+    h, f, a = float(profile.hidden), float(profile.ffn_hidden), float(profile.num_heads)
+    kv = h * profile.num_kv_heads / profile.num_heads
+    lse = 4.0 * a
+    if profile.family == "llama":
+        return 2.0 * (3 * h + 2 * h + 2 * kv + 2 * f) + lse
+    if profile.family == "gpt":
+        return 2.0 * (7 * h + f) + lse
+    per_tok = profile.act_bytes_per_token_block
+    return per_tok.get("selective", per_tok.get("none", 34.0 * h))
+
+
+def act_bytes_per_token_block(profile: ModelProfile, ac: str, selective: str = "matmuls_saved") -> float:
+    """Activation bytes per token per block (16-bit) a block keeps for backward under `ac`."""
+    per_tok = profile.act_bytes_per_token_block
+    a_none = per_tok.get("none", 34.0 * profile.hidden)
+    if ac == "selective" and selective == "matmuls_saved":
+        return matmuls_saved_act_bytes(profile)
+    return per_tok.get(ac, a_none)
 
 
 def every_second_matmul_params(profile: ModelProfile) -> float:
@@ -511,7 +580,7 @@ def estimate(
     *,
     compiled: bool = False,
     async_tp: bool = False,
-    selective: str = "attention_core",
+    selective: str = "matmuls_saved",
     constants: CostConstants = DEFAULT_CONSTANTS,
 ) -> Estimate:
     """Predict step time, throughput, MFU and per-rank memory of `plan` (see module doc).
@@ -519,9 +588,10 @@ def estimate(
     The compute dtype is the plan's `param_dtype`: that is what the executor runs. `dtype`,
     `compiled` and `async_tp` describe runs this executor does not make (float8 linear layers,
     torch.compile, async TP): the calibration uses them for published measurements; the search
-    never does. `selective` says what `ac='selective'` recomputes: 'attention_core' (the attention
-    scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm' (torchtitan's op-level
-    policy, see `every_second_matmul_params`). The plan's degrees must multiply to the cluster's
+    never does. `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
+    policy, the default: the element-wise forward, see `matmuls_saved_act_bytes`), 'attention_core'
+    (the attention scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm'
+    (torchtitan's op-level policy, see `every_second_matmul_params`). The plan's degrees must multiply to the cluster's
     world size."""
     if selective not in SELECTIVE_POLICIES:
         raise ConfigError("selective", selective, f"one of {{{', '.join(SELECTIVE_POLICIES)}}}")
@@ -604,33 +674,39 @@ def estimate(
         # memory-bound element-wise work, forward + backward (and forward again under full AC)
         elem_bytes = tokens_mb * (blocks * a_none + (profile.act_bytes_per_token_head if load.head else 0.0)) / (tp * cp)
         r.compute += elem_bytes * elem_s_per_byte
+        # the blocks' element-wise forward: a third of their forward + backward element-wise work
+        elem_fwd = tokens_mb * blocks * a_none / (tp * cp) * elem_s_per_byte / 3.0
         if plan.ac == "full":
             rec_flops = tokens_mb * blocks * fb / 3.0 / (tp * cp)
             r.recompute = r.compute * (rec_flops / flops_mb) if flops_mb else 0.0
+        elif plan.ac == "selective" and selective == "matmuls_saved":
+            # DTorch's policy (dtorch/parallel/ac.py): matmul and attention outputs come from the
+            # cache, every element-wise op of the block is re-run
+            r.recompute = elem_fwd
         elif plan.ac == "selective" and selective == "every_second_mm":
             # torchtitan's op-level policy: every second matmul of a block re-run, and the block's
-            # element-wise forward (a third of its forward + backward element-wise work)
+            # element-wise forward
             rec_mm = 2.0 * tokens_mb * blocks * every_second_matmul_params(profile) / (tp * cp)
-            r.recompute = rec_mm / linear + tokens_mb * blocks * a_none / (tp * cp) * elem_s_per_byte / 3.0
+            r.recompute = rec_mm / linear + elem_fwd
         elif plan.ac == "selective":
             r.recompute = tokens_mb * blocks * attn_fwd / (tp * cp) / speed
         # host overhead of eager execution: operators x seconds per operator (0 when unmeasured). A
         # GPU's host runs ahead of its kernels, so it shows only where it exceeds them; a CPU's does not.
-        counts = step_counts(plan, profile, dev.kind, c, load)
+        counts = step_counts(plan, profile, dev.kind, c, load, selective)
         host_mb = (counts.ops_per_microbatch * dev.op_overhead_s
                    + counts.dtensor_ops_per_microbatch * dev.dtensor_op_overhead_s)
         host_opt = counts.optimizer_ops * dev.op_overhead_s + counts.dtensor_optimizer_ops * dev.dtensor_op_overhead_s
         r.host = host_mb if cpu else max(0.0, host_mb - (r.compute + r.recompute))
         # TP / CP per micro-batch
         if tp > 1:
-            n_ops = 8 + (4 if plan.ac == "full" else 0)
+            n_ops = 8 + (4 if recompute_reruns_collectives(plan.ac, selective) else 0)
             r.tp = blocks * n_ops * tp_act + counts.tp_small_per_microbatch * tp_small  # norm weights, RoPE, loss
             r.tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
             r.tp_step = counts.tp_small_per_step * tp_small * c.tp_exposed
         if cp > 1:
             # K and V all-gathered forward, again in backward with a reduce-scatter of their gradients;
             # the executor issues them before attention, so nothing hides them (dtorch/parallel/cp.py)
-            n_ops = 3 + (1 if plan.ac == "full" else 0)
+            n_ops = 3 + (1 if recompute_reruns_collectives(plan.ac, selective) else 0)
             r.cp = blocks * n_ops * cp_kv
         # data parallel
         p_stage = _rank_params(load, profile, tp)
@@ -668,7 +744,7 @@ def estimate(
                 r.offload += m * p_local * red_b / c.host_link_bandwidth
         r.optimizer += host_opt if cpu else max(0.0, host_opt - r.optimizer)
         # memory of this rank
-        a_pol = per_tok.get(plan.ac, a_none) * act_scale
+        a_pol = act_bytes_per_token_block(profile, plan.ac, selective) * act_scale
         if tp > 1 and not plan.sp:
             shard_act = 10.0 / 34.0 + (24.0 / 34.0) / tp  # Korthikanti Table 2, "TP only"
             shard_full = 1.0

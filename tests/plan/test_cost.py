@@ -262,7 +262,11 @@ def test_operator_counts_follow_microbatches_recompute_and_stages():
     none = step_counts(Plan(), prof, "cpu")
     full = step_counts(Plan(ac="full"), prof, "cpu")
     ob = prof.ops_per_block or DEFAULT_CONSTANTS.default_ops_per_block
-    assert full.ops_per_microbatch - none.ops_per_microbatch == pytest.approx(4 * ob)
+    detach = ob * DEFAULT_CONSTANTS.checkpoint_detach_ops_per_forward_op
+    assert full.ops_per_microbatch - none.ops_per_microbatch == pytest.approx(4 * (ob + detach))
+    # DTorch's selective policy re-runs all but the 7 linear layers and the attention kernel
+    sel = step_counts(Plan(ac="selective"), prof, "cpu")
+    assert sel.ops_per_microbatch - none.ops_per_microbatch == pytest.approx(4 * (ob - 8 + detach))
     half = step_counts(Plan(pp=2, num_microbatches=2), prof, "cpu")
     assert half.ops_per_microbatch < 0.6 * none.ops_per_microbatch
     assert half.optimizer_ops < 0.6 * none.optimizer_ops
