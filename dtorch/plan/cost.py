@@ -9,8 +9,12 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
   72 B s l h^2 (1 + s/6h + V/12lh) count). We keep that convention for MFU everywhere: causal
   halving is left to the calibrated efficiency.
 - Recompute: full AC repeats each block's forward, 1/3 of its training FLOPs (Korthikanti et al.
-  2022, 96 B s l h^2 (...) = 4/3 of 72 ...); selective AC repeats the attention core only, 4 h s per
-  token per block (QK^T and AV, full s^2; Korthikanti et al. 2022 section 5).
+  2022, 96 B s l h^2 (...) = 4/3 of 72 ...). Selective AC as DTorch runs it ('matmuls_saved',
+  `dtorch/parallel/ac.py`) keeps the outputs of the linear layers and of the attention kernel and
+  repeats the block's element-wise forward (`matmuls_saved_act_bytes`, `recompute_ops_per_block`).
+  Published runs' policies: Megatron's repeats the attention core only, 4 h s per token per block
+  (QK^T and AV, full s^2; Korthikanti et al. 2022 section 5); torchtitan's op-level one every
+  second matmul and the element-wise forward (`every_second_matmul_params`).
 - Compute time = FLOPs / (peak x efficiency); efficiency = device base efficiency x a GEMM-shape
   factor x/(x + x0) for the per-rank GEMM width (hidden / tp) and height (tokens per micro-batch /
   cp): smaller per-GPU GEMMs under TP/CP run further from peak. x0's are calibrated
@@ -24,7 +28,8 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
 - Mesh layout: axes pp, dp_replicate, dp_shard, cp, tp with tp innermost (stride 1), ranks of a node
   contiguous; an axis of size n and stride st has min(n, G/st) ranks per node.
 - TP with SP (Korthikanti et al. 2022): per block per micro-batch 4 all-gathers/reduce-scatters of
-  the activation (tokens x hidden x 2 bytes) forward and 4 backward, 4 more when full AC recomputes;
+  the activation (tokens x hidden x 2 bytes) forward and 4 backward, 4 more when the recompute
+  repeats them (full AC, DTorch's selective AC: `recompute_reruns_collectives`);
   exposed unless async TP (fraction `async_tp_exposed`).
 - CP (Llama 3's all-gather form, `dtorch/parallel/cp.py`): K and V all-gathered forward, again
   backward plus a reduce-scatter of their gradients; issued before attention, so exposed.
@@ -411,7 +416,8 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     (default: the rank that dispatches the most).
 
     Operators: the profile's forward count per block and outside the blocks, backward
-    `backward_ops_per_forward_op` per forward op, AC's recompute per `recompute_ops_per_block`; the optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
+    `backward_ops_per_forward_op` per forward op, AC's recompute per `recompute_ops_per_block`; the
+    optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
     DTensor operator; under FSDP the optimizer's are. The first and the last stage each hold half of
     the operators outside the blocks. Under autocast every matmul casts its input and weight
     (`autocast_ops_per_weight` per weight tensor per micro-batch)."""
@@ -424,7 +430,8 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     ob = profile.ops_per_block or c.default_ops_per_block
     oh = profile.ops_head or c.default_ops_head
     per_op = 1.0 + c.backward_ops_per_forward_op
-    ops_mb = blocks * (ob * per_op + recompute_ops_per_block(profile, plan.ac, selective, c)) + head_share * oh * per_op
+    rec = recompute_ops_per_block(profile, plan.ac, selective, c)
+    ops_mb = blocks * (ob * per_op + rec) + head_share * oh * per_op
     tpb = profile.tensors_per_block or 9
     if autocast_applies(plan):
         ops_mb += (blocks * max(1, tpb - 2) + head_share) * c.autocast_ops_per_weight
@@ -433,7 +440,8 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     tp_mb = tp_step = 0.0
     if plan.tp > 1:
         f, b, r = c.tp_small_collectives_per_block
-        tp_mb = blocks * (f + b + (r if recompute_reruns_collectives(plan.ac, selective) else 0.0)) + head_share * c.tp_collectives_head
+        r = r if recompute_reruns_collectives(plan.ac, selective) else 0.0
+        tp_mb = blocks * (f + b + r) + head_share * c.tp_collectives_head
         tp_step = blocks * c.tp_collectives_per_step[0] + c.tp_collectives_per_step[1]
     return StepCounts(
         ops_per_microbatch=ops_mb,
@@ -591,8 +599,8 @@ def estimate(
     never does. `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
     policy, the default: the element-wise forward, see `matmuls_saved_act_bytes`), 'attention_core'
     (the attention scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm'
-    (torchtitan's op-level policy, see `every_second_matmul_params`). The plan's degrees must multiply to the cluster's
-    world size."""
+    (torchtitan's op-level policy, see `every_second_matmul_params`). The plan's degrees must
+    multiply to the cluster's world size."""
     if selective not in SELECTIVE_POLICIES:
         raise ConfigError("selective", selective, f"one of {{{', '.join(SELECTIVE_POLICIES)}}}")
     if plan.world_size != cluster.world_size:

@@ -73,7 +73,8 @@ def _run_block(spec: str, ac: str) -> tuple[float, int]:
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    return {(fam, ac): _run_block(spec, ac) for fam, spec in MODELS.items() for ac in ("none", "selective", "full")}
+    return {(fam, ac): _run_block(spec, ac)
+            for fam, spec in MODELS.items() for ac in ("none", "selective", "full")}
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -111,7 +112,8 @@ def test_full_and_no_checkpointing_keep_the_bytes_the_estimate_prices(family, me
 def test_recompute_dispatches_the_operators_the_estimate_counts(family, ac, measured):
     """The backward's extra operators under AC: the re-run forward ops (all but the linear layers and
     the attention kernel under selective) and the checkpoint's detaches. The detaches are one
-    constant per forward op across models (measured Llama 0.68, GPT 1.18; 0.85): within 20 % (+14 %, -14 %)."""
+    constant per forward op across models (measured Llama 0.68, GPT 1.18; priced 0.85): within
+    20 % (Llama +14 %, GPT -14 %)."""
     prof = profile(MODELS[family], S)
     extra = measured[(family, ac)][1] - measured[(family, "none")][1]
     predicted = recompute_ops_per_block(prof, ac)
