@@ -5,8 +5,11 @@ Numbers (dense, no sparsity) and their sources:
   both ways, HDR InfiniBand 200 Gb/s per NIC (NVIDIA A100 datasheet; DGX A100 user guide).
 - H100 SXM 80GB: 989 TFLOP/s bf16, 1979 fp8, 67 fp32 (494 tf32), 3.35 TB/s HBM3, NVLink4 900 GB/s per GPU
   both ways, NDR InfiniBand 400 Gb/s per NIC (NVIDIA H100 datasheet; DGX H100).
-- H100 96GB (Meta Grand Teton as in torchtitan's Dec 2024 benchmark): SXM peak numbers, 96 GB HBM2e,
-  2.4 TB/s, 500 W cap, 400 Gb/s RDMA per GPU (torchtitan benchmarks/llama3_h100_202412_torchtitan.md).
+- H100 96GB (Meta Grand Teton as in torchtitan's Dec 2024 benchmark): the SXM part (132 SMs) with 96 GB
+  HBM2e at 2.4 TB/s, run at its default 500 W power limit, 400 Gb/s RDMA per GPU (torchtitan
+  benchmarks/llama3_h100_202412_torchtitan.md, whose footnote says its peak lies "between SXM and NVL"
+  and is not published). Its peaks are the SXM sheet's at the clock a 500 W cap sustains
+  (`power_capped`): 884 TFLOP/s bf16.
 - H200 141GB: 989 bf16, 1979 fp8, 4.8 TB/s HBM3e, NVLink4, NDR (NVIDIA H200 datasheet).
 - B200: 2.25 PFLOP/s bf16, 4.5 fp8, 180 GB usable per GPU in DGX B200 (1,440 GB / 8), 8 TB/s HBM3e,
   NVLink5 1.8 TB/s per GPU both ways, 400 Gb/s ConnectX-7 per GPU (DGX B200 datasheet).
@@ -25,6 +28,24 @@ from dtorch.cluster.spec import DeviceType, Link
 GB = 10**9
 GiB = 2**30
 
+
+def power_capped(peak_flops: dict[str, float], rated_w: float, limit_w: float) -> dict[str, float]:
+    """Dense peaks of a device whose sheet peaks hold at `rated_w`, run under a `limit_w` power cap.
+
+    Dense GEMMs keep a GPU at its power limit, so the limit sets the sustained clock, and the
+    peak scales with the clock. CMOS dynamic power is P = a C V^2 f, and across the DVFS range the
+    supply voltage rises about linearly with the clock (V ~ f), so P ~ f^3 and the sustained clock
+    under a cap scales as (limit / rated)^(1/3) (Hennessy & Patterson, "Computer Architecture",
+    ch. 1, power and energy in integrated circuits). Check on one die at two power levels: the
+    H100 NVL sheet (132 SMs like the SXM, 400 W) gives 835 TFLOP/s bf16 dense; the rule gives
+    989 x (400/700)^(1/3) = 821 from the SXM's 989 at 700 W (-1.7 %). Memory bandwidth is the HBM's
+    and does not scale. A limit at or above `rated_w` changes nothing."""
+    scale = min(1.0, limit_w / rated_w) ** (1.0 / 3.0)
+    return {d: v * scale for d, v in peak_flops.items()}
+
+
+_H100_SXM_PEAKS = {"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12, "tf32": 494e12}
+
 DEVICES: dict[str, DeviceType] = {
     "a100-80gb": DeviceType(
         name="A100-SXM-80GB",
@@ -35,17 +56,17 @@ DEVICES: dict[str, DeviceType] = {
     ),
     "h100-sxm": DeviceType(
         name="H100-SXM-80GB",
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12, "tf32": 494e12},
+        peak_flops=dict(_H100_SXM_PEAKS),  # at its 700 W TDP
         memory_bytes=80 * GiB,
         memory_bandwidth=3.35e12,
         matmul_efficiency=0.7148,  # fitted on llm-foundry (dtorch.plan.calibration)
     ),
     "h100-96gb": DeviceType(
         name="H100-96GB-500W",
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12, "tf32": 494e12},
+        peak_flops=power_capped(_H100_SXM_PEAKS, rated_w=700.0, limit_w=500.0),
         memory_bytes=96 * GB,
         memory_bandwidth=2.4e12,
-        matmul_efficiency=0.4876,  # fitted on torchtitan's 500 W runs (dtorch.plan.calibration)
+        matmul_efficiency=0.542,  # fitted on torchtitan's 500 W runs over the capped peak (dtorch.plan.calibration)
     ),
     "h200": DeviceType(
         name="H200-141GB",

@@ -16,22 +16,19 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from dtorch.model.profiler import SELECTIVE_SAVE_OPS
 from dtorch.parallel.structure import block_items, find_blocks
 
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.linear.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+_SAVE_OPS = frozenset(SELECTIVE_SAVE_OPS)
+"""The ops whose outputs selective checkpointing keeps: matrix multiplications and every fused
+attention kernel torch has, the CPU one (`_scaled_dot_product_flash_attention_for_cpu`, what SDPA
+runs on CPU without dropout) included, so that CPU and GPU runs keep the same tensors. The same list
+the model profiler counts (`dtorch.model.profiler.SELECTIVE_SAVE_OPS`) and the cost model prices
+(`dtorch.plan.cost.matmuls_saved_act_bytes`)."""
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

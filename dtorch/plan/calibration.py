@@ -7,8 +7,8 @@ configuration (model, cluster, Plan, dtype, compile / async-TP where the run use
 
 What is fitted, and how it is judged:
 
-- the base matmul efficiency of each device (per generation and power level: A100 80GB, H100 SXM
-  at 700 W, H100 96GB at 500 W, B200, ...), and four global constants of the cost model (GEMM-width
+- the base matmul efficiency of each device (A100 80GB, H100 SXM at 700 W, H100 96GB at 500 W
+  over its power-capped peak, H200, B200, ...), and four global constants of the cost model (GEMM-width
   half point, element-wise passes, exposed TP share, exposed data-parallel floor), minimising the mean
   squared log error with every source weighted alike;
 - leave-one-source-out (`loso`): for each source, fit on all the others and report the error on
@@ -78,6 +78,8 @@ class Row:
     dtype: str = "bfloat16"
     compiled: bool = False
     async_tp: bool = False
+    selective: str = "attention_core"
+    """What the run's selective activation checkpointing recomputes (`dtorch.plan.cost.estimate`)."""
     memory_gib: float | None = None
     published: str = ""
     """The number as the source prints it, with its unit."""
@@ -135,7 +137,8 @@ def _load(folder: str) -> tuple[tuple[Source, ...], tuple[Row, ...], tuple[tuple
             raise ValueError(f"row {r['name']}: give tokens_per_s_per_gpu, seconds_per_iteration or tflops_per_gpu")
         out.append(Row(name=r["name"], source=src.id, model=r["model"], cluster=r["cluster"], plan=plan,
                        tokens_per_s_per_gpu=tps, dtype=r.get("dtype", "bfloat16"), compiled=r.get("compiled", False),
-                       async_tp=r.get("async_tp", False), memory_gib=r.get("memory_gib"), published=shown))
+                       async_tp=r.get("async_tp", False),
+                       selective=r.get("selective", "attention_core"), memory_gib=r.get("memory_gib"), published=shown))
     return tuple(sources), tuple(out), tuple(sorted(models.items()))
 
 
@@ -156,10 +159,9 @@ def _models() -> dict[str, ModelProfile]:
     return {n: _profile(n, spec) for n, spec in _load(str(PUBLISHED_DIR))[2]}
 
 
-CALIBRATION_BASE = replace(DEFAULT_CONSTANTS, float8_linear_speedup=2.0)
-"""The shipped constants, with float8 GEMMs of published float8 runs at the spec sheets' fp8 / bf16
-peak ratio (2.0 on H100 and B200) instead of one implementation's measured speed-up: the device
-efficiency then covers both dtypes alike."""
+CALIBRATION_BASE = DEFAULT_CONSTANTS
+"""The shipped constants (float8 GEMMs of published float8 runs at the device's fp8 / bf16 peak
+ratio, `CostConstants.float8_linear_speedup`)."""
 
 
 @lru_cache(maxsize=256)
@@ -178,7 +180,7 @@ def predict(row: Row, constants: CostConstants = DEFAULT_CONSTANTS, models: dict
     plan = Plan(**row.plan)
     plan.validate(cluster.world_size)
     est = estimate(plan, models[row.model], cluster, row.dtype, compiled=row.compiled, async_tp=row.async_tp,
-                   constants=constants)
+                   selective=row.selective, constants=constants)
     return est.tokens_per_s_per_gpu, est
 
 

@@ -9,8 +9,12 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
   72 B s l h^2 (1 + s/6h + V/12lh) count). We keep that convention for MFU everywhere: causal
   halving is left to the calibrated efficiency.
 - Recompute: full AC repeats each block's forward, 1/3 of its training FLOPs (Korthikanti et al.
-  2022, 96 B s l h^2 (...) = 4/3 of 72 ...); selective AC repeats the attention core only, 4 h s per
-  token per block (QK^T and AV, full s^2; Korthikanti et al. 2022 section 5).
+  2022, 96 B s l h^2 (...) = 4/3 of 72 ...). Selective AC as DTorch runs it ('matmuls_saved',
+  `dtorch/parallel/ac.py`) keeps the outputs of the linear layers and of the attention kernel and
+  repeats the block's element-wise forward (`matmuls_saved_act_bytes`, `recompute_ops_per_block`).
+  Published runs' policies: Megatron's repeats the attention core only, 4 h s per token per block
+  (QK^T and AV, full s^2; Korthikanti et al. 2022 section 5); torchtitan's op-level one every
+  second matmul and the element-wise forward (`every_second_matmul_params`).
 - Compute time = FLOPs / (peak x efficiency); efficiency = device base efficiency x a GEMM-shape
   factor x/(x + x0) for the per-rank GEMM width (hidden / tp) and height (tokens per micro-batch /
   cp): smaller per-GPU GEMMs under TP/CP run further from peak. x0's are calibrated
@@ -24,7 +28,8 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
 - Mesh layout: axes pp, dp_replicate, dp_shard, cp, tp with tp innermost (stride 1), ranks of a node
   contiguous; an axis of size n and stride st has min(n, G/st) ranks per node.
 - TP with SP (Korthikanti et al. 2022): per block per micro-batch 4 all-gathers/reduce-scatters of
-  the activation (tokens x hidden x 2 bytes) forward and 4 backward, 4 more when full AC recomputes;
+  the activation (tokens x hidden x 2 bytes) forward and 4 backward, 4 more when the recompute
+  repeats them (full AC, DTorch's selective AC: `recompute_reruns_collectives`);
   exposed unless async TP (fraction `async_tp_exposed`).
 - CP (Llama 3's all-gather form, `dtorch/parallel/cp.py`): K and V all-gathered forward, again
   backward plus a reduce-scatter of their gradients; issued before attention, so exposed.
@@ -89,8 +94,9 @@ class CostConstants:
     over the block's saved activations (AC 'none' bytes) and the head's, at HBM bandwidth."""
     compile_elementwise_factor: float = 0.5
     """torch.compile fuses element-wise kernels: share of the memory-bound passes left."""
-    float8_linear_speedup: float = 1.45
-    """Speed-up of linear-layer GEMMs in float8 over bf16 (torchtitan 8B: 8,532 vs 6,667 TPS overall)."""
+    float8_linear_speedup: float = 0.0
+    """Speed-up of linear-layer GEMMs in float8 over bf16; 0 = the device's float8 / bf16 peak ratio
+    (2.0 on H100 and B200 spec sheets), the device efficiency covering both dtypes alike."""
     optimizer_bytes_per_param: float = 28.0
     """Adam step memory traffic: read p, g, m, v (16 B) and write p, m, v (12 B), fp32."""
     host_link_bandwidth: float = 25e9
@@ -108,7 +114,12 @@ class CostConstants:
     """Autograd dispatches about two operators per forward operator (measured on the reference
     models in torch 2.13: Llama 1.7, GPT 2.4)."""
     selective_recompute_ops: float = 0.15
-    """Share of a block's forward operators selective AC re-runs (the attention core)."""
+    """Share of a block's forward operators the published runs' selective AC re-runs (the attention
+    core; 'attention_core' and 'every_second_mm' policies)."""
+    checkpoint_detach_ops_per_forward_op: float = 0.85
+    """torch's non-reentrant checkpoint detaches every tensor the recomputed forward saves or returns
+    from its cache: operators per forward operator of the block, beside the recomputed ones (counted
+    in torch 2.13 on the reference blocks: Llama 63 per 93, GPT 45 per 38)."""
     default_ops_per_block: int = 93
     """Forward operators per block when the profile does not say (the reference Llama's count)."""
     default_ops_head: int = 20
@@ -134,7 +145,7 @@ class CostConstants:
 
 # Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
 # fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
-# H100 SXM 0.7148, H100 96GB/500 W 0.4876), so that `dtorch probe` measurements replace them.
+# H100 SXM 0.7148, H100 96GB/500 W 0.542 over its power-capped peak), so that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=64.0,
     gemm_rows_half=256.0,
@@ -399,27 +410,28 @@ class StepCounts:
 
 
 def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
-                c: CostConstants = DEFAULT_CONSTANTS, load: RankLoad | None = None) -> StepCounts:
+                c: CostConstants = DEFAULT_CONSTANTS, load: RankLoad | None = None,
+                selective: str = "matmuls_saved") -> StepCounts:
     """Operators and latency-bound collectives one step of `plan` dispatches on pipeline rank `load`
     (default: the rank that dispatches the most).
 
     Operators: the profile's forward count per block and outside the blocks, backward
-    `backward_ops_per_forward_op` per forward op, full AC re-runs the block forward (selective a
-    share); the optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
+    `backward_ops_per_forward_op` per forward op, AC's recompute per `recompute_ops_per_block`; the
+    optimizer runs per tensor on CPU and foreach on GPUs. Under TP every operator is a
     DTensor operator; under FSDP the optimizer's are. The first and the last stage each hold half of
     the operators outside the blocks. Under autocast every matmul casts its input and weight
     (`autocast_ops_per_weight` per weight tensor per micro-batch)."""
     if load is None:
         loads = rank_loads(plan, profile.num_layers)
-        counts = [step_counts(plan, profile, device_kind, c, ld) for ld in loads]
+        counts = [step_counts(plan, profile, device_kind, c, ld, selective) for ld in loads]
         return max(counts, key=lambda n: n.ops_per_microbatch + n.optimizer_ops)
     blocks = load.blocks
     head_share = 0.5 * load.embedding + 0.5 * load.head
     ob = profile.ops_per_block or c.default_ops_per_block
     oh = profile.ops_head or c.default_ops_head
     per_op = 1.0 + c.backward_ops_per_forward_op
-    rec = 1.0 if plan.ac == "full" else (c.selective_recompute_ops if plan.ac == "selective" else 0.0)
-    ops_mb = blocks * ob * (per_op + rec) + head_share * oh * per_op
+    rec = recompute_ops_per_block(profile, plan.ac, selective, c)
+    ops_mb = blocks * (ob * per_op + rec) + head_share * oh * per_op
     tpb = profile.tensors_per_block or 9
     if autocast_applies(plan):
         ops_mb += (blocks * max(1, tpb - 2) + head_share) * c.autocast_ops_per_weight
@@ -428,7 +440,8 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     tp_mb = tp_step = 0.0
     if plan.tp > 1:
         f, b, r = c.tp_small_collectives_per_block
-        tp_mb = blocks * (f + b + (r if plan.ac == "full" else 0.0)) + head_share * c.tp_collectives_head
+        r = r if recompute_reruns_collectives(plan.ac, selective) else 0.0
+        tp_mb = blocks * (f + b + r) + head_share * c.tp_collectives_head
         tp_step = blocks * c.tp_collectives_per_step[0] + c.tp_collectives_per_step[1]
     return StepCounts(
         ops_per_microbatch=ops_mb,
@@ -438,6 +451,104 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
         tp_small_per_microbatch=tp_mb,
         tp_small_per_step=tp_step,
     )
+
+
+SELECTIVE_POLICIES = ("matmuls_saved", "attention_core", "every_second_mm")
+"""What selective activation checkpointing recomputes (see `estimate`). 'matmuls_saved' is DTorch's
+own (`dtorch.parallel.ac`): the outputs of matmuls and of the attention kernel are kept, every other
+op of the block is re-run in backward. The other two describe published runs (calibration rows)."""
+
+_LINEAR_ROLES = ("colwise", "rowwise")
+
+
+def _saved_ops_per_block(profile: ModelProfile) -> int:
+    """Operators per block whose outputs DTorch's selective checkpointing keeps (not re-run): one per
+    linear layer (the profile's colwise/rowwise roles; Llama 7, GPT 6) and the attention kernel."""
+    linears = sum(1 for role in profile.tp_roles.values() if role in _LINEAR_ROLES)
+    if not linears:
+        linears = {"llama": 7, "gpt": 6}.get(profile.family, 0)
+    return linears + 1 if linears else 0
+
+
+def recompute_ops_per_block(profile: ModelProfile, ac: str, selective: str = "matmuls_saved",
+                            c: CostConstants = DEFAULT_CONSTANTS) -> float:
+    """Operators one block's activation checkpointing dispatches in backward beside the backward's
+    own: the re-run forward operators, plus torch's checkpoint detaching what the recompute saves
+    (`checkpoint_detach_ops_per_forward_op`). Full AC re-runs the whole forward; DTorch's selective
+    policy all but the matmuls and the attention kernel (their outputs come from its cache); the
+    published policies re-run a share (`selective_recompute_ops`)."""
+    ob = profile.ops_per_block or c.default_ops_per_block
+    detach = ob * c.checkpoint_detach_ops_per_forward_op
+    if ac == "full":
+        return ob + detach
+    if ac != "selective":
+        return 0.0
+    if selective == "matmuls_saved":
+        return max(0.0, ob - _saved_ops_per_block(profile)) + detach
+    return ob * c.selective_recompute_ops
+
+
+def recompute_reruns_collectives(ac: str, selective: str = "matmuls_saved") -> bool:
+    """Whether a block's recompute issues its tensor- and context-parallel collectives again: under
+    full AC and DTorch's selective policy they are not among the saved ops, and the norm and the
+    matmul inputs they produce are needed by the backward."""
+    return ac == "full" or (ac == "selective" and selective == "matmuls_saved")
+
+
+def matmuls_saved_act_bytes(profile: ModelProfile) -> float:
+    """Activation bytes per token per block (16-bit) that DTorch's selective checkpointing keeps:
+    the block input, the output of every linear layer and of the attention kernel (its output and a
+    float32 log-sum-exp per head); norms, RoPE, activations and residual adds are recomputed.
+    Llama: x h, q/k/v q + 2 kv, attention out q, o h, w1/w3 2 f, w2 h (q = h for every preset, kv =
+    h kv_heads / heads). GPT: x h, q/k/v 3 h, attention out h, o h, w1 f, w2 h. Other modules: the
+    profiler's measurement with the same op list (`act_bytes_per_token_block['selective']`)."""
+    h, f, a = float(profile.hidden), float(profile.ffn_hidden), float(profile.num_heads)
+    kv = h * profile.num_kv_heads / profile.num_heads
+    lse = 4.0 * a
+    if profile.family == "llama":
+        return 2.0 * (3 * h + 2 * h + 2 * kv + 2 * f) + lse
+    if profile.family == "gpt":
+        return 2.0 * (7 * h + f) + lse
+    per_tok = profile.act_bytes_per_token_block
+    return per_tok.get("selective", per_tok.get("none", 34.0 * h))
+
+
+def act_bytes_per_token_block(profile: ModelProfile, ac: str, selective: str = "matmuls_saved") -> float:
+    """Activation bytes per token per block (16-bit) a block keeps for backward under `ac`."""
+    per_tok = profile.act_bytes_per_token_block
+    a_none = per_tok.get("none", 34.0 * profile.hidden)
+    if ac == "selective" and selective == "matmuls_saved":
+        return matmuls_saved_act_bytes(profile)
+    return per_tok.get(ac, a_none)
+
+
+def every_second_matmul_params(profile: ModelProfile) -> float:
+    """Weights per block of the matmuls an op-level policy that saves every matmul output except
+    every second one (torchtitan's 'op' selective AC, counting per block in call order) recomputes.
+    Llama calls q, k, v, o, w1, w3, w2: k, o and w3 are re-run. A GPT block calls qkv, proj, fc1,
+    fc2: proj and fc2."""
+    h, f = float(profile.hidden), float(profile.ffn_hidden)
+    if profile.family == "llama":
+        return h * h * profile.num_kv_heads / profile.num_heads + h * h + h * f
+    return h * h + f * h
+
+
+def float8_cast_bytes_per_token_block(profile: ModelProfile, compiled: bool) -> float:
+    """HBM bytes per token per block that dynamic tensor-wise float8 scaling adds (torchao's
+    Float8Linear as torchtitan ran it in 2024; Transformer Engine's current scaling does the same
+    passes). Every GEMM operand that is not a weight is cast: each distinct linear input in the
+    forward, each linear output's gradient in the backward. Per element: the 16-bit tensor read for
+    its amax, read again for the cast (2 + 2 bytes), the float8 copy written (1) and its transpose
+    for the weight-gradient GEMM written from it (1 + 1). torch.compile fuses the amax into the
+    kernel that produced the tensor (-2). Weights are cast once per micro-batch on their shard
+    (negligible per token)."""
+    h, f = float(profile.hidden), float(profile.ffn_hidden)
+    kv = h * profile.num_kv_heads / profile.num_heads
+    if profile.family == "llama":  # inputs: x (q, k, v), attention out, x (w1, w3), w2's; grads of q k v o w1 w3 w2
+        elements = (3 * h + f) + (3 * h + 2 * kv + 2 * f)
+    else:  # qkv, proj, fc1, fc2
+        elements = (3 * h + f) + (5 * h + f)
+    return elements * (5.0 if compiled else 7.0)
 
 
 def _exposed(comm: float, compute: float, c: CostConstants) -> float:
@@ -477,6 +588,7 @@ def estimate(
     *,
     compiled: bool = False,
     async_tp: bool = False,
+    selective: str = "matmuls_saved",
     constants: CostConstants = DEFAULT_CONSTANTS,
 ) -> Estimate:
     """Predict step time, throughput, MFU and per-rank memory of `plan` (see module doc).
@@ -484,7 +596,13 @@ def estimate(
     The compute dtype is the plan's `param_dtype`: that is what the executor runs. `dtype`,
     `compiled` and `async_tp` describe runs this executor does not make (float8 linear layers,
     torch.compile, async TP): the calibration uses them for published measurements; the search
-    never does. The plan's degrees must multiply to the cluster's world size."""
+    never does. `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
+    policy, the default: the element-wise forward, see `matmuls_saved_act_bytes`), 'attention_core'
+    (the attention scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm'
+    (torchtitan's op-level policy, see `every_second_matmul_params`). The plan's degrees must
+    multiply to the cluster's world size."""
+    if selective not in SELECTIVE_POLICIES:
+        raise ConfigError("selective", selective, f"one of {{{', '.join(SELECTIVE_POLICIES)}}}")
     if plan.world_size != cluster.world_size:
         raise ConfigError(
             "degrees", plan.mesh_shape,
@@ -506,6 +624,8 @@ def estimate(
         raise ConfigError("param_dtype", compute_dtype,
                           f"{dev.name} has no {compute_dtype} arithmetic; use one of "
                           f"{{{', '.join(sorted(dev.peak_flops))}}}") from None
+    if dtype == "float8" and not dev.supports("float8"):
+        raise ConfigError("dtype", dtype, f"{dev.name} has no float8 tensor cores; use bfloat16")
     s = profile.seq_len
     h = profile.hidden
     tp, cp, pp, v = plan.tp, plan.cp, plan.pp, plan.virtual_stages
@@ -548,33 +668,53 @@ def estimate(
         blocks = load.blocks
         flops_mb = tokens_mb * (blocks * fb + (fh if load.head else 0.0)) / (tp * cp)
         attn_part = tokens_mb * blocks * 3 * attn_fwd / (tp * cp)  # the attention core, at its own speed
-        linear = speed * (c.float8_linear_speedup if dtype == "float8" else 1.0)
-        r.compute = (flops_mb - attn_part) / linear + attn_part / speed
+        linear = speed * ((c.float8_linear_speedup or dev.peak("float8") / peak) if dtype == "float8" else 1.0)
+        if dtype == "float8":
+            # float8 covers the blocks' linear layers; the output head stays in bf16 (torchao's and
+            # Transformer Engine's recipes leave the output projection out); each linear's operands
+            # are cast with a tensor-wide scale: element-wise traffic at HBM bandwidth
+            head_mb = tokens_mb * fh / (tp * cp) if load.head else 0.0
+            r.compute = (flops_mb - attn_part - head_mb) / linear + (attn_part + head_mb) / speed
+            cast_bytes = float8_cast_bytes_per_token_block(profile, compiled)
+            r.compute += tokens_mb * blocks * cast_bytes / (tp * cp) / dev.memory_bandwidth
+        else:
+            r.compute = (flops_mb - attn_part) / linear + attn_part / speed
         # memory-bound element-wise work, forward + backward (and forward again under full AC)
         elem_bytes = tokens_mb * (blocks * a_none + (profile.act_bytes_per_token_head if load.head else 0.0)) / (tp * cp)
         r.compute += elem_bytes * elem_s_per_byte
+        # the blocks' element-wise forward: a third of their forward + backward element-wise work
+        elem_fwd = tokens_mb * blocks * a_none / (tp * cp) * elem_s_per_byte / 3.0
         if plan.ac == "full":
             rec_flops = tokens_mb * blocks * fb / 3.0 / (tp * cp)
             r.recompute = r.compute * (rec_flops / flops_mb) if flops_mb else 0.0
+        elif plan.ac == "selective" and selective == "matmuls_saved":
+            # DTorch's policy (dtorch/parallel/ac.py): matmul and attention outputs come from the
+            # cache, every element-wise op of the block is re-run
+            r.recompute = elem_fwd
+        elif plan.ac == "selective" and selective == "every_second_mm":
+            # torchtitan's op-level policy: every second matmul of a block re-run, and the block's
+            # element-wise forward
+            rec_mm = 2.0 * tokens_mb * blocks * every_second_matmul_params(profile) / (tp * cp)
+            r.recompute = rec_mm / linear + elem_fwd
         elif plan.ac == "selective":
             r.recompute = tokens_mb * blocks * attn_fwd / (tp * cp) / speed
         # host overhead of eager execution: operators x seconds per operator (0 when unmeasured). A
         # GPU's host runs ahead of its kernels, so it shows only where it exceeds them; a CPU's does not.
-        counts = step_counts(plan, profile, dev.kind, c, load)
+        counts = step_counts(plan, profile, dev.kind, c, load, selective)
         host_mb = (counts.ops_per_microbatch * dev.op_overhead_s
                    + counts.dtensor_ops_per_microbatch * dev.dtensor_op_overhead_s)
         host_opt = counts.optimizer_ops * dev.op_overhead_s + counts.dtensor_optimizer_ops * dev.dtensor_op_overhead_s
         r.host = host_mb if cpu else max(0.0, host_mb - (r.compute + r.recompute))
         # TP / CP per micro-batch
         if tp > 1:
-            n_ops = 8 + (4 if plan.ac == "full" else 0)
+            n_ops = 8 + (4 if recompute_reruns_collectives(plan.ac, selective) else 0)
             r.tp = blocks * n_ops * tp_act + counts.tp_small_per_microbatch * tp_small  # norm weights, RoPE, loss
             r.tp *= c.tp_exposed * (c.async_tp_factor if async_tp else 1.0)
             r.tp_step = counts.tp_small_per_step * tp_small * c.tp_exposed
         if cp > 1:
             # K and V all-gathered forward, again in backward with a reduce-scatter of their gradients;
             # the executor issues them before attention, so nothing hides them (dtorch/parallel/cp.py)
-            n_ops = 3 + (1 if plan.ac == "full" else 0)
+            n_ops = 3 + (1 if recompute_reruns_collectives(plan.ac, selective) else 0)
             r.cp = blocks * n_ops * cp_kv
         # data parallel
         p_stage = _rank_params(load, profile, tp)
@@ -612,7 +752,7 @@ def estimate(
                 r.offload += m * p_local * red_b / c.host_link_bandwidth
         r.optimizer += host_opt if cpu else max(0.0, host_opt - r.optimizer)
         # memory of this rank
-        a_pol = per_tok.get(plan.ac, a_none) * act_scale
+        a_pol = act_bytes_per_token_block(profile, plan.ac, selective) * act_scale
         if tp > 1 and not plan.sp:
             shard_act = 10.0 / 34.0 + (24.0 / 34.0) / tp  # Korthikanti Table 2, "TP only"
             shard_full = 1.0

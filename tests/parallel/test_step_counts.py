@@ -20,6 +20,7 @@ PLANS = [
     {"dp_shard": 2, "microbatch_size": 2, "num_microbatches": 2, "reshard_after_forward": False},
     {"tp": 2, "sp": True, "microbatch_size": 4, "num_microbatches": 1},
     {"tp": 2, "sp": True, "microbatch_size": 2, "num_microbatches": 2, "ac": "full"},
+    {"tp": 2, "sp": True, "microbatch_size": 2, "num_microbatches": 2, "ac": "selective"},
 ]
 
 
@@ -65,7 +66,7 @@ def _count(case: dict, rank: int) -> dict:
 def test_cost_model_counts_what_a_step_dispatches():
     from dtorch.model import profile_module
     from dtorch.models import build_model
-    from dtorch.plan.cost import step_counts
+    from dtorch.plan.cost import recompute_reruns_collectives, step_counts
     from dtorch.plan.plan import Plan
 
     results = run_group(2, PLANS, _count)
@@ -81,7 +82,7 @@ def test_cost_model_counts_what_a_step_dispatches():
         assert aten == pytest.approx(predicted_ops, rel=0.25), (case, aten, predicted_ops)
         if plan.tp > 1:
             c10d = max(r.get("c10d", 0) + r.get("_c10d_functional", 0) for r in per_rank)
-            act = 8 + (4 if plan.ac == "full" else 0)
+            act = 8 + (4 if recompute_reruns_collectives(plan.ac) else 0)
             predicted = m * (prof.num_layers * act + n.tp_small_per_microbatch) + n.tp_small_per_step
             print(f", collectives {c10d} (model {predicted:.0f})", end="")
             assert c10d == pytest.approx(predicted, rel=0.25), (case, c10d, predicted)

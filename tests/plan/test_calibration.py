@@ -48,3 +48,18 @@ def test_leave_one_source_out_error_is_reported_for_every_source():
         if not h.fit.borrowed:
             # every device of the source was measured by another source: the held-out error is small
             assert h.mean_abs <= 0.10, (h.source, h.mean_abs)
+        # a device only this source measured borrows its generation's efficiency; the target is 10 %
+        # for every source, torchtitan-2024-12 (H100 96GB at 500 W) is at 17 % (docs/benchmarks.md)
+        assert h.mean_abs <= 0.20, (h.source, h.mean_abs)
+
+
+def test_ratios_within_one_published_table_hold_whatever_the_efficiency():
+    """Rows of one table that differ in one feature: their ratio does not depend on the device's
+    efficiency, only on what the model says the feature does (schedule, compile, async TP)."""
+    pred = {r.name: p for r, p, _ in C.errors(C.fit().constants)}
+    pub = {r.name: r.tokens_per_s_per_gpu for r in C.ROWS}
+    for a, b in (("tt-405b-3d-interleaved", "tt-405b-3d-1f1b"),  # 8 micro-batches: 1.28
+                 ("tt-8b-fsdp8-compile", "tt-8b-fsdp8"),  # 1.16
+                 ("tt-70b-fsdp32-tp8-asynctp", "tt-70b-fsdp32-tp8"),  # 1.06
+                 ("tth200-8b-fsdp32", "tth200-8b-fsdp64")):
+        assert abs((pred[a] / pred[b]) / (pub[a] / pub[b]) - 1) < 0.05, (a, b)

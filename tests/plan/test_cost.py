@@ -262,7 +262,11 @@ def test_operator_counts_follow_microbatches_recompute_and_stages():
     none = step_counts(Plan(), prof, "cpu")
     full = step_counts(Plan(ac="full"), prof, "cpu")
     ob = prof.ops_per_block or DEFAULT_CONSTANTS.default_ops_per_block
-    assert full.ops_per_microbatch - none.ops_per_microbatch == pytest.approx(4 * ob)
+    detach = ob * DEFAULT_CONSTANTS.checkpoint_detach_ops_per_forward_op
+    assert full.ops_per_microbatch - none.ops_per_microbatch == pytest.approx(4 * (ob + detach))
+    # DTorch's selective policy re-runs all but the 7 linear layers and the attention kernel
+    sel = step_counts(Plan(ac="selective"), prof, "cpu")
+    assert sel.ops_per_microbatch - none.ops_per_microbatch == pytest.approx(4 * (ob - 8 + detach))
     half = step_counts(Plan(pp=2, num_microbatches=2), prof, "cpu")
     assert half.ops_per_microbatch < 0.6 * none.ops_per_microbatch
     assert half.optimizer_ops < 0.6 * none.optimizer_ops
@@ -308,3 +312,59 @@ def test_pipeline_sends_pay_the_ring_latency_when_ranks_outnumber_cores():
     free = estimate(plan, prof, _cpu_node(2, 2), "float32").time_breakdown["pp_p2p"]
     messages = 2 * (4 + 1)
     assert busy - free == pytest.approx(messages * (1e-3 - 1e-4), rel=1e-6)
+
+
+# ---- descriptions of published runs (dtorch.plan.calibration) ----------------------------------
+def test_power_capped_peak_follows_the_cube_root_of_power():
+    from dtorch.cluster.presets import DEVICES, power_capped
+
+    sxm = DEVICES["h100-sxm"].peak_flops
+    # the H100 NVL sheet (same 132 SMs, 400 W): 835 TFLOP/s bf16; the rule lands within 2 %
+    nvl = power_capped(sxm, rated_w=700, limit_w=400)["bfloat16"]
+    assert abs(nvl / 835e12 - 1) < 0.02
+    capped = DEVICES["h100-96gb"].peak_flops
+    assert capped["bfloat16"] == pytest.approx(989e12 * (500 / 700) ** (1 / 3))
+    assert 835e12 < capped["bfloat16"] < 989e12  # "between SXM and NVL" (torchtitan's footnote)
+    assert capped["float8"] / capped["bfloat16"] == pytest.approx(2.0, rel=1e-3)
+    assert power_capped(sxm, rated_w=700, limit_w=900) == sxm  # a higher limit buys nothing
+    # the HBM is not clocked down
+    assert DEVICES["h100-96gb"].memory_bandwidth == 2.4e12
+
+
+def test_every_second_matmul_selective_recomputes_k_o_w3_and_the_elementwise_forward():
+    from dtorch.plan.cost import every_second_matmul_params
+
+    prof = llama(hidden=1024, heads=16, kv=4, ffn=4096)
+    assert every_second_matmul_params(prof) == 1024 * 256 + 1024 * 1024 + 1024 * 4096
+    cl = load_cluster("h100:1")
+    plan = Plan(ac="selective", microbatch_size=2, param_dtype="bfloat16")
+    core = estimate(plan, prof, cl)  # Megatron's attention-core recompute (the default)
+    op = estimate(plan, prof, cl, selective="every_second_mm")
+    no_elem = estimate(plan, prof, cl, selective="every_second_mm", constants=with_constants(elementwise_passes=0.0))
+    mm_flops = 2 * 2 * prof.seq_len * prof.num_layers * every_second_matmul_params(prof)
+    assert no_elem.time_breakdown["recompute"] == pytest.approx(mm_flops / (989e12 * no_elem.efficiency))
+    assert op.time_breakdown["recompute"] > no_elem.time_breakdown["recompute"]  # + element-wise forward
+    assert op.time_breakdown["compute"] == pytest.approx(core.time_breakdown["compute"])
+    with pytest.raises(ConfigError, match="selective"):
+        estimate(plan, prof, cl, selective="every_other")
+
+
+def test_float8_runs_cast_operands_keep_the_head_in_bf16_and_need_fp8_hardware():
+    from dtorch.plan.cost import float8_cast_bytes_per_token_block
+
+    prof = llama()
+    cl = load_cluster("h100:1")
+    plan = Plan(microbatch_size=2, param_dtype="bfloat16")
+    c0 = with_constants(elementwise_passes=0.0)
+    bf16 = estimate(plan, prof, cl, constants=c0)
+    f8 = estimate(plan, prof, cl, "float8", compiled=True, constants=c0)
+    tokens = 2 * prof.seq_len
+    attn = tokens * prof.num_layers * 3 * 4.0 * prof.hidden * prof.seq_len
+    head = tokens * prof.flops_per_token_head
+    linear = tokens * prof.num_layers * prof.flops_per_token_block - attn
+    speed = 989e12 * bf16.efficiency
+    casts = tokens * prof.num_layers * float8_cast_bytes_per_token_block(prof, compiled=True) / 3.35e12
+    assert f8.time_breakdown["compute"] == pytest.approx(linear / (1979 / 989 * speed) + (attn + head) / speed + casts)
+    assert float8_cast_bytes_per_token_block(prof, compiled=False) > float8_cast_bytes_per_token_block(prof, True)
+    with pytest.raises(ConfigError, match="float8"):
+        estimate(plan, prof, load_cluster("a100:1"), "float8")
