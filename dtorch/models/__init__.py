@@ -1,4 +1,4 @@
-"""Reference models (GPT-2 and Llama-3 style) in plain PyTorch, unaware of parallelism.
+"""Reference models (GPT-2, Llama-3 and mixture-of-experts style) in plain PyTorch, unaware of parallelism.
 
 Importing this package does not import torch: configs, presets and spec parsing are torch-free
 (`dtorch plan` reads shapes from them); `Llama`, `GPT` and `build_model` load torch on first use.
@@ -13,15 +13,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dtorch.models.configs import PRESETS, GPTConfig, LlamaConfig, ModelConfig, model_config
+from dtorch.models.configs import PRESETS, GPTConfig, LlamaConfig, ModelConfig, MoEConfig, model_config
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["PRESETS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ModelConfig", "build_model",
+__all__ = ["PRESETS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ModelConfig", "MoEConfig", "MoETransformer",
+           "build_model",
            "build_from_config", "model_config"]
 
-_LAZY = {"Llama": "dtorch.models.llama", "GPT": "dtorch.models.gpt"}
+_LAZY = {"Llama": "dtorch.models.llama", "GPT": "dtorch.models.gpt", "MoETransformer": "dtorch.models.moe"}
 
 
 def __getattr__(name: str) -> Any:
@@ -39,6 +40,10 @@ def build_from_config(config: ModelConfig) -> nn.Module:
         from dtorch.models.llama import Llama
 
         return Llama(config)
+    if isinstance(config, MoEConfig):
+        from dtorch.models.moe import MoETransformer
+
+        return MoETransformer(config)
     assert isinstance(config, GPTConfig), type(config)
     from dtorch.models.gpt import GPT
 

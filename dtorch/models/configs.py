@@ -1,7 +1,7 @@
 """Hyper-parameters of the reference models, and the spec strings that name them. Torch-free.
 
 This module must not import torch: `dtorch plan` reads model shapes from here and has to start
-in well under a second. The modules themselves live in `gpt.py` and `llama.py`.
+in well under a second. The modules themselves live in `gpt.py`, `llama.py` and `moe.py`.
 
 A model *spec* is one of:
 
@@ -129,7 +129,133 @@ class GPTConfig:
         return dataclasses.replace(GPT_PRESETS[name])
 
 
-ModelConfig = LlamaConfig | GPTConfig
+@dataclass
+class MoEConfig:
+    """A mixture-of-experts decoder (DeepSeek-V3, Qwen3-MoE, Mixtral): Llama-style blocks whose
+    SwiGLU is replaced by routed experts (+ optional shared experts), with GQA or DeepSeek's
+    multi-head latent attention (MLA). The model is `dtorch.models.moe.MoETransformer`."""
+
+    dim: int = 4096
+    """Model (hidden) width."""
+    n_layers: int = 32
+    """Number of transformer blocks (dense + MoE)."""
+    n_heads: int = 32
+    """Query heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads of GQA attention; None means n_heads. Unused by MLA."""
+    head_dim: int | None = None
+    """Per-head width of GQA attention; None means dim / n_heads (Qwen3 uses 128 with dim 2048)."""
+    vocab_size: int = 32000
+    max_seq_len: int = 4096
+    """Longest sequence the RoPE table covers."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    n_experts: int = 8
+    """Routed experts per MoE block."""
+    top_k: int = 2
+    """Routed experts each token is sent to."""
+    expert_hidden: int = 14336
+    """SwiGLU hidden width of one routed expert (moe_intermediate_size)."""
+    n_shared_experts: int = 0
+    """Shared experts every token goes through (DeepSeek); one SwiGLU of n_shared * expert_hidden."""
+    n_dense_layers: int = 0
+    """Leading blocks with a dense SwiGLU of ffn_hidden instead of experts (DeepSeek-V3: 3)."""
+    ffn_hidden: int | None = None
+    """Dense blocks' SwiGLU width; None means expert_hidden."""
+    score_func: str = "softmax"
+    """Router scores: 'softmax' (Mixtral, Qwen3) or 'sigmoid' (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k gate weights to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3)."""
+    route_scale: float = 1.0
+    """Multiplier of the gate weights (DeepSeek-V3's routed_scaling_factor 2.5)."""
+    n_expert_groups: int = 1
+    """Group-limited routing (DeepSeek-V3: 8 groups): experts split into groups ..."""
+    topk_groups: int = 1
+    """... and each token picks experts only from its `topk_groups` best groups (DeepSeek-V3: 4),
+    a group ranked by the sum of its two best scores. 1 group: plain top-k."""
+    aux_loss_coef: float = 0.0
+    """Weight of the sequence-wise load-balancing loss (DeepSeek-V3's alpha = 1e-4; 0 disables).
+    Per sequence: n_experts/(top_k*s) * sum_i count_i * mean_t p_i,t, averaged over sequences, so
+    it is the same whether a batch is split over data-parallel ranks or not."""
+    bias_update_speed: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3, gamma = 1e-3): a per-expert bias added to the
+    scores for expert selection only, moved by this step after each optimizer step toward equal
+    load (`MoETransformer.update_expert_bias`). 0 disables."""
+    capacity_factor: float | None = None
+    """None: dropless (every token reaches its top_k experts). A number c: each expert takes at
+    most ceil(c * tokens * top_k / n_experts) assignments per forward, the later ones (in token
+    order) are dropped: their gate contribution is zero and the token keeps its residual."""
+    attention: str = "gqa"
+    """'gqa' (grouped-query attention, Llama-style) or 'mla' (DeepSeek multi-head latent attention)."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query down-projection (0: queries projected directly from the input)."""
+    kv_lora_rank: int = 512
+    """MLA: width of the compressed key/value latent."""
+    qk_nope_head_dim: int = 128
+    """MLA: per-head query/key width without RoPE."""
+    qk_rope_head_dim: int = 64
+    """MLA: per-head query/key width that carries RoPE (the key part is shared by all heads)."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
+
+    family = "moe"
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = self.expert_hidden
+        _check_positive(self, ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len",
+                               "n_experts", "top_k", "expert_hidden", "ffn_hidden", "n_expert_groups", "topk_groups"))
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError("n_kv_heads", self.n_kv_heads, f"must divide n_heads={self.n_heads}")
+        if self.attention not in ("gqa", "mla"):
+            raise ConfigError("attention", self.attention, "use 'gqa' or 'mla'")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ConfigError("score_func", self.score_func, "use 'softmax' or 'sigmoid'")
+        if self.rope_dim % 2:
+            raise ConfigError("head_dim", self.rope_dim, "the RoPE width must be even")
+        if self.top_k > self.n_experts:
+            raise ConfigError("top_k", self.top_k, f"at most n_experts={self.n_experts}")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ConfigError("n_dense_layers", self.n_dense_layers, f"use 0..n_layers={self.n_layers}")
+        if self.n_shared_experts < 0:
+            raise ConfigError("n_shared_experts", self.n_shared_experts, "must be >= 0")
+        if self.n_experts % self.n_expert_groups:
+            raise ConfigError("n_expert_groups", self.n_expert_groups, f"must divide n_experts={self.n_experts}")
+        per_group = self.n_experts // self.n_expert_groups
+        if self.topk_groups > self.n_expert_groups or (self.n_expert_groups > 1 and self.topk_groups * per_group
+                                                        < self.top_k):
+            raise ConfigError("topk_groups", self.topk_groups, f"use 1..{self.n_expert_groups} groups holding at "
+                              f"least top_k={self.top_k} experts")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError("capacity_factor", self.capacity_factor, "use a positive number, or None for dropless")
+        for name in ("aux_loss_coef", "bias_update_speed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), "must be >= 0 (0 disables)")
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of each query/key head."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    @classmethod
+    def preset(cls, name: str) -> MoEConfig:
+        """The published shape of an MoE preset (`MOE_PRESETS`), as a fresh config."""
+        if name not in MOE_PRESETS:
+            raise ConfigError("model", name, choices(MOE_PRESETS))
+        return dataclasses.replace(MOE_PRESETS[name])
+
+
+ModelConfig = LlamaConfig | GPTConfig | MoEConfig
 
 # Published shapes. Llama 3.2 1B and GPT-2 tie the output head to the token embedding; our
 # reference models never tie (the head and the embedding sit on different pipeline stages), so
@@ -151,9 +277,45 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "gpt2-large": GPTConfig(dim=1280, n_layers=36, n_heads=20),
     "gpt2-xl": GPTConfig(dim=1600, n_layers=48, n_heads=25),
 }
-PRESETS: dict[str, ModelConfig] = {**LLAMA_PRESETS, **GPT_PRESETS}
 
-FAMILIES: dict[str, type] = {"llama": LlamaConfig, "gpt": GPTConfig}
+# Published MoE shapes, from each model's config.json on the Hugging Face hub:
+#   deepseek-v3   deepseek-ai/DeepSeek-V3 config.json (hidden 7168, 61 layers, first_k_dense_replace 3,
+#                 intermediate 18432, moe_intermediate 2048, 256 routed + 1 shared, 8 per token,
+#                 n_group 8 / topk_group 4, sigmoid scores, routed_scaling_factor 2.5, MLA q_lora 1536,
+#                 kv_lora 512, qk_nope 128, qk_rope 64, v_head 128, vocab 129280); DeepSeek-V3 report
+#                 (arXiv 2412.19437) for the balance loss alpha 1e-4 and bias speed gamma 1e-3.
+#                 The multi-token-prediction module (14B of the 685B checkpoint) is not modelled.
+#   qwen3-30b-a3b Qwen/Qwen3-30B-A3B config.json (hidden 2048, 48 layers, 32 q / 4 kv heads of 128,
+#                 128 experts of 768, 8 per token, vocab 151936, untied, rope_theta 1e6, qk-norm).
+#   mixtral-8x7b  mistralai/Mixtral-8x7B-v0.1 config.json (hidden 4096, 32 layers, 32 q / 8 kv heads,
+#                 8 experts of 14336, 2 per token, vocab 32000, rope_theta 1e6).
+# Long-context RoPE scaling (YaRN) is not modelled; max_seq_len is 4096 unless overridden.
+MOE_PRESETS: dict[str, MoEConfig] = {
+    "moe-tiny": MoEConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=256,
+                          n_experts=8, top_k=2, expert_hidden=32, n_shared_experts=1, aux_loss_coef=0.01,
+                          bias_update_speed=0.001),
+    "mixtral-tiny": MoEConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=256,
+                              n_experts=8, top_k=2, expert_hidden=64, aux_loss_coef=0.02),
+    "deepseek-tiny": MoEConfig(dim=64, n_layers=3, n_heads=4, vocab_size=256, max_seq_len=256, n_experts=8,
+                               top_k=2, expert_hidden=32, n_shared_experts=1, n_dense_layers=1, ffn_hidden=96,
+                               score_func="sigmoid", route_scale=2.5, n_expert_groups=4, topk_groups=2,
+                               aux_loss_coef=1e-4, bias_update_speed=1e-3, attention="mla", q_lora_rank=32,
+                               kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "deepseek-v3": MoEConfig(dim=7168, n_layers=61, n_heads=128, vocab_size=129280, max_seq_len=4096,
+                             norm_eps=1e-6, n_experts=256, top_k=8, expert_hidden=2048, n_shared_experts=1,
+                             n_dense_layers=3, ffn_hidden=18432, score_func="sigmoid", route_scale=2.5,
+                             n_expert_groups=8, topk_groups=4, aux_loss_coef=1e-4, bias_update_speed=1e-3,
+                             attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128),
+    "qwen3-30b-a3b": MoEConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
+                               max_seq_len=4096, norm_eps=1e-6, rope_theta=1e6, qk_norm=True, n_experts=128,
+                               top_k=8, expert_hidden=768, aux_loss_coef=1e-3),
+    "mixtral-8x7b": MoEConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, max_seq_len=4096,
+                              rope_theta=1e6, n_experts=8, top_k=2, expert_hidden=14336, aux_loss_coef=0.02),
+}
+PRESETS: dict[str, ModelConfig] = {**LLAMA_PRESETS, **GPT_PRESETS, **MOE_PRESETS}
+
+FAMILIES: dict[str, type] = {"llama": LlamaConfig, "gpt": GPTConfig, "moe": MoEConfig}
 
 ALIASES = {
     "layers": "n_layers",
@@ -164,11 +326,18 @@ ALIASES = {
     "vocab": "vocab_size",
     "seq": "max_seq_len",
     "eps": "norm_eps",
+    "experts": "n_experts",
+    "topk": "top_k",
+    "expert_ffn": "expert_hidden",
+    "shared": "n_shared_experts",
+    "dense_layers": "n_dense_layers",
+    "capacity": "capacity_factor",
 }
 SPEC_FORMS = (
     "a preset (" + ", ".join(PRESETS) + "), '<preset>:key=value,...', "
     "'gpt:layers=L,hidden=H,heads=A,vocab=V,seq=S' or "
-    "'llama:layers=L,hidden=H,heads=A,kv_heads=K,ffn=F,vocab=V,seq=S'"
+    "'llama:layers=L,hidden=H,heads=A,kv_heads=K,ffn=F,vocab=V,seq=S' or "
+    "'moe:layers=L,hidden=H,heads=A,experts=E,topk=K,expert_ffn=F,...'"
 )
 
 
@@ -206,7 +375,7 @@ def model_config(spec: str, **overrides: Any) -> ModelConfig:
             raise ConfigError(key, val, f"not a {cls.family} config field; " + choices(sorted(fields)))
         values[key] = val
     if base is not None:
-        if "dim" in values and "ffn_hidden" not in values:
+        if "dim" in values and "ffn_hidden" not in values and cls is not MoEConfig:
             values["ffn_hidden"] = None  # derive the MLP width from the new dim, not the preset's
         return dataclasses.replace(base, **values)
     missing = [a for a in ("layers", "hidden", "heads") if ALIASES[a] not in values]
@@ -217,6 +386,14 @@ def model_config(spec: str, **overrides: Any) -> ModelConfig:
 
 def _parse_value(spec: str, key: str, raw: str, annotation: Any) -> Any:
     want_float = "float" in str(annotation)
+    if str(annotation) == "str":
+        return raw
+    if str(annotation) == "bool":
+        if raw.lower() not in ("true", "false", "1", "0"):
+            raise ConfigError("model", spec, f"{key}={raw!r} must be true or false")
+        return raw.lower() in ("true", "1")
+    if "None" in str(annotation) and raw.lower() == "none":
+        return None
     try:
         if want_float:
             return float(raw)
