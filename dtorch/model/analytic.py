@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
-from dtorch.models.configs import GPTConfig, LlamaConfig, ModelConfig
+from dtorch.models.configs import GPTConfig, LlamaConfig, ModelConfig, MoEConfig
 
 ACT_BYTES = 2
 """Bytes per activation element: profiles are stated at 16-bit activations."""
@@ -116,6 +116,8 @@ def profile_from_config(config: ModelConfig, seq_len: int, name: str | None = No
     Raises ConfigError when seq_len is not positive or exceeds a GPT's learned positions."""
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ConfigError("seq_len", seq_len, "must be a positive integer (tokens per sequence)")
+    if isinstance(config, MoEConfig):
+        return moe_profile_from_config(config, seq_len, name)
     is_llama = isinstance(config, LlamaConfig)
     assert is_llama or isinstance(config, GPTConfig), type(config)
     if not is_llama and seq_len > config.max_seq_len:
@@ -154,4 +156,148 @@ def profile_from_config(config: ModelConfig, seq_len: int, name: str | None = No
         ops_head=OPS_HEAD[config.family],
         tensors_per_block=block_param_tensors(config),
         tensors_other=3 if is_llama else 5,
+    )
+
+
+# ---- mixtures of experts (dtorch.models.moe) ---------------------------------------------------
+# Notation as above, plus E routed experts, k per token, fe one expert's hidden width, fs = shared
+# experts * fe, f the dense blocks' width. MLA: H heads, ql/kvl the query/latent ranks, qk =
+# nope + rope per-head query/key width, v the value width (padded to qk for the fused kernel).
+#
+# Parameters      MoE block = attention + 2h (norms) + h*E (router) + E*3*h*fe + 3*h*fs
+#                 dense block = attention + 2h + 3*h*f;  active = total - moe_layers*(E-k)*3*h*fe
+#   GQA attention h*q + 2*h*kv + q*h (+ 2d per-head q/k norms)
+#   MLA attention [h*ql + ql + ql*H*qk | h*H*qk] + h*(kvl+rope) + kvl + kvl*H*(nope+v) + H*v*h
+# FLOPs per token 6 * (matmul params a token passes through: attention, router, its k experts,
+#                 shared experts) + attention core 12*H*d*s (GQA d = head_dim; MLA d = qk, since
+#                 the values are padded to it).
+# Activation bytes (16-bit, fused norms, dropless, `none` policy) beyond the block's 4 norm
+#   inputs/outputs (2*4h + 8):
+#   GQA attention 2*(2q + 2kv) + 4a (+ qk-norm inputs 2q + 2kv and stats 4a + 4*kv_heads)
+#   MLA attention 2*(kvl+rope) + 4 + 2*kvl + 8*H*qk (q, k, padded v and output) + 4H + 2*H*v
+#                 (+ 4*ql + 4 for the query bottleneck)
+#   router        4E (float32 scores) + 8k (indices) (+ 4 + 4k when the top-k weights are
+#                 renormalised)
+#   per assignment 6h (the gathered token, the expert output, the weighted output) + 8*fe (SwiGLU)
+#                 + 18 (two int64 indices, the bf16 gate weight)
+#   shared        8*fs;   balance loss  4E/s (per-sequence counts) (+ 4 with sigmoid scores)
+#   selective     the block input, matmul and attention outputs: 2h + attention + 2E + k*(4fe + 2h)
+#                 (+ 4fs + 2h shared).
+# Operators per MoE block (eager, one forward; measured and pinned by tests/model): a fixed part
+# plus 11 per routed expert (the per-expert slice, three linears, silu, product, bookkeeping).
+
+
+def _moe_attention(c: MoEConfig) -> dict[str, int | float]:
+    """Parameters, matmul parameters, core-attention width and activation bytes of one attention."""
+    h, H = c.dim, c.n_heads
+    if c.attention == "gqa":
+        q, kv = H * c.head_dim, c.n_kv_heads * c.head_dim
+        matmul = h * q + 2 * h * kv + q * h
+        norms = 2 * c.head_dim if c.qk_norm else 0
+        none = ACT_BYTES * (2 * q + 2 * kv) + 4 * H
+        if c.qk_norm:
+            none += ACT_BYTES * (q + kv) + 4 * H + 4 * c.n_kv_heads
+        selective = ACT_BYTES * (2 * h + 2 * q + 2 * kv) + 4 * H
+        return dict(params=matmul + norms, matmul=matmul, core=H * c.head_dim, none=none, selective=selective)
+    qk, ql, kvl, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
+    q_proj = h * ql + ql * H * qk if ql else h * H * qk
+    matmul = q_proj + h * (kvl + rope) + kvl * H * (c.qk_nope_head_dim + c.v_head_dim) + H * c.v_head_dim * h
+    none = (ACT_BYTES * (kvl + rope + kvl + 4 * H * qk + H * c.v_head_dim) + 4 + 4 * H
+            + (2 * ACT_BYTES * ql + 4 if ql else 0))
+    selective = (ACT_BYTES * (2 * h + (ql if ql else 0) + H * qk + kvl + rope
+                              + H * (c.qk_nope_head_dim + c.v_head_dim) + H * qk) + 4 * H)
+    return dict(params=matmul + (ql if ql else 0) + kvl, matmul=matmul, core=H * qk, none=none, selective=selective)
+
+
+def moe_ops_per_block(c: MoEConfig) -> int:
+    """Forward aten operators of one MoE block (see above; pinned against the profiler in tests)."""
+    ops = 105 + 11 * c.n_experts
+    ops += 3 if c.norm_topk_prob and c.top_k > 1 else 0
+    ops += 9 if c.n_shared_experts else 0
+    ops += (13 + (2 if c.score_func == "sigmoid" else 0)) if c.aux_loss_coef > 0 else 0
+    ops += 3 if c.bias_update_speed > 0 else 0
+    ops += 10 if c.n_expert_groups > 1 else 0
+    if c.attention == "gqa":
+        ops += 18 if c.qk_norm else 0
+    else:
+        ops += 18
+        ops += 13 if c.q_lora_rank else 0
+    return ops
+
+
+def moe_profile_from_config(c: MoEConfig, seq_len: int, name: str | None = None) -> ModelProfile:
+    """The profile of a dtorch.models.moe model at `seq_len`: the *_block fields describe a MoE block,
+    the *_dense_block fields the leading dense blocks; FLOPs count the active experts only."""
+    h, V, E, k, fe = c.dim, c.vocab_size, c.n_experts, c.top_k, c.expert_hidden
+    fs = c.n_shared_experts * fe
+    att = _moe_attention(c)
+    per_expert = 3 * h * fe
+    moe_block = att["params"] + 2 * h + h * E + E * per_expert + 3 * h * fs
+    dense_block = att["params"] + 2 * h + 3 * h * c.ffn_hidden
+    embedding, head = V * h, h * V + h
+    total = c.n_moe_layers * moe_block + c.n_dense_layers * dense_block + embedding + head
+    core_flops = 12 * att["core"] * seq_len
+    renorm = c.norm_topk_prob and k > 1
+    none = (ACT_BYTES * 4 * h + 8 + att["none"] + 4 * E + 8 * k + (4 + 4 * k if renorm else 0)
+            + k * (3 * ACT_BYTES * h + 4 * ACT_BYTES * fe + 18) + 4 * ACT_BYTES * fs
+            + ((4 * E / seq_len + (4 if c.score_func == "sigmoid" else 0)) if c.aux_loss_coef > 0 else 0))
+    selective = (att["selective"] + ACT_BYTES * E + k * ACT_BYTES * (2 * fe + h)
+                 + (ACT_BYTES * (2 * fs + h) if fs else 0))
+    roles: dict[str, str] = {}
+    if c.attention == "gqa":
+        roles.update({"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
+                      "attention.wo": "rowwise", "attention": "attention"})
+    if fs:
+        roles.update({"feed_forward.shared_expert.w1": "colwise", "feed_forward.shared_expert.w3": "colwise",
+                      "feed_forward.shared_expert.w2": "rowwise"})
+    if roles:
+        norms = ["attention_norm", "ffn_norm"]
+        norms += (["attention.q_norm", "attention.k_norm"] if c.attention == "gqa" and c.qk_norm else [])
+        norms += (["attention.q_norm"] if c.attention == "mla" and c.q_lora_rank else [])
+        norms += (["attention.kv_norm"] if c.attention == "mla" else [])
+        roles.update({n: "norm" for n in norms})
+        roles.update(TOP_ROLES)
+    if c.attention == "gqa":
+        tensors = 4 + (2 if c.qk_norm else 0)
+    else:
+        tensors = (3 if c.q_lora_rank else 1) + 4
+    tensors += 2 + 1 + 3 + (3 if fs else 0)
+    return ModelProfile(
+        name=name or c.family,
+        family=c.family,
+        num_layers=c.n_layers,
+        hidden=h,
+        num_heads=c.n_heads,
+        num_kv_heads=c.n_kv_heads if c.attention == "gqa" else c.n_heads,
+        ffn_hidden=c.ffn_hidden,
+        vocab_size=V,
+        seq_len=seq_len,
+        params_total=total,
+        params_per_block=moe_block,
+        params_embedding=embedding,
+        params_head=head,
+        flops_per_token_block=float(6 * (att["matmul"] + h * E + k * per_expert + 3 * h * fs) + core_flops),
+        flops_per_token_head=float(6 * h * V),
+        act_bytes_per_token_block={"none": float(none), "selective": float(selective), "full": float(ACT_BYTES * h)},
+        act_bytes_per_token_head=float(ACT_BYTES * 2 * h + 4 + 4 * V + 16),
+        tp_roles=roles,
+        tp_roles_reason="" if roles else "MLA attention without shared experts: no column->row pair derived",
+        tied_embeddings=False,
+        block_path="layers",
+        source="analytic",
+        max_seq_len=c.max_seq_len,
+        ops_per_block=moe_ops_per_block(c),
+        ops_head=OPS_HEAD["llama"],
+        tensors_per_block=tensors,
+        tensors_other=3,
+        num_experts=E,
+        experts_per_token=k,
+        num_shared_experts=c.n_shared_experts,
+        expert_hidden=fe,
+        params_per_expert=per_expert,
+        num_dense_layers=c.n_dense_layers,
+        params_per_dense_block=dense_block if c.n_dense_layers else 0,
+        flops_per_token_dense_block=(float(6 * (att["matmul"] + 3 * h * c.ffn_hidden) + core_flops)
+                                     if c.n_dense_layers else 0.0),
+        params_active=total - c.n_moe_layers * (E - k) * per_expert,
     )

@@ -65,10 +65,43 @@ class ModelProfile:
     tensors_other: int = 0
     """Parameter tensors outside the blocks."""
 
+    # ---- mixture of experts (all 0 for a dense model) ----------------------------------------
+    num_experts: int = 0
+    """Routed experts per MoE block; 0 for a dense model."""
+    experts_per_token: int = 0
+    """Routed experts each token is sent to (top-k)."""
+    num_shared_experts: int = 0
+    """Experts every token goes through (DeepSeek's shared expert)."""
+    expert_hidden: int = 0
+    """SwiGLU hidden width of one routed expert."""
+    params_per_expert: int = 0
+    """Parameters of one routed expert (w1, w2, w3)."""
+    num_dense_layers: int = 0
+    """Leading blocks with a dense feed-forward instead of experts (DeepSeek-V3: 3). They are
+    counted in num_layers; their sizes are the *_dense_block fields, every other block is a MoE block
+    described by the *_block fields."""
+    params_per_dense_block: int = 0
+    flops_per_token_dense_block: float = 0.0
+    params_active: int = 0
+    """Parameters one token is computed with (routed experts: only its top-k); 0 means params_total
+    (a dense model)."""
+
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token for the whole model (6N + attention convention, see docs)."""
-        return self.num_layers * self.flops_per_token_block + self.flops_per_token_head
+        """Training FLOPs per token for the whole model (6N + attention convention, see docs); for an
+        MoE the N counts only the experts a token is routed to (active parameters)."""
+        dense_fix = self.num_dense_layers * (self.flops_per_token_dense_block - self.flops_per_token_block)
+        return self.num_layers * self.flops_per_token_block + dense_fix + self.flops_per_token_head
+
+    @property
+    def active_params(self) -> int:
+        """Parameters used per token: params_total for a dense model, fewer for a mixture of experts."""
+        return self.params_active or self.params_total
+
+    @property
+    def expert_params_total(self) -> int:
+        """All routed-expert parameters (what expert parallelism shards): 0 for a dense model."""
+        return (self.num_layers - self.num_dense_layers) * self.num_experts * self.params_per_expert
 
     def to_dict(self) -> dict:
         """JSON-serialisable dict of all fields."""

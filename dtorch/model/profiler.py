@@ -231,9 +231,12 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
                and not n.startswith(block_path + ".") and m.out_features == vocab]
     tied = any(id(m.weight) in emb_params for _, m in outputs)
 
+    experts = _expert_shapes(blocks[0])
+
     # -- one forward of a one-block copy on fake tensors --
     _keep_first_block(container)
     block = next(container.children())
+    assignments = _install_balanced_routing(model)
     model.to(dtype)
     for m in model.modules():
         if type(m) is nn.RMSNorm:
@@ -310,8 +313,15 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
     ffn = _cfg(cfg, "ffn_hidden", "intermediate_size", "n_inner") or 4 * _cfg(cfg, "n_embd") or max(
         (m.out_features for m in block.modules() if isinstance(m, nn.Linear) and m.out_features != hidden),
         default=0)
-    family = {"Llama": "llama", "LlamaForCausalLM": "llama", "GPT": "gpt", "GPT2LMHeadModel": "gpt"}.get(
-        type(model).__name__, "custom")
+    family = {"Llama": "llama", "LlamaForCausalLM": "llama", "GPT": "gpt", "GPT2LMHeadModel": "gpt",
+              "MoETransformer": "moe"}.get(type(model).__name__, "custom")
+    moe = {}
+    if experts is not None and assignments:
+        num_experts, per_expert, expert_hidden = experts
+        top_k = sum(assignments) // (tokens_n * len(assignments))  # assignments per token, per MoE layer
+        moe = dict(num_experts=num_experts, experts_per_token=top_k, params_per_expert=per_expert,
+                   expert_hidden=expert_hidden, num_shared_experts=int(_cfg(cfg, "n_shared_experts")),
+                   params_active=params_total - num_layers * (num_experts - top_k) * per_expert)
     return ModelProfile(
         name=name or type(model).__name__,
         family=family,
@@ -344,7 +354,38 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         ops_head=rec.ops_other,
         tensors_per_block=tensors_block,
         tensors_other=tensors_other,
+        **moe,
     )
+
+
+# ---- mixtures of experts -----------------------------------------------------------------------
+def _expert_shapes(block: nn.Module) -> tuple[int, int, int] | None:
+    """(routed experts, parameters per expert, expert hidden width) of a block holding stacked expert
+    weights (a module declaring the `dispatcher` hook, weights [num_experts, ...]); None if dense."""
+    for m in block.modules():
+        if hasattr(type(m), "dispatcher"):
+            weights = list(m.parameters(recurse=False))
+            if weights and all(w.dim() == 3 for w in weights):
+                n = weights[0].shape[0]
+                return n, sum(w.numel() for w in weights) // n, int(weights[0].shape[1])
+    return None
+
+
+def _install_balanced_routing(model: nn.Module) -> list[int]:
+    """On fake tensors the router's choices cannot be read: modules that declare the
+    `assignment_counts` hook get balanced per-expert counts (FLOPs and saved bytes are linear in the
+    counts, so any split of the same total measures the same). Returns the list that records each
+    routed layer's number of assignments."""
+    seen: list[int] = []
+
+    def balanced(n: int, num_experts: int) -> list[int]:
+        seen.append(n)
+        return [n // num_experts + (1 if e < n % num_experts else 0) for e in range(num_experts)]
+
+    for m in model.modules():
+        if hasattr(type(m), "assignment_counts"):
+            m.assignment_counts = balanced
+    return seen
 
 
 def _cfg(cfg: Any, *keys: str) -> int:

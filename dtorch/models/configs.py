@@ -219,6 +219,9 @@ class MoEConfig:
             raise ConfigError("score_func", self.score_func, "use 'softmax' or 'sigmoid'")
         if self.rope_dim % 2:
             raise ConfigError("head_dim", self.rope_dim, "the RoPE width must be even")
+        if self.attention == "mla" and self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ConfigError("v_head_dim", self.v_head_dim, "at most qk_nope_head_dim + qk_rope_head_dim = "
+                              f"{self.qk_nope_head_dim + self.qk_rope_head_dim} (values are padded to that width)")
         if self.top_k > self.n_experts:
             raise ConfigError("top_k", self.top_k, f"at most n_experts={self.n_experts}")
         if not 0 <= self.n_dense_layers <= self.n_layers:

@@ -122,12 +122,15 @@ class MLAttention(nn.Module):
         heads = q.shape[2]
         q = torch.cat([q_nope, apply_rope(q_pe, cos, sin)], dim=-1).transpose(1, 2)
         k = torch.cat([k_nope, k_pe.expand(b, s, heads, self.rope)], dim=-1).transpose(1, 2)
-        v = v.transpose(1, 2)
+        # Fused attention kernels (flash) want one head width for q, k and v: values are zero-padded
+        # to the query/key width and the padding is cut from the output (it stays exactly zero).
+        qk = self.nope + self.rope
+        v = F.pad(v, (0, qk - self.v_dim)).transpose(1, 2)
         if self.core_attention is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = self.core_attention(q, k, v, enable_gqa=False)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(y[..., : self.v_dim].transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
