@@ -1,0 +1,195 @@
+"""Expert parallelism (EP): the routed experts of every MoE block sharded over an ``ep`` mesh axis.
+
+Where the ep ranks come from. EP does not add ranks of its own: it is *borrowed* from the ranks
+that already split the tokens, the data-parallel ones (dp_shard, and cp where context parallelism
+runs, as torchtitan does). Those ranks hold the same non-expert weights but different tokens; EP
+gives each of `ep` consecutive ranks 1/ep of the experts instead of all of them, and moves every
+token to the rank that holds its expert. So, with D = dp_replicate * dp_shard * cp data-parallel
+ranks (tp ranks are not borrowed: tensor-parallel ranks see the same tokens)
+
+    ep divides D;  edp = D / ep  ranks hold each expert ("expert data parallel")
+    world = pp * D * tp  is unchanged by ep.
+
+The 2-D mesh (`expert_mesh`) is ``(edp, ep)`` with ep innermost (consecutive ranks, the fastest
+links for the all-to-all); its flattened ``dp`` axis covers all D ranks.
+
+A step, per MoE block (`_dispatch`, installed as the `GroupedExperts.dispatcher` hook):
+  1. routing runs unchanged on the rank's own tokens (identical to one process: the router is
+     replicated and sees the same tokens), giving assignments sorted by expert and per-expert counts;
+  2. the counts are exchanged (all_to_all_single, equal splits), so each rank learns how many rows
+     it receives from every rank for each of its local experts;
+  3. dispatch: the assignments' hidden states are exchanged with variable splits (rows for the
+     experts of rank j go to rank j), regrouped from (source rank, expert) to (expert, source) order;
+  4. the local experts compute, one matmul chain per expert (GroupedExperts.compute);
+  5. combine: the inverse regrouping and the inverse all-to-all bring every output row back to
+     the rank and position it came from; the model applies the gate weights and sums.
+Both all-to-alls are autograd-aware (`_AllToAll`: backward is the all-to-all with the splits
+swapped), so backward moves the gradients the same way in reverse. No token is dropped: the
+split sizes are whatever the router chose (dropless); a `capacity_factor` in the model config
+caps the counts before dispatch, identically with or without EP.
+
+Gradients. The objective is the mean of the D ranks' losses. A non-expert weight is replicated on
+all D ranks: its gradient is averaged over ``dp``. An expert weight lives on the edp ranks that
+hold the same expert; each already received, through the all-to-all backward, the contributions
+of all ep ranks of its group, so its gradient is *summed* over ``edp`` and divided by D (not by
+edp): `all_reduce_gradients` does this for replicated training, and `apply_fsdp_with_experts`
+shards the expert weights over ``edp`` with gradient divide factor D (torch's FSDP2) and the other
+weights over ``dp``.
+
+The auxiliary-loss-free bias update needs the expert loads of all D ranks: `apply_expert_parallel`
+installs `MoETransformer.load_all_reduce` summing them over ``dp``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dtorch.errors import ConfigError
+
+__all__ = ["apply_expert_parallel", "expert_mesh", "expert_parameters", "all_reduce_gradients",
+           "apply_fsdp_with_experts", "dispatch_bytes"]
+
+
+def expert_mesh(ep: int, device_type: str = "cpu", world_size: int | None = None) -> DeviceMesh:
+    """The ``(edp, ep)`` mesh over `world_size` data-parallel ranks (default: the whole world), ep
+    innermost, with the flattened ``dp`` axis registered. Raises ConfigError if ep does not divide it."""
+    world = dist.get_world_size() if world_size is None else world_size
+    if not isinstance(ep, int) or ep < 1 or world % ep:
+        ok = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError("ep", ep, f"must divide the {world} data-parallel ranks; use ep in {ok}")
+    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    mesh[("edp", "ep")]._flatten("dp")
+    return mesh
+
+
+def _expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules that declare the `dispatcher` hook (dtorch.models.moe.GroupedExperts)."""
+    return [m for m in model.modules() if hasattr(type(m), "dispatcher")]
+
+
+def expert_parameters(model: nn.Module) -> set[int]:
+    """ids of the routed-expert parameters (sharded over ep; reduced over edp)."""
+    return {id(p) for m in _expert_modules(model) for p in m.parameters()}
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep on this rank only its 1/ep of every MoE block's experts, as DTensors Shard(0) over
+    ``mesh["ep"]``, and install the all-to-all dispatcher. `mesh`: from `expert_mesh` (axes
+    ``edp``, ``ep``; its ``dp`` axis sums the expert loads for the bias update). Works on a model on
+    the meta device too (then `init_weights` fills each rank's shard with the single-process values).
+
+    Raises ConfigError when ep does not divide a block's number of experts."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_mesh = mesh["ep"]
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    group = ep_mesh.get_group()
+    for experts in _expert_modules(model):
+        n = experts.w1.shape[0]
+        if n % ep:
+            ok = [d for d in range(1, n + 1) if n % d == 0]
+            raise ConfigError("ep", ep, f"must divide n_experts={n}; use ep in {ok}")
+        local = n // ep
+        for name, p in list(experts.named_parameters(recurse=False)):
+            shard = p.detach()[rank * local:(rank + 1) * local].clone()
+            dt = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+            setattr(experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        experts.dispatcher = partial(_dispatch, group=group, ep=ep)
+    if hasattr(type(model), "load_all_reduce"):
+        dp_group = mesh["dp"].get_group()
+        model.load_all_reduce = partial(dist.all_reduce, group=dp_group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits along dim 0; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def _expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Row order that turns the received buffer, (source rank, local expert)-major with recv[i, j]
+    rows per chunk, into (local expert, source rank)-major."""
+    sizes = recv.flatten()
+    starts = (sizes.cumsum(0) - sizes).view_as(recv)
+    parts = [torch.arange(int(starts[i, j]), int(starts[i, j] + recv[i, j]))
+             for j in range(recv.shape[1]) for i in range(recv.shape[0]) if recv[i, j]]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _dispatch(experts: nn.Module, x: torch.Tensor, counts: list[int], *, group, ep: int) -> torch.Tensor:
+    """The GroupedExperts.dispatcher of expert parallelism (see the module docstring, steps 2-5)."""
+    local = len(counts) // ep
+    send = torch.tensor(counts, dtype=torch.int64, device=x.device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_m, recv_m = send.view(ep, local).cpu(), recv.view(ep, local).cpu()
+    in_splits, out_splits = send_m.sum(1).tolist(), recv_m.sum(1).tolist()
+    received = _AllToAll.apply(x, out_splits, in_splits, group)
+    order = _expert_major(recv_m).to(x.device)
+    y = experts.compute(received[order], recv_m.sum(0).tolist())
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=x.device)
+    return _AllToAll.apply(y[back], in_splits, out_splits, group)
+
+
+def dispatch_bytes(counts_sent: list[int], hidden: int, element_bytes: int, rank: int, ep: int) -> int:
+    """Bytes this rank sends to *other* ranks in one dispatch (the combine sends as many back):
+    rows for experts held elsewhere times hidden times the element size."""
+    local = len(counts_sent) // ep
+    off_rank = sum(c for e, c in enumerate(counts_sent) if e // local != rank)
+    return off_rank * hidden * element_bytes
+
+
+@torch.no_grad()
+def all_reduce_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Replicated data parallelism with EP: non-expert gradients averaged over ``dp``; expert
+    gradients summed over ``edp`` and divided by the dp size (see the module docstring). Parameters
+    without a gradient are skipped."""
+    dp_group, edp_mesh = mesh["dp"].get_group(), mesh["edp"]
+    world = mesh["dp"].size()
+    experts = expert_parameters(model)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if id(p) in experts:
+            if edp_mesh.size() > 1:
+                dist.all_reduce(g, group=edp_mesh.get_group())
+        else:
+            dist.all_reduce(g, group=dp_group)
+        g.div_(world)
+
+
+def apply_fsdp_with_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:
+    """FSDP2 with EP: every block's expert weights are one FSDP unit over ``edp`` (gradient divide
+    factor = dp size, so that the sum over the ep group becomes the global mean), the rest of each
+    block one unit over ``dp``, the embedding/head the root unit. Call after apply_expert_parallel."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = mesh["dp"].size()
+    for experts in _expert_modules(model):
+        fully_shard(experts, mesh=mesh["edp"], **fsdp_kwargs)
+        experts.set_gradient_divide_factor(float(world))
+        if mesh["edp"].size() > 1 and dist.get_backend(mesh["edp"].get_group()) == "gloo":  # no PREMUL_SUM
+            experts.set_force_sum_reduction_for_comms(True)
+    layers = getattr(model, "layers", None)
+    for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers or []):
+        fully_shard(block, mesh=mesh["dp"], **fsdp_kwargs)
+    fully_shard(model, mesh=mesh["dp"], **fsdp_kwargs)
