@@ -69,8 +69,12 @@ def _worker(case, rank):
     import torch.distributed as dist
 
     from dtorch.models import build_model
-    from dtorch.parallel.expert import (all_reduce_gradients, apply_expert_parallel, apply_fsdp_with_experts,
-                                        expert_mesh)
+    from dtorch.parallel.expert import (
+        all_reduce_gradients,
+        apply_expert_parallel,
+        apply_fsdp_with_experts,
+        expert_mesh,
+    )
 
     torch.manual_seed(0)
     data = _data(case)
