@@ -173,3 +173,27 @@ def test_moe_profiles_do_not_import_torch():
     code = ("import sys; from dtorch.model import profile; p = profile('deepseek-v3', 4096); "
             "assert p.params_total > 6e11; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_activation_checkpointing_recomputes_the_same_routing_and_gradients():
+    """Recompute re-routes the same tokens (deterministic), so gradients are exact; it counts the
+    expert loads twice, which leaves the sign-based bias update unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    results = []
+    for use_ac in (False, True):
+        model = build_model("deepseek-tiny")
+        h = model.tok_embeddings(tokens)
+        cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+        for block in model.layers.values():
+            h = checkpoint(block, h, cos, sin, use_reentrant=False) if use_ac else block(h, cos, sin)
+        F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), tokens.flatten()).backward()
+        model.update_expert_bias()
+        results.append(({n: p.grad for n, p in model.named_parameters()},
+                        [m.expert_bias.clone() for m in model.moe_modules()]))
+    (plain, bias_plain), (ac, bias_ac) = results
+    for name in plain:
+        torch.testing.assert_close(ac[name], plain[name], msg=name)
+    for a, b in zip(bias_plain, bias_ac):
+        assert torch.equal(a, b)
