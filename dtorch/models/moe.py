@@ -172,7 +172,11 @@ class GroupedExperts(nn.Module):
         assert len(counts) == w1.shape[0], (len(counts), w1.shape)
         outs = [F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
                 for e, xe in enumerate(x.split(counts)) if counts[e]]
-        return torch.cat(outs) if outs else x.new_zeros(x.shape)
+        if not outs:  # no token for any expert here (possible under EP): keep the input and the weights
+            # in the graph, so that backward still runs the dispatch all-to-all that the other ranks
+            # run and the weights get (zero) gradients like theirs
+            return x.new_zeros(x.shape) + 0.0 * (x.sum() + w1.sum() + w2.sum() + w3.sum())
+        return torch.cat(outs)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

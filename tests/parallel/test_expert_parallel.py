@@ -24,12 +24,17 @@ CASES_2 = {
     "moe_ep2": dict(spec="moe-tiny", ep=2, batch=4),
     "deepseek_ep2": dict(spec="deepseek-tiny", ep=2, batch=4),
     "mixtral_ep2_fsdp": dict(spec="mixtral-tiny", ep=2, batch=4, fsdp=True),
+    # every token biased toward experts 0 and 1: rank 1 holds experts 4-7 and receives no token
+    "skewed_ep2": dict(spec="moe-tiny", ep=2, batch=4, skew=True),
+    "skewed_ep2_fsdp": dict(spec="moe-tiny", ep=2, batch=4, skew=True, fsdp=True),
+    "meta_init_ep2": dict(spec="deepseek-tiny", ep=2, batch=4, meta=True),
 }
 CASES_4 = {
     "moe_ep4": dict(spec="moe-tiny", ep=4, batch=8),
     "moe_ep2_edp2": dict(spec="moe-tiny", ep=2, batch=8),
     "moe_ep2_x_fsdp4": dict(spec="moe-tiny", ep=2, batch=8, fsdp=True),
     "deepseek_ep4_x_fsdp4": dict(spec="deepseek-tiny", ep=4, batch=4, fsdp=True),
+    "ep_must_divide_experts": dict(spec="moe-tiny:experts=6", ep=4, batch=4, expect_error=True),
 }
 
 
@@ -79,14 +84,32 @@ def _worker(case, rank):
     torch.manual_seed(0)
     data = _data(case)
     world = dist.get_world_size()
+    if case.get("expect_error"):
+        from dtorch.errors import ConfigError
+
+        model = build_model(case["spec"])
+        try:
+            apply_expert_parallel(model, expert_mesh(case["ep"]))
+        except ConfigError as e:
+            return {"config_error": str(e)}
+        return {"config_error": None}
     reference = build_model(case["spec"])
+    _skew(reference, case)
     ref_grads = {}
     ref_losses = _train(reference, data, first_grads=lambda m: ref_grads.update(
         {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
 
-    model = build_model(case["spec"])
     mesh = expert_mesh(case["ep"])
-    apply_expert_parallel(model, mesh)
+    if case.get("meta"):  # EP applied to a weightless skeleton, then each rank fills its own shard
+        with torch.device("meta"):
+            model = build_model(case["spec"])
+        apply_expert_parallel(model, mesh)
+        model.to_empty(device="cpu")
+        model.init_weights()
+    else:
+        model = build_model(case["spec"])
+        apply_expert_parallel(model, mesh)
+    _skew(model, case)
     if case.get("fsdp"):
         apply_fsdp_with_experts(model, mesh)
         after = None
@@ -130,6 +153,12 @@ def _worker(case, rank):
     return {"ref": ref_losses, "ep": losses, "expert_weight_rel_err": worst, "bias_l1": biases, "grad_err": grad_err}
 
 
+def _skew(model, case):
+    if case.get("skew"):
+        for m in model.moe_modules():
+            m.expert_bias[:2] = 10.0  # selection only: scores stay below 1
+
+
 @cache
 def _results(world: int) -> dict:
     cases = CASES_2 if world == 2 else CASES_4
@@ -143,6 +172,9 @@ def test_expert_parallel_losses_match_single_process(world, name):
     for r in per_rank:
         assert "error" not in r, r.get("error")
     res = per_rank[0]
+    if "config_error" in res:
+        assert all("ep" in r["config_error"] and "n_experts=6" in r["config_error"] for r in per_rank)
+        return
     for step, (a, b) in enumerate(zip(res["ep"], res["ref"]), 1):
         assert a == pytest.approx(b, rel=REL), f"step {step}: ep {a} vs single-process {b}"
     assert len(set(str(r["ep"]) for r in per_rank)) == 1  # every rank reports the same global loss
