@@ -215,7 +215,7 @@ def moe_ops_per_block(c: MoEConfig) -> int:
     ops += 3 if c.norm_topk_prob and c.top_k > 1 else 0
     ops += 9 if c.n_shared_experts else 0
     ops += (13 + (2 if c.score_func == "sigmoid" else 0)) if c.aux_loss_coef > 0 else 0
-    ops += 3 if c.bias_update_speed > 0 else 0
+    ops += 2 if c.bias_update_speed > 0 else 0
     ops += 10 if c.n_expert_groups > 1 else 0
     if c.attention == "gqa":
         ops += 18 if c.qk_norm else 0

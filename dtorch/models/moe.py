@@ -213,7 +213,8 @@ class MoE(nn.Module):
                               if config.n_shared_experts else None)
         # Persistent: the auxiliary-loss-free bias is training state (checkpointed).
         self.register_buffer("expert_bias", torch.zeros(config.n_experts), persistent=True)
-        self.register_buffer("expert_load", torch.zeros(config.n_experts), persistent=False)
+        # int64: exact counts, and left alone by model.to(bfloat16)
+        self.register_buffer("expert_load", torch.zeros(config.n_experts, dtype=torch.int64), persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
 
     def route(self, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,7 +260,7 @@ class MoE(nn.Module):
         out = out.view(b, s, h)
         if self.training and c.bias_update_speed > 0:
             with torch.no_grad():
-                self.expert_load += counts_t.to(self.expert_load.dtype)
+                self.expert_load += counts_t
         self.last_aux_loss = None
         if self.training and c.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.balance_loss(scores, idx, b, s)
@@ -289,9 +290,9 @@ class MoE(nn.Module):
     def update_bias(self) -> None:
         """Move each expert's selection bias by bias_update_speed toward equal load (the counted load
         since the last call; `expert_load` must already be summed over data-parallel ranks)."""
-        load = self.expert_load
-        self.expert_bias += self.config.bias_update_speed * torch.sign(load.mean() - load)
-        load.zero_()
+        load = self.expert_load.double()
+        self.expert_bias += self.config.bias_update_speed * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+        self.expert_load.zero_()
 
 
 class TransformerBlock(nn.Module):

@@ -100,7 +100,7 @@ def test_bias_update_moves_load_toward_balance():
         moe.router.weight[0] += 1.0  # expert 0 overloaded
     model.train()
     model(torch.randint(0, 256, (2, 32)))
-    load = moe.expert_load.clone()
+    load = moe.expert_load.clone().double()
     model.update_expert_bias()
     over, under = load > load.mean(), load < load.mean()
     assert (moe.expert_bias[over] < 0).all() and (moe.expert_bias[under] > 0).all()
@@ -197,3 +197,16 @@ def test_activation_checkpointing_recomputes_the_same_routing_and_gradients():
         torch.testing.assert_close(ac[name], plain[name], msg=name)
     for a, b in zip(bias_plain, bias_ac):
         assert torch.equal(a, b)
+
+
+def test_expert_major_regrouping_and_dispatch_bytes():
+    from dtorch.parallel.expert import _expert_major, dispatch_bytes
+
+    # from 2 source ranks, 2 local experts: rows [s0e0 x2, s0e1 x1, s1e0 x0, s1e1 x3]
+    recv = torch.tensor([[2, 1], [0, 3]])
+    assert _expert_major(recv).tolist() == [0, 1, 2, 3, 4, 5]  # e0: s0 rows; e1: s0 row, then s1 rows
+    recv = torch.tensor([[1, 2], [3, 1]])  # buffer: s0e0 [0], s0e1 [1, 2], s1e0 [3, 4, 5], s1e1 [6]
+    assert _expert_major(recv).tolist() == [0, 3, 4, 5, 1, 2, 6]
+    # 4 experts over ep=2: rank 0 keeps experts 0-1, sends rows for experts 2-3
+    assert dispatch_bytes([5, 1, 2, 3], hidden=8, element_bytes=4, rank=0, ep=2) == 5 * 8 * 4
+    assert dispatch_bytes([5, 1, 2, 3], hidden=8, element_bytes=4, rank=1, ep=2) == 6 * 8 * 4
