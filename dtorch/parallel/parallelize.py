@@ -10,6 +10,7 @@ slice by slice (`weights=`); see materialize.py for the seed path of other modul
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,11 @@ def parallelize(
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     check_cp(plan, model)
+    speed = getattr(getattr(model, "config", None), "bias_update_speed", 0)
+    if speed > 0:  # a setting nobody applies must not pass silently (docs/moe.md, "Not done yet")
+        warnings.warn(f"bias_update_speed={speed}: the trainer does not run the auxiliary-loss-free expert bias "
+                      "update yet, so that balancing is off; call model.update_expert_bias() after each optimizer "
+                      "step, or use bias_update_speed=0 to silence this", stacklevel=2)
     if plan.tp > 1:
         check_roles(model, plan.sp)
     device = torch.device(device) if device is not None else default_device()
