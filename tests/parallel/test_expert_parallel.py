@@ -3,8 +3,10 @@ at world 2 and 4, EP alone (replicated non-expert weights, gradients all-reduced
 (non-expert weights sharded over all data-parallel ranks, expert weights over the ranks holding the
 same experts), give per-step losses (LM loss + load-balancing loss) within 1e-5 relative of one
 process training on the whole global batch, and the same expert weights afterwards. The
-auxiliary-loss-free bias update runs every step (loads summed over ranks). One group of 2 and one
-of 4 gloo processes run all cases (about 10 s together on 2 shared cores)."""
+auxiliary-loss-free bias update runs every step (loads summed over ranks). Also: a rank that receives
+no token, EP on a meta-device model, activation checkpointing over EP, and the error for an ep that
+does not divide the experts. One group of 2 and one of 4 gloo processes run all cases (about 35 s of
+CPU together; the cases themselves take well under a second each, spawning the groups dominates)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ CASES_2 = {
     "skewed_ep2": dict(spec="moe-tiny", ep=2, batch=4, skew=True),
     "skewed_ep2_fsdp": dict(spec="moe-tiny", ep=2, batch=4, skew=True, fsdp=True),
     "meta_init_ep2": dict(spec="deepseek-tiny", ep=2, batch=4, meta=True),
+    # recompute re-runs routing and both all-to-alls inside backward, on every rank in the same order
+    "ac_full_ep2": dict(spec="deepseek-tiny", ep=2, batch=4, ac="full"),
+    "ac_selective_ep2": dict(spec="moe-tiny", ep=2, batch=4, ac="selective"),
+    "ac_full_ep2_fsdp": dict(spec="moe-tiny", ep=2, batch=4, ac="full", fsdp=True),
 }
 CASES_4 = {
     "moe_ep4": dict(spec="moe-tiny", ep=4, batch=8),
@@ -110,6 +116,10 @@ def _worker(case, rank):
         model = build_model(case["spec"])
         apply_expert_parallel(model, mesh)
     _skew(model, case)
+    if case.get("ac"):
+        from dtorch.parallel.ac import apply_ac
+
+        apply_ac(model, case["ac"])
     if case.get("fsdp"):
         apply_fsdp_with_experts(model, mesh)
         after = None
@@ -125,7 +135,7 @@ def _worker(case, rank):
 
     def compare_grads(m):  # after the gradient reduction of step 1: the global gradient itself
         for n, p in m.named_parameters():
-            n = n.replace("_fsdp_wrapped_module.", "")
+            n = n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             kind = "expert" if n.endswith(("experts.w1", "experts.w2", "experts.w3")) else "other"
             err = float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max())
@@ -138,7 +148,7 @@ def _worker(case, rank):
     worst = 0.0
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        name = name.replace("_fsdp_wrapped_module.", "")
+        name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
         if not name.endswith(("experts.w1", "experts.w2", "experts.w3")):
             continue
         full = (p.full_tensor() if case.get("fsdp") else p.to_local()).detach()
