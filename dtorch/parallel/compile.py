@@ -25,8 +25,16 @@ models) compile with graph breaks allowed, so an untraceable line runs eagerly i
 
 What compile refuses (ConfigError, from `check_compile`, before any process group exists):
 random ops (dropout p > 0) inside tensor-parallel blocks, whose per-shard random streams
-(dtorch.parallel.rng) switch generator states eagerly around the block; and a machine without the
-compiler Inductor needs (a C++ compiler on CPU, Triton on CUDA).
+(dtorch.parallel.rng) switch generator states eagerly around the block; activation checkpointing
+with tensor parallelism (torch 2.13's AOT autograd fails on the checkpointed DTensor block:
+"expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"); and a machine
+without the compiler Inductor needs (a C++ compiler on CPU, Triton on CUDA).
+
+Measured to run at world 2 on gloo (4 AdamW steps, tests/parallel/test_compile.py pins the first
+three against eager): FSDP, TP, TP+SP, DDP, CP, PP (1F1B), FSDP with selective AC, transformers
+Llama (graph breaks allowed) and GPT-2 (adapter blocks, fullgraph) under FSDP and TP+SP. Dropout
+without TP compiles, but Inductor draws its own random numbers: the masks follow the same
+distribution, not eager's bits.
 
 Compile time is paid at the first step (forward and backward graphs) and reported by the trainer as
 a `compile` event; `dtorch.parallel.compile_record` stores it with the measured step-time gain.
@@ -84,6 +92,13 @@ def check_compile(plan, model: nn.Module, device_type: str = "cpu") -> None:
     missing = _compiler_missing(device_type)
     if missing:
         raise ConfigError("compile", True, f"{missing}; or set compile=false")
+    if plan.tp > 1 and plan.ac != "none":
+        raise ConfigError(
+            "compile", True,
+            f"torch {torch.__version__.split('+')[0]} cannot compile an activation-checkpointed block whose "
+            "layers are tensor-parallel (AOT autograd fails saving the DTensor's mesh for the recompute); "
+            "use ac=none, or compile=false, or tp=1",
+        )
     _, blocks = find_blocks(model)
     if plan.tp > 1 and any(has_random_ops(b) for _, b in block_items(blocks)):
         raise ConfigError(
@@ -118,3 +133,67 @@ def apply_compile(model: nn.Module) -> int:
         else:
             blocks[int(name)] = compiled
     return len(items)
+
+
+# ---- what compiling cost and gained -----------------------------------------------------------------
+def first_step_cost(step_times: list[float]) -> dict:
+    """What compilation added to a run, from its step times (seconds, first step first): `seconds`
+    = first step - median of the later ones (the first step traces and generates code for the
+    block's forward and backward graphs; an eager first step's own warm-up, a few ms on CPU, is
+    included), or the whole first step when there is no later one."""
+    first = float(step_times[0])
+    later = sorted(step_times[1:])
+    steady = later[len(later) // 2] if later else None
+    return {"seconds": max(0.0, first - steady) if steady is not None else first,
+            "first_step_s": first, "steady_step_s": steady, "steps_measured": len(step_times)}
+
+
+RECORD_KEY = "compile"
+RECORD_VERSION = 1
+HISTORY = 20
+
+
+def record_measurement(cluster_name: str, measurement: dict, *, save: bool = True) -> dict:
+    """Store one side-by-side measurement of eager and compiled steps under ``compile`` in the
+    calibration of `cluster_name` (dtorch.cluster.probe: the same file as the probe's and the
+    runtime feedback's numbers; $DTORCH_CALIBRATION_DIR). Returns the section as written.
+
+    `measurement` (one plan, one model, one machine): ``family``, ``plan``, ``model``,
+    ``world_size``, ``eager_step_s``, ``compiled_step_s`` (medians), ``compile_s`` and any context
+    (seq_len, param_dtype, torch, host, source). ``speedup`` = eager / compiled is added. The section
+    keeps the last HISTORY measurements and, per plan family and over all of them, the median
+    ``speedup`` and ``compile_s`` - what a planner reads (see docs/design.md, "torch.compile")."""
+    from dtorch.cluster.probe import CALIBRATION_VERSION, calibration_path, stored_calibration, write_calibration
+
+    for key in ("family", "eager_step_s", "compiled_step_s", "compile_s"):
+        if key not in measurement:
+            raise ConfigError(f"measurement.{key}", None, "a compile measurement needs family, eager_step_s, "
+                              "compiled_step_s and compile_s")
+    for key in ("eager_step_s", "compiled_step_s"):
+        v = measurement[key]
+        if not (isinstance(v, (int, float)) and v > 0):
+            raise ConfigError(f"measurement.{key}", v, "a positive number of seconds per step")
+    m = {**measurement, "speedup": measurement["eager_step_s"] / measurement["compiled_step_s"]}
+    doc = stored_calibration(cluster_name) or {
+        "version": CALIBRATION_VERSION, "cluster": cluster_name, "device": {}, "links": {},
+    }
+    old = doc.get(RECORD_KEY) or {}
+    history = [*(old.get("measurements") or []), m][-HISTORY:]
+
+    def summary(rows: list[dict]) -> dict:
+        return {"speedup": _median([r["speedup"] for r in rows]), "compile_s": _median([r["compile_s"] for r in rows]),
+                "samples": len(rows)}
+
+    section = {"version": RECORD_VERSION, **summary(history),
+               "by_family": {f: summary([r for r in history if r["family"] == f])
+                             for f in sorted({r["family"] for r in history})},
+               "measurements": history}
+    if save:
+        write_calibration({**doc, RECORD_KEY: section}, calibration_path(cluster_name))
+    return section
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
