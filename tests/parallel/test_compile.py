@@ -32,9 +32,19 @@ TINY = "llama-tiny:layers=2,heads=8,kv_heads=4"
 REL = 1e-5
 
 
+PLAN_HAS_FIELD = "compile" in {f.name for f in dataclasses.fields(Plan)}
+
+
 @dataclasses.dataclass
 class CompiledPlan(Plan):
     compile: bool = True
+
+    def to_dict(self) -> dict:
+        # (until Plan has the field, a stored plan document must not carry it: Plan.from_dict refuses it)
+        d = super().to_dict()
+        if not PLAN_HAS_FIELD:
+            d.pop("compile", None)
+        return d
 
 
 def _plan(**fields) -> Plan:
