@@ -131,6 +131,8 @@ def run(quick: bool = False, log=print, record: bool = True) -> dict[str, Any]:
         raise RuntimeError(f"compile worker failed:\n{r0['error']}")
     import torch
 
+    from dtorch.plan.plan import Plan
+
     cluster = _cluster_name()
     rows = []
     for name, fields in STRATEGIES.items():
@@ -152,7 +154,7 @@ def run(quick: bool = False, log=print, record: bool = True) -> dict[str, Any]:
             from dtorch.parallel.compile import record_measurement
 
             record_measurement(cluster, {
-                "family": name.replace("+SP", ""), "plan": fields, "model": MODEL, "world_size": WORLD,
+                "family": Plan(**fields).family(), "plan": fields, "model": MODEL, "world_size": WORLD,
                 "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "param_dtype": "float32",
                 "eager_step_s": e, "compiled_step_s": c, "compile_s": compile_s, "torch": torch.__version__,
                 "device_kind": "cuda" if torch.cuda.is_available() else "cpu",

@@ -37,7 +37,9 @@ without TP compiles, but Inductor draws its own random numbers: the masks follow
 distribution, not eager's bits.
 
 Compile time is paid at the first step (forward and backward graphs) and reported by the trainer as
-a `compile` event; `dtorch.parallel.compile_record` stores it with the measured step-time gain.
+a `compile` event (`first_step_cost`); `record_measurement` stores a side-by-side measurement of
+eager and compiled steps (benchmarks/bench_compile.py) in the cluster's calibration, where the
+planner reads the gain and the compile time.
 """
 
 from __future__ import annotations
@@ -163,7 +165,12 @@ def record_measurement(cluster_name: str, measurement: dict, *, save: bool = Tru
     (seq_len, param_dtype, torch, host, source). ``speedup`` = eager / compiled is added. The section
     keeps the last HISTORY measurements and, per plan family and over all of them, the median
     ``speedup`` and ``compile_s`` - what a planner reads (see docs/design.md, "torch.compile")."""
-    from dtorch.cluster.probe import CALIBRATION_VERSION, calibration_path, stored_calibration, write_calibration
+    from dtorch.cluster.probe import (
+        CALIBRATION_VERSION,
+        calibration_path,
+        stored_calibration,
+        write_calibration,
+    )
 
     for key in ("family", "eager_step_s", "compiled_step_s", "compile_s"):
         if key not in measurement:
