@@ -173,11 +173,13 @@ def test_trainer_reports_compile_time_and_its_checkpoint_resumes_eager(tmp_path:
 
     data = [torch.randint(0, 256, (_training.SEQ + 1,), generator=torch.Generator().manual_seed(i)) for i in range(64)]
 
-    def trainer(plan: Plan, run: str) -> Trainer:
+    def trainer(plan: Plan, run: str, **kw) -> Trainer:
         return Trainer(model=partial(_training.factory, TINY), data=data, global_batch=2, seq_len=_training.SEQ,
-                       plan=plan, lr_schedule=Constant(), checkpoint_dir=str(tmp_path / run), checkpoint_every=100, console=False)
+                       plan=plan, lr_schedule=Constant(), checkpoint_dir=str(tmp_path / run), checkpoint_every=100,
+                       console=False, **kw)
 
-    got = trainer(CompiledPlan(microbatch_size=2), "a").fit(3)
+    # (tracing collectives runs without torch's CommDebugMode under compile: monitor/live.py)
+    got = trainer(CompiledPlan(microbatch_size=2), "a", trace_comms=True).fit(3)
     assert got.compile_s is not None and got.compile_s > 0
     events = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     (ev,) = [e for e in events if e.get("event") == "compile"]
