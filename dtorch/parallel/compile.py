@@ -87,11 +87,12 @@ def _compiler_missing(device_type: str) -> str | None:
     return None
 
 
-def check_compile(plan, model: nn.Module, device_type: str = "cpu") -> None:
-    """Raise ConfigError if `plan` compiles and this model or machine cannot (see the module doc)."""
+def check_compile(plan, model: nn.Module, device_type: str | None = "cpu") -> None:
+    """Raise ConfigError if `plan` compiles and this model or machine cannot (see the module doc).
+    `device_type` None checks the plan and model only, not this machine's compiler (the dry run)."""
     if not compile_enabled(plan):
         return
-    missing = _compiler_missing(device_type)
+    missing = _compiler_missing(device_type) if device_type is not None else None
     if missing:
         raise ConfigError("compile", True, f"{missing}; or set compile=false")
     if plan.tp > 1 and plan.ac != "none":

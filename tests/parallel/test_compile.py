@@ -67,6 +67,14 @@ def test_checkpointed_tensor_parallel_blocks_are_refused() -> None:
     pc.check_compile(_plan(dp_shard=2, ac="selective"), _training.factory(TINY), "cpu")
 
 
+def test_the_dry_run_names_what_compile_refuses() -> None:
+    from dtorch.parallel.dryrun import verify
+
+    res = verify(_plan(tp=2, ac="full"), "llama-tiny:layers=2", 16)
+    assert "compile" in res["not_executable_because"] and "ac=none" in res["not_executable_because"]
+    assert verify(_plan(dp_shard=2), "llama-tiny:layers=2", 16)["not_executable_because"] is None
+
+
 def test_a_missing_cpu_compiler_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
