@@ -183,7 +183,8 @@ def markdown(result: dict) -> str:
              f"World {cfg['world_size']} (gloo, 1 thread per rank), `{cfg['model']}`, global batch "
              f"{cfg['global_batch']} x seq {cfg['seq_len']}, fp32, AdamW; {cfg['rounds']} alternating rounds x "
              f"{cfg['steps_per_round']} steps per side, medians. Compile time = compiled first step - its median "
-             "step, cold Inductor cache. The machine is shared with other jobs: compare the two columns of one "
+             "step, cold Inductor cache. The machine is shared with other jobs (load average "
+             f"{(cfg.get('load_average_end') or [float('nan')])[0]:.1f} at the end): compare the two columns of one "
              "row, measured side by side, not across runs.", "",
              "| strategy | eager ms/step | compiled ms/step | speedup (min-max over rounds) | compile s | "
              "steps to break even |", "|---|---|---|---|---|---|"]
