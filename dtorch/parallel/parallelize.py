@@ -3,8 +3,9 @@
 Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> context
 parallel hooks -> activation checkpointing -> torch.compile per block (plan.compile) -> FSDP2 /
 HSDP / DDP -> materialise from meta -> pipeline schedule. Everything up to materialisation runs
-on the meta device, so no rank ever holds more than its shard: reference models initialise rank-locally, pretrained weights are read
-slice by slice (`weights=`); see materialize.py for the seed path of other modules.
+on the meta device, so no rank ever holds more than its shard: reference models initialise
+rank-locally, pretrained weights are read slice by slice (`weights=`); see materialize.py for the
+seed path of other modules.
 """
 
 from __future__ import annotations
