@@ -3,7 +3,7 @@
     python -m benchmarks                      # everything (probe first: the sweep uses its calibration)
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
-                                              # d planner, e checkpoint, f recovery, g mainjob)
+                                              # d planner, e checkpoint, f recovery, g mainjob, h compile)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
 Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob")
+ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob", "compile")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
-           "g": "mainjob"}
+           "g": "mainjob", "h": "compile"}
 OWN_FILES = ("planner", "checkpoint")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
 TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0}
@@ -133,6 +133,12 @@ def section_mainjob(quick: bool) -> dict:
     return bench_mainjob.run(quick=quick, log=log)
 
 
+def section_compile(quick: bool) -> dict:
+    from benchmarks import bench_compile
+
+    return bench_compile.run(quick=quick, log=log)
+
+
 SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}
 
 
@@ -153,7 +159,7 @@ def _markdown(name: str, result: dict) -> str:
         return bench_sweep.markdown_gap(result)
     mod = _optional(name) if name in ("planner", "checkpoint", "recovery") else \
         importlib.import_module({"sweep": "benchmarks.bench_sweep", "overhead": "benchmarks.bench_overhead",
-                                 "mfu": "benchmarks.bench_mfu"}[name])
+                                 "mfu": "benchmarks.bench_mfu", "compile": "benchmarks.bench_compile"}[name])
     if mod is not None and hasattr(mod, "markdown"):
         try:
             return mod.markdown(result)
@@ -205,7 +211,7 @@ def _targets(sections: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=None, help="comma list of sections: " + ", ".join(ORDER) + " (or letters a-f)")
+    p.add_argument("--only", default=None, help="comma list of sections: " + ", ".join(ORDER) + " (or letters a-h)")
     p.add_argument("--quick", action="store_true", help="fewer plans, repetitions and sizes")
     p.add_argument("--out", default=str(RESULTS), help="results folder")
     args = p.parse_args(argv)
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         for x in args.only.split(","):
             x = LETTERS.get(x.strip(), x.strip())
             if x not in SECTIONS:
-                p.error(f"--only: unknown section {x!r}; use {', '.join(ORDER)} or letters a-f")
+                p.error(f"--only: unknown section {x!r}; use {', '.join(ORDER)} or letters a-h")
             names.append(x)
         names = [n for n in ORDER if n in names]
     out = Path(args.out)

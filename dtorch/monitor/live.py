@@ -87,6 +87,9 @@ class RunMonitor:
                 raise ConfigError("trace_comms", True, "tracing writes <log_dir>/comms-rank<r>.jsonl: give a log_dir "
                                   "or checkpoint_dir")
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            if getattr(plan, "compile", False) and rank == 0 and console:
+                print("dtorch: trace_comms with compile: per-module DTensor collective counts are not recorded "
+                      "(torch.compile cannot run under CommDebugMode)", file=sys.stderr, flush=True)
             self.comm.trace_to(trace_path(trace_dir, rank))
             self.comm.begin_step(first_step)
         self.collector = RankCollector(rank=rank, world=world, device=device, every=cfg.metrics_every or 1,
@@ -140,7 +143,9 @@ class RunMonitor:
     def trace_modules(self):
         """Around forward/backward: PyTorch's CommDebugMode when tracing (DTensor collectives per
         module), else nothing."""
-        if not self.cfg.trace_comms:
+        if not self.cfg.trace_comms or getattr(self.plan, "compile", False):
+            # CommDebugMode is a TorchDispatchMode, under which torch.compile cannot run (measured:
+            # "found no compiled frames"); see the warning in __init__
             return contextlib.nullcontext()
         from torch.distributed.tensor.debug import CommDebugMode
 

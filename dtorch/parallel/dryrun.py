@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from dtorch.errors import ConfigError
 from dtorch.parallel.check import check_executable, check_plan, model_dims
+from dtorch.parallel.compile import check_compile
 from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, uses_fsdp
 from dtorch.parallel.mesh import build_mesh, fsdp_mesh, sub_mesh
 from dtorch.parallel.pipeline import apply_pipeline_split, stage_ids
@@ -145,6 +146,8 @@ def verify(plan: Plan, model_spec: str, seq_len: int, cluster: Any = None) -> di
         check_plan(plan, model_dims(_build_meta(model_spec, seq_len)), seq_len=seq_len, executable=False)
     try:
         check_executable(plan)
+        with torch.device("meta"):  # torch.compile's limits (the compiler itself is the target's)
+            check_compile(plan, _build_meta(model_spec, seq_len), device_type=None)
         not_executable = None
     except ConfigError as e:  # the sharding is measurable even where this executor cannot run it yet
         not_executable = str(e)

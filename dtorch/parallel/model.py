@@ -189,7 +189,11 @@ class ParallelModel:
     def state_dict_for_checkpoint(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        from dtorch.parallel.materialize import clean_name
+
         state: dict[str, torch.Tensor] = {}
         for part in self.model_parts:
-            state.update(get_model_state_dict(part) if self.distributed else part.state_dict())
+            # (one process: torch.compile's `_orig_mod.` is in a plain state_dict's keys; take it out)
+            state.update(get_model_state_dict(part) if self.distributed
+                         else {clean_name(k): v for k, v in part.state_dict().items()})
         return state

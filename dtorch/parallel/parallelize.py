@@ -1,10 +1,11 @@
 """`parallelize(model_or_factory, plan)`: apply a Plan with PyTorch's own distributed stack.
 
 Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> context
-parallel hooks -> activation checkpointing -> FSDP2 / HSDP / DDP -> materialise from meta ->
-pipeline schedule. Everything up to materialisation runs on the meta device, so no rank ever
-holds more than its shard: reference models initialise rank-locally, pretrained weights are read
-slice by slice (`weights=`); see materialize.py for the seed path of other modules.
+parallel hooks -> activation checkpointing -> torch.compile per block (plan.compile) -> FSDP2 /
+HSDP / DDP -> materialise from meta -> pipeline schedule. Everything up to materialisation runs
+on the meta device, so no rank ever holds more than its shard: reference models initialise
+rank-locally, pretrained weights are read slice by slice (`weights=`); see materialize.py for the
+seed path of other modules.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from dtorch.errors import ConfigError
 from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_plan, model_dims
+from dtorch.parallel.compile import apply_compile, check_compile, compile_enabled
 from dtorch.parallel.cp import apply_cp, check_cp
 from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, uses_fsdp, wrap_ddp
 from dtorch.parallel.hf import adapt
@@ -87,6 +89,7 @@ def parallelize(
     if plan.tp > 1:
         check_roles(model, plan.sp)
     device = torch.device(device) if device is not None else default_device()
+    check_compile(plan, model, device.type)
     startup = Startup(model_or_factory, model, seed, weights)
 
     mesh = None
@@ -109,6 +112,8 @@ def parallelize(
         if plan.tp > 1 and not plan.sp:  # (with sp, whole blocks run on shard streams: tp.py)
             shard_attention_streams(part, sub_mesh(mesh, "tp"))
         apply_ac(part, plan.ac)
+        if compile_enabled(plan):  # after TP and AC, before FSDP: see compile.py
+            apply_compile(part)
         if uses_fsdp(plan):
             apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
         elif plan.dp_replicate > 1 and not classic_ddp(plan):

@@ -103,6 +103,18 @@ def _leave_shard_stream(module: nn.Module, args: tuple, kwargs: dict, output) ->
     gen.set_state(state)
 
 
+def has_random_ops(module: nn.Module) -> bool:
+    """`module` draws random numbers in training: a Dropout with p > 0, or a float attribute named
+    like a dropout probability (GPT's attention dropout, transformers' `attention_dropout`) above 0."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for name, value in vars(m).items():
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
 def shard_streams(blocks: list[nn.Module], tp_mesh: DeviceMesh) -> None:
     """Run every block in `blocks` (sequence-parallel blocks: all their activations are TP-sharded)
     on this TP rank's own shard stream (rule 3 above)."""

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtorch.errors import ConfigError
-from dtorch.parallel.rng import shard_streams
+from dtorch.parallel.rng import has_random_ops, shard_streams
 from dtorch.parallel.structure import ANNOTATION_HELP, block_items, find_blocks
 
 ROLES = ("colwise", "rowwise", "embedding", "output", "replicate")
@@ -165,8 +165,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
         if sp:
             gather_sequence_on_entry(block, bplan, tp_mesh)
     if sp:
-        # every random draw inside a sequence-parallel block is on a TP-sharded tensor (rng.py)
-        shard_streams([block for _, block in items], tp_mesh)
+        # every random draw inside a sequence-parallel block is on a TP-sharded tensor (rng.py);
+        # a block that draws nothing needs no stream switch (and stays traceable by torch.compile)
+        shard_streams([block for _, block in items if has_random_ops(block)], tp_mesh)
         first, last = items[0][1], items[-1][1]
         n = _num_positional_inputs(first)
         parallelize_module(first, tp_mesh, PrepareModuleInput(

@@ -37,9 +37,11 @@ class ModelState:
         for part in self.parallel.model_parts:
             if dist.is_initialized():
                 set_model_state_dict(part, sd, options=opts)
-            else:
-                own = part.state_dict()
-                part.load_state_dict({k: sd[k] for k in own if k in sd}, strict=False)
+            else:  # checkpoint keys are clean names; the part's may hold torch.compile's `_orig_mod.`
+                from dtorch.parallel.materialize import clean_name
+
+                own = {k: clean_name(k) for k in part.state_dict()}
+                part.load_state_dict({k: sd[c] for k, c in own.items() if c in sd}, strict=False)
 
 
 class OptimizerState:

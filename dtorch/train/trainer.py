@@ -55,6 +55,9 @@ class FitResult:
     """Per-step global mean loss, keyed by the 1-based step number."""
     plan: Plan | None = None
     wall_s: float = 0.0
+    compile_s: float | None = None
+    """With plan.compile: seconds the first step took beyond a steady step (torch.compile's tracing
+    and code generation), as in the `compile` event; None otherwise."""
 
 
 class Trainer:
@@ -468,6 +471,7 @@ class Trainer:
                                epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
         preemption = Preemption(self.world, self.device)
         from dtorch.monitor.metrics import StepMetrics, measured_gemm_peak, peak_memory_bytes
+        from dtorch.parallel.compile import compile_enabled
         from dtorch.train.data import batch_for
 
         tokens_per_step = self.global_batch * self.seq_len
@@ -541,6 +545,8 @@ class Trainer:
                 result.losses[self.step] = loss_f
                 step_times.append(dt)
                 result.steps_run += 1
+                if result.steps_run == 2 and compile_enabled(self.plan):
+                    result.compile_s = self._report_compile(step_times)
                 tps = tokens_per_step / dt
                 self.metrics.log(StepMetrics(
                     step=self.step, loss=loss_f, grad_norm=float(gnorm), lr=lr, step_time_s=dt,
@@ -574,6 +580,8 @@ class Trainer:
                     self.status.report("preempted", step=self.step, signal=preemption.signal, total_steps=steps,
                                        checkpoint_step=self.step if self.ckpt is not None else None)
                     raise SystemExit(EXIT_PREEMPTED)
+            if result.steps_run == 1 and compile_enabled(self.plan):  # no steady step to subtract
+                result.compile_s = self._report_compile(step_times)
             if self.ckpt is not None and (resumed is None or resumed < steps):
                 phase = "checkpoint"
                 self._save(final=True)
@@ -618,6 +626,18 @@ class Trainer:
             print(oom.message(rec), file=sys.stderr, flush=True)
         except Exception:  # noqa: BLE001 - naming the OOM must never hide it
             log.exception("could not record the out-of-memory error")
+
+    def _report_compile(self, step_times: list[float]) -> float:
+        """The `compile` event: what torch.compile cost this run at its first step (compile.py)."""
+        from dtorch.parallel.compile import first_step_cost
+
+        cost = first_step_cost(step_times)
+        self.metrics.event("compile", **cost)
+        if self.rank == 0 and self.console:
+            steady = cost["steady_step_s"]
+            print(f"dtorch: torch.compile took {cost['seconds']:.1f} s at the first step"
+                  + (f" (then {steady * 1e3:.0f} ms/step)" if steady is not None else ""), flush=True)
+        return cost["seconds"]
 
     def _feedback(self, step_times: list[float]) -> None:
         """Compare the measured step time and peak memory with the plan's prediction, log the gap,

@@ -41,7 +41,7 @@ import _training  # noqa: E402
 from dtorch.errors import ConfigError  # noqa: E402
 from dtorch.models import build_model  # noqa: E402
 from dtorch.parallel.pipeline import layer_partition, stage_ids  # noqa: E402
-from dtorch.parallel.rng import shard_stream_rank  # noqa: E402
+from dtorch.parallel.rng import has_random_ops, shard_stream_rank  # noqa: E402
 from dtorch.parallel.structure import block_items, find_blocks  # noqa: E402
 from dtorch.plan.plan import Plan  # noqa: E402
 from dtorch.train.losses import next_token  # noqa: E402
@@ -200,6 +200,8 @@ def _blocks(part: nn.Module) -> list[nn.Module]:
 
 
 def _inner(block: nn.Module) -> nn.Module:
+    """The model's own block under torch.compile's and activation checkpointing's wrappers."""
+    block = getattr(block, "_orig_mod", block)
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
@@ -265,7 +267,8 @@ def check_sp(plan: Plan, pm, rec: dict) -> None:
             inner = _inner(block)
             norm_tp = _dtensor_axes(inner.attention_norm.weight).get("tp")
             assert (norm_tp is not None) == plan.sp, (norm_tp, plan.describe())
-            assert (shard_stream_rank(inner) is not None) == plan.sp
+            # (a block that draws no random numbers needs no stream: tp.py)
+            assert (shard_stream_rank(inner) is not None) == (plan.sp and has_random_ops(inner))
             # without SP only the attention core (head shards) runs on the shard stream
             assert (shard_stream_rank(inner.attention) is not None) == (plan.tp > 1 and not plan.sp)
 
@@ -371,6 +374,14 @@ def check_seq_len(plan: Plan, pm, rec: dict) -> None:
         assert plan.seq_len == SEQ
 
 
+def check_compile(plan: Plan, pm, rec: dict) -> None:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for part in _parts(pm):
+        for block in _blocks(part):
+            assert isinstance(block, OptimizedModule) == bool(getattr(plan, "compile", False)), type(block)
+
+
 CHECKS = {
     "dp_replicate": check_dp_replicate, "dp_shard": check_dp_shard, "cp": check_cp, "tp": check_tp,
     "pp": check_pp, "sp": check_sp, "microbatch_size": check_microbatch_size,
@@ -380,6 +391,8 @@ CHECKS = {
     "param_dtype": check_param_dtype, "reduce_dtype": check_reduce_dtype,
     "global_batch": check_global_batch, "seq_len": check_seq_len,
 }
+if "compile" in {f.name for f in dataclasses.fields(Plan)}:  # the field the strategy registry adds
+    CHECKS["compile"] = check_compile
 INFORMATIONAL = {
     "model": "names the model the plan was made for; the model itself is passed to parallelize",
     "cluster": "names the cluster the plan was made for; the executor runs where it is launched",
