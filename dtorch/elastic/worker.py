@@ -247,9 +247,11 @@ def _take_snapshot(step: int) -> None:
     before = len(_snap.stall_s)
     _snap.take(step, _snapshot_state(_trainer))
     n = len(_snap.stall_s)
-    if n > before and n % 10 == 0:  # a take happened (snapshots may be off for this plan)  # the stall, for the drill report and the benchmark
-        recent = sorted(_snap.stall_s[-10:])
-        events.log("snapshot_stall", step=step, takes=n, median_s=recent[len(recent) // 2], max_s=recent[-1])
+    if n > before and n % 10 == 1 and n > 1:  # the stall of the last 10 takes (their waits are in), for the benchmark
+        recent = sorted(_snap.stall_s[-11:-1])
+        parts = {k: sorted(v[-10:])[len(v[-10:]) // 2] for k, v in _snap.parts_s.items() if v}
+        events.log("snapshot_stall", step=step, takes=n - 1, median_s=recent[len(recent) // 2], max_s=recent[-1],
+                   parts_median_s=parts)
 
 
 def _report_commit() -> None:
@@ -277,6 +279,10 @@ def _close_phase() -> None:
 def _on_phase(name: str, step: int) -> None:
     global _open_phase
     _close_phase()
+    if _snap is not None:
+        # the last step's snapshot copy ran alongside this step's data loading: join it before the
+        # step touches the state, so a failure from here on finds the previous step complete
+        _snap.wait()
     heartbeat.mark(step=step, phase=name)
     chaos.maybe_inject(step, name)
     _open_phase = (name, time.time())

@@ -31,6 +31,7 @@ def test_snapshot_restores_the_newest_step_bit_exactly_and_skips_a_torn_slot(tmp
     for step in (1, 2):
         random.seed(step)
         snap.take(step, {"m": _Box(step), "rng": RNGState()})
+    snap.wait()  # the copy runs on a side thread until joined
     expected = _Box(2).sd
     random.seed(2)
     want_draw = random.random()
@@ -41,6 +42,7 @@ def test_snapshot_restores_the_newest_step_bit_exactly_and_skips_a_torn_slot(tmp
     assert torch.equal(got["m"].sd["w"], expected["w"]) and got["m"].sd["h"].dtype == torch.bfloat16
     assert torch.equal(got["m"].sd["h"], expected["h"]) and got["m"].sd["groups"] == expected["groups"]
     snap.take(3, {"m": _Box(3)})
+    snap.wait()
     # a rank that dies while copying step 4 into slot 0 has removed that slot's header first,
     # then half-overwritten its buffers: the other slot (step 3) is what a restart gets
     (tmp_path / "rank0-slot0.hdr").unlink()
