@@ -60,9 +60,13 @@ def _train(d: str, steps: int, every: int, snapshot_every: int, timeout_s: float
         resumed = [s["step"] for s in steps_log if s["epoch"] > f_.get("epoch", -1)]
         if resumed:
             redone.append(f_["step"] - min(resumed) + 1)
-    return {"wall_s": wall, "losses": {x["step"]: x["loss"] for x in recs}, "report": report,
+    return {"wall_s": wall, "losses": {x["step"]: x["loss"] for x in recs}, "report": report, "steps": steps_log,
             "redone": redone, "median_step_s": statistics.median(x["step_time_s"] for x in recs),
             "stall_median_s": statistics.median(e["median_s"] for e in stalls) if stalls else None,
+            "stall_parts_median_s": {k: statistics.median(e["parts_median_s"][k] for e in stalls
+                                                          if k in e.get("parts_median_s", {}))
+                                     for k in ("state_dicts", "match", "wait", "copy")
+                                     if any(k in e.get("parts_median_s", {}) for e in stalls)},
             "snapshot_restores": len(restores)}
 
 
@@ -75,6 +79,20 @@ def run(quick: bool = False, log=print) -> dict[str, Any]:
         log("uninterrupted run ...")
         base = _train(f"{d}/base", steps, 0, 1, 900)
         out["uninterrupted_wall_s"] = base["wall_s"]
+        out["uninterrupted_median_step_s"] = base["median_step_s"]
+        out["uninterrupted_stall_median_s"] = base["stall_median_s"]
+        out["uninterrupted_stall_parts_median_s"] = base["stall_parts_median_s"]
+        if not quick:
+            # What the side thread's copy costs the steps it overlaps (it shares the cores and the
+            # GIL with the next step's data loading), side by side under the same load: with a
+            # snapshot after every 2nd step, the step after a snapshot against the step after none.
+            os.makedirs(f"{d}/base-every2")
+            log("uninterrupted run, snapshots every 2 steps ...")
+            e2 = _train(f"{d}/base-every2", steps, 0, 2, 900)
+            after = [x["seconds"] for x in e2["steps"] if x["step"] > 2 and x["step"] % 2 == 1]
+            other = [x["seconds"] for x in e2["steps"] if x["step"] > 2 and x["step"] % 2 == 0]
+            out["every2_median_step_after_snapshot_s"] = statistics.median(after)
+            out["every2_median_step_after_none_s"] = statistics.median(other)
         drills = {"snapshots every step": 1, "durable checkpoints only": 0}
         if quick:
             drills.pop("durable checkpoints only")
@@ -93,6 +111,7 @@ def run(quick: bool = False, log=print) -> dict[str, Any]:
                 "snapshot_restores": r["snapshot_restores"],
                 "median_step_s": r["median_step_s"],
                 "snapshot_stall_median_s": r["stall_median_s"],
+                "snapshot_stall_parts_median_s": r["stall_parts_median_s"],
                 "snapshot_stall_pct_of_step": (100 * r["stall_median_s"] / r["median_step_s"]
                                                if r["stall_median_s"] is not None else None),
                 "ettr": r["report"]["effective_ratio"],
@@ -123,6 +142,18 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {x['failures']} | {statistics.mean(redone):.1f} ({x['max_steps_redone']}) | "
                      f"{x['recovery_median_s']:.2f} s | {x['bit_identical']} | {stall} | {x['ettr']:.3f} | "
                      f"{x['uninterrupted_wall_over_drill_wall']:.3f} |")
+    parts = r.get("uninterrupted_stall_parts_median_s") or {}
+    if r.get("uninterrupted_stall_median_s") is not None:
+        lines += ["", f"Snapshot stall, uninterrupted run: {r['uninterrupted_stall_median_s'] * 1e3:.3f} ms median "
+                  f"({100 * r['uninterrupted_stall_median_s'] / r['uninterrupted_median_step_s']:.2f} % of the "
+                  f"{r['uninterrupted_median_step_s'] * 1e3:.1f} ms median step). Where it goes (median ms): "
+                  + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in parts.items())
+                  + " (state_dicts + match + wait block the step; copy runs on the side thread)."]
+    if r.get("every2_median_step_after_snapshot_s") is not None:
+        a, b = r["every2_median_step_after_snapshot_s"], r["every2_median_step_after_none_s"]
+        lines += ["", f"Side thread's cost to the step it overlaps (one run, snapshots every 2 steps, side by "
+                  f"side): median step after a snapshot {a * 1e3:.2f} ms, after none {b * 1e3:.2f} ms "
+                  f"({100 * (a - b) / b:+.2f} %)."]
     lines += ["", "Recovery phases (median s): " + "; ".join(
         f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[name]["recovery_phases_median_s"].items())
         for name in ("snapshots every step", "durable checkpoints only") if r.get(name)), "",

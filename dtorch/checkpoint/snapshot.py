@@ -152,6 +152,76 @@ def _meshes(obj: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    return (t._local_tensor if _is_dtensor(t) else t).data_ptr()
+
+
+class LiveModules:
+    """Modules as one Stateful over their native state dicts, for snapshots of the same plan.
+
+    Building a module's state dict walks every submodule in Python, which is most of what a
+    snapshot costs the training thread at small scale. Its tensors are views of the parameters'
+    and buffers' own storage, so the dict built at one step still reads the current values at
+    the next, as long as no parameter, buffer or submodule was added, removed or replaced and no
+    storage moved. `state_dict()` checks exactly that (one dictionary look-up, an identity test
+    and a pointer per tensor, a length per submodule) and reuses the dict while it holds; any
+    leaf that is not a parameter or buffer of these modules (a state-dict hook's own tensor, an
+    extra state) means the dict is rebuilt every time."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = list(modules)
+        self._cached: dict[str, Any] | None = None
+        self._checks: list[tuple[dict, str, Any, int]] = []
+        self._shape: list[tuple[Any, int]] = []
+
+    def _structure(self) -> list[tuple[Any, int]]:
+        out = []
+        for m in self.modules:
+            for sub in m.modules():
+                out += [(sub._modules, len(sub._modules)), (sub._parameters, len(sub._parameters)),
+                        (sub._buffers, len(sub._buffers))]
+        return out
+
+    def _bind(self, sd: dict[str, Any]) -> bool:
+        """Tie every leaf of `sd` to the live parameter or buffer whose storage it views."""
+        owners: dict[int, tuple[dict, str, Any]] = {}
+        for m in self.modules:
+            for sub in m.modules():
+                for d in (sub._parameters, sub._buffers):
+                    for name, t in d.items():
+                        if t is not None:
+                            owners[_storage_ptr(t)] = (d, name, t)
+        checks = []
+        for part in sd.values():
+            for v in part.values():
+                if not isinstance(v, torch.Tensor):
+                    return False
+                owner = owners.get(_storage_ptr(v))
+                if owner is None or owner[2].shape != v.shape:
+                    return False
+                checks.append((*owner, _storage_ptr(v)))
+        self._checks, self._shape = checks, self._structure()
+        return True
+
+    def _holds(self) -> bool:
+        for d, name, t, ptr in self._checks:
+            if d.get(name) is not t or _storage_ptr(t) != ptr:
+                return False
+        return all(len(d) == n for d, n in self._shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._cached is not None and self._holds():
+            return self._cached
+        sd = {str(i): m.state_dict() for i, m in enumerate(self.modules)}
+        self._cached = sd if self._bind(sd) else None
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._cached = None
+        for i, m in enumerate(self.modules):
+            m.load_state_dict(sd[str(i)])
+
+
 class Snapshotter:
     """Shared-memory snapshots of this rank's training state in `directory` (see module doc).
     `tag` identifies the configuration (plan): snapshots of another tag are never restored."""
@@ -160,9 +230,8 @@ class Snapshotter:
         self.dir = Path(directory)
         self.rank, self.world_size, self.tag = rank, world_size, tag
         self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
-        self._next = 0
-        self._dst: list[torch.Tensor] = []
         self._src: list[torch.Tensor] = []
+        self._refs: list[dict[str, Any]] = []
         self._mesh_keys: dict[int, str] = {}
         self._placement_docs: dict[tuple[Any, ...], list[list[Any]]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -179,32 +248,44 @@ class Snapshotter:
     def _header(self, slot: int) -> Path:
         return self.dir / f"rank{self.rank}-slot{slot}.hdr"
 
-    def _buffer(self, slot: int, t: torch.Tensor) -> dict[str, Any]:
-        """The header reference of the next tensor in traversal order; its shared buffer queued
-        as the destination of `t` (copied by the side thread)."""
-        i = self._next
-        self._next += 1
+    def _allocate(self, slot: int, i: int, t: torch.Tensor) -> None:
+        """Buffer `i` of `slot`, shaped like `t`: a file in the snapshot directory mapped shared."""
+        name = f"rank{self.rank}-slot{slot}-{i}.bin"
+        n = t.numel()
+        # reserve the pages now: a shared mapping of a file on a full tmpfs would SIGBUS on write
+        fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(1, n) * t.element_size())
+        finally:
+            os.close(fd)
+        buf = torch.from_file(str(self.dir / name), shared=True, size=max(1, n), dtype=t.dtype)[:n].view(t.shape)
+        ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         bufs = self._bufs[slot]
-        if i < len(bufs) and bufs[i][0].shape == t.shape and bufs[i][0].dtype == t.dtype:
-            buf, ref = bufs[i]
+        if i < len(bufs):
+            bufs[i] = (buf, ref)
         else:
-            name = f"rank{self.rank}-slot{slot}-{i}.bin"
-            n = t.numel()
-            # reserve the pages now: a shared mapping of a file on a full tmpfs would SIGBUS on write
-            fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, max(1, n) * t.element_size())
-            finally:
-                os.close(fd)
-            buf = torch.from_file(str(self.dir / name), shared=True, size=max(1, n), dtype=t.dtype)[:n].view(t.shape)
-            ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-            if i < len(bufs):
-                bufs[i] = (buf, ref)
-            else:
-                bufs.append((buf, ref))
-        self._dst.append(buf)
+            bufs.append((buf, ref))
+
+    def _buffer(self, slot: int, t: torch.Tensor) -> dict[str, Any]:
+        """The header reference of the next tensor in traversal order: an empty dict that the side
+        thread fills once it has matched `t` to its buffer (`_match`), so the training thread
+        spends no time on shapes and dtypes."""
+        ref: dict[str, Any] = {}
         self._src.append(t)
+        self._refs.append(ref)
         return ref
+
+    def _match(self, slot: int, src: list[torch.Tensor], refs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Side thread: the buffer of each tensor (kept between takes; a new one where the shape
+        or dtype differs from last time), its reference filled in."""
+        bufs, dst = self._bufs[slot], []
+        for i, t in enumerate(src):
+            if i >= len(bufs) or bufs[i][0].shape != t.shape or bufs[i][0].dtype != t.dtype:
+                self._allocate(slot, i, t)
+            buf, ref = bufs[i]
+            refs[i].update(ref)
+            dst.append(buf)
+        return dst
 
     def _dtensor(self, slot: int, t: Any) -> dict[str, Any]:
         """A DTensor: its local shard in a buffer, with the mesh, placements, global shape and
@@ -221,16 +302,27 @@ class Snapshotter:
                 "shape": list(t.shape), "stride": list(t.stride())}
 
     def _pack(self, obj: Any, slot: int) -> Any:
-        """The tree with each tensor queued for its shared buffer and replaced by a reference."""
+        """The tree with each tensor queued for its shared buffer and replaced by a reference.
+        (On the training thread at every step: one type test per node, plain tensors inline.)"""
+        typ = type(obj)
+        if typ is dict:
+            return {k: self._pack(v, slot) for k, v in obj.items()}
+        if typ is torch.Tensor:
+            ref: dict[str, Any] = {}
+            self._src.append(obj)
+            self._refs.append(ref)
+            return ref
+        if typ in _SCALARS:
+            return obj
         if isinstance(obj, torch.Tensor):
             return self._dtensor(slot, obj) if _is_dtensor(obj) else self._buffer(slot, obj)
-        if isinstance(obj, dict):
-            return {k: self._pack(v, slot) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             if _flat(obj):
-                return obj  # immutable scalars or a fresh list: pickled before the next step changes it
+                return obj  # scalars only: pickled (by the side thread) before the next step runs
             out = [self._pack(v, slot) for v in obj]
             return out if isinstance(obj, list) else tuple(out)
+        if isinstance(obj, dict):
+            return {k: self._pack(v, slot) for k, v in obj.items()}
         return obj
 
     def take(self, step: int, state: dict[str, Any]) -> None:
@@ -247,7 +339,7 @@ class Snapshotter:
         t1 = time.perf_counter()
         slot = int(step) % _SLOTS
         try:
-            self._next, self._dst, self._src = 0, [], []
+            self._src, self._refs = [], []
             packed = self._pack(tree, slot)
         except _NotSnapshottable as e:
             self._turn_off(f"the state holds {e}", warn=False)
@@ -255,22 +347,24 @@ class Snapshotter:
         except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
             self._turn_off(f"cannot write snapshots ({e})")
             return
-        dst, src = self._dst, self._src
-        self._dst, self._src = [], []
+        src, refs = self._src, self._refs
+        self._src, self._refs = [], []
         doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag, "tree": packed}
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-snapshot")
-        self._pending = self._pool.submit(self._persist, slot, doc, dst, src)
+        self._pending = self._pool.submit(self._persist, slot, doc, src, refs)
         t2 = time.perf_counter()
         self.parts_s["state_dicts"].append(t1 - t0)
         self.parts_s["match"].append(t2 - t1)
         self.stall_s.append(t2 - t0)
 
-    def _persist(self, slot: int, doc: dict[str, Any], dst: list[torch.Tensor], src: list[torch.Tensor]) -> float:
-        """The side thread's half: invalidate the slot, copy, write its header. Returns seconds."""
+    def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]]) -> float:
+        """The side thread's half: invalidate the slot, match buffers, copy, write its header.
+        Returns seconds."""
         t0 = time.perf_counter()
         header = self._header(slot)
         header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
+        dst = self._match(slot, src, refs)
         with torch.no_grad():  # grad mode is per thread
             torch._foreach_copy_(dst, src)  # one call instead of one per tensor
         tmp = header.with_name(f".{header.name}.tmp")

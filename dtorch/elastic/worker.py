@@ -232,12 +232,26 @@ class _Native:
             o.load_state_dict(sd[str(i)])
 
 
+_live: Any = None
+
+
+def _live_modules(parts: list[Any]) -> Any:
+    """The model parts for snapshots, one object per run so that its state dict is reused while
+    the parameters stay the same (`dtorch.checkpoint.snapshot.LiveModules`)."""
+    global _live
+    if _live is None or _live.modules != parts:
+        from dtorch.checkpoint.snapshot import LiveModules
+
+        _live = LiveModules(parts)
+    return _live
+
+
 def _snapshot_state(trainer: Any) -> dict[str, Any]:
     """What a snapshot holds: everything a checkpoint holds, model and optimizer natively."""
     state = dict(trainer.checkpoint_state())
     parts, optims = getattr(getattr(trainer, "parallel", None), "model_parts", None), getattr(trainer, "optimizers", None)
     if parts is not None and optims is not None and "model" in state and "optim" in state:
-        state["model"], state["optim"] = _Native(list(parts)), _Native(list(optims))
+        state["model"], state["optim"] = _live_modules(list(parts)), _Native(list(optims))
     return state
 
 
