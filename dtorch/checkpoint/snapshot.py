@@ -171,16 +171,16 @@ class LiveModules:
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = list(modules)
         self._cached: dict[str, Any] | None = None
-        self._checks: list[tuple[dict, str, Any, int]] = []
-        self._shape: list[tuple[Any, int]] = []
+        self._owners: list[tuple[dict, str]] = []
+        self._objs: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._dts: list[bool] = []
+        self._dicts: list[dict] = []
+        self._lens: list[int] = []
 
-    def _structure(self) -> list[tuple[Any, int]]:
-        out = []
-        for m in self.modules:
-            for sub in m.modules():
-                out += [(sub._modules, len(sub._modules)), (sub._parameters, len(sub._parameters)),
-                        (sub._buffers, len(sub._buffers))]
-        return out
+    def _structure(self) -> list[dict]:
+        """Every submodule's children, parameters and buffers (a change in any count is a change)."""
+        return [d for m in self.modules for sub in m.modules() for d in (sub._modules, sub._parameters, sub._buffers)]
 
     def _bind(self, sd: dict[str, Any]) -> bool:
         """Tie every leaf of `sd` to the live parameter or buffer whose storage it views."""
@@ -199,15 +199,22 @@ class LiveModules:
                 owner = owners.get(_storage_ptr(v))
                 if owner is None or owner[2].shape != v.shape:
                     return False
-                checks.append((*owner, _storage_ptr(v)))
-        self._checks, self._shape = checks, self._structure()
+                checks.append(owner)
+        self._owners = [(d, name) for d, name, _ in checks]
+        self._objs = [t for _, _, t in checks]
+        self._dts = [_is_dtensor(t) for t in self._objs]
+        self._ptrs = self._storage_ptrs()
+        self._dicts = self._structure()
+        self._lens = [len(d) for d in self._dicts]
         return True
 
     def _holds(self) -> bool:
-        for d, name, t, ptr in self._checks:
-            if d.get(name) is not t or _storage_ptr(t) != ptr:
-                return False
-        return all(len(d) == n for d, n in self._shape)
+        return ([len(d) for d in self._dicts] == self._lens
+                and all(d.get(name) is t for (d, name), t in zip(self._owners, self._objs))
+                and self._storage_ptrs() == self._ptrs)
+
+    def _storage_ptrs(self) -> list[int]:
+        return [(t._local_tensor if dt else t).data_ptr() for t, dt in zip(self._objs, self._dts)]
 
     def state_dict(self) -> dict[str, Any]:
         if self._cached is not None and self._holds():

@@ -371,7 +371,7 @@ def set_collective_timeout(seconds: float, group: Any = None) -> None:
 def init_process_group(backend: str | None = None, timeout: float | None = None) -> None:
     """`torch.distributed.init_process_group` for a worker of `dtorch run`, with its store listening
     on MASTER_ADDR only (torch's own env:// store listens on every interface; see
-    `dtorch.elastic.store`). Backend default: nccl when CUDA is available, else gloo. `timeout` in
+    `dtorch.elastic.store`) and its values authenticated with the job's key (`SignedStore`). Backend default: nccl when CUDA is available, else gloo. `timeout` in
     seconds (default torch's); shorten it after the first step with `set_collective_timeout`."""
     import torch
     import torch.distributed as dist
@@ -385,5 +385,25 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         torch.cuda.set_device(w.local_rank)
     t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
     s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
+    if os.environ.get("DTORCH_RUN_DIR") or os.environ.get("DTORCH_KEY") or os.environ.get("DTORCH_KEY_FILE"):
+        # under `dtorch run` every rank has the key its agents' rendezvous is signed with; ranks
+        # a scheduler started sign only with a key given explicitly (a per-user key file on
+        # nodes that do not share a home directory would differ)
+        s = _signed_pg_store(s, w)
     kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
     dist.init_process_group(backend, store=s, rank=w.rank, world_size=w.world_size, **kw)
+
+
+def _signed_pg_store(inner: Any, w: WorkerInfo) -> Any:
+    """The process-group store with its values authenticated for this round (run id, membership
+    epoch, port) with the job's secret (`dtorch.elastic.store.SignedStore`). Kept referenced for
+    the life of the process group."""
+    global _pg_store
+    from dtorch import trust
+    from dtorch.elastic import store as _store
+
+    _pg_store = _store.SignedStore(inner, trust.secret(), f"{w.run_id}|{w.epoch}|{os.environ['MASTER_PORT']}")
+    return _pg_store
+
+
+_pg_store: Any = None
