@@ -13,16 +13,18 @@ gathered and no collective runs while a snapshot is taken.
 `take(step, state)` has two halves (the split CheckFreq, FAST'21, calls snapshot and persist):
 
 1. On the training thread, at the step boundary (this is the stall): the state dicts are built
-   and every tensor is matched to its buffer (preallocated, shared memory: tensors mapped on
-   files in that directory, `torch.from_file(shared=True)`). This must be done between steps:
-   FSDP swaps a module's parameters for unsharded ones during forward and backward.
-2. On a side thread, overlapping the next step's data loading: the tensors are copied into their
-   buffers (one `_foreach_copy_`), then a small header (step, world size, plan tag, the
-   non-tensor values; a pickle of builtin containers only, read back with an unpickler that
-   admits no class at all) is written atomically. `wait()` joins it; the elastic worker calls it
-   when the next step enters forward/backward (nothing changes the state before the optimizer
-   step, but joining there means a failure anywhere in a step finds the previous step
-   complete), before any other phase, and before the next take.
+   (the model's reused while its tensors stay the same, `LiveModules`) and their tensors listed.
+   This must be done between steps: FSDP registers unsharded parameters during forward and
+   backward.
+2. On a side thread, overlapping the next step's data loading: each tensor is matched to its
+   buffer (preallocated, shared memory: tensors mapped on files in that directory,
+   `torch.from_file(shared=True)`), copied (one `_foreach_copy_`), then a small header (step,
+   world size, plan tag, the non-tensor values; a pickle of builtin containers only, read back
+   with an unpickler that admits no class at all) is written atomically. `wait()` joins it; the
+   elastic worker calls it when the next step enters any phase, forward/backward first (nothing
+   changes the state before the optimizer step, but joining there means a failure anywhere in a
+   step finds the previous step complete; one during the next step's data loading may not), and
+   before the next take. `background=False` does the whole take on the training thread.
 
 Two slots alternate (``rank<R>-slot<step % 2>``), and a slot's header is removed before its
 buffers are overwritten, so a rank that dies mid-copy leaves the other slot intact.
@@ -233,9 +235,13 @@ class Snapshotter:
     """Shared-memory snapshots of this rank's training state in `directory` (see module doc).
     `tag` identifies the configuration (plan): snapshots of another tag are never restored."""
 
-    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = ""):
+    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = "",
+                 background: bool = True):
         self.dir = Path(directory)
         self.rank, self.world_size, self.tag = rank, world_size, tag
+        self.background = background
+        """Copy on the side thread (default); False: the whole take on the caller's thread, for
+        comparison (`benchmarks/bench_failure_cost.py`) and where threads cost more than they save."""
         self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
         self._src: list[torch.Tensor] = []
         self._refs: list[dict[str, Any]] = []
@@ -357,6 +363,19 @@ class Snapshotter:
         src, refs = self._src, self._refs
         self._src, self._refs = [], []
         doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag, "tree": packed}
+        if not self.background:
+            done: Future = Future()
+            try:
+                done.set_result(self._persist(slot, doc, src, refs))
+            except (OSError, RuntimeError) as e:
+                done.set_exception(e)
+            self._pending = done
+            t2 = time.perf_counter()
+            self.parts_s["state_dicts"].append(t1 - t0)
+            self.parts_s["match"].append(t2 - t1)  # here: everything after the state dicts
+            self.stall_s.append(t2 - t0)
+            self.wait()
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-snapshot")
         self._pending = self._pool.submit(self._persist, slot, doc, src, refs)

@@ -193,7 +193,9 @@ def _start_snapshots(trainer: Any) -> None:
 
     plan = getattr(trainer, "plan", None)
     tag = f"{plan.describe() if plan is not None else ''}|seed={getattr(trainer, 'seed', '')}"
-    _snap = Snapshotter(d, trainer.rank, trainer.world, tag=tag)
+    # DTORCH_SNAPSHOT_BACKGROUND=0: copy on the training thread (the benchmark compares both)
+    _snap = Snapshotter(d, trainer.rank, trainer.world, tag=tag,
+                        background=os.environ.get("DTORCH_SNAPSHOT_BACKGROUND", "1") != "0")
     durable = trainer.step
     t0 = time.time()
     step = _snap.restore(_snapshot_state(trainer), durable_step=durable)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from dtorch.checkpoint.snapshot import Snapshotter
@@ -26,8 +27,9 @@ class _Box:
         self.sd = sd
 
 
-def test_snapshot_restores_the_newest_step_bit_exactly_and_skips_a_torn_slot(tmp_path):
-    snap = Snapshotter(tmp_path, rank=0, world_size=1, tag="plan-a")
+@pytest.mark.parametrize("background", [True, False])
+def test_snapshot_restores_the_newest_step_bit_exactly_and_skips_a_torn_slot(tmp_path, background):
+    snap = Snapshotter(tmp_path, rank=0, world_size=1, tag="plan-a", background=background)
     for step in (1, 2):
         random.seed(step)
         snap.take(step, {"m": _Box(step), "rng": RNGState()})
