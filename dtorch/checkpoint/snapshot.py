@@ -255,8 +255,10 @@ class Snapshotter:
         self.stall_s: list[float] = []
         """Seconds each take blocked the training thread: its first half plus any wait for its copy."""
         self.parts_s: dict[str, list[float]] = {"state_dicts": [], "match": [], "wait": [], "copy": []}
-        """Where the time goes, per take: building the state dicts, matching tensors to buffers (both
-        on the training thread), waiting for the side thread, and the side thread's copy + header."""
+        """Where the time goes, per take (seconds): "state_dicts" building the state tree and "match"
+        listing its tensors (both on the training thread), "wait" the training thread waiting for
+        the side thread, "copy" the side thread's work (buffers matched, copy, header). With
+        `background=False`, "match" is everything after the state dicts."""
 
     def _header(self, slot: int) -> Path:
         return self.dir / f"rank{self.rank}-slot{slot}.hdr"
