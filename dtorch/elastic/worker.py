@@ -387,10 +387,12 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         torch.cuda.set_device(w.local_rank)
     t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
     s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
-    if os.environ.get("DTORCH_RUN_DIR") or os.environ.get("DTORCH_KEY") or os.environ.get("DTORCH_KEY_FILE"):
-        # under `dtorch run` every rank has the key its agents' rendezvous is signed with; ranks
+    keyed = os.environ.get("DTORCH_RUN_DIR") or os.environ.get("DTORCH_KEY") or os.environ.get("DTORCH_KEY_FILE")
+    if keyed and backend == "gloo":
+        # Under `dtorch run` every rank has the key its agents' rendezvous is signed with; ranks
         # a scheduler started sign only with a key given explicitly (a per-user key file on
-        # nodes that do not share a home directory would differ)
+        # nodes that do not share a home directory would differ). NCCL over this Python store
+        # is untested (no GPU build here), so its store stays as torch makes it.
         s = _signed_pg_store(s, w)
     kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
     dist.init_process_group(backend, store=s, rank=w.rank, world_size=w.world_size, **kw)
