@@ -30,7 +30,8 @@ MODEL = "gpt:layers=2,hidden=64,heads=2,vocab=256,seq=64"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _train(d: str, steps: int, every: int, snapshot_every: int, timeout_s: float) -> dict[str, Any]:
+def _train(d: str, steps: int, every: int, snapshot_every: int, timeout_s: float,
+           background: bool = True) -> dict[str, Any]:
     from dtorch.elastic import events
 
     run_dir, ckpt = os.path.join(d, "run"), os.path.join(d, "ckpt")
@@ -42,7 +43,8 @@ def _train(d: str, steps: int, every: int, snapshot_every: int, timeout_s: float
     if every:
         cmd += ["--chaos", f"every={every}:kill:phase=forward_backward:seed=1"]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=d, capture_output=True, text=True,
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTORCH_SNAPSHOT_BACKGROUND": "1" if background else "0"}
+    r = subprocess.run(cmd, env=env, cwd=d, capture_output=True, text=True,
                        timeout=timeout_s)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
@@ -60,9 +62,13 @@ def _train(d: str, steps: int, every: int, snapshot_every: int, timeout_s: float
         resumed = [s["step"] for s in steps_log if s["epoch"] > f_.get("epoch", -1)]
         if resumed:
             redone.append(f_["step"] - min(resumed) + 1)
-    return {"wall_s": wall, "losses": {x["step"]: x["loss"] for x in recs}, "report": report,
+    return {"wall_s": wall, "losses": {x["step"]: x["loss"] for x in recs}, "report": report, "steps": steps_log,
             "redone": redone, "median_step_s": statistics.median(x["step_time_s"] for x in recs),
             "stall_median_s": statistics.median(e["median_s"] for e in stalls) if stalls else None,
+            "stall_parts_median_s": {k: statistics.median(e["parts_median_s"][k] for e in stalls
+                                                          if k in e.get("parts_median_s", {}))
+                                     for k in ("state_dicts", "match", "wait", "copy")
+                                     if any(k in e.get("parts_median_s", {}) for e in stalls)},
             "snapshot_restores": len(restores)}
 
 
@@ -75,6 +81,24 @@ def run(quick: bool = False, log=print) -> dict[str, Any]:
         log("uninterrupted run ...")
         base = _train(f"{d}/base", steps, 0, 1, 900)
         out["uninterrupted_wall_s"] = base["wall_s"]
+        out["uninterrupted_median_step_s"] = base["median_step_s"]
+        out["uninterrupted_stall_median_s"] = base["stall_median_s"]
+        out["uninterrupted_stall_parts_median_s"] = base["stall_parts_median_s"]
+        if not quick:
+            # What the side thread's copy costs the steps it overlaps (it shares the cores and the
+            # GIL with the next step's data loading), side by side under the same load: with a
+            # snapshot after every 2nd step, the step after a snapshot against the step after none.
+            # The same with the whole copy on the training thread (DTORCH_SNAPSHOT_BACKGROUND=0).
+            for mode, background in (("side_thread", True), ("training_thread", False)):
+                os.makedirs(f"{d}/base-every2-{mode}")
+                log(f"uninterrupted run, snapshots every 2 steps, copy on the {mode.replace('_', ' ')} ...")
+                e2 = _train(f"{d}/base-every2-{mode}", steps, 0, 2, 900, background=background)
+                after = [x["seconds"] for x in e2["steps"] if x["step"] > 2 and x["step"] % 2 == 1]
+                other = [x["seconds"] for x in e2["steps"] if x["step"] > 2 and x["step"] % 2 == 0]
+                out[f"every2_{mode}"] = {"median_step_after_snapshot_s": statistics.median(after),
+                                         "median_step_after_none_s": statistics.median(other),
+                                         "stall_median_s": e2["stall_median_s"],
+                                         "stall_parts_median_s": e2["stall_parts_median_s"]}
         drills = {"snapshots every step": 1, "durable checkpoints only": 0}
         if quick:
             drills.pop("durable checkpoints only")
@@ -93,6 +117,7 @@ def run(quick: bool = False, log=print) -> dict[str, Any]:
                 "snapshot_restores": r["snapshot_restores"],
                 "median_step_s": r["median_step_s"],
                 "snapshot_stall_median_s": r["stall_median_s"],
+                "snapshot_stall_parts_median_s": r["stall_parts_median_s"],
                 "snapshot_stall_pct_of_step": (100 * r["stall_median_s"] / r["median_step_s"]
                                                if r["stall_median_s"] is not None else None),
                 "ettr": r["report"]["effective_ratio"],
@@ -123,6 +148,24 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {x['failures']} | {statistics.mean(redone):.1f} ({x['max_steps_redone']}) | "
                      f"{x['recovery_median_s']:.2f} s | {x['bit_identical']} | {stall} | {x['ettr']:.3f} | "
                      f"{x['uninterrupted_wall_over_drill_wall']:.3f} |")
+    parts = r.get("uninterrupted_stall_parts_median_s") or {}
+    if r.get("uninterrupted_stall_median_s") is not None:
+        lines += ["", f"Snapshot stall, uninterrupted run: {r['uninterrupted_stall_median_s'] * 1e3:.3f} ms median "
+                  f"({100 * r['uninterrupted_stall_median_s'] / r['uninterrupted_median_step_s']:.2f} % of the "
+                  f"{r['uninterrupted_median_step_s'] * 1e3:.1f} ms median step). Where it goes (median ms): "
+                  + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in parts.items())
+                  + " (state_dicts + match + wait block the step; copy runs on the side thread)."]
+    if r.get("every2_side_thread"):
+        lines += ["", "Whole cost of a snapshot, side by side in one run each (snapshots every 2 steps: the "
+                  "step after a snapshot, which overlaps the copy, against the step after none; the stall is "
+                  "outside both):", "", "| copy on | stall median | step after a snapshot | step after none | difference |",
+                  "|---|---|---|---|---|"]
+        for mode in ("side_thread", "training_thread"):
+            x = r[f"every2_{mode}"]
+            a, b = x["median_step_after_snapshot_s"], x["median_step_after_none_s"]
+            stall = f"{x['stall_median_s'] * 1e3:.3f} ms" if x["stall_median_s"] is not None else "-"
+            lines.append(f"| {mode.replace('_', ' ')} | {stall} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | "
+                         f"{(a - b) * 1e3:+.2f} ms ({100 * (a - b) / b:+.1f} %) |")
     lines += ["", "Recovery phases (median s): " + "; ".join(
         f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[name]["recovery_phases_median_s"].items())
         for name in ("snapshots every step", "durable checkpoints only") if r.get(name)), "",

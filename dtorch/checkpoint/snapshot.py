@@ -5,22 +5,37 @@ the last steps' state of this rank in shared memory instead: a directory on a RA
 (`/dev/shm`) that the elastic agent creates private (0700) and removes when the job ends, so a
 snapshot outlives the worker process that wrote it but never the machine, and costs no disk I/O.
 
-Each `take(step, state)` copies every tensor of the state into buffers that *are* shared
-memory (tensors mapped on files in that directory, `torch.from_file(shared=True)`): the copy is
-the snapshot, there is no write behind it, and its time is the whole stall. A small header
-(step, world size, plan tag, the non-tensor values; a pickle of builtin containers only, read
-back with an unpickler that admits no class at all) is written after the copy, atomically. Two
-slots alternate (``rank<R>-slot<step % 2>``), and a slot's header is removed before its buffers
-are overwritten, so a rank that dies mid-copy leaves the other slot intact. `restore(state, durable_step)` is collective: the ranks agree on
-the newest step that every rank holds complete for the same world size and plan, and restore it
-when it is newer than the durable checkpoint just loaded; the snapshot holds everything a
-checkpoint holds (model, optimizer, schedule, RNG streams, step), so the continuation is
-bit-identical.
+Each rank snapshots what it holds: its own shards under FSDP or tensor parallelism (the local
+tensor of each DTensor, with its mesh and placements written down so that it is rebuilt as the
+same DTensor), its own stages under pipeline parallelism, everything under DDP. Nothing is
+gathered and no collective runs while a snapshot is taken.
 
-Scope: plans whose state is plain tensors on every rank (DDP, one rank); sharded plans (DTensor
-state) are not snapshotted and recover from the durable checkpoint. Buffers are reserved with
-`posix_fallocate`, so a full /dev/shm turns snapshots off (with a warning) instead of crashing. A lost node loses its
-snapshots (no copy to a peer node yet).
+`take(step, state)` has two halves (the split CheckFreq, FAST'21, calls snapshot and persist):
+
+1. On the training thread, at the step boundary (this is the stall): the state dicts are built
+   (the model's reused while its tensors stay the same, `LiveModules`) and their tensors listed.
+   This must be done between steps: FSDP registers unsharded parameters during forward and
+   backward.
+2. On a side thread, overlapping the next step's data loading: each tensor is matched to its
+   buffer (preallocated, shared memory: tensors mapped on files in that directory,
+   `torch.from_file(shared=True)`), copied (one `_foreach_copy_`), then a small header (step,
+   world size, plan tag, the non-tensor values; a pickle of builtin containers only, read back
+   with an unpickler that admits no class at all) is written atomically. `wait()` joins it; the
+   elastic worker calls it when the next step enters any phase, forward/backward first (nothing
+   changes the state before the optimizer step, but joining there means a failure anywhere in a
+   step finds the previous step complete; one during the next step's data loading may not), and
+   before the next take. `background=False` does the whole take on the training thread.
+
+Two slots alternate (``rank<R>-slot<step % 2>``), and a slot's header is removed before its
+buffers are overwritten, so a rank that dies mid-copy leaves the other slot intact.
+`restore(state, durable_step)` is collective: the ranks agree on the newest step that every rank
+holds complete for the same world size and plan, and restore it when it is newer than the
+durable checkpoint just loaded; the snapshot holds everything a checkpoint holds (model,
+optimizer, schedule, RNG streams, step), so the continuation is bit-identical. A snapshot of
+another world size or plan is never restored: the durable checkpoint (which reshards) is.
+
+Buffers are reserved with `posix_fallocate`, so a full /dev/shm turns snapshots off (with a
+warning) instead of crashing. A lost node loses its snapshots (no copy to a peer node yet).
 """
 
 from __future__ import annotations
@@ -29,7 +44,9 @@ import io
 import logging
 import os
 import pickle
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +80,8 @@ class _BuiltinsOnly(pickle.Unpickler):
 _SCALARS = {int, float, bool, str, type(None)}
 
 
-class _Sharded(Exception):
-    """The state holds DTensors: not snapshotted (see the module docstring)."""
+class _NotSnapshottable(Exception):
+    """The state holds something a snapshot cannot describe with builtins (see `_placements`)."""
 
 
 def _flat(obj: list | tuple) -> bool:
@@ -72,126 +89,385 @@ def _flat(obj: list | tuple) -> bool:
     return set(map(type, obj)) <= _SCALARS
 
 
+# ---- DTensors: the local shard plus what rebuilds the same DTensor around it ----------------------
+def _placement_types() -> dict[str, Any]:
+    from torch.distributed.tensor import placement_types as pt
+
+    return {"Shard": pt.Shard, "Replicate": pt.Replicate, "Partial": pt.Partial, "_StridedShard": pt._StridedShard}
+
+
+def _placements(placements: tuple[Any, ...]) -> list[list[Any]]:
+    """DTensor placements as builtins: ["Shard", dim], ["_StridedShard", dim, split_factor],
+    ["Replicate"], ["Partial", reduce_op]."""
+    out = []
+    for p in placements:
+        name = type(p).__name__
+        if name == "_StridedShard":
+            out.append([name, int(p.dim), int(p.split_factor)])
+        elif name == "Shard":
+            out.append([name, int(p.dim)])
+        elif name == "Replicate":
+            out.append([name])
+        elif name == "Partial":
+            out.append([name, str(p.reduce_op)])
+        else:
+            raise _NotSnapshottable(f"DTensor placement {p!r}")
+    return out
+
+
+def _unplacements(doc: list[list[Any]]) -> tuple[Any, ...]:
+    types = _placement_types()
+    out = []
+    for p in doc:
+        cls = types[str(p[0])]
+        if p[0] == "_StridedShard":
+            out.append(cls(int(p[1]), split_factor=int(p[2])))
+        elif p[0] == "Shard":
+            out.append(cls(int(p[1])))
+        elif p[0] == "Partial":
+            out.append(cls(str(p[1])))
+        else:
+            out.append(cls())
+    return tuple(out)
+
+
+def _mesh_key(mesh: Any) -> str:
+    """A device mesh by what identifies it: device type, axis names, shape and ranks."""
+    return f"{mesh.device_type}|{mesh.mesh_dim_names}|{list(mesh.mesh.shape)}|{mesh.mesh.flatten().tolist()}"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "_local_tensor") and hasattr(t, "device_mesh")
+
+
+def _meshes(obj: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """Every device mesh of the DTensors in a state tree, by `_mesh_key`."""
+    if isinstance(obj, torch.Tensor):
+        if _is_dtensor(obj):
+            out.setdefault(_mesh_key(obj.device_mesh), obj.device_mesh)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _meshes(v, out)
+    elif isinstance(obj, (list, tuple)) and not _flat(obj):
+        for v in obj:
+            _meshes(v, out)
+    return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return (t._local_tensor if _is_dtensor(t) else t).data_ptr()
+
+
+class LiveModules:
+    """Modules as one Stateful over their native state dicts, for snapshots of the same plan.
+
+    Building a module's state dict walks every submodule in Python, which is most of what a
+    snapshot costs the training thread at small scale. Its tensors are views of the parameters'
+    and buffers' own storage, so the dict built at one step still reads the current values at
+    the next, as long as no parameter, buffer or submodule was added, removed or replaced and no
+    storage moved. `state_dict()` checks exactly that (one dictionary look-up, an identity test
+    and a pointer per tensor, a length per submodule) and reuses the dict while it holds; any
+    leaf that is not a parameter or buffer of these modules (a state-dict hook's own tensor, an
+    extra state) means the dict is rebuilt every time."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = list(modules)
+        self._cached: dict[str, Any] | None = None
+        self._owners: list[tuple[dict, str]] = []
+        self._objs: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._dts: list[bool] = []
+        self._dicts: list[dict] = []
+        self._lens: list[int] = []
+
+    def _structure(self) -> list[dict]:
+        """Every submodule's children, parameters and buffers (a change in any count is a change)."""
+        return [d for m in self.modules for sub in m.modules() for d in (sub._modules, sub._parameters, sub._buffers)]
+
+    def _bind(self, sd: dict[str, Any]) -> bool:
+        """Tie every leaf of `sd` to the live parameter or buffer whose storage it views."""
+        owners: dict[int, tuple[dict, str, Any]] = {}
+        for m in self.modules:
+            for sub in m.modules():
+                for d in (sub._parameters, sub._buffers):
+                    for name, t in d.items():
+                        if t is not None:
+                            owners[_storage_ptr(t)] = (d, name, t)
+        checks = []
+        for part in sd.values():
+            for v in part.values():
+                if not isinstance(v, torch.Tensor):
+                    return False
+                owner = owners.get(_storage_ptr(v))
+                if owner is None or owner[2].shape != v.shape:
+                    return False
+                checks.append(owner)
+        self._owners = [(d, name) for d, name, _ in checks]
+        self._objs = [t for _, _, t in checks]
+        self._dts = [_is_dtensor(t) for t in self._objs]
+        self._ptrs = self._storage_ptrs()
+        self._dicts = self._structure()
+        self._lens = [len(d) for d in self._dicts]
+        return True
+
+    def _holds(self) -> bool:
+        return ([len(d) for d in self._dicts] == self._lens
+                and all(d.get(name) is t for (d, name), t in zip(self._owners, self._objs))
+                and self._storage_ptrs() == self._ptrs)
+
+    def _storage_ptrs(self) -> list[int]:
+        return [(t._local_tensor if dt else t).data_ptr() for t, dt in zip(self._objs, self._dts)]
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._cached is not None and self._holds():
+            return self._cached
+        sd = {str(i): m.state_dict() for i, m in enumerate(self.modules)}
+        self._cached = sd if self._bind(sd) else None
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._cached = None
+        for i, m in enumerate(self.modules):
+            m.load_state_dict(sd[str(i)])
+
+
 class Snapshotter:
     """Shared-memory snapshots of this rank's training state in `directory` (see module doc).
     `tag` identifies the configuration (plan): snapshots of another tag are never restored."""
 
-    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = ""):
+    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = "",
+                 background: bool = True):
         self.dir = Path(directory)
         self.rank, self.world_size, self.tag = rank, world_size, tag
+        self.background = background
+        """Copy on the side thread (default); False: the whole take on the caller's thread, for
+        comparison (`benchmarks/bench_failure_cost.py`) and where threads cost more than they save."""
         self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
-        self._next = 0
-        self._dst: list[torch.Tensor] = []
         self._src: list[torch.Tensor] = []
+        self._refs: list[dict[str, Any]] = []
+        self._mesh_keys: dict[int, str] = {}
+        self._placement_docs: dict[tuple[Any, ...], list[list[Any]]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
         self.disabled: str | None = None
-        """Why snapshots are off for this run (sharded state, no space), or None."""
+        """Why snapshots are off for this run (no space, a state it cannot describe), or None."""
         self.stall_s: list[float] = []
-        """Seconds each `take` blocked the caller."""
+        """Seconds each take blocked the training thread: its first half plus any wait for its copy."""
+        self.parts_s: dict[str, list[float]] = {"state_dicts": [], "match": [], "wait": [], "copy": []}
+        """Where the time goes, per take (seconds): "state_dicts" building the state tree and "match"
+        listing its tensors (both on the training thread), "wait" the training thread waiting for
+        the side thread, "copy" the side thread's work (buffers matched, copy, header). With
+        `background=False`, "match" is everything after the state dicts."""
 
     def _header(self, slot: int) -> Path:
         return self.dir / f"rank{self.rank}-slot{slot}.hdr"
 
-    def _buffer(self, slot: int, t: torch.Tensor) -> dict[str, Any]:
-        """The header reference of the next tensor in traversal order, its shared buffer filled."""
-        i = self._next
-        self._next += 1
+    def _allocate(self, slot: int, i: int, t: torch.Tensor) -> None:
+        """Buffer `i` of `slot`, shaped like `t`: a file in the snapshot directory mapped shared."""
+        name = f"rank{self.rank}-slot{slot}-{i}.bin"
+        n = t.numel()
+        # reserve the pages now: a shared mapping of a file on a full tmpfs would SIGBUS on write
+        fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(1, n) * t.element_size())
+        finally:
+            os.close(fd)
+        buf = torch.from_file(str(self.dir / name), shared=True, size=max(1, n), dtype=t.dtype)[:n].view(t.shape)
+        ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         bufs = self._bufs[slot]
-        if i < len(bufs) and bufs[i][0].shape == t.shape and bufs[i][0].dtype == t.dtype:
-            buf, ref = bufs[i]
+        if i < len(bufs):
+            bufs[i] = (buf, ref)
         else:
-            name = f"rank{self.rank}-slot{slot}-{i}.bin"
-            n = t.numel()
-            # reserve the pages now: a shared mapping of a file on a full tmpfs would SIGBUS on write
-            fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, max(1, n) * t.element_size())
-            finally:
-                os.close(fd)
-            buf = torch.from_file(str(self.dir / name), shared=True, size=max(1, n), dtype=t.dtype)[:n].view(t.shape)
-            ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-            if i < len(bufs):
-                bufs[i] = (buf, ref)
-            else:
-                bufs.append((buf, ref))
-        self._dst.append(buf)
+            bufs.append((buf, ref))
+
+    def _buffer(self, slot: int, t: torch.Tensor) -> dict[str, Any]:
+        """The header reference of the next tensor in traversal order: an empty dict that the side
+        thread fills once it has matched `t` to its buffer (`_match`), so the training thread
+        spends no time on shapes and dtypes."""
+        ref: dict[str, Any] = {}
         self._src.append(t)
+        self._refs.append(ref)
         return ref
 
+    def _match(self, slot: int, src: list[torch.Tensor], refs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Side thread: the buffer of each tensor (kept between takes; a new one where the shape
+        or dtype differs from last time), its reference filled in."""
+        bufs, dst = self._bufs[slot], []
+        for i, t in enumerate(src):
+            if i >= len(bufs) or bufs[i][0].shape != t.shape or bufs[i][0].dtype != t.dtype:
+                self._allocate(slot, i, t)
+            buf, ref = bufs[i]
+            refs[i].update(ref)
+            dst.append(buf)
+        return dst
+
+    def _dtensor(self, slot: int, t: Any) -> dict[str, Any]:
+        """A DTensor: its local shard in a buffer, with the mesh, placements, global shape and
+        stride that rebuild it (`DTensor.from_local`)."""
+        mesh = t.device_mesh
+        key = self._mesh_keys.get(id(mesh))
+        if key is None:
+            key = self._mesh_keys[id(mesh)] = _mesh_key(mesh)
+        placements = tuple(t.placements)
+        pdoc = self._placement_docs.get(placements)
+        if pdoc is None:
+            pdoc = self._placement_docs[placements] = _placements(placements)
+        return {"__dtensor__": self._buffer(slot, t._local_tensor), "mesh": key, "placements": pdoc,
+                "shape": list(t.shape), "stride": list(t.stride())}
+
     def _pack(self, obj: Any, slot: int) -> Any:
-        """The tree with each tensor copied into its shared buffer and replaced by a reference."""
-        if isinstance(obj, torch.Tensor):
-            if hasattr(obj, "_local_tensor"):
-                raise _Sharded
-            return self._buffer(slot, obj)
-        if isinstance(obj, dict):
+        """The tree with each tensor queued for its shared buffer and replaced by a reference.
+        (On the training thread at every step: one type test per node, plain tensors inline.)"""
+        typ = type(obj)
+        if typ is dict:
             return {k: self._pack(v, slot) for k, v in obj.items()}
+        if typ is torch.Tensor:
+            ref: dict[str, Any] = {}
+            self._src.append(obj)
+            self._refs.append(ref)
+            return ref
+        if typ in _SCALARS:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self._dtensor(slot, obj) if _is_dtensor(obj) else self._buffer(slot, obj)
         if isinstance(obj, (list, tuple)):
             if _flat(obj):
-                return obj  # pickled into the header in this same call: later changes do not matter
+                return obj  # scalars only: pickled (by the side thread) before the next step runs
             out = [self._pack(v, slot) for v in obj]
             return out if isinstance(obj, list) else tuple(out)
+        if isinstance(obj, dict):
+            return {k: self._pack(v, slot) for k, v in obj.items()}
         return obj
 
     def take(self, step: int, state: dict[str, Any]) -> None:
-        """Snapshot `state` (name -> Stateful or tensors/plain values) as of the end of `step`."""
+        """Snapshot `state` (name -> Stateful or tensors/plain values) as of the end of `step`.
+        Returns after the first half (see the module doc); the copy runs on until `wait()`.
+        Nothing in `state` may change before `wait()` returns."""
+        if self.disabled:
+            return
+        self.wait()
         if self.disabled:
             return
         t0 = time.perf_counter()
         tree = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
+        t1 = time.perf_counter()
         slot = int(step) % _SLOTS
-        header = self._header(slot)
         try:
-            header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
-            self._next, self._dst, self._src = 0, [], []
-            with torch.no_grad():
-                packed = self._pack(tree, slot)
-                torch._foreach_copy_(self._dst, self._src)  # one call instead of one per tensor
-            self._dst, self._src = [], []
-            doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag,
-                   "tree": packed}
-            tmp = header.with_name(f".{header.name}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL))
-            os.replace(tmp, header)
-        except _Sharded:
-            self.disabled = "sharded (DTensor) state"
-            log.info("in-memory snapshots off for this plan: %s", self.disabled)
+            self._src, self._refs = [], []
+            packed = self._pack(tree, slot)
+        except _NotSnapshottable as e:
+            self._turn_off(f"the state holds {e}", warn=False)
             return
         except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
-            self.disabled = f"cannot write snapshots ({e})"
-            log.warning("in-memory snapshots off: %s", self.disabled)
+            self._turn_off(f"cannot write snapshots ({e})")
             return
-        self.stall_s.append(time.perf_counter() - t0)
+        src, refs = self._src, self._refs
+        self._src, self._refs = [], []
+        doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag, "tree": packed}
+        if not self.background:
+            done: Future = Future()
+            try:
+                done.set_result(self._persist(slot, doc, src, refs))
+            except (OSError, RuntimeError) as e:
+                done.set_exception(e)
+            self._pending = done
+            t2 = time.perf_counter()
+            self.parts_s["state_dicts"].append(t1 - t0)
+            self.parts_s["match"].append(t2 - t1)  # here: everything after the state dicts
+            self.stall_s.append(t2 - t0)
+            self.wait()
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-snapshot")
+        self._pending = self._pool.submit(self._persist, slot, doc, src, refs)
+        t2 = time.perf_counter()
+        self.parts_s["state_dicts"].append(t1 - t0)
+        self.parts_s["match"].append(t2 - t1)
+        self.stall_s.append(t2 - t0)
+
+    def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]]) -> float:
+        """The side thread's half: invalidate the slot, match buffers, copy, write its header.
+        Returns seconds."""
+        t0 = time.perf_counter()
+        header = self._header(slot)
+        header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
+        dst = self._match(slot, src, refs)
+        with torch.no_grad():  # grad mode is per thread
+            torch._foreach_copy_(dst, src)  # one call instead of one per tensor
+        tmp = header.with_name(f".{header.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(tmp, header)
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the last take's copy and header are done (its time is added to that take's
+        stall). A failed copy turns snapshots off with a warning."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            copy_s = pending.result()
+        except (OSError, RuntimeError) as e:
+            self._turn_off(f"cannot write snapshots ({e})")
+            return
+        waited = time.perf_counter() - t0
+        self.parts_s["wait"].append(waited)
+        self.parts_s["copy"].append(copy_s)
+        if self.stall_s:
+            self.stall_s[-1] += waited
+
+    def _turn_off(self, why: str, warn: bool = True) -> None:
+        self.disabled = why
+        (log.warning if warn else log.info)("in-memory snapshots off: %s", why)
+        for slot in range(_SLOTS):  # a half-described state must never be restored
+            self._header(slot).unlink(missing_ok=True)
 
     def _available(self) -> dict[int, dict[str, Any]]:
         return {s: d for s, d in available(self.dir, self.rank, self.world_size).items() if d.get("tag") == self.tag}
 
-    def _unpack(self, obj: Any) -> Any:
+    def _read(self, ref: dict[str, Any]) -> torch.Tensor:
+        name = str(ref["__shm__"])
+        if "/" in name or not name.startswith(f"rank{self.rank}-slot"):
+            raise ValueError(f"snapshot header names a foreign file {name!r}")
+        shape = [int(x) for x in ref["shape"]]
+        n = 1
+        for x in shape:
+            n *= x
+        dtype = getattr(torch, str(ref["dtype"]))
+        t = torch.from_file(str(self.dir / name), shared=False, size=max(1, n), dtype=dtype)
+        return t[:n].view(shape).clone()
+
+    def _unpack(self, obj: Any, meshes: dict[str, Any]) -> Any:
         if isinstance(obj, dict) and "__shm__" in obj:
-            name = str(obj["__shm__"])
-            if "/" in name or not name.startswith(f"rank{self.rank}-slot"):
-                raise ValueError(f"snapshot header names a foreign file {name!r}")
-            shape = [int(x) for x in obj["shape"]]
-            n = 1
-            for x in shape:
-                n *= x
-            dtype = getattr(torch, str(obj["dtype"]))
-            t = torch.from_file(str(self.dir / name), shared=False, size=max(1, n), dtype=dtype)
-            return t[:n].view(shape).clone()
+            return self._read(obj)
+        if isinstance(obj, dict) and "__dtensor__" in obj:
+            from torch.distributed.tensor import DTensor
+
+            mesh = meshes.get(str(obj["mesh"]))
+            if mesh is None:
+                raise ValueError(f"snapshot names a device mesh this run does not have ({obj['mesh']})")
+            return DTensor.from_local(self._read(obj["__dtensor__"]), mesh, _unplacements(obj["placements"]),
+                                      run_check=False, shape=torch.Size(obj["shape"]), stride=tuple(obj["stride"]))
         if isinstance(obj, dict):
-            return {k: self._unpack(v) for k, v in obj.items()}
+            return {k: self._unpack(v, meshes) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self._unpack(v) for v in obj]
+            return [self._unpack(v, meshes) for v in obj]
         if isinstance(obj, tuple):
-            return tuple(self._unpack(v) for v in obj)
+            return tuple(self._unpack(v, meshes) for v in obj)
         return obj
 
     def restore(self, state: dict[str, Any], durable_step: int | None) -> int | None:
         """Collective. Load the newest snapshot that every rank holds, if newer than
-        `durable_step`, into `state` (Statefuls via load_state_dict); returns its step or None."""
+        `durable_step`, into `state` (Statefuls via load_state_dict); returns its step or None.
+        DTensors are rebuilt on the meshes of the DTensors `state` holds now."""
+        self.wait()
         mine = self._available()
         steps = set(mine)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        if multi:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, sorted(steps))
             for g in gathered:
@@ -199,7 +475,21 @@ class Snapshotter:
         best = max(steps, default=None)
         if best is None or (durable_step is not None and best <= durable_step):
             return None
-        tree = self._unpack(mine[best]["tree"])
+        meshes: dict[str, Any] = {}
+        for v in state.values():
+            _meshes(v.state_dict() if is_stateful(v) else v, meshes)
+        problem = None
+        try:
+            tree = self._unpack(mine[best]["tree"], meshes)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
+            problem = f"rank {self.rank}: {e}"
+        if multi:  # every rank restores, or none does
+            problems: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
+        if problem:
+            log.warning("in-memory snapshot of step %d not restored (%s); using the durable checkpoint", best, problem)
+            return None
         for k, v in state.items():
             if k not in tree:
                 continue
@@ -210,4 +500,9 @@ class Snapshotter:
         return best
 
     def close(self) -> None:
+        """Finish the pending copy, stop the side thread, drop the mappings."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._bufs = [[] for _ in range(_SLOTS)]

@@ -15,16 +15,22 @@ job's secret (`dtorch.trust.secret`: DTORCH_KEY in the launch environment of eve
 fails the check is never unpickled: the handler sees an empty state in its place (with the
 store's token, so its next write replaces the forgery) and the job re-forms its rendezvous.
 DTorch's own reads of the state (`read_state`) go through the same check and an allow-list.
+
+The workers' process-group store (`SignedStore`, used by `dtorch.elastic.worker.init_process_group`)
+authenticates its values the same way, keyed for the round.
 """
 
 from __future__ import annotations
 
+import hmac
 import io
 import logging
 import pickle
 import socket
 from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 from dtorch import trust
 
@@ -150,3 +156,91 @@ def read_state(backend: Any) -> Any:
     """The rendezvous state (verified by `SignedBackend`, unpickled with an allow-list), or None."""
     got = backend.get_state()
     return _StateUnpickler(io.BytesIO(got[0])).load() if got is not None else None
+
+
+# ---- the workers' process-group store: values authenticated -----------------------------------------
+_PG_PURPOSE = "dtorch-pg-store/1"
+_PG_TAG = 32  # bytes of an HMAC-SHA256
+
+
+class StoreForgery(RuntimeError):
+    """A value in the workers' store does not carry this job's tag."""
+
+
+class SignedStore(dist.Store):
+    """The workers' process-group store with every value authenticated.
+
+    What a process group keeps in its store is the ranks' connection addresses (gloo's, NCCL's),
+    read by every peer: whoever could set them could make a rank connect to them and feed its
+    collectives (and `all_gather_object` unpickles what it receives). Here each value is stored
+    behind an HMAC-SHA256 tag over the key and the value, keyed with the job's secret
+    (`dtorch.trust.secret`) for one round (`scope`: run id, membership epoch, port); `get`
+    returns a value only when its tag checks and raises `StoreForgery` otherwise, which fails the
+    rank's process-group set-up instead of connecting it anywhere. A value can be neither moved
+    to another key nor replayed from another round or job. Counters (`add`) and key presence
+    (`wait`, `check`) are not authenticated: a forged increment can stall or fail the set-up,
+    never redirect a connection."""
+
+    def __init__(self, inner: Any, secret: bytes, scope: str):
+        super().__init__()
+        self._inner, self._secret, self._scope = inner, secret, scope
+        self._purpose = f"{_PG_PURPOSE}|{scope}"
+
+    def _tag(self, name: str, value: bytes) -> bytes:
+        return bytes.fromhex(trust.tag(self._purpose, name.encode() + b"\0" + value, self._secret))
+
+    def _seal(self, name: str, value: Any) -> bytes:
+        value = value if isinstance(value, bytes) else str(value).encode()
+        return self._tag(name, value) + value
+
+    def _open(self, name: str, stored: bytes) -> bytes:
+        tag, value = stored[:_PG_TAG], stored[_PG_TAG:]
+        if len(stored) < _PG_TAG or not hmac.compare_digest(tag, self._tag(name, value)):
+            raise StoreForgery(
+                f"the workers' store value under {name!r} failed authentication: set by a process "
+                "without this job's key (forged), or by a rank with another key (every rank needs "
+                "the same DTORCH_KEY or key file)")
+        return value
+
+    def set(self, name: str, value: Any) -> None:
+        self._inner.set(name, self._seal(name, value))
+
+    def get(self, name: str) -> bytes:
+        return self._open(name, self._inner.get(name))
+
+    def multi_set(self, names: list[str], values: list[Any]) -> None:
+        for n, v in zip(names, values, strict=True):
+            self.set(n, v)
+
+    def multi_get(self, names: list[str]) -> list[bytes]:
+        return [self.get(n) for n in names]
+
+    def compare_set(self, name: str, expected: Any, desired: Any) -> bytes:
+        exp = expected if isinstance(expected, bytes) else str(expected).encode()
+        got = self._inner.compare_set(name, self._seal(name, exp) if exp else b"", self._seal(name, desired))
+        return self._open(name, got)
+
+    def add(self, name: str, amount: int) -> int:
+        return self._inner.add(name, amount)
+
+    def wait(self, names: list[str], timeout: Any = None) -> None:
+        return self._inner.wait(names) if timeout is None else self._inner.wait(names, timeout)
+
+    def check(self, names: list[str]) -> bool:
+        return self._inner.check(names)
+
+    def delete_key(self, name: str) -> bool:
+        return self._inner.delete_key(name)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> Any:
+        return self._inner.timeout
+
+    def clone(self) -> SignedStore:
+        return SignedStore(self._inner.clone(), self._secret, self._scope)

@@ -193,7 +193,9 @@ def _start_snapshots(trainer: Any) -> None:
 
     plan = getattr(trainer, "plan", None)
     tag = f"{plan.describe() if plan is not None else ''}|seed={getattr(trainer, 'seed', '')}"
-    _snap = Snapshotter(d, trainer.rank, trainer.world, tag=tag)
+    # DTORCH_SNAPSHOT_BACKGROUND=0: copy on the training thread (the benchmark compares both)
+    _snap = Snapshotter(d, trainer.rank, trainer.world, tag=tag,
+                        background=os.environ.get("DTORCH_SNAPSHOT_BACKGROUND", "1") != "0")
     durable = trainer.step
     t0 = time.time()
     step = _snap.restore(_snapshot_state(trainer), durable_step=durable)
@@ -232,12 +234,26 @@ class _Native:
             o.load_state_dict(sd[str(i)])
 
 
+_live: Any = None
+
+
+def _live_modules(parts: list[Any]) -> Any:
+    """The model parts for snapshots, one object per run so that its state dict is reused while
+    the parameters stay the same (`dtorch.checkpoint.snapshot.LiveModules`)."""
+    global _live
+    if _live is None or _live.modules != parts:
+        from dtorch.checkpoint.snapshot import LiveModules
+
+        _live = LiveModules(parts)
+    return _live
+
+
 def _snapshot_state(trainer: Any) -> dict[str, Any]:
     """What a snapshot holds: everything a checkpoint holds, model and optimizer natively."""
     state = dict(trainer.checkpoint_state())
     parts, optims = getattr(getattr(trainer, "parallel", None), "model_parts", None), getattr(trainer, "optimizers", None)
     if parts is not None and optims is not None and "model" in state and "optim" in state:
-        state["model"], state["optim"] = _Native(list(parts)), _Native(list(optims))
+        state["model"], state["optim"] = _live_modules(list(parts)), _Native(list(optims))
     return state
 
 
@@ -247,9 +263,11 @@ def _take_snapshot(step: int) -> None:
     before = len(_snap.stall_s)
     _snap.take(step, _snapshot_state(_trainer))
     n = len(_snap.stall_s)
-    if n > before and n % 10 == 0:  # a take happened (snapshots may be off for this plan)  # the stall, for the drill report and the benchmark
-        recent = sorted(_snap.stall_s[-10:])
-        events.log("snapshot_stall", step=step, takes=n, median_s=recent[len(recent) // 2], max_s=recent[-1])
+    if n > before and n % 10 == 1 and n > 1:  # the stall of the last 10 takes (their waits are in), for the benchmark
+        recent = sorted(_snap.stall_s[-11:-1])
+        parts = {k: sorted(v[-10:])[len(v[-10:]) // 2] for k, v in _snap.parts_s.items() if v}
+        events.log("snapshot_stall", step=step, takes=n - 1, median_s=recent[len(recent) // 2], max_s=recent[-1],
+                   parts_median_s=parts)
 
 
 def _report_commit() -> None:
@@ -277,6 +295,10 @@ def _close_phase() -> None:
 def _on_phase(name: str, step: int) -> None:
     global _open_phase
     _close_phase()
+    if _snap is not None:
+        # the last step's snapshot copy ran alongside this step's data loading: join it before the
+        # step touches the state, so a failure from here on finds the previous step complete
+        _snap.wait()
     heartbeat.mark(step=step, phase=name)
     chaos.maybe_inject(step, name)
     _open_phase = (name, time.time())
@@ -372,7 +394,7 @@ def nccl_flight_recorder(w: WorkerInfo) -> str | None:
 def init_process_group(backend: str | None = None, timeout: float | None = None) -> None:
     """`torch.distributed.init_process_group` for a worker of `dtorch run`, with its store listening
     on MASTER_ADDR only (torch's own env:// store listens on every interface; see
-    `dtorch.elastic.store`). Backend default: nccl when CUDA is available, else gloo. `timeout` in
+    `dtorch.elastic.store`) and its values authenticated with the job's key (`SignedStore`). Backend default: nccl when CUDA is available, else gloo. `timeout` in
     seconds (default torch's); shorten it after the first step with `set_collective_timeout`."""
     import torch
     import torch.distributed as dist
@@ -387,5 +409,27 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
         nccl_flight_recorder(w)
     t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
     s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
+    keyed = os.environ.get("DTORCH_RUN_DIR") or os.environ.get("DTORCH_KEY") or os.environ.get("DTORCH_KEY_FILE")
+    if keyed and backend == "gloo":
+        # Under `dtorch run` every rank has the key its agents' rendezvous is signed with; ranks
+        # a scheduler started sign only with a key given explicitly (a per-user key file on
+        # nodes that do not share a home directory would differ). NCCL over this Python store
+        # is untested (no GPU build here), so its store stays as torch makes it.
+        s = _signed_pg_store(s, w)
     kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
     dist.init_process_group(backend, store=s, rank=w.rank, world_size=w.world_size, **kw)
+
+
+def _signed_pg_store(inner: Any, w: WorkerInfo) -> Any:
+    """The process-group store with its values authenticated for this round (run id, membership
+    epoch, port) with the job's secret (`dtorch.elastic.store.SignedStore`). Kept referenced for
+    the life of the process group."""
+    global _pg_store
+    from dtorch import trust
+    from dtorch.elastic import store as _store
+
+    _pg_store = _store.SignedStore(inner, trust.secret(), f"{w.run_id}|{w.epoch}|{os.environ['MASTER_PORT']}")
+    return _pg_store
+
+
+_pg_store: Any = None

@@ -137,3 +137,60 @@ def test_planted_heartbeat_of_another_pid_is_ignored_by_the_hang_watch(tmp_path)
     assert set(heartbeat.read_local_beats(run_dir, 3, watch.local)) == {0}
     watch.t_start = now  # rank 1 has published nothing of its own: it is still starting
     assert watch.check() is None
+
+
+def test_workers_store_refuses_values_set_without_the_jobs_key_moved_or_replayed():
+    """The process-group store (gloo's connection addresses): a value planted with a plain
+    TCPStore client, a signed value copied to another key, or one signed for another round is
+    refused by name; what the ranks set themselves reads back. Under a second."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = rdzv_store.tcp_store("127.0.0.1", 0, True, timedelta(seconds=5))
+    raw = TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=5))
+    key = b"k" * 32
+    ours = rdzv_store.SignedStore(server, key, "run|3|1234")
+    ours.set("0//cpu//0/0", b"addr-of-rank-0")
+    assert ours.get("0//cpu//0/0") == b"addr-of-rank-0" and ours.multi_get(["0//cpu//0/0"]) == [b"addr-of-rank-0"]
+    raw.set("0//cpu//0/1", pickle.dumps("an attacker's address"))
+    with pytest.raises(rdzv_store.StoreForgery, match="'0//cpu//0/1' failed authentication"):
+        ours.get("0//cpu//0/1")
+    raw.set("0//cpu//0/1", raw.get("0//cpu//0/0"))  # a genuine value moved to another key
+    with pytest.raises(rdzv_store.StoreForgery):
+        ours.get("0//cpu//0/1")
+    with pytest.raises(rdzv_store.StoreForgery):  # another round (epoch 2) or another job's key
+        rdzv_store.SignedStore(server, key, "run|2|1234").get("0//cpu//0/0")
+    with pytest.raises(rdzv_store.StoreForgery):
+        rdzv_store.SignedStore(server, b"x" * 32, "run|3|1234").get("0//cpu//0/0")
+    assert ours.add("count", 2) == 2 and ours.check(["0//cpu//0/0"])
+
+
+def test_dtorch_workers_process_group_runs_over_the_signed_store(tmp_path):
+    """A worker of `dtorch run` (its environment, world 1, gloo): the process group's store is the
+    signed one, values land in the TCPStore sealed, and a collective works over it. ~5 s."""
+    script = """
+import os, socket, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.distributed import TCPStore
+from dtorch.elastic import store, worker
+worker.init_process_group("gloo")
+assert isinstance(worker._pg_store, store.SignedStore), type(worker._pg_store)
+worker._pg_store.set("probe", b"value")
+raw = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, False, timedelta(seconds=5))
+sealed = raw.get("probe")
+assert sealed != b"value" and sealed.endswith(b"value") and len(sealed) == 32 + 5
+t = torch.ones(2)
+dist.all_reduce(t)
+dist.destroy_process_group()
+print("ok")
+"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DTORCH_RUN_DIR": str(tmp_path / "run"), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "DTORCH_KEY": "k" * 32, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-2000:]
