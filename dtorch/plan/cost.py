@@ -55,6 +55,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dtorch.cluster.shape import ELEMENTWISE_PASSES, GEMM_ROWS_HALF, GEMM_WIDTH_HALF
+from dtorch.cluster.shape import shape_factor as _shape_factor
 from dtorch.cluster.spec import Cluster, NodeGroup
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
@@ -151,11 +153,11 @@ class CostConstants:
 # fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
 # H100 SXM 0.7148, H100 96GB/500 W 0.4876), so that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
-    gemm_width_half=64.0,
-    gemm_rows_half=256.0,
+    gemm_width_half=GEMM_WIDTH_HALF,  # the device-shape constants live below the planner (dtorch.cluster.shape),
+    gemm_rows_half=GEMM_ROWS_HALF,  # where the probe and the CPU capability timing read them too
     dp_exposed_floor=0.4,
     tp_exposed=0.5,
-    elementwise_passes=16.0,
+    elementwise_passes=ELEMENTWISE_PASSES,
 )
 
 
@@ -199,8 +201,9 @@ class Estimate:
 
 # ---- compute ----------------------------------------------------------------------------------
 def shape_factor(width: float, rows: float, c: CostConstants = DEFAULT_CONSTANTS) -> float:
-    """GEMM-shape efficiency factor in (0, 1]: x/(x + x0) for per-rank width and rows."""
-    return (width / (width + c.gemm_width_half)) * (rows / (rows + c.gemm_rows_half))
+    """GEMM-shape efficiency factor in (0, 1]: x/(x + x0) for per-rank width and rows, at the
+    constants' half-points (`dtorch.cluster.shape`)."""
+    return _shape_factor(width, rows, c.gemm_width_half, c.gemm_rows_half)
 
 
 def base_efficiency(group: NodeGroup, c: CostConstants = DEFAULT_CONSTANTS) -> float:

@@ -209,6 +209,13 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
                 if rest % pp or global_batch % (rest // pp):
                     continue
                 out += [_Mesh(pp, dpr, dps, cp, tp) for dpr, dps in _dp_splits(rest // pp, fixed)]
+    if not out:
+        raise ConfigError(
+            "global_batch", global_batch,
+            f"no mesh of {W} devices has a data-parallel degree dividing it "
+            f"(with the fixed fields {fixed or 'none'}); use a global batch that is a multiple of "
+            f"{W // _max_non_dp(profile, cluster)} or fix fewer fields",
+        )
     return out
 
 
@@ -291,22 +298,13 @@ def search(
     t0 = time.perf_counter()
     profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
     notes: list[str] = []
-    forced = unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule",
-                                                                        "virtual_stages", "param_dtype")}))
-    if executable_only and forced:
+    if executable_only and (forced := _forced(fixed)):
         # the user asked for it: evaluate, but say that this DTorch cannot run it
         executable_only = False
         notes.append(f"the fixed fields ask for what this DTorch cannot run yet: {forced}")
     group = cluster.slowest_group()
     precs = _precisions(group, fixed, notes)
     meshes = _meshes(profile, cluster, global_batch, fixed)
-    if not meshes:
-        raise ConfigError(
-            "global_batch", global_batch,
-            f"no mesh of {cluster.world_size} devices has a data-parallel degree dividing it "
-            f"(with the fixed fields {fixed or 'none'}); use a global batch that is a multiple of "
-            f"{cluster.world_size // _max_non_dp(profile, cluster)} or fix fewer fields",
-        )
     for m in meshes:
         m.bound = _bound(m, 0, profile, group, global_batch, precs, constants)
     meshes.sort(key=lambda m: m.bound)
@@ -333,6 +331,12 @@ def search(
         seconds=time.perf_counter() - t0, closest=closest, notes=notes,
         best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)),
     )
+
+
+def _forced(fixed: dict[str, Any]) -> str | None:
+    """Why this executor cannot run what the fixed fields ask for, or None."""
+    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule",
+                                                                       "virtual_stages", "param_dtype")}))
 
 
 def _inputs(profile: ModelProfile, cluster: Cluster, global_batch: int, seq_len: int | None,
