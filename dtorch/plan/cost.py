@@ -300,7 +300,7 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
         ops_mb += (blocks * max(1, tpb - 2) + head_share) * c.autocast_ops_per_weight
     tensors = blocks * tpb + head_share * (profile.tensors_other or 3)
     opt = tensors * c.optimizer_ops_per_tensor if device_kind == "cpu" else c.optimizer_foreach_ops
-    tp_mb, tp_step = TENSOR.small_collectives(plan, blocks, head_share, c)
+    tp_mb, tp_step = TENSOR.small_collectives(plan, blocks, head_share, c) if plan.tp > 1 else (0.0, 0.0)
     return StepCounts(
         ops_per_microbatch=ops_mb,
         dtensor_ops_per_microbatch=ops_mb if plan.tp > 1 else 0.0,
@@ -443,11 +443,12 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
         acts += a_none * step.act_scale * step.rows * shard_act  # one block re-materialised during its backward
     if load.head:  # logits of every micro-batch the last stage holds (one under 1F1B, m under GPipe)
         acts += prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp * in_flight
-    buffers = FSDP.buffers(step, p_stage) + DATA.buffers(plan)
+    buffers = FSDP.buffers(step, p_stage) if step.fs > 1 else DATA.buffers(plan)
     sub = sum(states.values()) + acts + buffers
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
     r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}
-    r.host_bytes = MEMORY.host_bytes(plan, p_stage / step.fs)
+    if plan.offload != "none":
+        r.host_bytes = MEMORY.host_bytes(plan, p_stage / step.fs)
 
 
 def rank_share(step: StepShape, load: RankLoad, timed) -> RankShare:
@@ -456,7 +457,8 @@ def rank_share(step: StepShape, load: RankLoad, timed) -> RankShare:
     r = RankShare(p_stage=step.p_stage(load))
     counts = step_counts(step.plan, step.profile, step.dev.kind, step.c, load)
     flops_mb = compute_time(step, load, r)
-    MEMORY.recompute(step, load, r, flops_mb)
+    if step.plan.ac != "none":
+        MEMORY.recompute(step, load, r, flops_mb)
     host_opt = host_time(step, counts, r)
     for s in timed:
         s.rank_time(step, load, r, counts)
