@@ -344,7 +344,8 @@ class StepShape:
         self.red_b = DTYPE_BYTES[plan.reduce_dtype]
         self.tokens_mb = plan.microbatch_size * self.s
         self.rows = self.tokens_mb / cp
-        self.eff = base_efficiency(self.g, c) * shape_factor(self.h / tp, self.rows, c)
+        self.eff = base_efficiency(self.g, c) * _shape_factor(self.h / tp, self.rows, c.gemm_width_half,
+                                                              c.gemm_rows_half)
         self.speed = self.peak * self.eff
         self.attn_fwd = 4.0 * self.h * self.s  # per token per block, full s^2 (selective recompute; float8 leaves it bf16)
         passes = c.elementwise_passes * (c.compile_elementwise_factor if self.compiled else 1.0)
@@ -360,7 +361,10 @@ class StepShape:
         self.shard_act, self.shard_full = TENSOR.activation_share(plan)
 
     def p_stage(self, load: RankLoad) -> float:
-        return _rank_params(load, self.profile, self.plan.tp)
+        """Parameters of pipeline rank `load` per TP rank (`_rank_params`)."""
+        prof = self.profile
+        return (load.blocks * prof.params_per_block + prof.params_embedding * load.embedding
+                + prof.params_head * load.head) / self.plan.tp
 
 
 def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str | None = None, *,
