@@ -68,6 +68,7 @@ def check_plan(
     strategy's rules, the same the planner's `search.check` runs (`dtorch.plan.strategies.check`).
     `executable=False` checks only what the sharding itself needs (the dry run), not the limits of
     this executor at run time (`check_executable`)."""
+    plan.validate()  # the document's version, then the rules over the plan alone
     # the suggested degrees are the model's: the world may still be the plan's own (no process group yet)
     strategies.check(plan, Dims(dims.num_layers, dims.num_heads, dims.num_kv_heads, None, seq_len,
                                 seq_field="seq_len"), world=world_size)

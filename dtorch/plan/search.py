@@ -153,8 +153,7 @@ def check(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
     """Reject a plan that cannot run this model on this cluster (ConfigError naming the field, the
     value and the valid choices): every strategy's rules (`dtorch.plan.strategies.check`), the
     same the executor runs. Returns the plan."""
-    if plan.version != Plan.version:
-        plan.validate()
+    plan.validate()  # the document's version, then the rules over the plan alone
     strategies.check(plan, dims(profile, cluster.world_size, plan.seq_len))
     return plan
 
