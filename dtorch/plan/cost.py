@@ -324,7 +324,7 @@ class StepShape:
         "plan", "profile", "g", "c", "dtype", "peak", "elem_speed", "compiled", "async_tp", "dev", "cpu",
         "compute_dtype", "s", "h", "act_b", "act_scale", "param_b", "red_b", "tokens_mb", "rows", "eff",
         "speed", "attn_fwd", "elem_s_per_byte", "act_full", "st_cp", "st_dpr", "st_pp", "fs", "st_fs",
-        "a_none", "shard_act", "shard_full", "__dict__",
+        "a_none", "shard_act", "shard_full", "world", "__dict__",
     )
     # (strategies add their per-plan quantities in `prepare`: those go to __dict__)
 
@@ -372,12 +372,15 @@ def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str |
                constants: CostConstants = DEFAULT_CONSTANTS) -> StepShape:
     """The step shape of `plan` on the cluster's slowest group; ConfigError if the degrees do not
     make the world size or the device has no arithmetic in the compute dtype."""
-    if plan.world_size != cluster.world_size:
+    groups = cluster.groups
+    one = len(groups) == 1  # (the common case, asked tens of thousands of times by the search)
+    world = groups[0].num_devices if one else cluster.world_size
+    if plan.world_size != world:
         raise ConfigError(
             "degrees", plan.mesh_shape,
-            f"pp*dp_replicate*dp_shard*cp*tp = {plan.world_size} but the cluster has {cluster.world_size} devices",
+            f"pp*dp_replicate*dp_shard*cp*tp = {plan.world_size} but the cluster has {world} devices",
         )
-    g = cluster.slowest_group()
+    g = groups[0] if one else cluster.slowest_group()
     dev = g.device
     c = constants
     if dev.kind == "cpu":
@@ -392,7 +395,9 @@ def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str |
         raise ConfigError("param_dtype", compute_dtype,
                           f"{dev.name} has no {compute_dtype} arithmetic; use one of "
                           f"{{{', '.join(sorted(dev.peak_flops))}}}") from None
-    return StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled, async_tp)
+    step = StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled, async_tp)
+    step.world = world
+    return step
 
 
 # ---- the terms of one pipeline rank -----------------------------------------------------------
@@ -508,7 +513,7 @@ def estimate(
     return Estimate(
         step_time_s=step_s,
         tokens_per_s=tps,
-        tokens_per_s_per_gpu=tps / plan.world_size,  # (the cluster's: step_shape checked)
+        tokens_per_s_per_gpu=tps / step.world,
         mfu=mfu(tps, profile, cluster, step.compute_dtype),
         time_breakdown=_time_breakdown(m, pace, worst, t_p2p, t_bubble),
         memory_bytes_per_rank=int(total),
@@ -524,9 +529,12 @@ def estimate(
 def mfu(tokens_per_s: float, profile: ModelProfile, cluster: Cluster, compute_dtype: str) -> float:
     """Model FLOPs per second over the whole cluster's peak in the compute dtype (torchtitan's
     convention); a mixed cluster's faster devices wait for the slowest."""
+    groups = cluster.groups
+    if len(groups) == 1 and groups[0].device.supports(compute_dtype):
+        return tokens_per_s * profile.flops_per_token / (groups[0].num_devices * groups[0].device.peak(compute_dtype))
     return tokens_per_s * profile.flops_per_token / sum(gr.num_devices * gr.device.peak(compute_dtype)
                                                         if gr.device.supports(compute_dtype) else 0.0
-                                                        for gr in cluster.groups)
+                                                        for gr in groups)
 
 
 def _time_breakdown(m: int, pace: RankShare, worst: RankShare, t_p2p: float, t_bubble: float) -> dict[str, float]:
