@@ -251,13 +251,13 @@ def speed_scale(block_s: float, workload: tuple[int, int, int], peak_flops: floa
     those nominal numbers are scaled, so that before any probe the model's arithmetic and element-wise
     terms add up to what this CPU measurably does at the model's shape. The block's work is counted
     as the cost model counts it: 72 h^2 + 12 h s FLOPs per token, 34 h bytes of 16-bit activations per
-    token through `elementwise_passes` passes (dtorch.plan.cost; imported here, as the probe does,
-    because measuring the cluster is the one place the planner's model meets the hardware)."""
-    from dtorch.plan.cost import DEFAULT_CONSTANTS, shape_factor
+    token through `ELEMENTWISE_PASSES` passes (`dtorch.cluster.shape`, the device model the planner
+    predicts with)."""
+    from dtorch.cluster.shape import ELEMENTWISE_PASSES, shape_factor
 
     hidden, _, seq, batch = block_shape(workload)
     tokens = batch * seq
     flops = tokens * (72.0 * hidden * hidden + 12.0 * hidden * seq)
-    t = flops / (peak_flops * efficiency * shape_factor(hidden, tokens, DEFAULT_CONSTANTS))
-    t += DEFAULT_CONSTANTS.elementwise_passes * 2.0 * tokens * 34.0 * hidden / memory_bandwidth
+    t = flops / (peak_flops * efficiency * shape_factor(hidden, tokens))
+    t += ELEMENTWISE_PASSES * 2.0 * tokens * 34.0 * hidden / memory_bandwidth
     return t / block_s

@@ -55,7 +55,7 @@ def local_cluster(world_size: int, local_world_size: int | None = None, *, calib
                                 host_cores=os.cpu_count() or 1)
     cluster = Cluster([group], name=f"local:{world_size // local}x{local}", calibration=base.calibration)
     if calibrated:
-        from dtorch.cluster.probe import with_stored_calibration  # torch-free at import
+        from dtorch.cluster.calibration_store import with_stored_calibration
 
         cluster = with_stored_calibration(cluster)
     return cluster

@@ -37,19 +37,17 @@ at most 1). The shape factor was fitted on GPUs; a CPU's curve is flatter, so th
 together, point-to-point latency apart, and stores them with efficiency 1 (they are achieved, not
 line-rate, numbers).
 
-This module's top level is torch-free: `apply_calibration` / `stored_calibration` run inside
-`load_cluster`, which `dtorch plan` calls and which must start fast. The measurement functions import
-torch when called.
+The calibration file itself (where it lives, how it is read, written and applied) is
+`dtorch.cluster.calibration_store`, torch-free: it runs inside `load_cluster`, which `dtorch plan`
+calls and which must start fast. This module's measurement functions import torch when called.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import math
 import os
-import re
 import socket
 import statistics
 import tempfile
@@ -58,161 +56,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dtorch.cluster.spec import Cluster, Link
-from dtorch.docio import read_document
+from dtorch.cluster.calibration_store import (  # noqa: F401  (the store, re-exported: its old home)
+    CALIBRATION_VERSION,
+    ENV_DIR,
+    ENV_DISABLE,
+    apply_calibration,
+    calibration_dir,
+    calibration_path,
+    read_calibration,
+    stored_calibration,
+    validate_calibration,
+    with_stored_calibration,
+    write_calibration,
+)
+from dtorch.cluster.shape import shape_factor as _shape_factor
 from dtorch.errors import ConfigError
-
-CALIBRATION_VERSION = 1
-ENV_DIR = "DTORCH_CALIBRATION_DIR"
-ENV_DISABLE = "DTORCH_NO_CALIBRATION"
 
 GEMM_ROWS = (128, 512, 2048)
 GEMM_WIDTHS = (32, 128, 512)
 GEMM_K = 512
 COLL_SIZES = tuple(4 ** i * 1024 for i in range(1, 7))  # 4 KiB .. 4 MiB
 COLL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-
-
-# ---- the calibration file (torch-free) ---------------------------------------------------------------
-def calibration_dir() -> Path:
-    """Where calibrations live: $DTORCH_CALIBRATION_DIR, else ~/.cache/dtorch/calibration."""
-    env = os.environ.get(ENV_DIR)
-    return Path(env) if env else Path.home() / ".cache" / "dtorch" / "calibration"
-
-
-def calibration_path(cluster_name: str) -> Path:
-    """The file for a cluster name (``local:1x4`` -> ``local_1x4.json``)."""
-    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", cluster_name).strip("_") or "cluster"
-    return calibration_dir() / f"{safe}.json"
-
-
-def validate_calibration(doc: Any, source: str = "calibration") -> dict:
-    """Check the fields the planner reads; raise ConfigError naming the field. Returns `doc`."""
-    if not isinstance(doc, dict):
-        raise ConfigError(source, type(doc).__name__, "a calibration is a JSON mapping written by `dtorch probe`")
-    if doc.get("version") != CALIBRATION_VERSION:
-        raise ConfigError(f"{source}.version", doc.get("version"),
-                          f"this DTorch reads calibration version {CALIBRATION_VERSION}; run `dtorch probe` again")
-    dev = doc.get("device", {})
-    if not isinstance(dev, dict):
-        raise ConfigError(f"{source}.device", dev, "must be a mapping")
-    for dtype, v in (dev.get("peak_flops") or {}).items():
-        if not (isinstance(v, (int, float)) and v > 0):
-            raise ConfigError(f"{source}.device.peak_flops.{dtype}", v, "must be a positive FLOP/s")
-    eff = dev.get("matmul_efficiency")
-    if eff is not None and not (isinstance(eff, (int, float)) and 0 < eff <= 1):
-        raise ConfigError(f"{source}.device.matmul_efficiency", eff, "a fraction in (0, 1]")
-    bw = dev.get("memory_bandwidth")
-    if bw is not None and not (isinstance(bw, (int, float)) and bw > 0):
-        raise ConfigError(f"{source}.device.memory_bandwidth", bw, "must be positive bytes/s")
-    for cls, link in (doc.get("links") or {}).items():
-        if cls not in ("intra", "inter") or not isinstance(link, dict):
-            raise ConfigError(f"{source}.links.{cls}", link, "link classes are intra and inter, each a mapping")
-        for key in ("bandwidth", "latency"):
-            v = link.get(key)
-            if not (isinstance(v, (int, float)) and v >= 0 and (key == "latency" or v > 0)):
-                raise ConfigError(f"{source}.links.{cls}.{key}", v, "must be a positive number")
-    return doc
-
-
-def read_calibration(path: str | Path) -> dict:
-    """Read and validate a calibration file (JSON, or YAML by suffix)."""
-    p = Path(path)
-    doc = read_document(p, "calibration", "calibration file", "delete it or run `dtorch probe` again")
-    return validate_calibration(doc, str(p))
-
-
-def write_calibration(doc: dict, path: str | Path) -> Path:
-    """Write `doc` atomically (temp file + rename) as JSON, or YAML by suffix. Returns the path.
-    Concurrent writers never tear the file; the last one wins."""
-    validate_calibration(doc)
-    p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        text = yaml.safe_dump(doc, sort_keys=False)
-    else:
-        text = json.dumps(doc, indent=1) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-    os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a cluster's calibration from its other users
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)  # a reader never sees a half-written calibration
-    return p
-
-
-def stored_calibration(cluster_name: str) -> dict | None:
-    """The stored calibration for `cluster_name`, or None (none stored, disabled by
-    $DTORCH_NO_CALIBRATION, or unreadable: a broken cache file must not stop a job, so it is ignored)."""
-    if os.environ.get(ENV_DISABLE):
-        return None
-    p = calibration_path(cluster_name)
-    if not p.is_file():
-        return None
-    try:
-        return read_calibration(p)
-    except ConfigError:
-        return None
-
-
-def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
-    """A copy of `cluster` with the measured numbers of `doc` merged over the preset/nominal ones.
-
-    Device: measured peak FLOP/s per dtype (unmeasured dtypes keep the preset's), matmul efficiency
-    (times a runtime-feedback correction if one is stored), memory bandwidth; memory capacity is
-    lowered when feedback found memory above prediction (the planner then keeps that headroom).
-    Links: the measured alpha-beta per link class. The device name gets a ``*`` so that the cost
-    model's per-name efficiency table no longer overrides the measured efficiency. The whole
-    document is kept in `cluster.calibration`."""
-    dev_doc = doc.get("device") or {}
-    fb = doc.get("feedback") or {}
-    links = doc.get("links") or {}
-    groups = []
-    for g in cluster.groups:
-        dev = g.device
-        if dev_doc.get("device_kind", doc.get("device_kind", dev.kind)) != dev.kind:
-            groups.append(g)  # a calibration of another device kind says nothing about this group
-            continue
-        peak = {**dev.peak_flops, **(dev_doc.get("peak_flops") or {})}
-        eff = float(dev_doc.get("matmul_efficiency", dev.matmul_efficiency))
-        eff = min(1.0, max(1e-4, eff * float(fb.get("compute_scale", 1.0))))
-        mem = dev.memory_bytes
-        mscale = float(fb.get("memory_scale", 1.0))
-        if mscale > 1.0:
-            mem = int(mem / mscale)
-        dev = dataclasses.replace(
-            dev,
-            name=dev.name if dev.name.endswith("*") else dev.name + "*",
-            peak_flops=peak,
-            matmul_efficiency=eff,
-            memory_bandwidth=float(dev_doc.get("memory_bandwidth", dev.memory_bandwidth)),
-            memory_bytes=mem,
-            # runtime feedback's compute_scale is one speed for the device: its arithmetic and its host
-            op_overhead_s=float(doc.get("op_overhead_s", dev.op_overhead_s)) / float(fb.get("compute_scale", 1.0)),
-            dtensor_op_overhead_s=float(doc.get("dtensor_op_overhead_s", dev.dtensor_op_overhead_s))
-            / float(fb.get("compute_scale", 1.0)),
-        )
-        intra, inter = g.intra, g.inter
-        if "intra" in links:
-            intra = _link(links["intra"], intra)
-        if "inter" in links:
-            inter = _link(links["inter"], inter)
-        groups.append(dataclasses.replace(g, device=dev, intra=intra, inter=inter))
-    return Cluster(groups=groups, name=cluster.name, calibration={**cluster.calibration, **doc})
-
-
-def _link(d: dict, base: Link) -> Link:
-    return Link(kind=d.get("kind", base.kind), bandwidth=float(d["bandwidth"]), latency=float(d["latency"]),
-                efficiency=float(d.get("efficiency", 1.0)), p2p_latency=float(d.get("p2p_latency", 0.0)))
-
-
-def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:
-    """`cluster` with the calibration stored for `name` (default: its own name) applied, if any."""
-    doc = stored_calibration(name or cluster.name)
-    return apply_calibration(cluster, doc) if doc is not None else cluster
 
 
 # ---- fits (pure) -----------------------------------------------------------------------------------
@@ -263,9 +127,7 @@ def fit_gemm_efficiency(records: Sequence[dict], shape_factor: Callable[[float, 
     measured GEMM curve of `dtype` best (least squares in log space). Peak is the best measured
     throughput; eff is capped at 1 (then peak is raised to the fitted scale)."""
     if shape_factor is None:
-        from dtorch.plan.cost import shape_factor as sf  # the planner's shape model (probe runs above plan)
-
-        shape_factor = sf
+        shape_factor = _shape_factor  # the device model the planner predicts with (dtorch.cluster.shape)
     rs = [r for r in records if r["dtype"] == dtype and r["flops"] > 0]
     if not rs:
         raise ValueError(f"no GEMM measurements for {dtype}")

@@ -23,7 +23,12 @@ import logging
 import math
 from typing import Any
 
-from dtorch.cluster.probe import CALIBRATION_VERSION, calibration_path, stored_calibration, write_calibration
+from dtorch.cluster.calibration_store import (
+    CALIBRATION_VERSION,
+    calibration_path,
+    stored_calibration,
+    write_calibration,
+)
 from dtorch.errors import ConfigError
 from dtorch.plan.plan import Plan
 

@@ -4,9 +4,11 @@
     result = search(profile, cluster, global_batch=512, fixed={"tp": 8})
     print(explain(result))
 
-Submodules: `plan` (the Plan document), `cost` (the analytic cost model), `search` (the plan
-search and `check`), `explain`, `recommend` (cluster sizing), `calibration` (published runs),
-`profiles` (model profiles without torch). Nothing here imports torch or torch.distributed.
+Submodules: `plan` (the Plan document), `strategies` (the strategy registry: every parallelism's
+fields, rules, limits, search candidates and time terms, one file each), `cost` (the analytic cost
+model), `comm` (collective times), `search` (the plan search and `check`), `explain`, `recommend`
+(cluster sizing), `calibration` (published runs), `profiles` (model profiles without torch).
+Nothing here imports torch or torch.distributed.
 """
 
 from __future__ import annotations

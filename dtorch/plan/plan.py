@@ -22,13 +22,11 @@ from typing import Any
 
 from dtorch.docio import read_document
 from dtorch.errors import ConfigError, choices
+from dtorch.plan import strategies
+from dtorch.plan.strategies import AC_POLICIES, DTYPES, MESH_AXES, OFFLOAD_POLICIES, SCHEDULES
 
 PLAN_VERSION = 1
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-AC_POLICIES = ("none", "selective", "full")
-OFFLOAD_POLICIES = ("none", "optimizer", "params")
-DTYPES = ("float32", "bfloat16", "float16")
+__all__ = ["Plan", "PLAN_VERSION", "MESH_AXES", "SCHEDULES", "AC_POLICIES", "OFFLOAD_POLICIES", "DTYPES"]
 
 
 @dataclass
@@ -100,93 +98,19 @@ class Plan:
 
     def family(self) -> str:
         """A short name of the strategy family, e.g. 'FSDP', 'FSDPxTP', 'TPxPP', 'DDP', 'single'."""
-        parts = []
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            parts.append("HSDP")
-        elif self.dp_shard > 1:
-            parts.append("FSDP")
-        elif self.dp_replicate > 1:
-            parts.append("DDP")
-        if self.cp > 1:
-            parts.append("CP")
-        if self.tp > 1:
-            parts.append("TP+SP" if self.sp else "TP")
-        if self.pp > 1:
-            parts.append("PP")
-        return "x".join(parts) or "single"
+        return strategies.family(self)
 
     def describe(self) -> str:
         """One line: degrees, micro-batching and policies."""
-        deg = " ".join(f"{a}={getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1) or "single device"
-        extra = f"mb={self.microbatch_size}x{self.num_microbatches}"
-        if self.pp > 1:
-            extra += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
-        if self.sp:
-            extra += " sp"
-        if self.ac != "none":
-            extra += f" ac={self.ac}"
-        if self.offload != "none":
-            extra += f" offload={self.offload}"
-        if self.dp_shard > 1 and not self.reshard_after_forward:
-            extra += " no-reshard"
-        if self.layer_partition is not None:
-            extra += " stages=" + _runs(self.layer_partition)
-        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-        if (self.param_dtype, self.reduce_dtype) != ("float32", "float32"):
-            extra += f" {short[self.param_dtype]}" + (f"/reduce-{short[self.reduce_dtype]}"
-                                                       if self.reduce_dtype != "float32" else "")
-        return f"{deg} {extra}"
+        return strategies.describe(self)
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self, world_size: int | None = None) -> Plan:
-        """Check internal consistency (not model fit: see `dtorch.plan.check`). Returns self."""
-        for axis in (*MESH_AXES, "microbatch_size", "num_microbatches", "virtual_stages"):
-            v = getattr(self, axis)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(axis, v, "must be a positive integer")
+        """Check internal consistency, every strategy's rules over the plan alone (model fit:
+        `dtorch.plan.search.check`; both loop over `dtorch.plan.strategies`). Returns self."""
         if self.version != PLAN_VERSION:
             raise ConfigError("version", self.version, f"this DTorch reads plan version {PLAN_VERSION}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError("schedule", self.schedule, choices(SCHEDULES))
-        if self.ac not in AC_POLICIES:
-            raise ConfigError("ac", self.ac, choices(AC_POLICIES))
-        if self.offload not in OFFLOAD_POLICIES:
-            raise ConfigError("offload", self.offload, choices(OFFLOAD_POLICIES))
-        for name in ("param_dtype", "reduce_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ConfigError(name, getattr(self, name), choices(DTYPES))
-        if self.sp and self.tp == 1:
-            raise ConfigError("sp", self.sp, "sequence parallelism needs tp > 1; set sp=false or raise tp")
-        if self.pp == 1 and self.virtual_stages != 1:
-            raise ConfigError("virtual_stages", self.virtual_stages, "virtual stages need pp > 1; set 1")
-        if self.virtual_stages > 1 and self.schedule in ("gpipe", "1f1b"):
-            raise ConfigError(
-                "virtual_stages", self.virtual_stages,
-                f"schedule {self.schedule} runs one stage per rank; use schedule=interleaved_1f1b or virtual_stages=1",
-            )
-        if self.pp > 1 and self.num_microbatches < self.pp and self.schedule != "gpipe":
-            raise ConfigError(
-                "num_microbatches", self.num_microbatches,
-                f"schedule {self.schedule} with pp={self.pp} needs at least {self.pp} micro-batches; "
-                f"use num_microbatches >= {self.pp} or schedule=gpipe",
-            )
-        if self.layer_partition is not None:
-            if len(self.layer_partition) != self.num_stages or any(n < 1 for n in self.layer_partition):
-                raise ConfigError(
-                    "layer_partition", self.layer_partition,
-                    f"give {self.num_stages} positive block counts (pp * virtual_stages), or null for even",
-                )
-        if world_size is not None and self.world_size != world_size:
-            raise ConfigError(
-                "degrees", self.mesh_shape,
-                f"pp*dp_replicate*dp_shard*cp*tp = {self.world_size} but the world size is {world_size}",
-            )
-        if self.global_batch is not None and self.global_batch != self.dp * self.local_batch():
-            raise ConfigError(
-                "global_batch", self.global_batch,
-                f"dp({self.dp}) * microbatch_size({self.microbatch_size}) * num_microbatches"
-                f"({self.num_microbatches}) = {self.dp * self.local_batch()}; make them agree",
-            )
+        strategies.validate(self, world_size)
         return self
 
     # ---- serialisation -----------------------------------------------------------------------
@@ -221,15 +145,3 @@ class Plan:
         else:
             p.write_text(self.to_json() + "\n")
 
-
-def _runs(sizes: list[int]) -> str:
-    """``[1, 2, 2, 2, 1]`` -> ``1/2x3/1``: a partition as runs of equal stage sizes."""
-    out: list[str] = []
-    i = 0
-    while i < len(sizes):
-        j = i
-        while j < len(sizes) and sizes[j] == sizes[i]:
-            j += 1
-        out.append(str(sizes[i]) + (f"x{j - i}" if j - i > 1 else ""))
-        i = j
-    return "/".join(out)

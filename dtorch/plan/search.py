@@ -9,14 +9,15 @@ bound. Inside a mesh: micro-batch sizes dividing the local batch, schedules and 
 then checkpointing and FSDP resharding in order of cost, stopping at the first that fits (more
 recomputation or more communication is never faster); offload is only tried where nothing else fits.
 
+What each strategy contributes (its mesh degrees, schedules, precisions, the memory ladder, its
+ranking handicap, its rules) comes from the registry, `dtorch.plan.strategies`.
 `check(plan, profile, cluster)` rejects invalid combinations with messages naming the field, the
-value and the valid choices; the executor calls it too.
+value and the valid choices; the executor runs the same rules (`dtorch.parallel.check`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import time
@@ -25,47 +26,31 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dtorch.cluster.spec import Cluster, NodeGroup
-from dtorch.errors import ConfigError, choices
+from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
+from dtorch.plan import strategies
 from dtorch.plan.cost import (
     DEFAULT_CONSTANTS,
+    DTYPE_BYTES,
+    NO_COUNTS,
     CostConstants,
     Estimate,
-    balanced_partition,
-    base_efficiency,
-    collective_time,
+    StepShape,
+    compute_time,
     estimate,
-    partition,
-    shape_factor,
 )
-from dtorch.plan.cost import DTYPE_BYTES as _DTYPE_BYTES
-from dtorch.plan.limits import unsupported
-from dtorch.plan.plan import AC_POLICIES, DTYPES, MESH_AXES, OFFLOAD_POLICIES, SCHEDULES, Plan
+from dtorch.plan.plan import MESH_AXES, Plan
+from dtorch.plan.strategies import FIX_ALIASES, FIXABLE, Dims, RankShare, normalize_fixed, unsupported  # noqa: F401
+from dtorch.plan.strategies.base import divisors as _divisors
+from dtorch.plan.strategies.context import CONTEXT
+from dtorch.plan.strategies.data import DATA
+from dtorch.plan.strategies.fsdp import FSDP
+from dtorch.plan.strategies.memory import MEMORY
+from dtorch.plan.strategies.pipeline import PARTITION_MARGIN, PIPELINE, bubble_fraction, ideal_load  # noqa: F401
+from dtorch.plan.strategies.precision import PRECISION, PRECISION_MARGIN  # noqa: F401
+from dtorch.plan.strategies.tensor import TENSOR
 
 GiB = 2**30
-
-FIX_ALIASES = {
-    "microbatch": "microbatch_size",
-    "mbs": "microbatch_size",
-    "micro_batch": "microbatch_size",
-    "nmb": "num_microbatches",
-    "microbatches": "num_microbatches",
-    "fsdp": "dp_shard",
-    "ddp": "dp_replicate",
-    "v": "virtual_stages",
-    "reshard": "reshard_after_forward",
-    "dtype": "param_dtype",
-    "precision": "param_dtype",
-}
-FIXABLE = (*MESH_AXES, "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "ac", "offload",
-           "reshard_after_forward", "sp", "param_dtype", "reduce_dtype")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-PRECISION_MARGIN = 0.03
-"""A plan computing or reducing in less than float32 must be this much faster than the best plan at
-higher precision to be ranked above it: numerics are worth a few per cent of speed."""
-PARTITION_MARGIN = 0.01
-"""An uneven pipeline partition must be this much faster than the even split to be ranked above it."""
-SCHEDULE_ALIASES = {"interleaved": "interleaved_1f1b", "zb": "zero_bubble", "zbv": "zero_bubble"}
 
 
 @dataclass
@@ -114,75 +99,31 @@ def parse_fix(text: str | None) -> dict[str, Any]:
     return normalize_fixed(out)
 
 
-def normalize_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
-    """Resolve aliases and types of fixed fields; ConfigError for unknown keys or bad values."""
-    out: dict[str, Any] = {}
-    for key, val in (fixed or {}).items():
-        k = FIX_ALIASES.get(key, key)
-        if k not in FIXABLE:
-            raise ConfigError("fix", key, "unknown plan field; " + choices(list(FIXABLE) + sorted(FIX_ALIASES)))
-        if k in (*MESH_AXES, "microbatch_size", "num_microbatches", "virtual_stages"):
-            try:
-                iv = int(val)
-                if isinstance(val, bool) or iv != float(val) or iv < 1:
-                    raise ValueError
-            except (TypeError, ValueError):
-                raise ConfigError(k, val, "must be a positive integer") from None
-            out[k] = iv
-        elif k in ("reshard_after_forward", "sp"):
-            if isinstance(val, bool):
-                out[k] = val
-            elif str(val).lower() in ("1", "true", "yes", "on"):
-                out[k] = True
-            elif str(val).lower() in ("0", "false", "no", "off"):
-                out[k] = False
-            else:
-                raise ConfigError(k, val, "use true or false")
-        else:
-            v = str(val).lower()
-            if k == "schedule":
-                v = SCHEDULE_ALIASES.get(v, v)
-            if k in ("param_dtype", "reduce_dtype"):
-                v = DTYPE_ALIASES.get(v, v)
-                if v in ("float8", "fp8"):
-                    raise ConfigError(k, val, "float8 training is not implemented by this executor; "
-                                      "use bfloat16 or float32")
-            allowed = {"schedule": SCHEDULES, "ac": AC_POLICIES, "offload": OFFLOAD_POLICIES,
-                       "param_dtype": DTYPES, "reduce_dtype": DTYPES}[k]
-            if v not in allowed:
-                raise ConfigError(k, val, choices(allowed))
-            out[k] = v
-    return out
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
 def valid_tp(profile: ModelProfile, cluster: Cluster) -> list[int]:
     """TP degrees that divide the query and key/value heads and fit in one node."""
-    g = math.gcd(profile.num_heads, profile.num_kv_heads)
-    per_node = cluster.devices_per_node
-    return [t for t in _divisors(g) if per_node % t == 0 and cluster.world_size % t == 0]
+    return TENSOR.degrees(profile.num_heads, profile.num_kv_heads, cluster.devices_per_node, cluster.world_size)
+
+
+def dims(profile: ModelProfile, world_size: int | None, seq_len: int | None = None) -> Dims:
+    """What the registry's rules check a plan against in the planner (the model's sequence is
+    given, so a bad sequence split is reported on the plan's own field)."""
+    return Dims(profile.num_layers, profile.num_heads, profile.num_kv_heads, world_size,
+                seq_len or profile.seq_len, seq_field=None, name=profile.name)
 
 
 def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster, global_batch: int) -> None:
+    """The fixed fields against the model and the world before any search: the registry's rules on
+    the fixed mesh degrees, then what only a partial plan can break (products dividing the world
+    size and the global batch)."""
     W = cluster.world_size
-    L = profile.num_layers
-    if "tp" in fixed:
-        tp = fixed["tp"]
-        if profile.num_heads % tp or profile.num_kv_heads % tp:
-            ok = [t for t in _divisors(math.gcd(profile.num_heads, profile.num_kv_heads)) if W % t == 0]
-            raise ConfigError("tp", tp, f"tensor parallel degree {tp} does not divide {profile.num_heads} attention "
-                              f"heads and {profile.num_kv_heads} kv heads; use tp in {{{', '.join(map(str, ok))}}}")
-    if "pp" in fixed and fixed["pp"] > L:
-        ok = [p for p in _divisors(W) if p <= L]
-        raise ConfigError("pp", fixed["pp"], f"pipeline degree above the {L} blocks of {profile.name}; "
-                          f"use pp in {{{', '.join(map(str, ok))}}}")
-    prod = 1
-    for a in MESH_AXES:
-        prod *= fixed.get(a, 1)
+    mesh = {a: fixed[a] for a in ("tp", "pp", "cp") if a in fixed}
+    partial = Plan(**mesh, num_microbatches=max(mesh.get("pp", 1), 1), schedule="gpipe",
+                   virtual_stages=1, sp=False)
+    for s in (TENSOR, PIPELINE, CONTEXT):
+        for v in s.rules(partial, dims(profile, W)):
+            if v.field in mesh:
+                raise v.error()
+    prod = math.prod(fixed.get(a, 1) for a in MESH_AXES)
     if W % prod:
         fixed_axes = {a: fixed[a] for a in MESH_AXES if a in fixed}
         raise ConfigError("degrees", fixed_axes, f"their product {prod} does not divide the world size {W}; "
@@ -190,11 +131,6 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
     if all(a in fixed for a in MESH_AXES) and prod != W:
         raise ConfigError("degrees", {a: fixed[a] for a in MESH_AXES},
                           f"pp*dp_replicate*dp_shard*cp*tp = {prod} but the world size is {W}")
-    if "cp" in fixed and fixed["cp"] > 1:
-        cp, tp = fixed["cp"], fixed.get("tp", 1)
-        if profile.seq_len % (2 * cp * tp):
-            raise ConfigError("cp", cp, f"seq_len {profile.seq_len} is not divisible by 2*cp*tp = {2 * cp * tp}; "
-                              "use a cp (and tp) whose 2*cp*tp divides the sequence length")
     if "microbatch_size" in fixed and global_batch % fixed["microbatch_size"]:
         raise ConfigError("microbatch_size", fixed["microbatch_size"],
                           f"does not divide the global batch {global_batch}; use one of its divisors "
@@ -216,35 +152,10 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
 
 def check(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
     """Reject a plan that cannot run this model on this cluster (ConfigError naming the field, the
-    value and the valid choices). Returns the plan. Internal consistency: `Plan.validate`."""
-    W = cluster.world_size
-    L = profile.num_layers
-    plan.validate()
-    if profile.num_heads % plan.tp or profile.num_kv_heads % plan.tp:
-        ok = [t for t in _divisors(math.gcd(profile.num_heads, profile.num_kv_heads)) if W % t == 0]
-        raise ConfigError("tp", plan.tp, f"tensor parallel degree {plan.tp} does not divide {profile.num_heads} "
-                          f"attention heads and {profile.num_kv_heads} kv heads; use tp in {{{', '.join(map(str, ok))}}}")
-    if plan.pp > L:
-        raise ConfigError("pp", plan.pp, f"pipeline degree above the {L} blocks of {profile.name}; use pp <= {L}")
-    if plan.num_stages > L:
-        raise ConfigError("virtual_stages", plan.virtual_stages,
-                          f"pp*virtual_stages = {plan.num_stages} stages for {L} blocks; use virtual_stages <= {L // plan.pp}")
-    if plan.world_size != W:
-        raise ConfigError("degrees", plan.mesh_shape,
-                          f"pp*dp_replicate*dp_shard*cp*tp = {plan.world_size} but the world size is {W}")
-    seq = plan.seq_len or profile.seq_len
-    if plan.cp > 1 and seq % (2 * plan.cp * plan.tp):
-        raise ConfigError("cp", plan.cp, f"seq_len {seq} is not divisible by 2*cp*tp = {2 * plan.cp * plan.tp}; "
-                          "use a cp whose 2*cp*tp divides the sequence length")
-    if plan.tp > 1 and plan.sp and seq % plan.tp:
-        raise ConfigError("sp", plan.sp, f"sequence parallelism needs seq_len {seq} divisible by tp={plan.tp}")
-    if plan.pp > 1 and plan.schedule in ("interleaved_1f1b", "zero_bubble") and plan.num_microbatches % plan.pp:
-        raise ConfigError("num_microbatches", plan.num_microbatches,
-                          f"schedule {plan.schedule} runs micro-batches in rounds of pp={plan.pp}; "
-                          f"use a multiple of {plan.pp}")
-    if plan.layer_partition is not None and sum(plan.layer_partition) != L:
-        raise ConfigError("layer_partition", plan.layer_partition,
-                          f"sums to {sum(plan.layer_partition)} but the model has {L} blocks")
+    value and the valid choices): every strategy's rules (`dtorch.plan.strategies.check`), the
+    same the executor runs. Returns the plan."""
+    plan.validate()  # the document's version, then the rules over the plan alone
+    strategies.check(plan, dims(profile, cluster.world_size, plan.seq_len))
     return plan
 
 
@@ -274,172 +185,96 @@ class _Mesh:
 
     @property
     def family(self) -> str:
-        return Plan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
-                    sp=self.tp > 1).family()
+        return strategies.family(Plan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                                      cp=self.cp, tp=self.tp, sp=self.tp > 1))
 
 
 def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> list[_Mesh]:
+    """Every mesh the strategies' candidates make, tp innermost first: tp, then cp, pp and the
+    data-parallel split of the rest (dp dividing the global batch)."""
     W = cluster.world_size
-    L = profile.num_layers
-    s = profile.seq_len
-    tps = [fixed["tp"]] if "tp" in fixed else valid_tp(profile, cluster)
+
+    def pick(axis: str, candidates: list[int]) -> list[int]:
+        return [fixed[axis]] if axis in fixed else candidates
+
     out = []
-    for tp in tps:
+    for tp in pick("tp", valid_tp(profile, cluster)):
         if W % tp:
             continue
-        rest_tp = W // tp
-        cps = [fixed["cp"]] if "cp" in fixed else [c for c in _divisors(rest_tp) if c <= 64 and s % (2 * c * tp) == 0
-                                                   or c == 1]
-        for cp in cps:
-            if rest_tp % cp:
+        for cp in pick("cp", CONTEXT.degrees(W // tp, profile.seq_len, tp)):
+            if (W // tp) % cp:
                 continue
-            rest_cp = rest_tp // cp
-            pps = [fixed["pp"]] if "pp" in fixed else [p for p in _divisors(rest_cp) if p <= L]
-            for pp in pps:
-                if rest_cp % pp:
+            rest = W // tp // cp
+            for pp in pick("pp", PIPELINE.degrees(rest, profile.num_layers)):
+                if rest % pp or global_batch % (rest // pp):
                     continue
-                dp = rest_cp // pp
-                if global_batch % dp:
-                    continue
-                if "dp_shard" in fixed:
-                    shards = [fixed["dp_shard"]]
-                elif "dp_replicate" in fixed:
-                    shards = [dp // fixed["dp_replicate"]] if dp % fixed["dp_replicate"] == 0 else []
-                else:
-                    shards = _divisors(dp)
-                for dps in shards:
-                    if dps < 1 or dp % dps:
-                        continue
-                    dpr = dp // dps
-                    if "dp_replicate" in fixed and fixed["dp_replicate"] != dpr:
-                        continue
-                    out.append(_Mesh(pp, dpr, dps, cp, tp))
+                out += [_Mesh(pp, dpr, dps, cp, tp) for dpr, dps in _dp_splits(rest // pp, fixed)]
+    if not out:
+        raise ConfigError(
+            "global_batch", global_batch,
+            f"no mesh of {W} devices has a data-parallel degree dividing it "
+            f"(with the fixed fields {fixed or 'none'}); use a global batch that is a multiple of "
+            f"{W // _max_non_dp(profile, cluster)} or fix fewer fields",
+        )
     return out
+
+
+def _dp_splits(dp: int, fixed: dict[str, Any]) -> list[tuple[int, int]]:
+    """(dp_replicate, dp_shard) splits of `dp` data-parallel ranks allowed by the fixed fields."""
+    if "dp_shard" in fixed:
+        shards = [fixed["dp_shard"]]
+    elif "dp_replicate" in fixed:
+        shards = [dp // fixed["dp_replicate"]] if dp % fixed["dp_replicate"] == 0 else []
+    else:
+        shards = _divisors(dp)
+    return [(dp // dps, dps) for dps in shards if dps >= 1 and dp % dps == 0
+            and ("dp_replicate" not in fixed or fixed["dp_replicate"] == dp // dps)]
 
 
 def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_batch: int,
            precisions: list[tuple[str, str]], c: CostConstants) -> float:
     """A lower bound of the step time of any plan on this mesh with micro-batches of `mbs` (or, with
-    mbs=0, of any micro-batch size) in any of `precisions`: compute and element-wise work of an
-    ideally balanced stage at the GEMM efficiency of the micro-batch in the fastest precision, its TP
-    traffic without recomputation, and the smallest bubble any schedule leaves (zero-bubble with the
-    most virtual stages)."""
-    s = profile.seq_len
-    dp = m.dp_replicate * m.dp_shard
-    local = global_batch // dp
-    rows = (mbs or local) * s / m.cp
-    eff = base_efficiency(group, c) * shape_factor(profile.hidden / m.tp, rows, c)
+    mbs=0, of any micro-batch size) in any of `precisions`: the cost model's own terms with
+    optimistic settings. An ideally balanced pipeline rank (`ideal_load`) at the GEMM efficiency of
+    the micro-batch, the fastest precision's peak and element-wise speed and 16-bit widths, no
+    recomputation, no host overhead, async TP without its small collectives, the smallest bubble
+    any schedule leaves (zero-bubble with two virtual stages), and data-parallel traffic exposed at
+    the contention floor only, over the smallest groups, without per-unit or per-bucket latencies."""
+    local = global_batch // (m.dp_replicate * m.dp_shard)
+    mb = mbs or local
+    sched, v = PIPELINE.OPTIMISTIC if m.pp > 1 else ("1f1b", 1)
+    plan = Plan(pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp, sp=m.tp > 1,
+                microbatch_size=mb, num_microbatches=local // mb, schedule=sched, virtual_stages=v,
+                param_dtype="bfloat16", reduce_dtype="bfloat16")
     dev = group.device
     peak = max(dev.peak(p) for p, _ in precisions)
     elem = max(dev.elementwise(p) for p, _ in precisions)
-    L, fb, fh = profile.num_layers, profile.flops_per_token_block, profile.flops_per_token_head
-    blocks, flops = L / m.pp, (L * fb + fh) / m.pp
-    tokens = local * s
-    t = tokens * flops / (m.tp * m.cp) / (peak * eff)
-    a_none = profile.act_bytes_per_token_block.get("none", 34.0 * profile.hidden)
-    # the search estimates eager (uncompiled) runs, so the element-wise passes count in full
-    t += c.elementwise_passes * 2.0 * tokens * blocks * a_none / (m.tp * m.cp) / (dev.memory_bandwidth * elem)
-    if m.tp > 1:
-        nmb = local // (mbs or local)
-        act = (mbs or local) * s / m.cp * profile.hidden * 2
-        t += nmb * blocks * 8 * collective_time("all_gather", act, m.tp, 1, group) * c.tp_exposed * 0.5
+    step = StepShape(plan, profile, group, c, "bfloat16", peak, elem, async_tp=True)
+    step.fs, step.st_fs = m.dp_shard, m.tp * m.cp  # the shard group without its context-parallel ranks
+    load = ideal_load(m.pp, profile.num_layers)
+    r = RankShare(p_stage=step.p_stage(load))
+    compute_time(step, load, r, head_elementwise=False)
+    if TENSOR.prepare(step):
+        TENSOR.rank_time(step, load, r, NO_COUNTS)
+    t = plan.num_microbatches * r.per_microbatch
     if m.pp > 1:
-        nmb_max = local // mbs if mbs else local
-        t *= 1.0 + (m.pp - 1) / (3.0 * 2 * nmb_max)  # zero-bubble with 2 virtual stages leaves the least
-    # data-parallel traffic is never less exposed than the contention floor (16-bit at least)
-    p_stage = profile.params_total / (m.tp * m.pp)
-    if m.dp_shard > 1:
-        ag = collective_time("all_gather", p_stage * 2, m.dp_shard, m.tp * m.cp, group)
-        rs = collective_time("reduce_scatter", p_stage * 2, m.dp_shard, m.tp * m.cp, group)
-        t += c.dp_exposed_floor * (ag + rs)
+        t += bubble_fraction(m.pp, v, sched) * t / (local // mbs if mbs else local)
+    if step.fs > 1:
+        t += c.dp_exposed_floor * sum(FSDP.comm(step, load, r.p_stage, unit_latency=False))
     if m.dp_replicate > 1:
-        t += c.dp_exposed_floor * collective_time("all_reduce", p_stage * 2 / m.dp_shard, m.dp_replicate,
-                                                  m.tp * m.cp * m.dp_shard, group)
+        t += c.dp_exposed_floor * DATA.comm(step, r.p_stage * step.red_b / step.fs, bucket_latency=False)
     return t
 
 
 def precisions(group: NodeGroup, fixed: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
-    """(param_dtype, reduce_dtype) pairs worth searching on `group`'s device, and why others were left
-    out. A 16-bit dtype is a candidate where the device has it (emulation is priced by its measured or
-    detected peak, so an emulated one loses on its own) and this executor can train in it (float16 needs
-    loss scaling: `dtorch.plan.limits`). Where a 16-bit peak is at least 4x float32's on a GPU, float32
-    cannot win (more time, more activation memory) and is not evaluated. Gradients reduce in float32,
-    or in the compute dtype when that is 16-bit."""
-    dev = group.device
-    notes: list[str] = []
-    from dtorch.plan.limits import unsupported_dtype
-
-    if "param_dtype" in fixed:
-        params = [fixed["param_dtype"]]
-    else:
-        params = []
-        for d in ("float32", "bfloat16", "float16"):
-            if not dev.supports(d):
-                continue
-            why = unsupported_dtype(d)
-            if why:
-                if d != "float16" or not dev.supports("bfloat16"):
-                    notes.append(f"{d} not searched: {why}")
-                continue
-            params.append(d)
-        fast = [d for d in params if d != "float32" and dev.peak(d) >= 4.0 * dev.peak("float32")]
-        if fast and dev.kind != "cpu" and "float32" in params:
-            params.remove("float32")
-            notes.append(f"float32 not searched: {fast[0]}'s peak is {dev.peak(fast[0]) / dev.peak('float32'):.0f}x "
-                         f"float32's on {dev.name}")
-    red = fixed.get("reduce_dtype", "float32")
-    return [(p, red) for p in params], notes
-
-
-def _reduced_reductions(plan: Plan, fixed: dict[str, Any]) -> list[Plan]:
-    """Variants of a fitting plan that reduce gradients in its 16-bit compute dtype. Reduction
-    precision changes only communication (and a little buffer memory), so the search tries it on
-    the plans that made the ranking rather than on every plan."""
-    if "reduce_dtype" in fixed or plan.param_dtype == "float32" or plan.reduce_dtype == plan.param_dtype:
-        return []
-    if plan.dp_shard * plan.cp == 1 and plan.dp_replicate == 1:
-        return []  # no gradient reduction to make cheaper
-    return [dataclasses.replace(plan, reduce_dtype=plan.param_dtype)]
+    """(param_dtype, reduce_dtype) pairs worth searching on `group`'s device (the precision
+    strategy's candidates), and why others were left out."""
+    return PRECISION.candidates(group.device, fixed)
 
 
 def _precision_penalty(plan: Plan) -> float:
-    """The ranking handicap of reduced precision (see PRECISION_MARGIN) and of an uneven pipeline
-    partition (PARTITION_MARGIN): a plan that departs from the plain choice must earn it."""
-    return ((1.0 + PRECISION_MARGIN * ((plan.param_dtype != "float32") + (plan.reduce_dtype != "float32")))
-            * (1.0 + PARTITION_MARGIN * (plan.layer_partition is not None)))
-
-
-def _partitions(pp: int, v: int, profile: ModelProfile) -> list[list[int] | None]:
-    """Stage partitions to try: as even as possible (None) and, when it shortens the busiest pipeline
-    rank, one that gives the rank holding the output head fewer blocks."""
-    if pp == 1:
-        return [None]
-    return _partitions_cached(pp, v, profile.num_layers,
-                              round(profile.flops_per_token_head / (profile.flops_per_token_block or 1.0), 3))
-
-
-@functools.lru_cache(maxsize=4096)
-def _partitions_cached(pp: int, v: int, L: int, head: float) -> list[list[int] | None]:
-    if L < pp * v:
-        return [None]
-    even = partition(Plan(pp=pp, virtual_stages=v), L)
-    per_rank = balanced_partition(pp, L, head)  # blocks per pipeline rank, head on the last
-    if any(n < v for n in per_rank):
-        return [None]
-    # each rank's blocks over its v looped stages (rank r runs stages r, r + pp, ...), earlier first
-    bal = [0] * (pp * v)
-    for r, n in enumerate(per_rank):
-        base, extra = divmod(n, v)
-        for k in range(v):
-            bal[r + k * pp] = base + (1 if k < extra else 0)
-
-    def busiest(sizes: list[int]) -> float:
-        ranks = [sum(sizes[r::pp]) for r in range(pp)]
-        ranks[-1] += head
-        return max(ranks)
-
-    # worth trying only where it can win the ranking's margin for uneven partitions
-    return [None, bal] if bal != even and busiest(bal) < busiest(even) * (1.0 - PARTITION_MARGIN) else [None]
+    """The ranking handicap of a plan (every strategy's: reduced precision, an uneven partition)."""
+    return strategies.penalty(plan)
 
 
 def search(
@@ -464,6 +299,55 @@ def search(
     `progress(meshes_done, meshes_total, plans_estimated)`, when given, is called once per mesh
     (`dtorch.progress.search_progress` prints it)."""
     t0 = time.perf_counter()
+    profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
+    notes: list[str] = []
+    if executable_only and (forced := _forced(fixed)):
+        # the user asked for it: evaluate, but say that this DTorch cannot run it
+        executable_only = False
+        notes.append(f"the fixed fields ask for what this DTorch cannot run yet: {forced}")
+    group = cluster.slowest_group()
+    precs = _precisions(group, fixed, notes)
+    meshes = _meshes(profile, cluster, global_batch, fixed)
+    for m in meshes:
+        m.bound = _bound(m, 0, profile, group, global_batch, precs, constants)
+    meshes.sort(key=lambda m: m.bound)
+    book = _Book(lambda plan: estimate(plan, profile, cluster, constants=constants), top_k, executable_only)
+    lean_dtype = min((p for p, _ in precs), key=lambda d: DTYPE_BYTES[d])
+    for i, mesh in enumerate(meshes):
+        if progress is not None:
+            progress(i, len(meshes), book.evaluated)
+        if not book.worth(mesh.bound, mesh.family):
+            book.pruned += 1
+            continue
+        _search_mesh(mesh, book, profile, group, global_batch, fixed, precs, lean_dtype, constants)
+    for plan in [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())]:
+        for variant in PRECISION.variants(plan, fixed):
+            book.consider(variant)
+    closest = min(book.least_mem.values(), key=lambda pe: pe[1].memory_bytes_per_rank) \
+        if not book.ranked and book.least_mem else None
+    suggestions = _suggest(profile, cluster, global_batch, fixed, constants, closest) \
+        if not book.ranked and suggest else []
+    return SearchResult(
+        ranked=[(p, e) for _, _, p, e in book.ranked],
+        best_by_family=dict(sorted(book.best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
+        rejected=book.rejected(group.device.memory_bytes), suggestions=suggestions, profile=profile,
+        cluster=cluster, global_batch=global_batch, seq_len=profile.seq_len, fixed=fixed,
+        evaluated=book.evaluated, meshes=len(meshes), meshes_pruned=book.pruned,
+        seconds=time.perf_counter() - t0, closest=closest, notes=notes,
+        best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)),
+    )
+
+
+def _forced(fixed: dict[str, Any]) -> str | None:
+    """Why this executor cannot run what the fixed fields ask for, or None."""
+    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule",
+                                                                       "virtual_stages", "param_dtype")}))
+
+
+def _inputs(profile: ModelProfile, cluster: Cluster, global_batch: int, seq_len: int | None,
+            fixed: dict[str, Any] | None, dtype: str | None) -> tuple[ModelProfile, dict[str, Any]]:
+    """The search's inputs checked: the profile at `seq_len`, the fixed fields normalised (with
+    `dtype` pinning param_dtype) and checked against the model and the cluster."""
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError("global_batch", global_batch, "must be a positive integer (sequences per step)")
     if seq_len is not None:
@@ -474,173 +358,133 @@ def search(
     if dtype is not None and "param_dtype" not in fixed:
         fixed = {**fixed, **normalize_fixed({"param_dtype": dtype})}
     _check_fixed(fixed, profile, cluster, global_batch)
-    notes: list[str] = []
-    forced = unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule",
-                                                                        "virtual_stages", "param_dtype")}))
-    if executable_only and forced:
-        # the user asked for it: evaluate, but say that this DTorch cannot run it
-        executable_only = False
-        notes.append(f"the fixed fields ask for what this DTorch cannot run yet: {forced}")
-    group = cluster.slowest_group()
-    cap = group.device.memory_bytes
-    L = profile.num_layers
+    return profile, fixed
+
+
+def _precisions(group: NodeGroup, fixed: dict[str, Any], notes: list[str]) -> list[tuple[str, str]]:
+    """The precisions to search on the group's device (notes say why others were left out)."""
+    dev = group.device
     precs, prec_notes = precisions(group, fixed)
     if not precs:
         raise ConfigError("param_dtype", fixed.get("param_dtype"),
-                          f"{group.device.name} computes in {{{', '.join(sorted(group.device.peak_flops))}}}; "
-                          "use one of those")
+                          f"{dev.name} computes in {{{', '.join(sorted(dev.peak_flops))}}}; use one of those")
     for p, _ in precs:
-        if not group.device.supports(p):
-            raise ConfigError("param_dtype", p, f"{group.device.name} has no {p} arithmetic; use one of "
-                              f"{{{', '.join(sorted(group.device.peak_flops))}}}")
+        if not dev.supports(p):
+            raise ConfigError("param_dtype", p, f"{dev.name} has no {p} arithmetic; use one of "
+                              f"{{{', '.join(sorted(dev.peak_flops))}}}")
     notes += prec_notes
-    lean_dtype = min((p for p, _ in precs), key=lambda d: _DTYPE_BYTES[d])
+    return precs
 
-    meshes = _meshes(profile, cluster, global_batch, fixed)
-    if not meshes:
-        raise ConfigError(
-            "global_batch", global_batch,
-            f"no mesh of {cluster.world_size} devices has a data-parallel degree dividing it "
-            f"(with the fixed fields {fixed or 'none'}); use a global batch that is a multiple of "
-            f"{cluster.world_size // _max_non_dp(profile, cluster)} or fix fewer fields",
-        )
-    for m in meshes:
-        m.bound = _bound(m, 0, profile, group, global_batch, precs, constants)
-    meshes.sort(key=lambda m: m.bound)
 
-    ranked: list[tuple[float, int, Plan, Estimate]] = []
-    best_family: dict[str, tuple[Plan, Estimate]] = {}
-    best_precision: dict[str, tuple[Plan, Estimate]] = {}
-    least_mem: dict[str, tuple[Plan, Estimate]] = {}
-    evaluated = 0
-    pruned = 0
-    counter = 0
+class _Book:
+    """What the search has seen: every plan estimated once, the top k by handicapped step time, the
+    best plan of each family and precision, the leanest plan of families with none fitting, and the
+    families whose fitting plans this executor cannot run."""
 
-    def kth() -> float:
-        return ranked[top_k - 1][0] if len(ranked) >= top_k else math.inf
+    def __init__(self, estimate_fn, top_k: int, executable_only: bool):
+        self.estimate_fn, self.top_k, self.executable_only = estimate_fn, top_k, executable_only
+        self.ranked: list[tuple[float, int, Plan, Estimate]] = []
+        self.best_family: dict[str, tuple[Plan, Estimate]] = {}
+        self.best_precision: dict[str, tuple[Plan, Estimate]] = {}
+        self.least_mem: dict[str, tuple[Plan, Estimate]] = {}
+        self.not_runnable: dict[str, str] = {}
+        self.seen: dict[tuple, Estimate] = {}
+        self.evaluated = self.pruned = self.counter = 0
 
-    seen: dict[tuple, Estimate] = {}
-    not_runnable: dict[str, str] = {}
+    def kth(self) -> float:
+        return self.ranked[self.top_k - 1][0] if len(self.ranked) >= self.top_k else math.inf
 
-    def consider(plan: Plan) -> Estimate:
-        nonlocal evaluated, counter
+    def worth(self, bound: float, fam: str) -> bool:
+        # a family keeps being explored until it has one fitting plan; after that only while it can
+        # still reach the top k (its best is then exact whenever it matters, an upper bound otherwise)
+        return bound < self.kth() or fam not in self.best_family
+
+    def consider(self, plan: Plan) -> Estimate:
         key = (plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,
                plan.schedule, plan.virtual_stages, plan.ac, plan.offload, plan.reshard_after_forward,
                plan.param_dtype, plan.reduce_dtype, tuple(plan.layer_partition or ()))
-        if key in seen:
-            return seen[key]
-        evaluated += 1
-        est = seen[key] = estimate(plan, profile, cluster, constants=constants)
+        if key in self.seen:
+            return self.seen[key]
+        self.evaluated += 1
+        est = self.seen[key] = self.estimate_fn(plan)
         fam = plan.family()
-        if executable_only and est.fits and (why := unsupported(plan)):
-            not_runnable.setdefault(fam, why)
-            return est
-        if est.fits:
-            counter += 1
-            score = est.step_time_s * _precision_penalty(plan)
-            if len(ranked) < top_k or score < ranked[-1][0]:
-                ranked.append((score, counter, plan, est))
-                ranked.sort(key=lambda r: (r[0], r[1]))
-                del ranked[top_k:]
-            if fam not in best_family or score < best_family[fam][1].step_time_s * _precision_penalty(best_family[fam][0]):
-                best_family[fam] = (plan, est)
-            prec = f"{plan.param_dtype}/{plan.reduce_dtype}"
-            if prec not in best_precision or est.step_time_s < best_precision[prec][1].step_time_s:
-                best_precision[prec] = (plan, est)
-        else:
-            if fam not in least_mem or est.memory_bytes_per_rank < least_mem[fam][1].memory_bytes_per_rank:
-                least_mem[fam] = (plan, est)
+        if self.executable_only and est.fits and (why := unsupported(plan)):
+            self.not_runnable.setdefault(fam, why)
+        elif est.fits:
+            self._rank(plan, est, fam)
+        elif fam not in self.least_mem or est.memory_bytes_per_rank < self.least_mem[fam][1].memory_bytes_per_rank:
+            self.least_mem[fam] = (plan, est)
         return est
 
-    def worth(bound: float, fam: str) -> bool:
-        # a family keeps being explored until it has one fitting plan; after that only while it can
-        # still reach the top k (its best is then exact whenever it matters, an upper bound otherwise)
-        return bound < kth() or fam not in best_family
+    def _rank(self, plan: Plan, est: Estimate, fam: str) -> None:
+        self.counter += 1
+        score = est.step_time_s * _precision_penalty(plan)
+        if len(self.ranked) < self.top_k or score < self.ranked[-1][0]:
+            self.ranked.append((score, self.counter, plan, est))
+            self.ranked.sort(key=lambda r: (r[0], r[1]))
+            del self.ranked[self.top_k:]
+        best = self.best_family.get(fam)
+        if best is None or score < best[1].step_time_s * _precision_penalty(best[0]):
+            self.best_family[fam] = (plan, est)
+        prec = f"{plan.param_dtype}/{plan.reduce_dtype}"
+        if prec not in self.best_precision or est.step_time_s < self.best_precision[prec][1].step_time_s:
+            self.best_precision[prec] = (plan, est)
 
-    for i, mesh in enumerate(meshes):
-        if progress is not None:
-            progress(i, len(meshes), evaluated)
-        fam = mesh.family
-        if not worth(mesh.bound, fam):
-            pruned += 1
-            continue
-        dp = mesh.dp_replicate * mesh.dp_shard
-        local = global_batch // dp
-        mbss = [fixed["microbatch_size"]] if "microbatch_size" in fixed else _divisors(local)
-        mbss = [b for b in sorted(mbss, reverse=True) if local % b == 0
-                and ("num_microbatches" not in fixed or local // b == fixed["num_microbatches"])]
-        offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOAD_POLICIES)
-        if mesh.dp_shard == 1 and "offload" not in fixed:
-            offloads.remove("params")  # CPU offload of parameters is an FSDP feature
+    def rejected(self, capacity: int) -> dict[str, str]:
+        """Families with no fitting plan -> why (cannot run here, or the least memory one needed)."""
+        out = {fam: f"fits, but cannot run here: {why}" for fam, why in sorted(self.not_runnable.items())
+               if fam not in self.best_family}
+        for fam, (plan, est) in sorted(self.least_mem.items()):
+            if fam in self.best_family or fam in out:
+                continue
+            out[fam] = (f"does not fit: its leanest plan tried needs {est.memory_bytes_per_rank / GiB:.1f} GiB "
+                        f"per rank ({plan.describe()}), {capacity / GiB:.0f} GiB available"
+                        + "".join(f"; {n}" for n in est.notes))
+        return out
 
-        for offload in offloads:
-            fitted = False
-            # a whole offload level is skipped when even its leanest plan (smallest micro-batch, full
-            # checkpointing, resharding) does not fit
-            if offload == "params" and mesh.dp_shard == 1:
-                continue
-            lean = _leanest(mesh, local, offload, mbss[-1], L, fixed, lean_dtype, profile, global_batch) if mbss else None
-            if lean is None or not consider(lean).fits:
-                continue
-            for mbs in mbss:
-                nmb = local // mbs
-                if "num_microbatches" in fixed and fixed["num_microbatches"] != nmb:
-                    continue
-                if not worth(_bound(mesh, mbs, profile, group, global_batch, precs, constants), fam):
-                    continue
-                if mbs != mbss[-1]:
-                    lean = _leanest(mesh, local, offload, mbs, L, fixed, lean_dtype, profile, global_batch)
-                    if lean is None or not consider(lean).fits:
-                        continue  # activations grow with the micro-batch: try a smaller one
-                for sched, v in _schedules(mesh.pp, nmb, L, fixed):
-                    for (pdt, rdt), part in itertools.product(precs, _partitions(mesh.pp, v, profile)):
-                        base = Plan(
-                            pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
-                            tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs,
-                            num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
-                            param_dtype=pdt, reduce_dtype=rdt, layer_partition=part, seq_len=profile.seq_len,
-                            global_batch=global_batch,
-                        )
-                        fitted |= _inner(base, fixed, consider, lambda t, f=fam: not worth(t, f))
-            if fitted:
-                break  # offloading is only worth it where nothing else fits on this mesh
-    for plan in [p for _, _, p, _ in list(ranked)] + [p for p, _ in list(best_family.values())]:
-        for variant in _reduced_reductions(plan, fixed):
-            consider(variant)
-    suggestions: list[str] = []
-    closest = None
-    if not ranked:
-        pool = list(least_mem.values())
-        if pool:
-            closest = min(pool, key=lambda pe: pe[1].memory_bytes_per_rank)
-        if suggest:
-            suggestions = _suggest(profile, cluster, global_batch, fixed, constants, closest)
-    rejected = {fam: f"fits, but cannot run here: {why}" for fam, why in sorted(not_runnable.items())
-                if fam not in best_family}
-    for fam, (plan, est) in sorted(least_mem.items()):
-        if fam in best_family or fam in rejected:
+
+def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGroup, global_batch: int,
+                 fixed: dict[str, Any], precs: list[tuple[str, str]], lean_dtype: str, c: CostConstants) -> None:
+    """Inside one mesh: offload levels (each only where the one before fits nothing), micro-batch
+    sizes largest first (skipped when their bound cannot matter or their leanest plan does not
+    fit), schedules, precisions and partitions, then the memory ladder."""
+    fam, L = mesh.family, profile.num_layers
+    local = global_batch // (mesh.dp_replicate * mesh.dp_shard)
+    mbss = [fixed["microbatch_size"]] if "microbatch_size" in fixed else _divisors(local)
+    mbss = [b for b in sorted(mbss, reverse=True) if local % b == 0
+            and ("num_microbatches" not in fixed or local // b == fixed["num_microbatches"])]
+    if not mbss:
+        return
+    head_blocks = profile.flops_per_token_head / (profile.flops_per_token_block or 1.0)
+    for offload in MEMORY.offloads(mesh.dp_shard, fixed):
+        if offload == "params" and mesh.dp_shard == 1:
+            continue  # CPU offload of parameters is an FSDP feature
+        fitted = False
+        # a whole offload level is skipped when even its leanest plan (smallest micro-batch, full
+        # checkpointing, resharding) does not fit
+        lean = _leanest(mesh, local, offload, mbss[-1], L, fixed, lean_dtype, profile, global_batch)
+        if lean is None or not book.consider(lean).fits:
             continue
-        rejected[fam] = (f"does not fit: its leanest plan tried needs {est.memory_bytes_per_rank / GiB:.1f} GiB "
-                         f"per rank ({plan.describe()}), {cap / GiB:.0f} GiB available"
-                         + "".join(f"; {n}" for n in est.notes))
-    return SearchResult(
-        ranked=[(p, e) for _, _, p, e in ranked],
-        best_by_family=dict(sorted(best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
-        rejected=rejected,
-        suggestions=suggestions,
-        profile=profile,
-        cluster=cluster,
-        global_batch=global_batch,
-        seq_len=profile.seq_len,
-        fixed=fixed,
-        evaluated=evaluated,
-        meshes=len(meshes),
-        meshes_pruned=pruned,
-        seconds=time.perf_counter() - t0,
-        closest=closest,
-        notes=notes,
-        best_by_precision=dict(sorted(best_precision.items(), key=lambda kv: kv[1][1].step_time_s)),
-    )
+        for mbs in mbss:
+            nmb = local // mbs
+            if not book.worth(_bound(mesh, mbs, profile, group, global_batch, precs, c), fam):
+                continue
+            if mbs != mbss[-1]:
+                lean = _leanest(mesh, local, offload, mbs, L, fixed, lean_dtype, profile, global_batch)
+                if lean is None or not book.consider(lean).fits:
+                    continue  # activations grow with the micro-batch: try a smaller one
+            for sched, v in PIPELINE.schedules(mesh.pp, nmb, L, fixed):
+                for (pdt, rdt), part in itertools.product(precs, PIPELINE.partitions(mesh.pp, v, L, head_blocks)):
+                    base = Plan(
+                        pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
+                        tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs,
+                        num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
+                        param_dtype=pdt, reduce_dtype=rdt, layer_partition=part, seq_len=profile.seq_len,
+                        global_batch=global_batch,
+                    )
+                    fitted |= _inner(base, fixed, book.consider, lambda t, f=fam: not book.worth(t, f))
+        if fitted:
+            return  # offloading is only worth it where nothing else fits on this mesh
 
 
 def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dict[str, Any], param_dtype: str,
@@ -648,7 +492,7 @@ def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dic
     """The plan of this mesh, offload level and micro-batch size that needs the least memory: full
     checkpointing (unless ac is fixed), resharding, the schedule with the fewest micro-batches in flight."""
     nmb = local // mbs
-    sched = _schedules(mesh.pp, nmb, L, fixed)
+    sched = PIPELINE.schedules(mesh.pp, nmb, L, fixed)
     if not sched:
         return None
     return Plan(
@@ -665,63 +509,35 @@ def _max_non_dp(profile: ModelProfile, cluster: Cluster) -> int:
     return max(valid_tp(profile, cluster) or [1])
 
 
-def _schedules(pp: int, nmb: int, L: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
-    if pp == 1:
-        return [(fixed.get("schedule", "1f1b"), 1)] if fixed.get("virtual_stages", 1) == 1 else []
-    out: list[tuple[str, int]] = []
-    want = fixed.get("schedule")
-    vs = [fixed["virtual_stages"]] if "virtual_stages" in fixed else [1, 2, 4]
-    for sched in ([want] if want else ["1f1b", "interleaved_1f1b", "zero_bubble"]):
-        if sched != "gpipe" and nmb < pp:
-            continue
-        for v in vs:
-            if pp * v > L:
-                continue
-            if sched in ("gpipe", "1f1b") and v != 1:
-                continue
-            if sched == "interleaved_1f1b" and (v == 1 or nmb % pp):
-                continue
-            if sched == "zero_bubble" and (v > 2 or nmb % pp):
-                continue  # torch's interleaved zero-bubble schedule runs micro-batches in rounds of pp
-            out.append((sched, v))
-    return out
-
-
-# (ac, reshard_after_forward) in order of cost: stop at the first that fits with reshard off
-_MEMORY_LADDER = [("none", False), ("none", True), ("selective", False), ("selective", True),
-                  ("full", False), ("full", True)]
+def _rung(base: Plan, ac: str, reshard: bool) -> Plan:
+    """`base` on one rung of the memory ladder (a shallow copy: `dataclasses.replace` re-runs the
+    constructor, which the search would pay for every plan it tries)."""
+    plan = Plan.__new__(Plan)
+    plan.__dict__ = {**base.__dict__, "ac": ac, "reshard_after_forward": reshard}
+    return plan
 
 
 def _inner(base: Plan, fixed: dict[str, Any], consider, hopeless) -> bool:
-    """Walk the checkpointing/resharding ladder for one base plan; True if something fit.
+    """Walk the checkpointing/resharding ladder (`MEMORY.rungs`) for one base plan; True if something fit.
 
     Every rung is at least as slow as the one before it (more recomputation or more traffic), so
     the walk stops at the first rung that fits with reshard off, as soon as the cheapest rung is
     too slow to matter (`hopeless(step_time)`), or when even the most frugal rung does not fit."""
     if base.offload == "params" and base.dp_shard == 1:
         return False  # CPU offload of parameters is an FSDP feature
-    rungs = []
-    for ac, reshard in _MEMORY_LADDER:
-        if "ac" in fixed and fixed["ac"] != ac:
-            continue
-        if base.dp_shard == 1:
-            if reshard:
-                continue  # nothing to reshard without FSDP
-        elif "reshard_after_forward" in fixed and fixed["reshard_after_forward"] != reshard:
-            continue
-        rungs.append((ac, reshard))
+    rungs = MEMORY.rungs(base.dp_shard, fixed)
     if not rungs:
         return False
-    first = consider(dataclasses.replace(base, ac=rungs[0][0], reshard_after_forward=rungs[0][1]))
+    first = consider(_rung(base, *rungs[0]))
     if first.fits:
         return True
     if hopeless(first.step_time_s) or len(rungs) == 1:
         return False
-    last = consider(dataclasses.replace(base, ac=rungs[-1][0], reshard_after_forward=rungs[-1][1]))
+    last = consider(_rung(base, *rungs[-1]))
     if not last.fits:
         return False
     for ac, reshard in rungs[1:-1]:
-        est = consider(dataclasses.replace(base, ac=ac, reshard_after_forward=reshard))
+        est = consider(_rung(base, ac, reshard))
         if est.fits and (not reshard or base.dp_shard == 1):
             return True
     return True

@@ -21,9 +21,10 @@ def _factory():
     ("plan", "seq_len", "field", "words"),
     [
         (Plan(tp=4), 16, "tp", "does not divide 2 key/value heads"),
-        (Plan(tp=3), 16, "tp", "use tp in {1, 2, 4}"),
+        (Plan(tp=3), 16, "tp", "use tp in {1, 2}"),  # tp=4 divides the 4 heads, not the 2 kv heads
         (Plan(pp=4, schedule="1f1b", num_microbatches=2), 16, "num_microbatches", "schedule=gpipe"),
-        (Plan(pp=2, virtual_stages=4, schedule="interleaved_1f1b", num_microbatches=4), 16, "pp", "at most 4 stages"),
+        (Plan(pp=2, virtual_stages=4, schedule="interleaved_1f1b", num_microbatches=4), 16, "virtual_stages",
+         "at most 4 stages"),
         (Plan(pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=3), 16, "num_microbatches",
          "multiple of 2"),
         (Plan(tp=2, sp=True), 15, "seq_len", "multiple of 2"),

@@ -1,0 +1,73 @@
+"""Communication times of the cost model: alpha-beta collectives over a mesh axis and point-to-point
+sends (see `dtorch.plan.cost` for the sources). Shared by the cost model and the strategies' terms."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from dtorch.cluster.spec import NodeGroup
+
+
+def axis_layout(stride: int, size: int, devices_per_node: int) -> tuple[int, int]:
+    """(ranks of the axis group per node, nodes the group spans) for contiguous node-major ranks."""
+    if size <= 1:
+        return 1, 1
+    if stride >= devices_per_node:
+        return 1, size
+    k = max(1, min(size, devices_per_node // stride))
+    return k, math.ceil(size / k)
+
+
+@lru_cache(maxsize=65536)
+def _coll(kind: str, nbytes: float, k: int, m: int, bi: float, ai: float, be: float, ae: float) -> float:
+    """Seconds for one collective over a group of k ranks per node x m nodes (see module doc)."""
+    n = k * m
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    t = 0.0
+    if k > 1:
+        t += factor * (nbytes * (k - 1) / k / bi + (k - 1) * ai)
+    if m > 1:
+        t += factor * ((nbytes / k) * (m - 1) / m / be + math.ceil(math.log2(m)) * ae)
+    return t
+
+
+def collective_time(kind: str, nbytes: float, size: int, stride: int, group: NodeGroup) -> float:
+    """Seconds for `kind` in {'all_gather', 'reduce_scatter', 'all_reduce'} of a full array of
+    `nbytes` over a mesh axis of `size` ranks at rank stride `stride` (alpha-beta, hierarchical)."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0  # (what _coll returns; checked first because the search asks this often)
+    dpn = group.devices_per_node
+    if stride >= dpn:
+        k, m = 1, size
+    else:  # axis_layout, inlined (the search calls this a few hundred thousand times)
+        k = dpn // stride
+        k = size if k > size else (k if k >= 1 else 1)
+        m = -(-size // k)
+    intra, inter = group.intra, group.inter
+    return _coll(kind, float(nbytes), k, m, intra.bandwidth * intra.efficiency, intra.latency,
+                 inter.bandwidth * inter.efficiency, inter.latency)
+
+
+def oversubscribed(group: NodeGroup) -> bool:
+    """A CPU node running more ranks than it has cores: the ranks time-share the cores."""
+    return group.device.kind == "cpu" and 0 < group.host_cores < group.devices_per_node
+
+
+def p2p_time(nbytes: float, stride: int, group: NodeGroup) -> float:
+    """Seconds to send `nbytes` to the neighbour `stride` ranks away. The probe's point-to-point
+    latency is a ping-pong of idle ranks; on an oversubscribed CPU a pipeline's receive waits for a
+    busy peer to be scheduled, which is what a ring step's latency (measured with all ranks
+    contending) prices."""
+    link = group.intra if stride < group.devices_per_node else group.inter
+    latency = link.latency if oversubscribed(group) else (link.p2p_latency or link.latency)
+    return nbytes / (link.bandwidth * link.efficiency) + latency
+
+
+def exposed(comm: float, compute: float, c) -> float:
+    """Exposed seconds of `comm` overlapped with `compute`: what does not fit under the overlappable
+    share of compute (`c.fsdp_overlap`), and never less than the contention floor (`c.dp_exposed_floor`)."""
+    floor, rest = c.dp_exposed_floor * comm, comm - c.fsdp_overlap * compute
+    return floor if floor >= rest else rest

@@ -1,0 +1,179 @@
+"""The strategy registry: every parallelism and policy declared once, for planner and executor alike.
+
+One file per strategy (`batch`, `precision`, `data`, `fsdp`, `context`, `tensor`, `memory`,
+`pipeline`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
+knowledge is a loop over `REGISTRY`: `Plan.validate` and `Plan.family/describe` (`validate`,
+`family`, `describe`), the planner's and the executor's checks (`check`), what this executor
+cannot run (`limits`), the `--fix` fields and their aliases (`FIXABLE`, `FIX_ALIASES`,
+`normalize_fixed`), the cost model's time terms and the search's lower bound (`dtorch.plan.cost`).
+
+The order of `REGISTRY` is the order of family names (FSDP before CP before TP before PP) and of
+the executor's limits (the first one hit is the one reported). Torch-free.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any
+
+from dtorch.errors import ConfigError, choices
+from dtorch.plan.strategies.base import (
+    Dims,
+    Field,
+    Limit,
+    RankLoad,
+    RankShare,
+    Strategy,
+    Violation,
+    positive_int,
+)
+from dtorch.plan.strategies.batch import BATCH
+from dtorch.plan.strategies.context import CONTEXT
+from dtorch.plan.strategies.data import DATA
+from dtorch.plan.strategies.fsdp import FSDP
+from dtorch.plan.strategies.memory import AC_POLICIES, MEMORY, OFFLOAD_POLICIES
+from dtorch.plan.strategies.pipeline import PIPELINE, SCHEDULES
+from dtorch.plan.strategies.precision import DTYPES, PRECISION
+from dtorch.plan.strategies.tensor import TENSOR
+
+REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, CONTEXT, TENSOR, MEMORY, PIPELINE)
+
+FIELDS: dict[str, Field] = {f.name: f for s in REGISTRY for f in s.fields}
+OWNER: dict[str, Strategy] = {f.name: s for s in REGISTRY for f in s.fields}
+MESH_AXES: tuple[str, ...] = tuple(sorted((f.name for f in FIELDS.values() if f.mesh_position is not None),
+                                          key=lambda n: FIELDS[n].mesh_position))
+"""Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, tp (tp innermost, on the fastest links)."""
+_INTS = (*MESH_AXES, *(n for n, f in FIELDS.items() if f.kind == "int"))
+_MESH_FIELDS = tuple(n for n in FIELDS if n in MESH_AXES)
+TIMED = tuple(s for s in REGISTRY if type(s).rank_time is not Strategy.rank_time)
+"""The strategies with time terms, in registry order: the cost model keeps those whose `prepare`
+says they apply to the plan, and adds their `rank_time` on every pipeline rank."""
+_LIMITED = tuple(s for s in REGISTRY if type(s).limits is not Strategy.limits)
+_FAMILY_KEY = attrgetter(*dict.fromkeys(f for s in REGISTRY for f in s.family_fields))
+_FAMILIES: dict[tuple, str] = {}
+FIXABLE: tuple[str, ...] = (*MESH_AXES, *(n for n, f in FIELDS.items() if f.fixable and n not in MESH_AXES))
+FIX_ALIASES: dict[str, str] = {a: f.name for f in FIELDS.values() for a in f.aliases}
+
+__all__ = ["REGISTRY", "FIELDS", "MESH_AXES", "FIXABLE", "FIX_ALIASES", "Dims", "Field", "Limit", "RankLoad",
+           "RankShare", "Strategy", "Violation", "AC_POLICIES", "OFFLOAD_POLICIES", "SCHEDULES", "DTYPES",
+           "validate", "check", "limits", "unsupported", "check_executable", "family", "describe",
+           "normalize_fixed", "penalty"]
+
+
+def world_size(plan: Any) -> int:
+    n = 1
+    for axis in MESH_AXES:
+        n *= getattr(plan, axis)
+    return n
+
+
+def validate(plan: Any, world: int | None = None) -> None:
+    """The plan against itself (and, given, the world size): ConfigError on the first broken rule."""
+    for name in _INTS:
+        v = getattr(plan, name)
+        if not positive_int(v):
+            raise ConfigError(name, v, "must be a positive integer")
+    for s in REGISTRY:
+        for v in s.rules(plan, None):
+            raise v.error()
+    if world is not None and world_size(plan) != world:
+        raise ConfigError("degrees", {a: getattr(plan, a) for a in MESH_AXES},
+                          f"pp*dp_replicate*dp_shard*cp*tp = {world_size(plan)} but the world size is {world}")
+
+
+def check(plan: Any, dims: Dims, world: int | None = None) -> None:
+    """The plan against a model and a world (`Dims`): the planner's `search.check` and the
+    executor's `parallel.check.check_plan` both call this. `world` (default `dims.world_size`) is
+    the world size the degrees must make; `dims.world_size` also narrows the suggested degrees."""
+    validate(plan, world if world is not None else dims.world_size)
+    for s in REGISTRY:
+        for v in s.rules(plan, dims):
+            raise v.error()
+
+
+def limits(plan: Any) -> list[Limit]:
+    """What this executor cannot run of `plan`, in registry order (empty: it runs)."""
+    return [lim for s in REGISTRY for lim in s.limits(plan)]
+
+
+def first_limit(plan: Any) -> Limit | None:
+    for s in _LIMITED:
+        for lim in s.limits(plan):
+            return lim
+    return None
+
+
+def unsupported(plan: Any) -> str | None:
+    """Why `plan` cannot run on this executor (torch 2.13), or None if it can."""
+    lim = first_limit(plan)
+    return lim.why if lim else None
+
+
+def check_executable(plan: Any) -> None:
+    """ConfigError naming the field to change if `plan` hits a limit of this executor."""
+    lim = first_limit(plan)
+    if lim:
+        raise lim.error()
+
+
+def family(plan: Any) -> str:
+    """A short name of the strategy family, e.g. 'FSDP', 'FSDPxTP', 'TPxPP', 'DDP', 'single'.
+    Memoised on the strategies' `family_fields`."""
+    key = _FAMILY_KEY(plan)
+    name = _FAMILIES.get(key)
+    if name is None:
+        name = _FAMILIES[key] = "x".join(p for s in REGISTRY if (p := s.family(plan))) or "single"
+    return name
+
+
+def describe(plan: Any) -> str:
+    """One line: degrees, micro-batching and policies."""
+    deg = " ".join(f"{a}={getattr(plan, a)}" for a in MESH_AXES if getattr(plan, a) > 1) or "single device"
+    parts = sorted((pos, i, text) for i, s in enumerate(REGISTRY) for pos, text in s.describe(plan))
+    return f"{deg} {' '.join(text for _, _, text in parts)}"
+
+
+def penalty(plan: Any) -> float:
+    """The ranking handicap of a plan: the product of every strategy's."""
+    out = 1.0
+    for s in REGISTRY:
+        out *= s.penalty(plan)
+    return out
+
+
+def normalize_fixed(fixed: dict[str, Any] | None) -> dict[str, Any]:
+    """Resolve aliases and types of `--fix` fields; ConfigError for unknown keys or bad values."""
+    out: dict[str, Any] = {}
+    for key, val in (fixed or {}).items():
+        k = FIX_ALIASES.get(key, key)
+        if k not in FIXABLE:
+            raise ConfigError("fix", key, "unknown plan field; " + choices(list(FIXABLE) + sorted(FIX_ALIASES)))
+        out[k] = _value(FIELDS[k], val)
+    return out
+
+
+def _value(f: Field, val: Any) -> Any:
+    if f.kind in ("degree", "int"):
+        try:
+            iv = int(val)
+            if isinstance(val, bool) or iv != float(val) or iv < 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(f.name, val, "must be a positive integer") from None
+        return iv
+    if f.kind == "bool":
+        if isinstance(val, bool):
+            return val
+        if str(val).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(val).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f.name, val, "use true or false")
+    v = str(val).lower()
+    v = dict(f.value_aliases).get(v, v)
+    refused = dict(f.refuse)
+    if v in refused:
+        raise ConfigError(f.name, val, refused[v])
+    if v not in f.choices:
+        raise ConfigError(f.name, val, choices(f.choices))
+    return v

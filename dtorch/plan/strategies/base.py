@@ -1,0 +1,186 @@
+"""The contract every strategy fills in (see `docs/adding-a-strategy.md`).
+
+A strategy is one way of spreading a model (data parallel, FSDP, tensor, context, pipeline) or one
+policy that changes what a step costs (checkpointing and offload, precision). It declares, once,
+for the planner and the executor alike:
+
+- `fields`: the Plan fields it owns, with their kind, choices and `--fix` aliases;
+- `rules(plan, dims)`: what makes a plan inconsistent, as `Violation(field, value, fix)`;
+  with `dims` None only the plan itself is checked, with `Dims` the model and world too;
+- `limits(plan)`: what this DTorch's executor cannot run (the planner never ranks such plans,
+  `dtorch.parallel.check` refuses them before any process group exists);
+- `family(plan)` / `describe(plan)`: its part of the strategy family name and the one-line form;
+- `degrees(...)`: the search's candidates for its mesh axis;
+- `rank_time(step, load, r)`: its time terms over the shared step shape (`StepShape`), filled into
+  the rank's share `r`; the search's lower bound calls the same terms with optimistic settings;
+- `executor`: the module of `dtorch.parallel` that applies it.
+
+Torch-free, and free of `dtorch.plan.plan` (the Plan imports the registry, not the reverse): a
+strategy reads a plan's fields by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtorch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Field:
+    """One Plan field a strategy owns. `kind`: 'degree' (a mesh axis, positive int), 'int'
+    (positive int), 'bool' or 'choice' (one of `choices`, after `value_aliases`)."""
+
+    name: str
+    kind: str
+    choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    """Other names `--fix` accepts for the field (``fsdp`` for dp_shard)."""
+    value_aliases: tuple[tuple[str, str], ...] = ()
+    """Other spellings of choices (``bf16`` for bfloat16)."""
+    fixable: bool = True
+    mesh_position: int | None = None
+    """Position of a mesh axis, outermost first (pp 0 ... tp 4)."""
+    refuse: tuple[tuple[str, str], ...] = ()
+    """Values `--fix` refuses with a reason (float8: not implemented by this executor)."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A broken rule: the field, the value seen and what to do instead."""
+
+    field: str
+    value: Any
+    fix: str
+
+    def error(self) -> ConfigError:
+        return ConfigError(self.field, self.value, self.fix)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Something this executor cannot run: `why` (the planner's note) and the field to change with
+    `fix` (the executor's error)."""
+
+    why: str
+    field: str
+    value: Any
+    fix: str
+
+    def error(self) -> ConfigError:
+        return ConfigError(self.field, self.value, f"{self.why}; {self.fix}")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What a plan is checked against beyond itself: the model's sizes, and where known the world
+    size and the sequence length. `seq_field` is the field a bad sequence length is reported on:
+    `seq_len` in the executor (the data's length is an argument), None in the planner (the model's
+    length is given, so the plan's own field is at fault: cp, sp)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    world_size: int | None = None
+    seq_len: int | None = None
+    seq_field: str | None = "seq_len"
+    name: str = "the model"
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """What one pipeline rank holds and runs: the blocks of all its (virtual) stages, and whether it
+    has the first stage (input embedding) and the last (final norm, output head, loss). The search's
+    lower bound uses an ideal rank: a fractional share of the blocks, embedding and head."""
+
+    pp_rank: int
+    blocks: float
+    embedding: float
+    head: float
+
+
+@dataclass(slots=True)
+class RankShare:
+    """One pipeline rank's share of a step (seconds per micro-batch and per step, bytes)."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    host: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    tp_step: float = 0.0
+    fsdp: float = 0.0
+    dp: float = 0.0
+    optimizer: float = 0.0
+    offload: float = 0.0
+    memory: dict = field(default_factory=dict)
+    host_bytes: float = 0.0
+    p_stage: float = 0.0
+    """Parameters the rank holds per TP rank."""
+
+    @property
+    def per_microbatch(self) -> float:
+        return self.compute + self.recompute + self.host + self.tp + self.cp
+
+    @property
+    def per_step(self) -> float:
+        return self.fsdp + self.dp + self.optimizer + self.offload + self.tp_step
+
+
+class Strategy:
+    """Defaults: a strategy that owns no fields and changes nothing. Subclasses override."""
+
+    name: str = ""
+    fields: tuple[Field, ...] = ()
+    executor: str | None = None
+    """The module of `dtorch.parallel` that applies it."""
+    family_fields: tuple[str, ...] = ()
+    """The Plan fields `family` reads (the registry memoises family names on them)."""
+
+    def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
+        return iter(())
+
+    def limits(self, plan: Any) -> Iterator[Limit]:
+        return iter(())
+
+    def family(self, plan: Any) -> str | None:
+        return None
+
+    def describe(self, plan: Any) -> Iterable[tuple[int, str]]:
+        """(position, text) parts of the one-line form."""
+        return ()
+
+    def prepare(self, step: Any) -> bool:
+        """Whether `rank_time` has anything to add for this plan; if so, compute once per plan what
+        it needs for every rank (collectives whose size does not depend on the pipeline rank), as
+        attributes of the step shape."""
+        return True
+
+    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+        """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
+
+    def penalty(self, plan: Any) -> float:
+        """The ranking handicap of the plan's choice (1: none); a plan departing from the plain
+        choice (reduced precision, an uneven partition) must earn it."""
+        return 1.0
+
+    # helpers --------------------------------------------------------------------------------
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+
+def positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def divisors(n: int) -> list[int]:
+    import math
+
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def braces(values: Iterable[object]) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"

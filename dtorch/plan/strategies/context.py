@@ -1,0 +1,69 @@
+"""Context parallelism: the sequence split over `cp` ranks inside attention (Llama 3's all-gather
+form: K and V all-gathered before attention, load-balanced into 2*cp chunks).
+
+Executor half: `dtorch.parallel.cp`.
+
+Time: K and V all-gathered forward, again in backward with a reduce-scatter of their gradients
+(once more under full AC); issued before attention, so exposed. The GEMM rows of a rank are the
+micro-batch's tokens / cp (the step shape's `rows`); FSDP shards over dp_shard x cp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from dtorch.plan.comm import collective_time
+from dtorch.plan.strategies.memory import recompute_reruns_collectives
+from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
+
+MAX_CP = 64
+"""The largest context-parallel degree the search tries."""
+
+
+class Context(Strategy):
+    name = "context"
+    executor = "dtorch.parallel.cp"
+    fields = (Field("cp", "degree", mesh_position=3),)
+    family_fields = ("cp",)
+
+    def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
+        if dims is None or dims.seq_len is None or plan.cp == 1:
+            return
+        unit = 2 * plan.cp * plan.tp
+        if dims.seq_len % unit:
+            yield Violation(dims.seq_field or "cp", dims.seq_len if dims.seq_field else plan.cp,
+                            f"context parallel splits the sequence into tp*2*cp = {unit} load-balanced chunks, "
+                            f"but seq_len {dims.seq_len} is not divisible by 2*cp*tp = {unit}; "
+                            f"use a multiple of {unit} (or a cp whose 2*cp*tp divides it)")
+
+    def limits(self, plan: Any) -> Iterator[Limit]:
+        if plan.cp > 1 and plan.pp > 1:
+            # not built: the pipeline schedule would need sequence-sharded micro-batches and stage shapes
+            yield Limit("context parallelism with pipeline parallelism is not implemented by this executor",
+                        "cp", plan.cp, "use cp=1 or pp=1")
+
+    def family(self, plan: Any) -> str | None:
+        return "CP" if plan.cp > 1 else None
+
+    def degrees(self, rest: int, seq_len: int, tp: int) -> list[int]:
+        return [c for c in divisors(rest) if c <= MAX_CP and seq_len % (2 * c * tp) == 0 or c == 1]
+
+    def prepare(self, step: Any) -> bool:
+        plan = step.plan
+        if plan.cp == 1:
+            return False
+        kv_dim = step.h * step.profile.num_kv_heads / step.profile.num_heads
+        step.cp_kv = collective_time("all_gather", 2.0 * step.tokens_mb * kv_dim * step.act_b / plan.tp, plan.cp,
+                                     step.st_cp, step.g)
+        return True
+
+    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+        plan = step.plan
+        # K and V all-gathered forward, again in backward with a reduce-scatter of their gradients;
+        # the executor issues them before attention, so nothing hides them (dtorch/parallel/cp.py)
+        n_ops = 3 + (1 if recompute_reruns_collectives(plan.ac, step.selective) else 0)
+        r.cp = load.blocks * n_ops * step.cp_kv
+
+
+CONTEXT = Context()

@@ -1,0 +1,87 @@
+"""Sharded data parallelism (FSDP2 / ZeRO-3) over `dp_shard` x cp, and HSDP with `dp_replicate`.
+
+Executor half: `dtorch.parallel.fsdp` (fully_shard per block, then the root).
+
+Time (ZeRO paper; FSDP2; torchtitan shards over dp_shard x cp): parameters all-gathered in
+param_dtype before forward (and again before backward when `reshard_after_forward`), gradients
+reduce-scattered in reduce_dtype, one unit (block, and the root's rest) at a time; per micro-batch
+without PP (gradient accumulation as torchtitan does it), once per step with PP (gradients sync on
+the last micro-batch only; parameters stay gathered when not resharding). Overlapped with compute
+up to `fsdp_overlap`; one block's gather is never hidden. Memory: model states divided by the
+shard group; one gathered block plus a prefetch and a gradient block in flight, or the whole stage
+when parameters stay gathered from forward to backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtorch.plan.comm import collective_time, exposed
+from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
+
+
+class Sharded(Strategy):
+    name = "fsdp"
+    executor = "dtorch.parallel.fsdp"
+    fields = (
+        Field("dp_shard", "degree", aliases=("fsdp",), mesh_position=2),
+        Field("reshard_after_forward", "bool", aliases=("reshard",)),
+    )
+    family_fields = ("dp_replicate", "dp_shard")
+
+    def family(self, plan: Any) -> str | None:
+        if plan.dp_shard > 1:
+            return "HSDP" if plan.dp_replicate > 1 else "FSDP"
+        return None
+
+    def describe(self, plan: Any):
+        if plan.dp_shard > 1 and not plan.reshard_after_forward:
+            yield 50, "no-reshard"
+
+    def prepare(self, step: Any) -> bool:
+        fs, st, g = step.fs, step.st_fs, step.g
+        if fs == 1:
+            return False
+        step.ag_unit = collective_time("all_gather", 1.0, fs, st, g)
+        step.rs_unit = collective_time("reduce_scatter", 1.0, fs, st, g)
+        # one block's gather: the one nothing hides
+        step.ag_block = collective_time("all_gather", step.profile.params_per_block / step.plan.tp * step.param_b,
+                                        fs, st, g)
+        return True
+
+    def comm(self, step: Any, load: RankLoad, p_stage: float, unit_latency: bool = True) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of the `p_stage` parameters and their gradients of
+        `load`, one collective per FSDP unit (`unit_latency=False`: one for all, the lower bound's)."""
+        fs, st, g = step.fs, step.st_fs, step.g
+        ag = collective_time("all_gather", p_stage * step.param_b, fs, st, g)
+        rs = collective_time("reduce_scatter", p_stage * step.red_b, fs, st, g)
+        if unit_latency:
+            # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
+            ag += load.blocks * step.ag_unit
+            rs += load.blocks * step.rs_unit
+        return ag, rs
+
+    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+        plan, c = step.plan, step.c
+        ag, rs = self.comm(step, load, r.p_stage)
+        m, busy = plan.num_microbatches, r.compute + r.recompute
+        if plan.pp == 1:
+            comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
+            r.fsdp = exposed(comm, m * busy, c) + m * step.ag_block
+        else:
+            gathers = m * plan.virtual_stages * 2 if plan.reshard_after_forward else 1
+            r.fsdp = exposed(ag * gathers, m * busy, c) + step.ag_block
+            # gradients sync on the last micro-batch only: hidden behind its backward at best
+            r.fsdp += exposed(rs, (2.0 / 3.0) * r.compute, c)
+
+    def buffers(self, step: Any, p_stage: float) -> float:
+        plan = step.plan
+        if step.fs == 1:
+            return 0.0
+        p_block = step.profile.params_per_block / plan.tp
+        if plan.reshard_after_forward or plan.offload == "params":
+            return 2 * p_block * step.param_b + p_block * step.red_b  # gathered block + prefetch, one grad block
+        return p_stage * step.param_b + p_block * step.red_b  # whole stage stays gathered fwd -> bwd
+
+
+FSDP = Sharded()

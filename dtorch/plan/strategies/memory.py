@@ -1,0 +1,200 @@
+"""Memory policies: activation checkpointing (`ac`: none, selective, full) and offload (`offload`:
+none, optimizer states, or FSDP's CPU offload of parameters, gradients and optimizer states).
+
+Executor halves: `dtorch.parallel.ac` (checkpoint wrappers per block) and `dtorch.parallel.fsdp`
+(CPUOffloadPolicy).
+
+Time: full AC repeats each block's forward, 1/3 of its training FLOPs (Korthikanti et al. 2022);
+selective AC (DTorch's own policy, `dtorch.parallel.ac`) keeps the outputs of matmuls and of the
+attention kernel and re-runs the block's element-wise forward; the published runs' policies
+(Korthikanti's attention core, 4 h s per token per block; torchtitan's every second matmul) are
+priced when the calibration names them (`StepShape.selective`). Offload moves
+the optimizer step to the CPU (`cpu_adam_bytes_per_s`) and its states over the host link, and with
+parameters offloaded every gather and reduction too. Memory: activations per block by policy from
+the profile (Korthikanti Table 2 shapes); full AC re-materialises one block during its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from dtorch.errors import choices
+from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation
+
+AC_POLICIES = ("none", "selective", "full")
+OFFLOAD_POLICIES = ("none", "optimizer", "params")
+LADDER = [("none", False), ("none", True), ("selective", False), ("selective", True), ("full", False), ("full", True)]
+"""(ac, reshard_after_forward) in order of cost: more recomputation or more traffic is never faster."""
+
+
+SELECTIVE_POLICIES = ("matmuls_saved", "attention_core", "every_second_mm")
+"""What selective activation checkpointing recomputes (see `Memory.recompute`). 'matmuls_saved' is DTorch's
+own (`dtorch.parallel.ac`): the outputs of matmuls and of the attention kernel are kept, every other
+op of the block is re-run in backward. The other two describe published runs (calibration rows)."""
+
+_LINEAR_ROLES = ("colwise", "rowwise")
+
+
+def _saved_ops_per_block(profile: Any) -> int:
+    """Operators per block whose outputs DTorch's selective checkpointing keeps (not re-run): one per
+    linear layer (the profile's colwise/rowwise roles; Llama 7, GPT 6) and the attention kernel."""
+    linears = sum(1 for role in profile.tp_roles.values() if role in _LINEAR_ROLES)
+    if not linears:
+        linears = {"llama": 7, "gpt": 6}.get(profile.family, 0)
+    return linears + 1 if linears else 0
+
+
+def recompute_ops_per_block(profile: Any, ac: str, selective: str, c: Any) -> float:
+    """Operators one block's activation checkpointing dispatches in backward beside the backward's
+    own: the re-run forward operators, plus torch's checkpoint detaching what the recompute saves
+    (`checkpoint_detach_ops_per_forward_op`). Full AC re-runs the whole forward; DTorch's selective
+    policy all but the matmuls and the attention kernel (their outputs come from its cache); the
+    published policies re-run a share (`selective_recompute_ops`)."""
+    ob = profile.ops_per_block or c.default_ops_per_block
+    detach = ob * c.checkpoint_detach_ops_per_forward_op
+    if ac == "full":
+        return ob + detach
+    if ac != "selective":
+        return 0.0
+    if selective == "matmuls_saved":
+        return max(0.0, ob - _saved_ops_per_block(profile)) + detach
+    return ob * c.selective_recompute_ops
+
+
+def recompute_reruns_collectives(ac: str, selective: str = "matmuls_saved") -> bool:
+    """Whether a block's recompute issues its tensor- and context-parallel collectives again: under
+    full AC and DTorch's selective policy they are not among the saved ops, and the norm and the
+    matmul inputs they produce are needed by the backward."""
+    return ac == "full" or (ac == "selective" and selective == "matmuls_saved")
+
+
+def matmuls_saved_act_bytes(profile: Any) -> float:
+    """Activation bytes per token per block (16-bit) that DTorch's selective checkpointing keeps:
+    the block input, the output of every linear layer and of the attention kernel (its output and a
+    float32 log-sum-exp per head); norms, RoPE, activations and residual adds are recomputed.
+    Llama: x h, q/k/v q + 2 kv, attention out q, o h, w1/w3 2 f, w2 h (q = h for every preset, kv =
+    h kv_heads / heads). GPT: x h, q/k/v 3 h, attention out h, o h, w1 f, w2 h. Other modules: the
+    profiler's measurement with the same op list (`act_bytes_per_token_block['selective']`)."""
+    h, f, a = float(profile.hidden), float(profile.ffn_hidden), float(profile.num_heads)
+    kv = h * profile.num_kv_heads / profile.num_heads
+    lse = 4.0 * a
+    if profile.family == "llama":
+        return 2.0 * (3 * h + 2 * h + 2 * kv + 2 * f) + lse
+    if profile.family == "gpt":
+        return 2.0 * (7 * h + f) + lse
+    per_tok = profile.act_bytes_per_token_block
+    return per_tok.get("selective", per_tok.get("none", 34.0 * h))
+
+
+def act_bytes_per_token_block(profile: Any, ac: str, selective: str = "matmuls_saved") -> float:
+    """Activation bytes per token per block (16-bit) a block keeps for backward under `ac`."""
+    per_tok = profile.act_bytes_per_token_block
+    a_none = per_tok.get("none", 34.0 * profile.hidden)
+    if ac == "selective" and selective == "matmuls_saved":
+        return matmuls_saved_act_bytes(profile)
+    return per_tok.get(ac, a_none)
+
+
+def every_second_matmul_params(profile: Any) -> float:
+    """Weights per block of the matmuls an op-level policy that saves every matmul output except
+    every second one (torchtitan's 'op' selective AC, counting per block in call order) recomputes.
+    Llama calls q, k, v, o, w1, w3, w2: k, o and w3 are re-run. A GPT block calls qkv, proj, fc1,
+    fc2: proj and fc2."""
+    h, f = float(profile.hidden), float(profile.ffn_hidden)
+    if profile.family == "llama":
+        return h * h * profile.num_kv_heads / profile.num_heads + h * h + h * f
+    return h * h + f * h
+
+
+class Memory(Strategy):
+    name = "memory"
+    executor = "dtorch.parallel.ac"
+    fields = (
+        Field("ac", "choice", AC_POLICIES),
+        Field("offload", "choice", OFFLOAD_POLICIES),
+    )
+
+    def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
+        if plan.ac not in AC_POLICIES:
+            yield Violation("ac", plan.ac, choices(AC_POLICIES))
+        if plan.offload not in OFFLOAD_POLICIES:
+            yield Violation("offload", plan.offload, choices(OFFLOAD_POLICIES))
+
+    def limits(self, plan: Any) -> Iterator[Limit]:
+        if plan.offload == "optimizer":
+            yield Limit("optimizer-state offload (ZeRO-Offload) is not implemented by this executor; "
+                        "offload=params (FSDP2 CPU offload) is", "offload", plan.offload,
+                        "use offload=params (with dp_shard > 1) or none")
+
+    def describe(self, plan: Any):
+        if plan.ac != "none":
+            yield 30, f"ac={plan.ac}"
+        if plan.offload != "none":
+            yield 40, f"offload={plan.offload}"
+
+    # ---- search candidates ---------------------------------------------------------------------
+    def offloads(self, dp_shard: int, fixed: dict[str, Any]) -> list[str]:
+        """Offload levels to try, in order (each only where the one before fits nothing)."""
+        out = [fixed["offload"]] if "offload" in fixed else list(OFFLOAD_POLICIES)
+        if dp_shard == 1 and "offload" not in fixed:
+            out.remove("params")  # CPU offload of parameters is an FSDP feature
+        return out
+
+    def rungs(self, dp_shard: int, fixed: dict[str, Any]) -> list[tuple[str, bool]]:
+        """The checkpointing/resharding ladder for a mesh, cheapest first."""
+        out = []
+        for ac, reshard in LADDER:
+            if "ac" in fixed and fixed["ac"] != ac:
+                continue
+            if dp_shard == 1:
+                if reshard:
+                    continue  # nothing to reshard without FSDP
+            elif "reshard_after_forward" in fixed and fixed["reshard_after_forward"] != reshard:
+                continue
+            out.append((ac, reshard))
+        return out
+
+    # ---- time and memory -----------------------------------------------------------------------
+    def recompute(self, step: Any, load: RankLoad, r: RankShare, flops_mb: float) -> None:
+        """Seconds of recomputation per micro-batch (after `r.compute` is known)."""
+        plan = step.plan
+        div = plan.tp * plan.cp
+        # the blocks' element-wise forward: a third of their forward + backward element-wise work
+        elem_fwd = step.tokens_mb * load.blocks * step.a_none / div * step.elem_s_per_byte / 3.0
+        if plan.ac == "full":
+            rec_flops = step.tokens_mb * load.blocks * step.profile.flops_per_token_block / 3.0 / div
+            r.recompute = r.compute * (rec_flops / flops_mb) if flops_mb else 0.0
+        elif step.selective == "matmuls_saved":
+            # DTorch's policy (dtorch/parallel/ac.py): matmul and attention outputs come from the
+            # cache, every element-wise op of the block is re-run
+            r.recompute = elem_fwd
+        elif step.selective == "every_second_mm":
+            # torchtitan's op-level policy: every second matmul of a block re-run, and the block's
+            # element-wise forward
+            rec_mm = 2.0 * step.tokens_mb * load.blocks * every_second_matmul_params(step.profile) / div
+            r.recompute = rec_mm / step.linear + elem_fwd
+        else:  # attention_core (Korthikanti et al. 2022)
+            r.recompute = step.tokens_mb * load.blocks * step.attn_fwd / div / step.speed
+
+    def prepare(self, step: Any) -> bool:
+        return step.plan.offload != "none"
+
+    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+        plan, c = step.plan, step.c
+        p_local = r.p_stage / step.fs
+        m, pb, rb = plan.num_microbatches, step.param_b, step.red_b
+        r.offload = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
+        r.offload += p_local * (rb + pb) / c.host_link_bandwidth  # grads down, params up
+        if plan.offload == "params":
+            n_ag = m * (2 if plan.reshard_after_forward else 1) if plan.pp == 1 else m * plan.virtual_stages * 2
+            r.offload += n_ag * p_local * pb / c.host_link_bandwidth
+            r.offload += m * p_local * rb / c.host_link_bandwidth
+
+    def host_bytes(self, plan: Any, p_local: float) -> float:
+        """Host memory of one rank's offloaded states (ZeRO-Offload: fp32 master params + Adam
+        moments, plus fp32 grads when parameters are offloaded too)."""
+        return 12.0 * p_local if plan.offload == "optimizer" else (16.0 * p_local if plan.offload == "params" else 0.0)
+
+
+MEMORY = Memory()

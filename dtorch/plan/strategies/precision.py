@@ -1,0 +1,110 @@
+"""Precision: the dtype parameters are computed in (`param_dtype`, mixed precision with float32
+master weights) and the dtype gradients are reduced in (`reduce_dtype`).
+
+Executor half: `dtorch.parallel.model` (FSDP2 MixedPrecisionPolicy, or autocast without sharding).
+
+Time: compute at the device's peak for the dtype; activations and element-wise bytes scale with
+its width (the step shape's `act_b`); collectives move `param_b` / `red_b` bytes per element.
+Ranking: a plan computing or reducing in less than float32 must be PRECISION_MARGIN faster than the
+best plan at higher precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from dtorch.errors import choices
+from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation
+
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"), ("half", "float16"))
+_FLOAT8 = (("float8", "float8 training is not implemented by this executor; use bfloat16 or float32"),
+           ("fp8", "float8 training is not implemented by this executor; use bfloat16 or float32"))
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+PRECISION_MARGIN = 0.03
+"""A plan computing or reducing in less than float32 must be this much faster than the best plan at
+higher precision to be ranked above it: numerics are worth a few per cent of speed."""
+
+
+def unsupported_dtype(dtype: str) -> str | None:
+    """Why this executor cannot train with parameters computed in `dtype`, or None if it can."""
+    if dtype == "float16":
+        # float16's 5-bit exponent underflows small gradients to zero unless the loss is scaled (and
+        # steps with inf/nan gradients skipped); this executor does not scale the loss
+        return "float16 training needs loss scaling, which this executor does not apply; use bfloat16"
+    return None
+
+
+class Precision(Strategy):
+    name = "precision"
+    executor = "dtorch.parallel.model"
+    fields = (
+        Field("param_dtype", "choice", DTYPES, aliases=("dtype", "precision"), value_aliases=DTYPE_ALIASES,
+              refuse=_FLOAT8),
+        Field("reduce_dtype", "choice", DTYPES, value_aliases=DTYPE_ALIASES, refuse=_FLOAT8),
+    )
+
+    def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(plan, name) not in DTYPES:
+                yield Violation(name, getattr(plan, name), choices(DTYPES))
+
+    def limits(self, plan: Any) -> Iterator[Limit]:
+        for name in ("param_dtype", "reduce_dtype"):
+            why = unsupported_dtype(getattr(plan, name))
+            if why:
+                yield Limit(f"{name}={getattr(plan, name)}: {why}", name, getattr(plan, name),
+                            "use bfloat16 (the same range as float32, no scaling needed) or float32")
+
+    def describe(self, plan: Any):
+        if (plan.param_dtype, plan.reduce_dtype) != ("float32", "float32"):
+            yield 70, f"{SHORT[plan.param_dtype]}" + (f"/reduce-{SHORT[plan.reduce_dtype]}"
+                                                       if plan.reduce_dtype != "float32" else "")
+
+    # ---- search candidates and ranking ---------------------------------------------------------
+    def candidates(self, dev: Any, fixed: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
+        """(param_dtype, reduce_dtype) pairs worth searching on device `dev`, and why others were left
+        out. A 16-bit dtype is a candidate where the device has it (emulation is priced by its measured
+        or detected peak, so an emulated one loses on its own) and this executor can train in it
+        (float16 needs loss scaling). Where a 16-bit peak is at least 4x float32's on a GPU, float32
+        cannot win (more time, more activation memory) and is not evaluated. Gradients reduce in
+        float32 here; `variants` tries the compute dtype on the plans that made the ranking."""
+        notes: list[str] = []
+        if "param_dtype" in fixed:
+            params = [fixed["param_dtype"]]
+        else:
+            params = []
+            for d in DTYPES:
+                if not dev.supports(d):
+                    continue
+                why = unsupported_dtype(d)
+                if why:
+                    if d != "float16" or not dev.supports("bfloat16"):
+                        notes.append(f"{d} not searched: {why}")
+                    continue
+                params.append(d)
+            fast = [d for d in params if d != "float32" and dev.peak(d) >= 4.0 * dev.peak("float32")]
+            if fast and dev.kind != "cpu" and "float32" in params:
+                params.remove("float32")
+                notes.append(f"float32 not searched: {fast[0]}'s peak is {dev.peak(fast[0]) / dev.peak('float32'):.0f}x "
+                             f"float32's on {dev.name}")
+        red = fixed.get("reduce_dtype", "float32")
+        return [(p, red) for p in params], notes
+
+    def variants(self, plan: Any, fixed: dict[str, Any]) -> list[Any]:
+        """Variants of a fitting plan that reduce gradients in its 16-bit compute dtype. Reduction
+        precision changes only communication (and a little buffer memory), so the search tries it on
+        the plans that made the ranking rather than on every plan."""
+        if "reduce_dtype" in fixed or plan.param_dtype == "float32" or plan.reduce_dtype == plan.param_dtype:
+            return []
+        if plan.dp_shard * plan.cp == 1 and plan.dp_replicate == 1:
+            return []  # no gradient reduction to make cheaper
+        return [dataclasses.replace(plan, reduce_dtype=plan.param_dtype)]
+
+    def penalty(self, plan: Any) -> float:
+        return 1.0 + PRECISION_MARGIN * ((plan.param_dtype != "float32") + (plan.reduce_dtype != "float32"))
+
+
+PRECISION = Precision()

@@ -1,0 +1,108 @@
+"""Tensor parallelism with optional sequence parallelism (Megatron-style column/row split of the
+linear layers over `tp` ranks of one node; `sp` shards norms and dropout on the sequence).
+
+Executor half: `dtorch.parallel.tp` (DTensor parallel styles per block role).
+
+Time (Korthikanti et al. 2022): per block per micro-batch 4 all-gathers/reduce-scatters of the
+activation (tokens x hidden x dtype bytes) forward and 4 backward, 4 more when full AC recomputes,
+plus the latency-bound small collectives counted by `step_counts`; exposed unless async TP
+(`async_tp_factor`). Memory: activations divided by tp with SP; without SP 10/34 of them stay
+replicated (Korthikanti Table 2, "TP only").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from dtorch.plan.comm import collective_time
+from dtorch.plan.strategies.memory import recompute_reruns_collectives
+from dtorch.plan.strategies.base import (
+    Dims,
+    Field,
+    RankLoad,
+    RankShare,
+    Strategy,
+    Violation,
+    braces,
+    divisors,
+)
+
+
+class Tensor(Strategy):
+    name = "tensor"
+    executor = "dtorch.parallel.tp"
+    fields = (
+        Field("tp", "degree", mesh_position=4),
+        Field("sp", "bool"),
+    )
+    family_fields = ("tp", "sp")
+
+    def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
+        if plan.sp and plan.tp == 1:
+            yield Violation("sp", plan.sp, "sequence parallelism needs tp > 1; set sp=false or raise tp")
+        if dims is None:
+            return
+        heads, kv = dims.num_heads, dims.num_kv_heads
+        if heads % plan.tp or kv % plan.tp:
+            ok = [t for t in divisors(math.gcd(heads, kv)) if not dims.world_size or dims.world_size % t == 0]
+            what = f"{heads} attention heads" if heads % plan.tp else f"{kv} key/value heads"
+            yield Violation("tp", plan.tp, f"tensor parallel degree {plan.tp} does not divide {what} "
+                            f"({heads} query, {kv} key/value); use tp in {braces(ok)}")
+        seq = dims.seq_len
+        if seq is not None and plan.tp > 1 and plan.sp and plan.cp == 1 and seq % plan.tp:
+            yield Violation(dims.seq_field or "sp", seq if dims.seq_field else plan.sp,
+                            f"sequence parallelism splits the sequence over tp={plan.tp}; "
+                            f"use a seq_len that is a multiple of {plan.tp}")
+
+    def family(self, plan: Any) -> str | None:
+        if plan.tp > 1:
+            return "TP+SP" if plan.sp else "TP"
+        return None
+
+    def describe(self, plan: Any):
+        if plan.sp:
+            yield 20, "sp"
+
+    # ---- search candidates ---------------------------------------------------------------------
+    def degrees(self, heads: int, kv_heads: int, devices_per_node: int, world_size: int) -> list[int]:
+        """TP degrees that divide the query and key/value heads and fit in one node."""
+        g = math.gcd(heads, kv_heads)
+        return [t for t in divisors(g) if devices_per_node % t == 0 and world_size % t == 0]
+
+    # ---- time and memory -----------------------------------------------------------------------
+    def prepare(self, step: Any) -> bool:
+        tp, g = step.plan.tp, step.g
+        if tp == 1:
+            return False
+        step.tp_small = collective_time("all_gather", 64.0, tp, 1, g)  # latency-bound
+        step.tp_act = collective_time("all_gather", step.act_full, tp, 1, g)
+        return True
+
+    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+        plan, c = step.plan, step.c
+        n_ops = 8 + (4 if recompute_reruns_collectives(plan.ac, step.selective) else 0)
+        r.tp = load.blocks * n_ops * step.tp_act + counts.tp_small_per_microbatch * step.tp_small  # norms, RoPE, loss
+        r.tp *= c.tp_exposed * (c.async_tp_factor if step.async_tp else 1.0)
+        r.tp_step = counts.tp_small_per_step * step.tp_small * c.tp_exposed
+
+    def small_collectives(self, plan: Any, blocks: float, head_share: float, c: Any,
+                          selective: str = "matmuls_saved") -> tuple[float, float]:
+        """Latency-bound TP collectives (per micro-batch, per step) of a rank with `blocks` blocks and
+        `head_share` of the embedding and head: DTensor redistributions counted on the reference
+        Llama (`tp_small_collectives_per_block`, `tp_collectives_head`, `tp_collectives_per_step`)."""
+        if plan.tp == 1:
+            return 0.0, 0.0
+        f, b, r = c.tp_small_collectives_per_block
+        per_mb = blocks * (f + b + (r if recompute_reruns_collectives(plan.ac, selective) else 0.0)) + head_share * c.tp_collectives_head
+        return per_mb, blocks * c.tp_collectives_per_step[0] + c.tp_collectives_per_step[1]
+
+    def activation_share(self, plan: Any) -> tuple[float, float]:
+        """(share of a block's saved activations, share of a full-AC block input) on one TP rank."""
+        if plan.tp > 1 and not plan.sp:
+            return 10.0 / 34.0 + (24.0 / 34.0) / plan.tp, 1.0  # Korthikanti Table 2, "TP only"
+        return 1.0 / plan.tp, 1.0 / plan.tp
+
+
+TENSOR = Tensor()
