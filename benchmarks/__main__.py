@@ -3,7 +3,8 @@
     python -m benchmarks                      # everything (probe first: the sweep uses its calibration)
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
-                                              # d planner, e checkpoint, f recovery, g mainjob)
+                                              # d planner, e checkpoint, f recovery, g mainjob,
+                                              # h offload)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
 Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
@@ -27,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob")
+ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob", "offload")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
-           "g": "mainjob"}
+           "g": "mainjob", "h": "offload"}
 OWN_FILES = ("planner", "checkpoint")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
 TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0}
@@ -133,6 +134,13 @@ def section_mainjob(quick: bool) -> dict:
     return bench_mainjob.run(quick=quick, log=log)
 
 
+def section_offload(quick: bool) -> dict:
+    """Optimizer memory tiers: peak RSS and step time in memory / host / NVMe (bench_offload)."""
+    from benchmarks import bench_offload
+
+    return bench_offload.run(quick=quick, log=log)
+
+
 SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}
 
 
@@ -147,6 +155,10 @@ def _markdown(name: str, result: dict) -> str:
         from benchmarks import bench_mainjob
 
         return bench_mainjob.markdown(result)
+    if name == "offload":
+        from benchmarks import bench_offload
+
+        return bench_offload.markdown(result)
     if name == "gap":
         from benchmarks import bench_sweep
 
@@ -196,6 +208,10 @@ def _targets(sections: dict) -> list[str]:
         # against the best GEMM measured on this machine (the stricter of the probe's and the 1024^3 one)
         peak = max(v for v in (mfu["peaks"].get("probe_best_gemm"), mfu["peaks"].get("gemm_1024_now")) if v)
         rows.append(("single-process MFU vs measured GEMM peak", f"{mfu['achieved_flops'] / peak:.1%}", "(info)", None))
+    off = sections.get("offload", {}).get("summary")
+    if off:
+        rows.append(("peak RSS drop with the NVMe optimizer tier", f"{off['rss_drop_bytes'] / 2**30:.2f} GiB",
+                     f">= {off['rss_drop_target_bytes'] / 2**30:.2f} GiB (state - buffers)", off["rss_drop_met"]))
     lines = ["| figure | value | target | met |", "|---|---|---|---|"]
     for fig, val, tgt, ok in rows:
         lines.append(f"| {fig} | {val} | {tgt} | {'' if ok is None else ('yes' if ok else '**no**')} |")
@@ -205,7 +221,7 @@ def _targets(sections: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=None, help="comma list of sections: " + ", ".join(ORDER) + " (or letters a-f)")
+    p.add_argument("--only", default=None, help="comma list of sections: " + ", ".join(ORDER) + " (or letters a-h)")
     p.add_argument("--quick", action="store_true", help="fewer plans, repetitions and sizes")
     p.add_argument("--out", default=str(RESULTS), help="results folder")
     args = p.parse_args(argv)
@@ -215,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         for x in args.only.split(","):
             x = LETTERS.get(x.strip(), x.strip())
             if x not in SECTIONS:
-                p.error(f"--only: unknown section {x!r}; use {', '.join(ORDER)} or letters a-f")
+                p.error(f"--only: unknown section {x!r}; use {', '.join(ORDER)} or letters a-h")
             names.append(x)
         names = [n for n in ORDER if n in names]
     out = Path(args.out)

@@ -205,3 +205,29 @@ def test_offloaded_state_lives_where_the_tier_says(tmp_path):
     directory = nvme.store.dir
     nvme.close()
     assert not directory.exists()
+
+
+def test_left_behind_directories_of_dead_processes_are_removed(tmp_path):
+    from dtorch.train.offload.store import DiskBlocks, make_blocks
+
+    old = tmp_path / "dtorch-offload-999999999-r0p0-old"  # no such pid
+    fresh = tmp_path / "dtorch-offload-999999998-r0p0-new"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "block00000.f32").write_bytes(b"\0" * 8)
+    os.utime(old / "block00000.f32", (1, 1))
+    store = DiskBlocks(make_blocks([10, 20], ("exp_avg",), 64), tmp_path, "t")
+    assert not old.exists() and fresh.exists()  # a recent one may belong to a live run elsewhere
+    assert [p.stat().st_size for p in store.paths] == [40, 80]  # reserved up front
+    store.close()
+    assert not store.dir.exists()
+
+
+def test_disk_probe_measures_and_leaves_nothing(tmp_path):
+    from dtorch.cluster.disk import measure_disk
+
+    doc = measure_disk(tmp_path, nbytes=4 * 2**20, chunk=2**20)
+    assert doc["bytes"] == 4 * 2**20 and doc["write_bytes_per_s"] > 0 and doc["read_bytes_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="disk"):
+        measure_disk(tmp_path / "missing")

@@ -218,9 +218,14 @@ def _cleanup(directory: Path, fds: list[int]) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+STALE_S = 600.0
+"""A left-behind directory is removed only when no file in it changed for this long (a live run
+writes every block each step; its pid may be invisible from another container's pid namespace)."""
+
+
 def _remove_stale(root: Path) -> None:
     """Directories an earlier process of this user left behind (killed before its exit handler):
-    removed when that process no longer exists."""
+    removed when that process no longer exists and its files have not changed for STALE_S."""
     try:
         entries = list(root.iterdir())
     except OSError:
@@ -234,7 +239,11 @@ def _remove_stale(root: Path) -> None:
                 continue
             os.kill(pid, 0)
         except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
+            import time
+
+            newest = max((f.stat().st_mtime for f in d.iterdir()), default=d.stat().st_mtime)
+            if time.time() - newest > STALE_S:
+                shutil.rmtree(d, ignore_errors=True)
         except (ValueError, OSError):
             continue
 
