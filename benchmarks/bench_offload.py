@@ -2,7 +2,7 @@
 Llama trained in memory, with the host tier and with the NVMe tier (state and fp32 masters in
 files), plus the disk bandwidth the NVMe tier reached and the disk probe's figures.
 
-    .venv/bin/python -m benchmarks.bench_offload [--steps 4] [--dir /local/nvme/tmp] [--quick]
+    .venv/bin/python -m benchmarks.bench_offload [--steps 3] [--dir /local/nvme/tmp] [--quick]
 
 Each tier runs in its own process (its peak RSS is its own), one after the other, with the same
 optimizer kernel (torch's fused CPU AdamW) so the step times compare tiers, not kernels. On a CPU
@@ -41,7 +41,7 @@ def _child(tier: str, steps: int, directory: str, log_dir: str) -> dict:
     offload = {"none": None, "host": OptimizerOffload("host"),
                "nvme": OptimizerOffload("nvme", directory=directory, params_on_disk=True)}[tier]
     cfg = LlamaConfig(**MODEL)
-    tr = Trainer(model=lambda: Llama(cfg), plan=Plan(microbatch_size=1), global_batch=1, seq_len=64,
+    tr = Trainer(model=lambda: Llama(cfg), plan=Plan(microbatch_size=1), global_batch=1, seq_len=32,
                  optimizer=AdamW(lr=1e-4, fused=True), offload=offload or "none", console=False, straggler_every=0,
                  metrics_every=0, log_dir=log_dir, max_grad_norm=1.0)
     res = tr.fit(steps)
@@ -61,10 +61,10 @@ def _child(tier: str, steps: int, directory: str, log_dir: str) -> dict:
     return out
 
 
-def run(steps: int = 4, directory: str | None = None, quick: bool = False, log=print) -> dict:
+def run(steps: int = 3, directory: str | None = None, quick: bool = False, log=print) -> dict:
     from dtorch.cluster.disk import measure_disk
 
-    steps = 3 if quick else steps
+    steps = 2 if quick else steps
     base = Path(directory or tempfile.gettempdir())
     out: dict = {"model": MODEL, "steps": steps, "directory": str(base), "cpu_count": os.cpu_count(),
                  "note": "measured on a 2-core machine shared with other sessions: step times are noisy, "
@@ -87,7 +87,8 @@ def run(steps: int = 4, directory: str | None = None, quick: bool = False, log=p
     states = 8 * n  # AdamW: exp_avg + exp_avg_sq in float32
     buf = runs["nvme"]["memory"]["buffer_bytes"]
     drop = runs["none"]["peak_rss_bytes"] - runs["nvme"]["peak_rss_bytes"]
-    med = {t: sorted(r["step_times_s"][1:])[len(r["step_times_s"][1:]) // 2] for t, r in runs.items()}
+    later = {t: r["step_times_s"][1:] or r["step_times_s"] for t, r in runs.items()}  # after the first
+    med = {t: sorted(v)[len(v) // 2] for t, v in later.items()}
     io = runs["nvme"]["io"]
     out["summary"] = {
         "params": n, "optimizer_state_bytes": states, "prefetch_buffer_bytes": buf,
@@ -96,7 +97,8 @@ def run(steps: int = 4, directory: str | None = None, quick: bool = False, log=p
         "losses_identical": runs["none"]["losses"] == runs["host"]["losses"] == runs["nvme"]["losses"],
         "nvme_read_bytes_per_s": io["bytes_read"] / io["read_s"] if io["read_s"] else None,
         "nvme_write_bytes_per_s": io["bytes_written"] / io["write_s"] if io["write_s"] else None,
-        "nvme_bytes_per_step": (io["bytes_read"] + io["bytes_written"]) / max(1, io["steps"]),
+        "nvme_bytes_per_step": (io["bytes_read"] + io["bytes_written"] - io.get("init_bytes_written", 0))
+        / max(1, io["steps"]),
     }
     return out
 
@@ -125,7 +127,7 @@ def markdown(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory of the NVMe tier (default: the temp dir)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

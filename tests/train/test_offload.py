@@ -78,8 +78,11 @@ def _check_same_losses(results: list[list[dict]]) -> None:
 
 
 def test_offload_tiers_match_in_memory_losses_at_world_1(tmp_path):
-    _check_same_losses(run_group(1, _cases({"microbatch_size": 2, "num_microbatches": 2}, str(tmp_path)),
-                                 _losses_worker))
+    plan = {"microbatch_size": 2, "num_microbatches": 2}
+    by_plan = {"plan": {**plan, "offload": "optimizer"}}  # the Plan's field selects the host tier
+    results = run_group(1, _cases(plan, str(tmp_path)) + [by_plan], _losses_worker)
+    _check_same_losses(results)
+    assert results[3][0]["kind"] == ["OffloadedOptimizer"]
 
 
 def test_offload_tiers_match_in_memory_losses_under_fsdp_and_ddp_at_world_2(tmp_path):

@@ -102,6 +102,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if public is not None:  # the implementation flags the in-memory optimizer would report
             defaults.update({k: public.defaults[k] for k in _IMPL_FLAGS if k in public.defaults})
         super().__init__(self.device_params, defaults)
+        self.init_bytes_written = 0
         if self.masters_on_disk:
             self._write_masters(locals_)
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if pin else None
@@ -245,14 +246,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _write_masters(self, locals_: list[torch.Tensor]) -> None:
         """The NVMe tier with params_on_disk: the initial fp32 masters go into the files."""
         for k, b in enumerate(self.blocks):
-            slot, fut = self.io.start(k)
-            if fut is not None:
-                fut.result()
+            slot, _ = self.io.start(k, read=False)  # the whole block is written: nothing to read
             buf = self.store.buffer(k, slot)
+            buf.zero_()
             for j, i in enumerate(b.params):
                 buf[b.offsets[(j, "master")]:][: b.numels[j]].view(locals_[i].shape).copy_(locals_[i])
             self.io.finish(k, slot)
         self.io.drain()
+        self.init_bytes_written = getattr(self.store, "bytes_written", 0)
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
@@ -337,6 +338,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def io_stats(self) -> dict[str, float]:
         s = self.store
         return {"bytes_read": getattr(s, "bytes_read", 0), "bytes_written": getattr(s, "bytes_written", 0),
+                "init_bytes_written": self.init_bytes_written,
                 "read_s": getattr(s, "read_s", 0.0), "write_s": getattr(s, "write_s", 0.0),
                 "step_s": self.stats["step_s"], "steps": self.stats["steps"]}
 

@@ -263,13 +263,13 @@ class Pipeline:
         self._writes: list[Future] = []
         atexit.register(self.close)
 
-    def start(self, k: int) -> tuple[Slot, Future | None]:
+    def start(self, k: int, read: bool = True) -> tuple[Slot, Future | None]:
         slot = self.free.get()
         if slot.event is not None:  # accelerator copies out of this slot must end before reuse
             slot.event.synchronize()
             slot.event = None
         slot.block = k
-        fut = self._reader.submit(self.store.read, k, slot) if self._reader is not None else None
+        fut = self._reader.submit(self.store.read, k, slot) if self._reader is not None and read else None
         return slot, fut
 
     def finish(self, k: int, slot: Slot) -> None:
