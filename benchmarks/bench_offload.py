@@ -116,6 +116,9 @@ def markdown(r: dict) -> str:
               f"{s['prefetch_buffer_bytes'] / g:.2f} GiB: RSS drop with the NVMe tier {s['rss_drop_bytes'] / g:.2f} GiB "
               f"(target >= {s['rss_drop_target_bytes'] / g:.2f} GiB: {'met' if s['rss_drop_met'] else 'NOT met'})",
               f"- per-step losses identical across tiers: {s['losses_identical']}",
+              "- optimizer phase per step (CPU step + copies + disk): " + ", ".join(
+                  f"{t} {run['io']['step_s'] / max(1, run['io']['steps']):.2f} s" for t, run in r["runs"].items()
+                  if "io" in run) + " (the in-memory step is not timed apart)",
               f"- NVMe tier I/O: {s['nvme_bytes_per_step'] / g:.2f} GiB per step, read "
               f"{(s['nvme_read_bytes_per_s'] or 0) / g:.2f} GiB/s, write {(s['nvme_write_bytes_per_s'] or 0) / g:.2f} GiB/s "
               "(through the page cache: the files fit in free host memory here)",
@@ -131,7 +134,11 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory of the NVMe tier (default: the temp dir)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--markdown", action="store_true", help="rewrite offload.md from offload.json and stop")
     a = ap.parse_args()
+    if a.markdown:
+        (RESULTS / "offload.md").write_text(markdown(json.loads((RESULTS / "offload.json").read_text())))
+        return
     if a.child:
         with tempfile.TemporaryDirectory() as logs:
             print(json.dumps(_child(a.child, a.steps, a.dir, logs)))
