@@ -3,7 +3,8 @@
     python -m benchmarks                      # everything (probe first: the sweep uses its calibration)
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
-                                              # d planner, e checkpoint, f recovery, g mainjob, h compile)
+                                              # d planner, e checkpoint, f recovery, g mainjob, h compile,
+                                              # i offload)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
 Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob", "compile")
+ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob", "compile",
+         "offload")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
-           "g": "mainjob", "h": "compile"}
+           "g": "mainjob", "h": "compile", "i": "offload"}
 OWN_FILES = ("planner", "checkpoint")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
 TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0}
@@ -139,6 +141,13 @@ def section_compile(quick: bool) -> dict:
     return bench_compile.run(quick=quick, log=log)
 
 
+def section_offload(quick: bool) -> dict:
+    """Optimizer memory tiers: peak RSS and step time in memory / host / NVMe (bench_offload)."""
+    from benchmarks import bench_offload
+
+    return bench_offload.run(quick=quick, log=log)
+
+
 SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}
 
 
@@ -153,6 +162,10 @@ def _markdown(name: str, result: dict) -> str:
         from benchmarks import bench_mainjob
 
         return bench_mainjob.markdown(result)
+    if name == "offload":
+        from benchmarks import bench_offload
+
+        return bench_offload.markdown(result)
     if name == "gap":
         from benchmarks import bench_sweep
 
@@ -202,6 +215,10 @@ def _targets(sections: dict) -> list[str]:
         # against the best GEMM measured on this machine (the stricter of the probe's and the 1024^3 one)
         peak = max(v for v in (mfu["peaks"].get("probe_best_gemm"), mfu["peaks"].get("gemm_1024_now")) if v)
         rows.append(("single-process MFU vs measured GEMM peak", f"{mfu['achieved_flops'] / peak:.1%}", "(info)", None))
+    off = sections.get("offload", {}).get("summary")
+    if off:
+        rows.append(("peak RSS drop with the NVMe optimizer tier", f"{off['rss_drop_bytes'] / 2**30:.2f} GiB",
+                     f">= {off['rss_drop_target_bytes'] / 2**30:.2f} GiB (state - buffers)", off["rss_drop_met"]))
     lines = ["| figure | value | target | met |", "|---|---|---|---|"]
     for fig, val, tgt, ok in rows:
         lines.append(f"| {fig} | {val} | {tgt} | {'' if ok is None else ('yes' if ok else '**no**')} |")

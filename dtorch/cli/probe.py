@@ -4,6 +4,7 @@
     dtorch probe --nproc 4             # 4 ranks at once: the numbers a 4-rank job gets per rank
     dtorch probe --nproc 2,4 --quick   # one calibration per job size, quick shapes
     dtorch run --nproc-per-node 8 -m dtorch.cli probe   # inside a launched job (all ranks probe)
+    dtorch probe --disk /local/nvme/tmp   # only the disk: write/read bandwidth (the NVMe optimizer tier)
 
 The calibration goes to ~/.cache/dtorch/calibration/<cluster>.json (or --out); `local_cluster()`
 and `load_cluster("detect")` merge it over the nominal numbers, so the next plan uses it.
@@ -28,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--out", default=None, help="calibration file (default: the cache path for the cluster name)")
     p.add_argument("--dtypes", default=None, help="GEMM dtypes, comma list (default float32,bfloat16)")
     p.add_argument("--json", action="store_true", help="print the calibration document")
+    p.add_argument("--disk", default=None, metavar="DIR",
+                   help="measure the disk holding DIR (write to fdatasync, read with the cache dropped) and stop")
+    p.add_argument("--disk-bytes", type=int, default=256 * 2**20, help="bytes written and read by --disk")
     p.set_defaults(func=run)
 
 
@@ -46,6 +50,13 @@ def _nprocs(text: str | None) -> list[int | None]:
 def run(args: argparse.Namespace) -> int:
     from dtorch.cluster.probe import run_probe, summary
 
+    if getattr(args, "disk", None):
+        from dtorch.cluster.disk import measure_disk
+        from dtorch.cluster.disk import summary as disk_summary
+
+        doc = measure_disk(args.disk, nbytes=args.disk_bytes)
+        print(json.dumps(doc, indent=1) if args.json else disk_summary(doc))
+        return 0
     nprocs = _nprocs(args.nproc)
     if args.out and len(nprocs) > 1:
         raise ConfigError("out", args.out, "one --out file holds one calibration; give a single --nproc")

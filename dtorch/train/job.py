@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "port; see docs/monitoring.md for another interface)")
     p.add_argument("--trace-comms", action="store_true",
                    help="record every collective per rank to <checkpoint-dir>/comms-rank<r>.jsonl (slow; for debugging)")
+    p.add_argument("--offload", default=None, choices=("none", "optimizer", "optimizer_nvme"),
+                   help="optimizer state and fp32 masters in host memory (optimizer) or in files in --offload-dir "
+                        "(optimizer_nvme), the step on the CPU; default: what the plan says (docs/memory-tiers.md)")
+    p.add_argument("--offload-dir", default=None, help="directory on a local disk for --offload optimizer_nvme")
     p.add_argument("--metrics-every", type=int, default=None,
                    help="gather every rank's step-time terms and memory every N steps (default 10; 0 = off)")
 
@@ -107,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         monitor_port=getattr(args, "monitor_port", None),
         metrics_every=getattr(args, "metrics_every", None),
         trace_comms=True if getattr(args, "trace_comms", False) else None,
+        offload=getattr(args, "offload", None),
+        offload_dir=getattr(args, "offload_dir", None),
     )
     result = trainer.fit(steps=args.steps)
     full = trainer.full_state_dict() if args.sample_tokens > 0 else None

@@ -18,20 +18,30 @@ from dtorch.errors import ConfigError
 
 @dataclass(frozen=True)
 class AdamW:
-    """torch.optim.AdamW with decoupled weight decay. `fused`/`foreach` are left to torch's defaults."""
+    """torch.optim.AdamW with decoupled weight decay. `foreach` is left to torch's default."""
 
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    fused: bool | None = None
+    """torch's fused kernel (None: torch's default, the per-tensor loop on CPU; True on a CPU
+    measured 12x faster for 64M parameters, not bit-identical to the loop)."""
+
+    state_keys = ("exp_avg", "exp_avg_sq")
+    """Per-element state tensors (what the memory tiers move; dtorch.train.offload)."""
+    scalar_keys = ("step",)
 
     def __post_init__(self):
         if not (self.lr > 0):
             raise ConfigError("lr", self.lr, "the learning rate must be > 0, e.g. 3e-4")
 
-    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    def build(self, params: Iterable[torch.nn.Parameter], *, fused: bool | None = None) -> torch.optim.Optimizer:
+        """`fused` overrides the spec's choice (the offloaded optimizer's CPU kernels use it)."""
+        fused = self.fused if fused is None else fused
         return torch.optim.AdamW(
-            list(params), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+            list(params), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+            **({"fused": fused} if fused is not None else {}),
         )
 
 
@@ -39,6 +49,10 @@ class AdamW:
 class SGD:
     lr: float = 1e-2
     momentum: float = 0.0
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.momentum else ()
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(list(params), lr=self.lr, momentum=self.momentum)

@@ -94,6 +94,11 @@ class Trainer:
       monitor_port / monitor_host / monitor_token: serve Prometheus /metrics and the live page on
         rank 0 (port 0 = a free one; default $DTORCH_MONITOR_PORT, unset = no server); see
         docs/monitoring.md.
+      offload: where the optimizer state and fp32 master weights live (docs/memory-tiers.md):
+        None = what the plan says (its offload=optimizer is the host tier), "none", "optimizer"
+        (host memory, the step on the CPU), "optimizer_nvme" (files in `offload_dir`), or a
+        dtorch.train.offload.OptimizerOffload for the budget, buffers and params_on_disk.
+      offload_dir: the NVMe tier's directory on a local disk (checked before training starts).
       trace_comms: record every collective of every rank to <log_dir>/comms-rank<r>.jsonl, with a
         per-step summary and CommDebugMode's per-module counts (default $DTORCH_TRACE_COMMS=1).
     """
@@ -125,6 +130,8 @@ class Trainer:
         monitor_host: str | None = None,
         monitor_token: str | None = None,
         trace_comms: bool | None = None,
+        offload: Any = None,
+        offload_dir: str | os.PathLike | None = None,
     ):
         if int(global_batch) < 1:
             raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
@@ -156,6 +163,11 @@ class Trainer:
 
         self.monitor_config = MonitorConfig.resolve(metrics_every, monitor_port, monitor_host, monitor_token,
                                                     trace_comms=trace_comms)
+        from dtorch.train.offload import OptimizerOffload
+
+        OptimizerOffload.resolve(offload, directory=offload_dir)  # a bad value fails here, before any work
+        self.offload_request, self.offload_dir = offload, offload_dir
+        self.offload = None
         self.async_checkpoint = async_checkpoint
         self.keep_last = keep_last
         self.console = console
@@ -394,13 +406,54 @@ class Trainer:
                            peak_rss_bytes=st["peak_rss_bytes"], init_from=str(self.init_from or ""))
         # One optimizer per model part (pipeline chunks): the optimizer state dict then maps
         # cleanly onto each part's fully qualified names.
-        self.optimizers = [self.optimizer_spec.build(p.parameters()) for p in self.parallel.model_parts]
+        self.optimizers = self._build_optimizers()
         self.schedulers = [self.lr_spec.build(o, total_steps) for o in self.optimizers]
         self.dataset = self._dataset()
         from dtorch.train.sampler import GlobalSampler
 
         self.sampler = GlobalSampler(len(self.dataset), self.global_batch, seed=self.seed)
         self.train_state = TrainState()
+
+    def _build_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The spec's optimizer per model part, in device memory or in the offload tier. The NVMe
+        directory is checked on every rank first and a bad one fails all ranks alike."""
+        from dtorch.train import offload as tiers
+
+        parts = self.parallel.model_parts
+        self.offload = tiers.OptimizerOffload.resolve(self.offload_request, self.plan.offload, self.offload_dir)
+        if self.offload is None:
+            return [self.optimizer_spec.build(p.parameters()) for p in parts]
+        if self.plan.offload == "params":
+            raise ConfigError("offload", self.offload_request, "the plan already offloads parameters, gradients and "
+                              "optimizer state (offload=params, FSDP CPU offload); use one of the two")
+        if self.offload.tier == "nvme":
+            error = None
+            try:
+                need = sum(tiers.bytes_needed(self.optimizer_spec, p.parameters(), self.offload) for p in parts)
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                tiers.check_directory(self.offload.directory, need, self.offload.budget_bytes,
+                                      others_bytes=need * (local - 1))
+            except ConfigError as e:
+                error = (e.field, e.value if isinstance(e.value, (int, str, type(None))) else repr(e.value), e.fix)
+            errors = [error]
+            if dist.is_initialized():
+                errors = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, error)
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise ConfigError(*first)
+            if self.async_checkpoint and self.ckpt is not None:
+                # an async save copies every tensor into host memory first: the state the NVMe tier
+                # keeps out of memory would come back at each checkpoint
+                self.async_checkpoint = False
+                log.info("NVMe optimizer tier: checkpoints are written synchronously, straight from its files")
+        opts = [tiers.build(self.optimizer_spec, p.parameters(), self.offload, tag=f"r{self.rank}p{i}")
+                for i, p in enumerate(parts)]
+        mem = [o.memory() for o in opts]
+        self.metrics.event("offload", tier=self.offload.tier, directory=self.offload.directory,
+                           host_bytes=sum(m["host_bytes"] for m in mem), disk_bytes=sum(m["disk_bytes"] for m in mem),
+                           buffer_bytes=sum(m["buffer_bytes"] for m in mem))
+        return opts
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything a resumed run needs; tensors reshard on load (DCP)."""

@@ -1,0 +1,378 @@
+"""`OffloadedOptimizer`: a torch optimizer whose state and fp32 master weights live off the device.
+
+It is a `torch.optim.Optimizer` over the model's own parameters (DTensors under FSDP/TP, plain
+tensors under DDP or one rank), so LR schedulers, `zero_grad` and `dtorch.checkpoint` see what they
+see with the in-memory optimizer: `state_dict()` has the same keys, shapes and placements. What
+differs is where the numbers are and who computes:
+
+  step():  for each block of parameters, in model order
+      read its state from disk into a buffer (NVMe tier; the next block is read meanwhile)
+      copy its gradients device -> host (non_blocking from pinned buffers on CUDA)
+      run the optimizer spec's own CPU kernel on the fp32 masters and that state
+      copy the updated masters host -> device, in the device parameter's dtype
+      write its state back (NVMe tier, in the background)
+
+Each block's CPU kernel is a torch optimizer built by the same spec (`spec.build`), so on a CPU
+run the arithmetic is the in-memory optimizer's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtorch.errors import ConfigError
+from dtorch.train.offload.config import OptimizerOffload, check_directory
+from dtorch.train.offload.store import FLOAT, DiskBlocks, HostBlocks, Pipeline, host_empty, make_blocks
+
+log = logging.getLogger("dtorch.train.offload")
+
+_IMPL_FLAGS = ("params", "fused", "foreach", "capturable", "differentiable")
+"""Keys of a param group that say how the kernel runs, not what it computes: never copied between
+the public groups and the CPU kernels' groups."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def state_keys(spec: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(per-element state tensors, per-parameter scalars) of an optimizer spec, or ConfigError."""
+    keys = getattr(spec, "state_keys", None)
+    if keys is None:
+        raise ConfigError("optimizer", type(spec).__name__,
+                          "optimizer offload needs a spec that declares its state (dtorch.optim.AdamW or SGD)")
+    return tuple(keys), tuple(getattr(spec, "scalar_keys", ()))
+
+
+def bytes_needed(spec: Any, params: Iterable[torch.Tensor], cfg: OptimizerOffload) -> int:
+    """Bytes of this rank's files in the NVMe tier (what `check_directory` must find room for)."""
+    keys, _ = state_keys(spec)
+    fields = len(keys) + (1 if cfg.params_on_disk else 0)
+    return sum(_local(p).numel() for p in params if p.requires_grad) * FLOAT * fields
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """`spec`'s optimizer over `params`, with its state in `cfg.tier` (see the module docstring)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], spec: Any, cfg: OptimizerOffload, *, tag: str = "r0"):
+        params = [p for p in params]
+        self.spec, self.cfg = spec, cfg
+        self.keys, self.scalar_keys = state_keys(spec)
+        self.device_params = [p for p in params if p.requires_grad]
+        locals_ = [_local(p).detach() for p in self.device_params]
+        self.accel = any(t.device.type != "cpu" for t in locals_)
+        pin = self.accel and torch.cuda.is_available()
+        on_disk = cfg.tier == "nvme"
+        self.masters_on_disk = on_disk and cfg.params_on_disk
+        fields = (("master",) if self.masters_on_disk else ()) + self.keys
+        numels = [t.numel() for t in locals_]
+        self.blocks = make_blocks(numels, fields, cfg.block_bytes)
+        self._block_of = {i: (k, j) for k, b in enumerate(self.blocks) for j, i in enumerate(b.params)}
+        # fp32 master weights: resident in host memory, unless the NVMe tier keeps them in its files
+        self.masters: list[torch.Tensor | None] = [None] * len(locals_)
+        if not self.masters_on_disk:
+            for i, t in enumerate(locals_):
+                m = host_empty(t.numel(), pin).view(t.shape)
+                m.copy_(t)
+                self.masters[i] = m
+        if on_disk:
+            check_directory(cfg.directory, bytes_needed(spec, self.device_params, cfg), cfg.budget_bytes)
+            self.store = DiskBlocks(self.blocks, cfg.directory, tag)
+        else:
+            self.store = HostBlocks(self.blocks, pin)
+        largest = max((b.numel for b in self.blocks), default=0)
+        largest_grad = max((b.param_numel for b in self.blocks), default=0)
+        self.io = Pipeline(self.store, cfg.buffers if on_disk else 2, largest, largest_grad, pin)
+        self.buffer_bytes = self.io.num_slots * ((largest if on_disk else 0) + largest_grad) * FLOAT
+        # One CPU kernel per block, built by the spec over placeholders whose storage is swapped in
+        # at each step (masters, the slot's gradient staging, the block's state).
+        fused = cfg.fused if cfg.fused is not None else (True if self.accel else None)
+        self._holders = [nn.Parameter(torch.empty(0), requires_grad=True) for _ in locals_]
+        self.kernels = [self._build(spec, [self._holders[i] for i in b.params], fused) for b in self.blocks]
+        self._scalars: list[dict[str, torch.Tensor] | None] = [None] * len(locals_)
+        defaults = {k: v for k, v in self.kernels[0].defaults.items() if k not in _IMPL_FLAGS} if self.kernels else {}
+        public = self._build(spec, [torch.empty(0, requires_grad=True)], None) if self.kernels else None
+        if public is not None:  # the implementation flags the in-memory optimizer would report
+            defaults.update({k: public.defaults[k] for k in _IMPL_FLAGS if k in public.defaults})
+        super().__init__(self.device_params, defaults)
+        self.init_bytes_written = 0
+        if self.masters_on_disk:
+            self._write_masters(locals_)
+        self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if pin else None
+        self.stats = {"steps": 0, "step_s": 0.0}
+
+    @staticmethod
+    def _build(spec: Any, params: list[torch.Tensor], fused: bool | None) -> torch.optim.Optimizer:
+        if fused is None:
+            return spec.build(params)
+        try:
+            return spec.build(params, fused=fused)
+        except TypeError:  # a spec without the switch: its own default kernel
+            return spec.build(params)
+
+    # ---- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D401 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        import time
+
+        t0 = time.perf_counter()
+        hyper = {k: v for k, v in self.param_groups[0].items() if k not in _IMPL_FLAGS}
+        n = len(self.blocks)
+        # slots: one stepped, one read ahead (and its gradients copied), one being written back
+        ahead = max(1, self.io.num_slots - 2)
+        pending = [self._begin(k) for k in range(min(n, ahead))]
+        issued = len(pending)
+        for k in range(n):
+            slot, fut = pending.pop(0)
+            if issued < n:
+                pending.append(self._begin(issued))
+                issued += 1
+            if fut is not None:
+                fut.result()
+            if slot.grad_event is not None:
+                slot.grad_event.synchronize()
+                slot.grad_event = None
+            self._step_block(k, slot, hyper)
+            self.io.finish(k, slot)
+        self.io.drain()
+        if self._streams is not None:
+            torch.cuda.current_stream().wait_stream(self._streams[1])  # the next forward sees new weights
+        self.stats["steps"] += 1
+        self.stats["step_s"] += time.perf_counter() - t0
+        return loss
+
+    def _begin(self, k: int):
+        """Block k into a free slot: its state read from disk (in the background) and its
+        gradients copied to host (asynchronously on CUDA)."""
+        slot, fut = self.io.start(k)
+        self._grads_to_host(k, slot)
+        return slot, fut
+
+    def _grads_to_host(self, k: int, slot) -> None:
+        """Copy block k's device gradients into the slot's staging (async on CUDA)."""
+        b = self.blocks[k]
+        off = 0
+        stream = self._streams[0] if self._streams is not None else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for j, i in enumerate(b.params):
+                g = self.device_params[i].grad
+                n = b.numels[j]
+                if g is not None:
+                    slot.grad[off:off + n].view(self.masters_shape(i)).copy_(_local(g), non_blocking=stream is not None)
+                off += n
+        if stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            slot.grad_event = ev
+
+    def masters_shape(self, i: int) -> torch.Size:
+        return _local(self.device_params[i]).shape
+
+    def _step_block(self, k: int, slot, hyper: dict[str, Any]) -> None:
+        b = self.blocks[k]
+        buf = self.store.buffer(k, slot)
+        kernel = self.kernels[k]
+        for g in kernel.param_groups:
+            g.update(hyper)
+        off = 0
+        stepped = []
+        for j, i in enumerate(b.params):
+            holder, shape, n = self._holders[i], self.masters_shape(i), b.numels[j]
+            holder.data = (buf[b.offsets[(j, "master")]:][:n].view(shape) if self.masters_on_disk
+                           else self.masters[i])
+            dev_grad = self.device_params[i].grad
+            holder.grad = slot.grad[off:off + n].view(shape) if dev_grad is not None else None
+            off += n
+            if dev_grad is None:
+                kernel.state.pop(holder, None)
+                continue
+            st = {key: buf[b.offsets[(j, key)]:][:n].view(shape) for key in self.keys}
+            if self._scalars[i] is None:
+                self._scalars[i] = {s: torch.tensor(0.0, dtype=_scalar_dtype()) for s in self.scalar_keys}
+            st.update(self._scalars[i])
+            kernel.state[holder] = st
+            stepped.append(i)
+        kernel.step()
+        for i in stepped:  # the kernel may have replaced scalars (e.g. a new step tensor)
+            st = kernel.state[self._holders[i]]
+            self._scalars[i] = {s: st[s] for s in self.scalar_keys if s in st}
+            self.state[self.device_params[i]] = self._public_state(i, st)
+        self._masters_to_device(k, slot)
+        for i in b.params:  # no view of the slot outlives the step
+            self._holders[i].grad = None
+            kernel.state.pop(self._holders[i], None)
+
+    def _public_state(self, i: int, st: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What `self.state[p]` shows: the scalars, and each state tensor where it lives (host
+        tensors; on disk, a meta tensor of its shape: the keys are what torch's helpers read)."""
+        out = dict(self._scalars[i])
+        for key in self.keys:
+            out[key] = st[key] if not self.store.on_disk else torch.empty(st[key].shape, device="meta")
+        return out
+
+    def _masters_to_device(self, k: int, slot) -> None:
+        b = self.blocks[k]
+        buf = self.store.buffer(k, slot)
+        stream = self._streams[1] if self._streams is not None else None
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for j, i in enumerate(b.params):
+                if self.device_params[i].grad is None and not self.masters_on_disk:
+                    continue
+                src = self._master(i, j, b, buf)
+                _local(self.device_params[i]).copy_(src, non_blocking=stream is not None)
+        if stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            slot.event = ev
+
+    def _master(self, i: int, j: int, b, buf: torch.Tensor) -> torch.Tensor:
+        if self.masters_on_disk:
+            return buf[b.offsets[(j, "master")]:][: b.numels[j]].view(self.masters_shape(i))
+        return self.masters[i]
+
+    def _write_masters(self, locals_: list[torch.Tensor]) -> None:
+        """The NVMe tier with params_on_disk: the initial fp32 masters go into the files."""
+        for k, b in enumerate(self.blocks):
+            slot, _ = self.io.start(k, read=False)  # the whole block is written: nothing to read
+            buf = self.store.buffer(k, slot)
+            buf.zero_()
+            for j, i in enumerate(b.params):
+                buf[b.offsets[(j, "master")]:][: b.numels[j]].view(locals_[i].shape).copy_(locals_[i])
+            self.io.finish(k, slot)
+        self.io.drain()
+        self.init_bytes_written = getattr(self.store, "bytes_written", 0)
+
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """The fp32 masters := the model's parameters (after a checkpoint or weights were loaded
+        into the model; its parameters are fp32, so nothing is lost)."""
+        for k, b in enumerate(self.blocks):
+            with self.store.mapped(k) if self.masters_on_disk else _nothing() as flat:
+                for j, i in enumerate(b.params):
+                    src = _local(self.device_params[i]).detach()
+                    if self.masters_on_disk:
+                        flat[b.offsets[(j, "master")]:][: b.numels[j]].view(src.shape).copy_(src)
+                    else:
+                        self.masters[i].copy_(src)
+
+    # ---- state dict: the in-memory optimizer's shape ---------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        self.io.drain()
+        ids = {p: n for n, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state: dict[int, dict[str, Any]] = {}
+        for k, b in enumerate(self.blocks):
+            with self.store.mapped(k) as flat:
+                for j, i in enumerate(b.params):
+                    if self._scalars[i] is None:
+                        continue  # never stepped: no state, as in torch
+                    p = self.device_params[i]
+                    entry: dict[str, Any] = {s: v for s, v in self._scalars[i].items()}
+                    for key in self.keys:
+                        local = flat[b.offsets[(j, key)]:][: b.numels[j]].view(self.masters_shape(i))
+                        entry[key] = _like(p, local)
+                    state[ids[p]] = entry
+        groups = []
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [ids[p] for p in g["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.io.drain()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        ordered = [p for g in self.param_groups for p in g["params"]]
+        for g, saved in zip(self.param_groups, groups):
+            if len(g["params"]) != len(saved["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                                 "optimizer's group")
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        # saved ids are positions or names (torch's helpers pass fully qualified names): matched
+        # through the groups' params lists, as torch.optim.Optimizer.load_state_dict does
+        id_map = dict(zip((pid for g in groups for pid in g["params"]), ordered))
+        by_param = {id_map[pid]: st for pid, st in state_dict["state"].items() if pid in id_map}
+        for k, b in enumerate(self.blocks):
+            with self.store.mapped(k) as flat:
+                for j, i in enumerate(b.params):
+                    st = by_param.get(self.device_params[i])
+                    if st is None:
+                        self._scalars[i] = None
+                        self.state.pop(self.device_params[i], None)
+                        continue
+                    shape = self.masters_shape(i)
+                    views = {}
+                    for key in self.keys:
+                        dst = flat[b.offsets[(j, key)]:][: b.numels[j]].view(shape)
+                        src = _local(st[key]) if isinstance(st[key], torch.Tensor) else torch.as_tensor(st[key])
+                        if src.data_ptr() != dst.data_ptr():
+                            dst.copy_(src)
+                        views[key] = dst
+                    self._scalars[i] = {s: (st[s].detach().clone().float().cpu() if isinstance(st[s], torch.Tensor)
+                                            else torch.tensor(float(st[s]), dtype=_scalar_dtype()))
+                                        for s in self.scalar_keys if s in st}
+                    self.state[self.device_params[i]] = self._public_state(i, views)
+        self.sync_masters_from_model()  # the model was loaded first (checkpoint order: model, optim)
+
+    # ---- figures ---------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this optimizer holds per place: host (masters + resident state + buffers), disk."""
+        masters = sum(m.numel() for m in self.masters if m is not None) * FLOAT
+        resident = 0 if self.store.on_disk else self.store.nbytes
+        return {"host_bytes": masters + resident + self.buffer_bytes, "buffer_bytes": self.buffer_bytes,
+                "disk_bytes": self.store.nbytes if self.store.on_disk else 0}
+
+    def io_stats(self) -> dict[str, float]:
+        s = self.store
+        return {"bytes_read": getattr(s, "bytes_read", 0), "bytes_written": getattr(s, "bytes_written", 0),
+                "init_bytes_written": self.init_bytes_written,
+                "read_s": getattr(s, "read_s", 0.0), "write_s": getattr(s, "write_s", 0.0),
+                "step_s": self.stats["step_s"], "steps": self.stats["steps"]}
+
+    def close(self) -> None:
+        """Stop the I/O threads and remove the NVMe tier's files (also done at exit)."""
+        self.io.close()
+        self.store.close()
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in `p`'s layout: a DTensor with p's mesh and placements (without moving it to p's
+    device), or the tensor itself."""
+    if not isinstance(p, DTensor):
+        return local
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(p._spec.mesh, p._spec.placements, TensorMeta(p.shape, p.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def build(spec: Any, params: Iterable[nn.Parameter], cfg: OptimizerOffload | None, *, tag: str = "r0"):
+    """The optimizer of one model part: the spec's own (in device memory) or an offloaded one."""
+    if cfg is None:
+        return spec.build(params)
+    return OffloadedOptimizer(params, spec, cfg, tag=tag or f"p{os.getpid()}")

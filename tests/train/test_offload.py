@@ -1,0 +1,236 @@
+"""Optimizer offload (dtorch.train.offload): the host and NVMe tiers compute what the in-memory
+optimizer computes, keep their files private and tidy, refuse a bad directory before training, and
+checkpoint in the in-memory optimizer's shape (a run resumes across tiers).
+
+Cost: about 60 s on 2 shared cores (three gloo groups: world 1, world 2 losses, world 2 resume).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+from _harness import run_group  # noqa: E402
+
+from dtorch.errors import ConfigError  # noqa: E402
+from dtorch.train.offload import OffloadedOptimizer, OptimizerOffload, check_directory  # noqa: E402
+from dtorch.train.optim import SGD, AdamW  # noqa: E402
+
+STEPS = 20
+
+
+def _trainer(case: dict, **kw):
+    from dtorch.models import build_model
+    from dtorch.plan.plan import Plan
+    from dtorch.train.trainer import Trainer
+
+    offload = case.get("offload")
+    if offload == "nvme":
+        offload = OptimizerOffload("nvme", directory=case["dir"], block_bytes=40_000, buffers=3,
+                                   params_on_disk=case.get("params_on_disk", False))
+    return Trainer(model=lambda: build_model("llama-tiny"), plan=Plan(**case["plan"]), global_batch=4, seq_len=32,
+                   optimizer=AdamW(lr=3e-3), offload=offload, console=False, straggler_every=0, metrics_every=0,
+                   seed=1, **kw)
+
+
+def _losses_worker(case: dict, rank: int) -> dict:
+    tr = _trainer(case)
+    res = tr.fit(STEPS)
+    out = {"losses": [res.losses[s] for s in range(1, STEPS + 1)],
+           "kind": [type(o).__name__ for o in tr.optimizers]}
+    if case.get("offload") == "nvme":
+        store = tr.optimizers[0].store
+        out["files"] = [oct(stat.S_IMODE(os.stat(p).st_mode)) for p in store.paths]
+        out["dir_mode"] = oct(stat.S_IMODE(os.stat(store.dir).st_mode))
+        out["bytes_read"] = store.bytes_read
+        for o in tr.optimizers:
+            o.close()
+        out["removed"] = not store.dir.exists()
+    return out
+
+
+def _cases(plan: dict, tmp: str) -> list[dict]:
+    return [{"plan": plan}, {"plan": plan, "offload": "optimizer"},
+            {"plan": plan, "offload": "nvme", "dir": tmp, "params_on_disk": True}]
+
+
+def _check_same_losses(results: list[list[dict]]) -> None:
+    for per_rank in results:
+        for r in per_rank:
+            assert "error" not in r, r["error"]
+    ref = results[0][0]["losses"]
+    assert len(set(ref)) > 5  # the loss moves: the comparison means something
+    for per_rank in results[1:]:
+        assert [r["losses"] for r in per_rank] == [ref] * len(per_rank)  # bit-identical, every rank
+    assert results[1][0]["kind"] == ["OffloadedOptimizer"] and results[0][0]["kind"] == ["AdamW"]
+    nvme = results[2]
+    for r in nvme:
+        assert r["bytes_read"] > 0
+        assert set(r["files"]) == {"0o600"} and r["dir_mode"] == "0o700"
+        assert r["removed"]
+
+
+def test_offload_tiers_match_in_memory_losses_at_world_1(tmp_path):
+    plan = {"microbatch_size": 2, "num_microbatches": 2}
+    by_plan = {"plan": {**plan, "offload": "optimizer"}}  # the Plan's field selects the host tier
+    results = run_group(1, _cases(plan, str(tmp_path)) + [by_plan], _losses_worker)
+    _check_same_losses(results)
+    assert results[3][0]["kind"] == ["OffloadedOptimizer"]
+
+
+def test_offload_tiers_match_in_memory_losses_under_fsdp_and_ddp_at_world_2(tmp_path):
+    fsdp = _cases({"dp_shard": 2, "microbatch_size": 2}, str(tmp_path / "f"))
+    ddp = _cases({"dp_replicate": 2, "microbatch_size": 1, "num_microbatches": 2}, str(tmp_path / "d"))
+    (tmp_path / "f").mkdir()
+    (tmp_path / "d").mkdir()
+    results = run_group(2, fsdp + ddp, _losses_worker)
+    _check_same_losses(results[:3])
+    _check_same_losses(results[3:])
+
+
+def _resume_worker(case: dict, rank: int) -> dict:
+    from dtorch.train.state import OptimizerState
+
+    out: dict = {}
+    if case["what"] == "shape":  # the state dict dtorch.checkpoint sees, per tier, after one step
+        tr = _trainer(case)
+        tr.fit(1)
+        sd = OptimizerState(tr.parallel, tr.optimizers).state_dict()
+        out["shape"] = {k: [type(v).__name__, list(v.shape), str(getattr(v, "placements", ""))]
+                        if isinstance(v, torch.Tensor) else repr(v) for k, v in sorted(sd.items())}
+        return out
+    tr = _trainer(case, checkpoint_dir=case["ckpt"], checkpoint_every=100, async_checkpoint=True)
+    res = tr.fit(case["steps"])
+    return {"losses": {str(k): v for k, v in res.losses.items()}, "resumed": res.resumed_from}
+
+
+def test_checkpoint_resumes_across_tiers(tmp_path):
+    """Saved with the NVMe tier, resumed in memory; saved in memory, resumed with the host tier:
+    the continuation is the uninterrupted in-memory run's, bit for bit."""
+    plan = {"dp_shard": 2, "microbatch_size": 2}
+    (tmp_path / "nv").mkdir()
+    nv = str(tmp_path / "nv")
+    cases = [
+        {"what": "run", "plan": plan, "ckpt": str(tmp_path / "ref"), "steps": 6},
+        {"what": "run", "plan": plan, "ckpt": str(tmp_path / "a"), "steps": 3, "offload": "nvme", "dir": nv},
+        {"what": "run", "plan": plan, "ckpt": str(tmp_path / "a"), "steps": 6},
+        {"what": "run", "plan": plan, "ckpt": str(tmp_path / "b"), "steps": 3},
+        {"what": "run", "plan": plan, "ckpt": str(tmp_path / "b"), "steps": 6, "offload": "optimizer"},
+        {"what": "shape", "plan": plan},
+        {"what": "shape", "plan": plan, "offload": "optimizer"},
+        {"what": "shape", "plan": plan, "offload": "nvme", "dir": nv},
+    ]
+    res = run_group(2, cases, _resume_worker)
+    for per_rank in res:
+        for r in per_rank:
+            assert "error" not in r, r["error"]
+    ref = res[0][0]["losses"]
+    for first, second in ((res[1], res[2]), (res[3], res[4])):
+        assert second[0]["resumed"] == 3
+        assert {k: ref[k] for k in ("1", "2", "3")} == first[0]["losses"]
+        assert {k: ref[k] for k in ("4", "5", "6")} == second[0]["losses"]
+    shapes = [res[i][0]["shape"] for i in (5, 6, 7)]
+    assert any(".exp_avg_sq" in k and "DTensor" in str(v) for k, v in shapes[0].items())
+    assert shapes[1] == shapes[0] and shapes[2] == shapes[0]
+
+
+def test_bad_nvme_directory_is_one_line_naming_it_and_the_bytes(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=r"nope.*does not exist.*1,000 bytes"):
+        check_directory(missing, 1000)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # (root may write anyway)
+            with pytest.raises(ConfigError, match=r"locked.*not writable.*1,000 bytes"):
+                check_directory(locked, 1000)
+    finally:
+        locked.chmod(0o700)
+    with pytest.raises(ConfigError, match=r"bytes free but the optimizer state needs"):
+        check_directory(tmp_path, 1 << 62)
+    with pytest.raises(ConfigError, match=r"budget_bytes.*needs 5,000 bytes"):
+        check_directory(tmp_path, 5000, budget_bytes=4000)
+    for e in (ConfigError("x", 1, "y"),):
+        assert "\n" not in str(e)
+
+
+def test_bad_nvme_directory_fails_the_trainer_before_training(tmp_path):
+    from dtorch.plan.plan import Plan
+    from dtorch.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="offload.directory"):
+        Trainer(model=lambda: None, offload="optimizer_nvme")  # no directory given
+    with pytest.raises(ConfigError, match="offload"):
+        Trainer(model=lambda: None, offload="disk")
+    from dtorch.models import build_model
+
+    tr = Trainer(model=lambda: build_model("llama-tiny"), plan=Plan(microbatch_size=2), global_batch=2, seq_len=16,
+                 offload="optimizer_nvme", offload_dir=tmp_path / "missing", console=False, straggler_every=0,
+                 metrics_every=0)
+    with pytest.raises(ConfigError, match=r"missing.*does not exist.*bytes"):
+        tr.fit(2)
+    assert tr.step == 0
+
+
+def test_offloaded_state_lives_where_the_tier_says(tmp_path):
+    """One process, no group: the NVMe tier's state is in its files (the host holds buffers only),
+    SGD with momentum works through the same path, and closing removes the files."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    twins = [copy.deepcopy(net) for _ in range(3)]
+    spec = SGD(lr=0.05, momentum=0.9)
+    opts = [spec.build(twins[0].parameters()),
+            OffloadedOptimizer(twins[1].parameters(), spec, OptimizerOffload("host")),
+            OffloadedOptimizer(twins[2].parameters(), spec, OptimizerOffload("nvme", directory=str(tmp_path),
+                                                                             block_bytes=4096))]
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+    for _ in range(4):
+        for m, o in zip(twins, opts):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    for a, b, c in zip(*(m.parameters() for m in twins)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    nvme = opts[2]
+    assert len(nvme.blocks) > 1 and nvme.memory()["disk_bytes"] == sum(p.numel() for p in net.parameters()) * 4
+    assert all(v.is_meta for st in nvme.state.values() for k, v in st.items() if k == "momentum_buffer")
+    ref = opts[0].state_dict()["state"]
+    got = nvme.state_dict()["state"]
+    assert all(torch.equal(ref[i]["momentum_buffer"], got[i]["momentum_buffer"]) for i in ref)
+    directory = nvme.store.dir
+    nvme.close()
+    assert not directory.exists()
+
+
+def test_left_behind_directories_of_dead_processes_are_removed(tmp_path):
+    from dtorch.train.offload.store import DiskBlocks, make_blocks
+
+    old = tmp_path / "dtorch-offload-999999999-r0p0-old"  # no such pid
+    fresh = tmp_path / "dtorch-offload-999999998-r0p0-new"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "block00000.f32").write_bytes(b"\0" * 8)
+    os.utime(old / "block00000.f32", (1, 1))
+    store = DiskBlocks(make_blocks([10, 20], ("exp_avg",), 64), tmp_path, "t")
+    assert not old.exists() and fresh.exists()  # a recent one may belong to a live run elsewhere
+    assert [p.stat().st_size for p in store.paths] == [40, 80]  # reserved up front
+    store.close()
+    assert not store.dir.exists()
+
+
+def test_disk_probe_measures_and_leaves_nothing(tmp_path):
+    from dtorch.cluster.disk import measure_disk
+
+    doc = measure_disk(tmp_path, nbytes=4 * 2**20, chunk=2**20)
+    assert doc["bytes"] == 4 * 2**20 and doc["write_bytes_per_s"] > 0 and doc["read_bytes_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="disk"):
+        measure_disk(tmp_path / "missing")
