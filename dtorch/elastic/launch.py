@@ -77,6 +77,15 @@ START_METHODS = ("forkserver", "spawn")
 # torch._dynamo alone is ~4 s: it is imported lazily by the first optimizer a worker builds.
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
                       "torch.distributed.tensor", "torch.distributed.fsdp", "dtorch.elastic.bootstrap"]
+# What `dtorch train` adds to it: DTorch's trainer and what it imports on the way to its first step
+# (~0.1-0.3 s of every worker start on a small, loaded machine). Import-time state of these modules
+# is inherited by every fork, so they keep none that a worker must not share (checked: module
+# constants, registries and caches only; threads start in `worker.setup`). Never the target
+# module itself: runpy warns when the module it is to run as __main__ is imported already.
+TRAINER_PRELOAD = ("dtorch.train.trainer", "dtorch.train.data", "dtorch.train.sampler",
+                   "dtorch.parallel.parallelize", "dtorch.checkpoint.manager", "dtorch.checkpoint.snapshot",
+                   "dtorch.monitor.live", "dtorch.monitor.straggler", "dtorch.elastic.worker", "dtorch.models",
+                   "dtorch.model.profiler", "dtorch.integrations.status", "dtorch.integrations.env")
 
 
 @dataclass
@@ -113,6 +122,8 @@ class LaunchSpec:
     snapshot_every: int = 1
     """Steps between in-memory snapshots of DTorch's trainer (0 = off): a worker failure then
     costs at most this many steps, not the steps since the last durable checkpoint."""
+    preload: tuple[str, ...] = ()
+    """Modules the forkserver imports besides torch (`TRAINER_PRELOAD` for `dtorch train`)."""
     start_method: str = "forkserver"
     """How workers start: "forkserver" forks them from a server that imported torch once (fast
     restarts); "spawn" runs a fresh interpreter per worker, as torchrun does for scripts."""
@@ -528,7 +539,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
 
         from dtorch.elastic.bootstrap import run_target
 
-        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+        multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *spec.preload])
         entrypoint, wargs = run_target, [{}, target, list(args), module]
     else:
         entrypoint = sys.executable

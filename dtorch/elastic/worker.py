@@ -313,6 +313,7 @@ def install_hooks(trainer: Any = None) -> None:
         ckpt = getattr(trainer, "ckpt", None)
         if ckpt is not None and hasattr(ckpt, "on_commit") and os.environ.get("DTORCH_RUN_DIR"):
             ckpt.on_commit = _on_commit
+        _close_phase()  # the trainer's last phase ends here, before the snapshot restore (timed apart)
         if os.environ.get("DTORCH_RUN_DIR"):
             _start_snapshots(trainer)
     _close_phase()
@@ -364,6 +365,7 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     if backend == "nccl":
         torch.cuda.set_device(w.local_rank)
     t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
-    s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
-    kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
-    dist.init_process_group(backend, store=s, rank=w.rank, world_size=w.world_size, **kw)
+    with events.phase("pg_init"):  # timed into the recovery record
+        s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
+        kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
+        dist.init_process_group(backend, store=s, rank=w.rank, world_size=w.world_size, **kw)

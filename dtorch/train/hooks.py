@@ -59,9 +59,14 @@ def after_step(step: int, loss: float) -> None:
         cb(step, loss)
 
 
+def phase_begin(name: str) -> None:
+    """Mark the entry into phase `name`; it lasts until the next phase or step mark."""
+    for cb in _phase:
+        cb(name, _current_step)
+
+
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Mark a phase of the current step (forward_backward, optimizer, checkpoint, load)."""
-    for cb in _phase:
-        cb(name, _current_step)
+    phase_begin(name)
     yield

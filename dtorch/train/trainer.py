@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -159,6 +160,7 @@ class Trainer:
         # set up in _setup()
         self.plan: Plan | None = None
         self._profile = None
+        self._profiled_flops: float | None = None
         self._cluster_name: str | None = None
         self.parallel = None
         self.step = 0
@@ -247,35 +249,87 @@ class Trainer:
         """Rank 0 chooses the plan and every rank receives it: the search reads measurements (the
         capability cache, the probe's calibration, runtime feedback) that two ranks could see
         differently, and ranks that apply different plans deadlock. A ConfigError on rank 0 is raised
-        on every rank."""
+        on every rank. Under `dtorch run`, a restart of the job at a world size it already ran at
+        keeps the plan agreed then (`_job_plan`)."""
         if self.world == 1 or not dist.is_initialized():
-            return self._choose_plan(self.world, self.rank)
-        doc: dict[str, Any] = {}
-        if self.rank == 0:
-            try:
-                doc = {"plan": self._choose_plan(self.world, 0).to_dict(),
-                       "cluster": self._cluster_name, "profiled": self._profile is not None}
-            except ConfigError as e:
-                value = e.value if isinstance(e.value, (int, float, str, bool, type(None))) else repr(e.value)
-                doc = {"error": [e.field, value, e.fix]}
-        payload = json.dumps(doc).encode() if self.rank == 0 else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, 0)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
-        if self.rank == 0:
-            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        dist.broadcast(buf, 0)
-        doc = json.loads(bytes(buf.cpu().tolist()).decode())
+            doc = self._plan_doc()
+        else:
+            doc = {}
+            if self.rank == 0:
+                try:
+                    doc = self._plan_doc()
+                except ConfigError as e:
+                    value = e.value if isinstance(e.value, (int, float, str, bool, type(None))) else repr(e.value)
+                    doc = {"error": [e.field, value, e.fix]}
+            payload = json.dumps(doc).encode() if self.rank == 0 else b""
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+            dist.broadcast(size, 0)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+            if self.rank == 0:
+                buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            dist.broadcast(buf, 0)
+            doc = json.loads(bytes(buf.cpu().tolist()).decode())
         if "error" in doc:
             fld, value, fix = doc["error"]
             raise ConfigError(fld, value, fix)
-        if self.rank != 0:
-            self._cluster_name = doc["cluster"]
-            if doc["profiled"]:
-                from dtorch.model import profile_module
-
-                self._profile = profile_module(self.model_factory, self.seq_len)
+        self._cluster_name = doc["cluster"]
+        # the profile's figure, from rank 0: every rank reports MFU on the same denominator
+        # without profiling the model again
+        self._profiled_flops = doc.get("flops_per_token")
         return Plan.from_dict(doc["plan"])
+
+    def _plan_doc(self) -> dict[str, Any]:
+        """The plan for this world (as `_choose_plan` makes it, or as this job agreed earlier),
+        with what the other ranks need to know about how it was made."""
+        cached = self._job_plan()
+        if cached is not None:
+            return cached
+        plan = self._choose_plan(self.world, self.rank)
+        doc = {"plan": plan.to_dict(), "cluster": self._cluster_name,
+               "flops_per_token": self._profile.flops_per_token if self._profile is not None else None}
+        path = self._job_plan_path()
+        if path is not None:
+            try:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(doc))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a cache only: the next start searches again
+        return doc
+
+    def _job_plan_path(self) -> Path | None:
+        """Under `dtorch run` (DTORCH_RUN_DIR: the job's private run directory), where the plan
+        agreed for this world size and request is kept for the job's later starts."""
+        run_dir = os.environ.get("DTORCH_RUN_DIR")
+        if not run_dir:
+            return None
+        req = self.plan_request.to_dict() if isinstance(self.plan_request, Plan) else self.plan_request
+        key = json.dumps([str(type(self.plan_request)), req, self.global_batch, self.seq_len, self.cluster_spec],
+                         sort_keys=True, default=str)
+        return Path(run_dir) / f"plan-world{self.world}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def _job_plan(self) -> dict[str, Any] | None:
+        """The plan this job agreed on at this world size in an earlier start, or None.
+
+        A worker restarted after a failure meets the same model, batch, request and machines: the
+        search would spend its time (a profile and a search: ~0.3 s of a recovery) to find what the
+        job runs already, and a plan that moved (the calibration learns while the job runs) would
+        also make the in-memory snapshot unusable. Not reused after an out-of-memory error at this
+        world size: that start must re-plan under the memory it found."""
+        path = self._job_plan_path()
+        if path is None or not path.is_file():
+            return None
+        from dtorch.monitor import oom
+
+        if oom.memory_budget(self.log_dir, self.world)[0] is not None:
+            return None
+        try:
+            doc = json.loads(path.read_text())
+            plan = Plan.from_dict(doc["plan"])
+            plan.validate(world_size=self.world)
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            return None  # unreadable or no longer valid: choose again
+        return doc if plan.global_batch == self.global_batch else None
 
     def _choose_plan(self, world: int, rank: int) -> Plan:
         """The plan for this world: given, loaded, or searched (fixed fields kept)."""
@@ -375,6 +429,7 @@ class Trainer:
                          f"{pred.get('memory_bytes_per_rank', 0) / 2**20:,.0f} MiB/rank)")
             print(f"dtorch: plan {self.plan.family()}: {self.plan.describe()}{extra}", flush=True)
 
+        hooks.phase_begin("build")  # the model and its optimizers (ends at the next phase)
         weights = None
         if self.init_from is not None:
             from dtorch.checkpoint.hf_weights import HFWeights
@@ -466,6 +521,7 @@ class Trainer:
             self.status.report("recovering", from_step=resumed, total_steps=steps,
                                after=last_fault(os.environ.get("DTORCH_RUN_DIR")),
                                epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
+        hooks.phase_begin("prepare")  # what the loop needs before its first step (ends at `started`)
         preemption = Preemption(self.world, self.device)
         from dtorch.monitor.metrics import StepMetrics, measured_gemm_peak, peak_memory_bytes
         from dtorch.train.data import batch_for
@@ -473,7 +529,7 @@ class Trainer:
         tokens_per_step = self.global_batch * self.seq_len
         # MFU denominator: the spec-sheet peak on GPUs; on CPU the GEMM peak measured now, with all
         # ranks measuring at once (they share the cores).
-        peak = self._device_peak() or measured_gemm_peak(self.device)
+        peak = self._device_peak() or measured_gemm_peak(self.device, cache_dir=os.environ.get("DTORCH_RUN_DIR") or None)
         flops_per_token = self._flops_per_token()
         result = FitResult(0, self.step, resumed, plan=self.plan)
         step_times: list[float] = []
@@ -651,6 +707,8 @@ class Trainer:
         """Training FLOPs per token: the profile's when the plan was searched, else 6 x parameters."""
         if self._profile is not None:
             return self._profile.flops_per_token
+        if self._profiled_flops is not None:
+            return float(self._profiled_flops)
         return 6.0 * sum(p.numel() for p in self._meta_params())
 
     def _meta_params(self):
