@@ -229,9 +229,11 @@ class Trainer:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         if world > 1 and not dist.is_initialized():
             if os.environ.get("DTORCH_RUN_DIR") or by_scheduler:
-                # under `dtorch run`: its store listens on MASTER_ADDR only (torch's listens on all)
-                from dtorch.elastic.worker import init_process_group
+                # under `dtorch run` or a scheduler: a store that listens on MASTER_ADDR only
+                # (torch's listens on every interface)
+                from dtorch.process_group import init_process_group
 
+                hooks.phase_begin("pg_init")  # timed into the recovery record under `dtorch run`
                 init_process_group("nccl" if cuda else "gloo")
             else:
                 dist.init_process_group("nccl" if cuda else "gloo")
@@ -609,10 +611,11 @@ class Trainer:
                              comm_before=comm0, comm_after_fb=comm1)
                 report = watch.step_done(self.step) if watch is not None else None
                 if report is not None and report.new:
-                    self.metrics.event("straggler", step=self.step, ranks=report.new,
-                                       ratio=[round(x, 3) for x in report.ratio])
+                    ratio = [round(x, 3) for x in report.ratio]
+                    self.metrics.event("straggler", step=self.step, ranks=report.new, ratio=ratio)
                     if self.rank == 0:
                         print(report.warning(), file=sys.stderr, flush=True)
+                        hooks.notice("straggler", step=self.step, ranks=report.new, ratio=ratio)
                 if result.steps_run == 1 and self.ckpt is not None and self.async_checkpoint:
                     # Allocate the async save's CPU buffers now, between steps, not inside the first
                     # save's stall. Not before the first step: reading an optimizer's state dict
