@@ -212,6 +212,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "DTORCH_RUN_DIR": run_dir,
         "DTORCH_AGENT_PID": str(os.getpid()),
+        "DTORCH_PREEMPT_MARKER": preemption.marker(run_dir, os.getpid()),  # read by dtorch.train.preempt
         "DTORCH_CHAOS": spec.chaos,
         "DTORCH_HEARTBEAT_INTERVAL": str(max(0.05, min(0.5, spec.heartbeat_timeout / 10 or 0.5))),
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",

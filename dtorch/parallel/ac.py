@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dtorch.parallel.structure import block_items, find_blocks
+from dtorch.model.structure import block_items, find_blocks
 
 _SAVE_OPS = {
     torch.ops.aten.mm.default,

@@ -544,14 +544,16 @@ class Trainer:
         if self.world > 1 and self.straggler_every:
             from dtorch.monitor.straggler import StragglerWatch
 
-            watch = StragglerWatch(self.parallel.model_parts, self.world, every=self.straggler_every)
+            watch = StragglerWatch(self.parallel.model_parts, self.world, every=self.straggler_every,
+                                   structure=getattr(self.parallel, "structure", None))
         from dtorch.monitor.live import RunMonitor
 
         mon = RunMonitor.start(self.monitor_config, rank=self.rank, world=self.world, device=self.device,
                                metrics=self.metrics, plan=self.plan, mesh=self.parallel.mesh,
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                                peak_flops=peak, console=self.console, model_parts=self.parallel.model_parts,
-                               trace_dir=self.log_dir, first_step=self.step + 1)
+                               trace_dir=self.log_dir, first_step=self.step + 1,
+                               structure=getattr(self.parallel, "structure", None))
         from dtorch.monitor import oom
 
         mem_base = oom._status("VmRSS") or 0
