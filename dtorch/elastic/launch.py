@@ -35,6 +35,9 @@ This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configu
   workers into a bigger group) once every local rank has reported a newer committed checkpoint
   (`worker.checkpoint_committed`) or after `grow_wait` seconds; scripts that never report commit
   are not held back.
+- The agent itself, its detectors (exit, hang, node loss, straggler) and the one place that
+  records and acts on their detections: `dtorch.elastic.agent`; what it reads of torch's private
+  elastic state: `dtorch.elastic.torch_compat`.
 - Every detection, rendezvous and worker start goes to `<run_dir>/events.jsonl`; each recovery is
   summarised there (and printed) with its phases timed (`dtorch.elastic.events.recoveries`).
 """
