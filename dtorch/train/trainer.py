@@ -276,8 +276,13 @@ class Trainer:
             raise ConfigError(fld, value, fix)
         self._cluster_name = doc["cluster"]
         # the profile's figure, from rank 0: every rank reports MFU on the same denominator
-        # without profiling the model again
         self._profiled_flops = doc.get("flops_per_token")
+        if doc.get("profiled") and self._profile is None:
+            # as rank 0 did for this start's search (its memory is part of every rank's baseline,
+            # which the out-of-memory budget is measured against); a reused plan profiles nowhere
+            from dtorch.model import profile_module
+
+            self._profile = profile_module(self.model_factory, self.seq_len)
         return Plan.from_dict(doc["plan"])
 
     def _plan_doc(self) -> dict[str, Any]:
@@ -289,15 +294,18 @@ class Trainer:
         plan = self._choose_plan(self.world, self.rank)
         doc = {"plan": plan.to_dict(), "cluster": self._cluster_name,
                "flops_per_token": self._profile.flops_per_token if self._profile is not None else None}
-        path = self._job_plan_path()
-        if path is not None:
-            try:
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(doc))
-                os.replace(tmp, path)
-            except OSError:
-                pass  # a cache only: the next start searches again
-        return doc
+        if path := self._job_plan_path():
+            self._write_job_plan(path, doc)
+        return {**doc, "profiled": self._profile is not None}
+
+    @staticmethod
+    def _write_job_plan(path: Path, doc: dict[str, Any]) -> None:
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache only: the next start searches again
 
     def _job_plan_path(self) -> Path | None:
         """Under `dtorch run` (DTORCH_RUN_DIR: the job's private run directory), where the plan
