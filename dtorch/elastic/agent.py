@@ -230,9 +230,9 @@ class StragglerDetector:
                 if e.get("kind") == "straggler":
                     self._pending.append(e)
 
-    def check(self) -> Detection | None:
+    def check(self, force: bool = False) -> Detection | None:
         now = time.time()
-        if not self._pending and now >= self._next:
+        if not self._pending and (now >= self._next or force):
             self._next = now + self.period
             self._read_new()
         if not self._pending:
@@ -255,7 +255,8 @@ class DTorchAgent(LocalElasticAgent):
         self.watch = heartbeat.HangWatch(self.run_dir, dspec.heartbeat_timeout, dspec.startup_timeout or 0)
         self.exits = ExitDetector(self)
         self.node_loss = NodeLossDetector(self)
-        self.watching = [HangDetector(self, self.watch), self.node_loss, StragglerDetector(self)]
+        self.stragglers = StragglerDetector(self)
+        self.watching = [HangDetector(self, self.watch), self.node_loss, self.stragglers]
         """The detectors asked while the workers are healthy, in this order (first finding wins)."""
         self.detections = 0  # restarts this agent asked for; each should end in a reported recovery
         self.recoveries_reported = 0
@@ -370,6 +371,12 @@ class DTorchAgent(LocalElasticAgent):
         self.recovery_pending = True
         heartbeat.kill_all(self.local_pids)  # already gone after an exit or a hang dump: harmless
         return result if result.state == WorkerState.FAILED else RunResult(state=WorkerState.UNHEALTHY)
+
+    def drain_reports(self) -> None:
+        """When the job ends: record what the report-only detectors have not looked at yet (a
+        straggler named in the last second of the run)."""
+        while (found := self.stragglers.check(force=True)) is not None:
+            self._act(found, RunResult(state=WorkerState.SUCCEEDED))
 
     def _maybe_report_recovery(self, force: bool = False) -> None:
         now = time.time()

@@ -262,6 +262,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     shutdown_rdzv = True
     try:
         result = agent.run()
+        agent.drain_reports()
         agent._maybe_report_recovery(force=True)
         if result is None:  # the rendezvous was closed by another node: nothing left to do here
             return 0

@@ -67,3 +67,11 @@ def test_straggler_detector_reads_the_workers_reports_once_and_skips_a_torn_line
         f.write(json.dumps({"kind": "straggler", "t": 1.0, "ranks": [0]})[20:] + "\n")
     assert d.check().ranks == [0]
     assert os.path.getsize(agent.events_path) == d._offset
+
+
+def test_reports_left_when_the_job_ends_are_still_recorded(agent):
+    events.log("straggler", agent.events_path, step=10, ranks=[0], ratio=[3.0, 1.0], epoch=0)
+    agent.stragglers.check()  # looked once, nothing new since: the next look would be a second away
+    events.log("straggler", agent.events_path, step=11, ranks=[1], ratio=[1.0, 3.0], epoch=0)
+    agent.drain_reports()
+    assert [e["ranks"] for e in events.read(agent.events_path) if e["kind"] == "observed"] == [[1]]
