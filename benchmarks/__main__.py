@@ -4,7 +4,7 @@
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
                                               # d planner, e checkpoint, f recovery, g mainjob, h compile,
-                                              # i offload)
+                                              # i offload, j failure_cost)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
 Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "mainjob", "compile",
-         "offload")
+ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "failure_cost", "mainjob",
+         "compile", "offload")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
-           "g": "mainjob", "h": "compile", "i": "offload"}
+           "g": "mainjob", "h": "compile", "i": "offload", "j": "failure_cost"}
 OWN_FILES = ("planner", "checkpoint")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
-TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0}
+TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0, "recovery_s": 1.5,
+           "steps_redone": 1, "stall_pct": 2.0}
 
 
 def log(msg: str) -> None:
@@ -129,6 +130,13 @@ def section_recovery(quick: bool) -> dict:
     return _call_run(mod, quick=quick)
 
 
+def section_failure_cost(quick: bool) -> dict:
+    """Kill one of 2 workers every 30 steps (issue 11): recovery time, steps redone, ETTR, stall."""
+    from benchmarks import bench_failure_cost
+
+    return bench_failure_cost.run(quick=quick, log=log)
+
+
 def section_mainjob(quick: bool) -> dict:
     from benchmarks import bench_mainjob
 
@@ -170,7 +178,7 @@ def _markdown(name: str, result: dict) -> str:
         from benchmarks import bench_sweep
 
         return bench_sweep.markdown_gap(result)
-    mod = _optional(name) if name in ("planner", "checkpoint", "recovery") else \
+    mod = _optional(name) if name in ("planner", "checkpoint", "recovery", "failure_cost") else \
         importlib.import_module({"sweep": "benchmarks.bench_sweep", "overhead": "benchmarks.bench_overhead",
                                  "mfu": "benchmarks.bench_mfu", "compile": "benchmarks.bench_compile"}[name])
     if mod is not None and hasattr(mod, "markdown"):
@@ -210,6 +218,16 @@ def _targets(sections: dict) -> list[str]:
             rows.append((f"overhead {r['strategy']}", f"{r['ratio']:.3f}", "<= 1.03", r["ratio"] <= TARGETS["overhead"]))
     for name, d in sections.get("probe", {}).get("results", {}).items():
         rows.append((f"probe wall time, {name}", f"{d['wall_s']:.1f} s", "< 60 s", d["wall_s"] < TARGETS["probe_s"]))
+    fc = sections.get("failure_cost", {}).get("snapshots every step")
+    if fc and fc.get("recovery_median_s") is not None:
+        rows.append(("recovery after a worker kill, median", f"{fc['recovery_median_s']:.2f} s", "<= 1.5 s",
+                     fc["recovery_median_s"] <= TARGETS["recovery_s"]))
+        rows.append(("steps redone per failure, max", str(fc["max_steps_redone"]), "<= 1",
+                     fc["max_steps_redone"] is not None and fc["max_steps_redone"] <= TARGETS["steps_redone"]))
+        if fc.get("snapshot_stall_pct_of_step") is not None:
+            rows.append(("snapshot stall, % of step", f"{fc['snapshot_stall_pct_of_step']:.2f} %", "<= 2 %",
+                         fc["snapshot_stall_pct_of_step"] <= TARGETS["stall_pct"]))
+        rows.append(("ETTR with kills every 30 steps", f"{fc['ettr']:.3f}", "(info)", None))
     mfu = sections.get("mfu", {})
     if mfu.get("achieved_flops"):
         # against the best GEMM measured on this machine (the stricter of the probe's and the 1024^3 one)

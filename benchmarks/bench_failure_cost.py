@@ -73,6 +73,8 @@ def _train(d: str, steps: int, every: int, snapshot_every: int, timeout_s: float
 
 
 def run(quick: bool = False, log=print) -> dict[str, Any]:
+    from dtorch.elastic import events
+
     steps, every = (120, 30) if quick else (300, 30)
     out: dict[str, Any] = {"model": MODEL, "steps": steps, "kill_every": every, "checkpoint_every": 50,
                            "workers": 2, "plan": "dp_replicate=2 (DDP)"}
@@ -125,7 +127,7 @@ def run(quick: bool = False, log=print) -> dict[str, Any]:
                 "uninterrupted_wall_over_drill_wall": base["wall_s"] / r["wall_s"],
                 "recovery_phases_median_s": {
                     k: statistics.median(x[k] for x in r["report"]["recoveries"] if x.get(k) is not None)
-                    for k in ("detect", "stop", "rendezvous", "start", "replan", "load", "first_step")
+                    for k in events.REPORTED_PHASES
                     if any(x.get(k) is not None for x in r["report"]["recoveries"])},
             }
             log(json.dumps(out[name], default=str)[:600])

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         from dtorch.train.job import run as run_job
 
         return run_job(args)
-    from dtorch.elastic.launch import LaunchSpec, launch
+    from dtorch.elastic.launch import TRAINER_PRELOAD, LaunchSpec, launch
 
     forwarded = []
     for action_dest, flag in (("model", "--model"), ("steps", "--steps"), ("global_batch", "--global-batch"),
@@ -225,5 +225,5 @@ def run(args: argparse.Namespace) -> int:
         forwarded.append("--trace-comms")
     spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos,
                       heartbeat_timeout=args.heartbeat_timeout, snapshot_every=args.snapshot_every,
-                      run_dir=args.run_dir)
+                      run_dir=args.run_dir, preload=TRAINER_PRELOAD)
     return launch(spec, "dtorch.train.job", forwarded, module=True)

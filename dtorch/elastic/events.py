@@ -23,8 +23,14 @@ from typing import Any
 
 EVENTS_FILE = "events.jsonl"
 
-# Worker-side phases that belong to a recovery; the trainer reports them with `phase(name)`.
-RECOVERY_PHASES = ("replan", "load")
+# Worker-side phases that belong to a recovery, in the order a (re)started worker meets them:
+# process-group init (`worker.init_process_group`), choosing the plan, building the model and
+# optimizers, loading the checkpoint, preparing the loop (the MFU denominator, ...). The trainer
+# reports them with `phase(name)`; `snapshot_restore` is logged by the worker on its own.
+RECOVERY_PHASES = ("pg_init", "replan", "build", "load", "prepare")
+REPORTED_PHASES = ("detect", "stop", "rendezvous", "fork", "start", "pg_init", "replan", "build", "load",
+                   "snapshot_restore", "prepare", "first_step")
+"""The phases of a recovery record, on one time line (see `recoveries`)."""
 
 
 def events_path(run_dir: str | None = None) -> str | None:
@@ -96,9 +102,11 @@ def recoveries(path: str) -> list[dict[str, Any]]:
 
     A recovery starts at a `detected` event (agent side; `epoch`, `fault_t`, `detect_t`) and ends at the
     last `first_step` of the next epoch whose rendezvous followed it. Phases, on one time line:
-    detect = detected - fault, stop = rendezvous start - detected (stopping the survivors), rendezvous, start = workers
-    spawned until their first reported phase or step, replan / load = longest rank, first_step =
-    longest rank's first step. `total` = end of the first step - fault.
+    detect = detected - fault, stop = rendezvous start - detected (stopping the survivors), rendezvous,
+    fork = rendezvous end until the first worker runs (`worker_started`: the forkserver's fork),
+    start = workers spawned until their first reported phase or step (imports, the script's own
+    set-up), then the worker phases (`RECOVERY_PHASES`, and `snapshot_restore`), each the longest
+    rank's, first_step = longest rank's first step. `total` = end of the first step - fault.
     """
     evs = read(path)
     detections: dict[int, dict[str, Any]] = {}
@@ -126,6 +134,7 @@ def recoveries(path: str) -> list[dict[str, Any]]:
             xs = [e["seconds"] for e in mine if e["kind"] == "phase" and e["name"] == name]
             return max(xs) if xs else None
 
+        ran = [e["t"] for e in mine if e["kind"] == "worker_started"]
         fault_t = d.get("fault_t") or d["t"]
         detect_t = d.get("detect_t") or d["t"]  # when the agent saw it (it logs after stopping the rest)
         end = max(e["start"] + e["seconds"] for e in firsts)
@@ -140,8 +149,8 @@ def recoveries(path: str) -> list[dict[str, Any]]:
             "stop": rdzv["start"] - detect_t,
             "rendezvous": rdzv["end"] - rdzv["start"],
             "start": (min(starts) - spawned) if starts else None,
-            "replan": longest("replan"),
-            "load": longest("load"),
+            "fork": (min(ran) - rdzv["end"]) if ran else None,
+            **{name: longest(name) for name in (*RECOVERY_PHASES, "snapshot_restore")},
             "first_step": max(e["seconds"] for e in firsts),
             "total": end - fault_t,
         })
@@ -151,9 +160,10 @@ def recoveries(path: str) -> list[dict[str, Any]]:
 def format_recovery(r: dict[str, Any]) -> str:
     """One line for a recovery record: `recovered in 4.21 s (detect 0.10 s, ...)`."""
     parts = []
-    for k in ("detect", "stop", "rendezvous", "start", "replan", "load", "first_step"):
+    for k in REPORTED_PHASES:
         v = r.get(k)
-        parts.append(f"{k} {v:.2f} s" if v is not None else f"{k} -")
+        if v is not None or k in ("replan", "load"):
+            parts.append(f"{k} {v:.2f} s" if v is not None else f"{k} -")
     who = f"node(s) {r['nodes']}" if r.get("nodes") else f"rank(s) {r.get('ranks')}"
     return (f"recovered from {r.get('cause')} of {who} in {r['total']:.2f} s "
             f"at world size {r.get('world_size')} ({', '.join(parts)})")

@@ -35,6 +35,9 @@ This is torchrun's machinery (`LocalElasticAgent` + dynamic rendezvous), configu
   workers into a bigger group) once every local rank has reported a newer committed checkpoint
   (`worker.checkpoint_committed`) or after `grow_wait` seconds; scripts that never report commit
   are not held back.
+- The agent itself, its detectors (exit, hang, node loss, straggler) and the one place that
+  records and acts on their detections: `dtorch.elastic.agent`; what it reads of torch's private
+  elastic state: `dtorch.elastic.torch_compat`.
 - Every detection, rendezvous and worker start goes to `<run_dir>/events.jsonl`; each recovery is
   summarised there (and printed) with its phases timed (`dtorch.elastic.events.recoveries`).
 """
@@ -45,11 +48,9 @@ import importlib
 import logging
 import os
 import secrets
-import signal
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,15 @@ START_METHODS = ("forkserver", "spawn")
 # torch._dynamo alone is ~4 s: it is imported lazily by the first optimizer a worker builds.
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
                       "torch.distributed.tensor", "torch.distributed.fsdp", "dtorch.elastic.bootstrap"]
+# What `dtorch train` adds to it: DTorch's trainer and what it imports on the way to its first step
+# (~0.1-0.3 s of every worker start on a small, loaded machine). Import-time state of these modules
+# is inherited by every fork, so they keep none that a worker must not share (checked: module
+# constants, registries and caches only; threads start in `worker.setup`). Never the target
+# module itself: runpy warns when the module it is to run as __main__ is imported already.
+TRAINER_PRELOAD = ("dtorch.train.trainer", "dtorch.train.data", "dtorch.train.sampler",
+                   "dtorch.parallel.parallelize", "dtorch.checkpoint.manager", "dtorch.checkpoint.snapshot",
+                   "dtorch.monitor.live", "dtorch.monitor.straggler", "dtorch.elastic.worker", "dtorch.models",
+                   "dtorch.model.profiler", "dtorch.integrations.status", "dtorch.integrations.env")
 
 
 @dataclass
@@ -113,6 +123,8 @@ class LaunchSpec:
     snapshot_every: int = 1
     """Steps between in-memory snapshots of DTorch's trainer (0 = off): a worker failure then
     costs at most this many steps, not the steps since the last durable checkpoint."""
+    preload: tuple[str, ...] = ()
+    """Modules the forkserver imports besides torch (`TRAINER_PRELOAD` for `dtorch train`)."""
     start_method: str = "forkserver"
     """How workers start: "forkserver" forks them from a server that imported torch once (fast
     restarts); "spawn" runs a fresh interpreter per worker, as torchrun does for scripts."""
@@ -165,312 +177,6 @@ def parse_nnodes(text: str) -> tuple[int, int]:
         raise ConfigError("nnodes", text, "use N or MIN:MAX, e.g. --nnodes 1:4") from None
 
 
-def _agent_class():
-    """Built on first use: importing torch.distributed.elastic costs ~1 s."""
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    class DTorchAgent(LocalElasticAgent):
-        """LocalElasticAgent + membership epoch, heartbeat hang detection, event log, grow gating."""
-
-        def __init__(self, *args: Any, dspec: LaunchSpec, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.dspec = dspec
-            self.run_dir: str = dspec.run_dir  # type: ignore[assignment]
-            self.events_path = os.path.join(self.run_dir, events.EVENTS_FILE)
-            self.epoch = -1
-            self.watch = heartbeat.HangWatch(self.run_dir, dspec.heartbeat_timeout, dspec.startup_timeout or 0)
-            self.local_pids: dict[int, int] = {}
-            self.recoveries_reported = 0
-            self.detections = 0  # failures this agent saw; each should end in a reported recovery
-            self.recovery_pending = False
-            self._next_recovery_check = 0.0
-            self._grow_since: float | None = None
-            self._saw_commits = False
-            self._next_peer_check = 0.0
-            self._round_nodes: set[str] = set()
-            self._round_t = 0.0
-            self._grow_base: int | None = None
-            self._grew = False
-            self.fatal: str | None = None
-            """The one-line message of an error a restart cannot fix (see bootstrap.is_fatal)."""
-
-        # -- membership
-        def _round(self) -> int:
-            holder = getattr(self._worker_group.spec.rdzv_handler, "_state_holder", None)
-            try:
-                return int(holder.state.round)  # type: ignore[union-attr]
-            except AttributeError:  # another rendezvous backend: fall back to this agent's count
-                return self._worker_group.spec.max_restarts - self._remaining_restarts
-
-        def _rendezvous(self, worker_group: Any) -> None:
-            t0 = time.time()
-            if self._grew:
-                # the group that just stopped was stopped to grow: name the checkpoint the grown
-                # group resumes from (workers publish each commit the moment it happens)
-                self._grew = False
-                beats = heartbeat.read_local_beats(self.run_dir, self.epoch, self.local_pids)
-                done = [b.get("committed_step") for b in beats.values() if b.get("committed_step") is not None]
-                events.log("grow_checkpoint", self.events_path, epoch=self.epoch,
-                           committed_step=min(done) if len(done) == len(self.local_pids) and done else None)
-            if not self._saw_commits:  # did the group that just ended report checkpoints?
-                self._saw_commits = any(b.get("committed_step") is not None
-                                        for b in heartbeat.read_beats(self.run_dir, self.epoch).values())
-            super()._rendezvous(worker_group)
-            self.epoch = self._round()
-            state = self._rdzv_state()
-            self._round_nodes = {str(n) for n in state.participants} if state is not None else set()
-            self._round_t = time.time()
-            events.log("rendezvous", self.events_path, start=t0, end=time.time(), epoch=self.epoch,
-                       world_size=worker_group.workers[0].world_size if worker_group.workers else None,
-                       nodes=worker_group.group_world_size, node_rank=worker_group.group_rank)
-
-        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
-            os.environ["DTORCH_EPOCH"] = str(self.epoch)  # for workers started as new processes
-            if callable(worker_group.spec.entrypoint):
-                # forked workers inherit the forkserver's environment: pass what changes per start
-                worker_group.spec.args = ({"DTORCH_EPOCH": str(self.epoch)}, *worker_group.spec.args[1:])
-            pids = super()._start_workers(worker_group)
-            preemption.arm(self.run_dir)  # after torch registered its SIGTERM handler for this start
-            self.local_pids = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}
-            self.watch.reset(self.epoch, self.local_pids)
-            events.log("workers_started", self.events_path, epoch=self.epoch, ranks=sorted(self.local_pids),
-                       node_rank=worker_group.group_rank)
-            return pids
-
-        def _stop_workers(self, worker_group: Any) -> None:
-            # SIGCONT first: a stopped worker cannot act on SIGTERM, and torch would wait for it.
-            for pid in self.local_pids.values():
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-            self._shutdown(timeout=self.dspec.shutdown_timeout)
-
-        # -- detection
-        def _monitor_workers(self, worker_group: Any) -> Any:
-            t_check = time.time()
-            # For a failed group this call also stops the surviving workers (torch waits for them:
-            # ~1.8 s for forked workers here), so the failure was seen at t_check, not on return.
-            result = super()._monitor_workers(worker_group)
-            if result.state == WorkerState.FAILED:
-                fatal = self._fatal_event()
-                if fatal is not None:
-                    self._on_fatal(fatal)
-                    return result
-                self._on_exit_failure(result, t_check)
-            elif result.state == WorkerState.HEALTHY:
-                hang = self.watch.check()
-                if hang is not None:
-                    self._on_hang(hang)
-                    return RunResult(state=WorkerState.UNHEALTHY)
-                lost = self._lost_nodes()
-                if lost:
-                    self._on_node_lost(lost)
-                    return RunResult(state=WorkerState.UNHEALTHY)
-                self._maybe_report_recovery()
-            return result
-
-        def _fatal_event(self) -> dict[str, Any] | None:
-            """The first `fatal` event of this epoch: a worker met an error no restart can fix."""
-            evs = [e for e in events.read(self.events_path) if e["kind"] == "fatal" and e.get("epoch") == self.epoch]
-            return min(evs, key=lambda e: (e["t"], e.get("rank", 0))) if evs else None
-
-        def _on_fatal(self, ev: dict[str, Any]) -> None:
-            self._remaining_restarts = 0  # torch's loop then stops the group and returns the failure
-            self.fatal = str(ev.get("message") or ev.get("error"))
-            events.log("stopped", self.events_path, cause="fatal", rank=ev.get("rank"), epoch=self.epoch,
-                       message=self.fatal)
-
-        def _fault_time(self, ranks: list[int]) -> float | None:
-            """When the fault happened: the chaos mark if one fired, else the last progress seen."""
-            faults = [e["t"] for e in events.read(self.events_path)
-                      if e["kind"] == "fault" and e.get("epoch") == self.epoch and e.get("rank") in ranks]
-            if faults:
-                return min(faults)
-            beats = heartbeat.read_beats(self.run_dir, self.epoch)
-            ts = [beats[r]["progress_t"] for r in ranks if r in beats]
-            return min(ts) if ts else None
-
-        def _exit_codes(self, result: Any) -> dict[int, int]:
-            """Exit codes of every local worker that has exited. torch reports one failure per group
-            for forked workers (the first it saw), which need not be the root cause."""
-            codes = {r: f.exitcode for r, f in result.failures.items()}
-            procs = getattr(getattr(self._pcontext, "_pc", None), "processes", None)
-            if procs:
-                for w in self._worker_group.workers:
-                    code = procs[w.local_rank].exitcode
-                    if code is not None and code != 0:
-                        codes.setdefault(w.global_rank, code)
-            return dict(sorted(codes.items()))
-
-        def _on_exit_failure(self, result: Any, t_check: float) -> None:
-            codes = self._exit_codes(result)
-            # Ranks the agent itself SIGTERMed while stopping the group are victims, not causes;
-            # so are ranks that raised because a peer vanished, when some rank died of a signal.
-            ranks = [r for r, c in codes.items() if c != -signal.SIGTERM] or sorted(codes)
-            if any(codes[r] < 0 for r in ranks):
-                ranks = [r for r in ranks if codes[r] < 0]
-            fault_t = self._fault_time(ranks)
-            self.detections += 1
-            self.recovery_pending = True
-            events.log("detected", self.events_path, cause="exit", ranks=ranks, exitcodes=codes,
-                       epoch=self.epoch, fault_t=fault_t, detect_t=t_check)
-            why = {r: (signal.Signals(-codes[r]).name if codes[r] < 0 else f"exit code {codes[r]}") for r in ranks}
-            print(f"dtorch: worker failure in epoch {self.epoch}: "
-                  + ", ".join(f"rank {r} ({s})" for r, s in why.items())
-                  + f"; {len(codes) - len(ranks)} other local ranks stopped; "
-                  + f"{self._remaining_restarts} restarts left", file=sys.stderr, flush=True)
-
-        def _rdzv_state(self) -> Any:
-            """The rendezvous state as stored (read-only; None if unavailable)."""
-            backend = self._worker_group.spec.rdzv_handler._state_holder._backend
-            if not isinstance(backend, rdzv_store.SignedBackend):
-                return None  # another backend: its values are not authenticated, so not read here
-            try:
-                return rdzv_store.read_state(backend)
-            except Exception:  # a store hiccup: nothing to conclude
-                return None
-
-        def _lost_nodes(self) -> dict[str, float]:
-            """Nodes of this round whose agent stopped its rendezvous keep-alive (a dead or cut-off
-            node): still listed with an expired keep-alive, or already removed from the round by a
-            surviving agent's keep-alive. torch's agent only looks for nodes joining; a node lost
-            before its workers connected would leave ours blocked in process-group init until that
-            times out (30 min). At most one store read a second. Returns node -> last sign of life
-            (seconds since the epoch)."""
-            now = time.time()
-            if now < self._next_peer_check or not self._round_nodes:
-                return {}
-            self._next_peer_check = now + 1.0
-            state = self._rdzv_state()
-            if state is None:
-                return {}
-            me = str(self._worker_group.spec.rdzv_handler._this_node)
-            if state.round > self.epoch or (state.round == self.epoch and state.complete
-                                            and me not in {str(n) for n in state.participants}):
-                # Our round is over without us (we were dropped: a stalled keep-alive, or the others
-                # moved on). Our workers belong to a group that no longer exists: restart and rejoin.
-                return {me: self._round_t}
-            if state.round != self.epoch or not state.complete:
-                return {}
-            from datetime import datetime, timezone
-
-            settings = self._worker_group.spec.rdzv_handler._settings
-            expire = datetime.now(timezone.utc) - settings.keep_alive_interval * settings.keep_alive_max_attempt
-            hb = state.last_heartbeats
-            lost = {str(n): hb[n].timestamp() for n in state.participants if n in hb and hb[n] < expire}
-            present = {str(n) for n in state.participants}
-            for name in self._round_nodes - present:
-                lost[name] = self._round_t  # removed as dead by another agent: last seen at the rendezvous
-            return lost
-
-        def _on_node_lost(self, lost: dict[str, float]) -> None:
-            t_detect = time.time()
-            heartbeat.kill_all(self.local_pids)
-            self.detections += 1
-            self.recovery_pending = True
-            # the fault: somewhat after the node's last keep-alive (within one keep-alive interval)
-            events.log("detected", self.events_path, cause="node_lost", ranks=[], nodes=sorted(lost),
-                       epoch=self.epoch, detect_t=t_detect, fault_t=min(lost.values()))
-            me = str(self._worker_group.spec.rdzv_handler._this_node)
-            what = (f"this node ({me}) was dropped from round {self.epoch} of the rendezvous" if me in lost else
-                    f"node(s) {', '.join(sorted(lost))} stopped their rendezvous keep-alive in epoch {self.epoch}")
-            print(f"dtorch: {what}; restarting the local workers into a new round", file=sys.stderr, flush=True)
-
-        def _on_hang(self, hang: heartbeat.Hang) -> None:
-            t_detect = time.time()
-            states = heartbeat.sample_states(self.local_pids)
-            beats = heartbeat.read_beats(self.run_dir, hang.epoch)
-            dump = heartbeat.dump_and_kill(self.run_dir, hang.epoch, self.local_pids, states)
-            line, fields = heartbeat.diagnose(hang, beats, self.local_pids, states, dump)
-            culprit = fields.pop("rank")
-            self.detections += 1
-            self.recovery_pending = True
-            events.log("detected", self.events_path, cause="hang", ranks=[culprit], epoch=self.epoch,
-                       detect_t=t_detect, diagnosis=line, **fields)
-            print(line, file=sys.stderr, flush=True)
-
-        def _maybe_report_recovery(self, force: bool = False) -> None:
-            now = time.time()
-            if not self.recovery_pending or (now < self._next_recovery_check and not force):
-                return
-            self._next_recovery_check = now + 1.0
-            if self._worker_group.group_rank != 0:
-                return  # one agent reports
-            recs = events.recoveries(self.events_path)
-            for r in recs[self.recoveries_reported:]:
-                events.log("recovery", self.events_path, **r)
-                print("dtorch: " + events.format_recovery(r), file=sys.stderr, flush=True)
-            self.recoveries_reported = max(self.recoveries_reported, len(recs))
-            self.recovery_pending = len(recs) < self.detections
-
-        # -- growing at a checkpoint boundary
-        def grow_gate(self, waiting: int) -> int:
-            """How many waiting nodes to report to the agent loop now (0 = not yet).
-
-            Once the workers have reported a committed checkpoint (in any epoch), a waiting node
-            is admitted only after the next commit in this epoch, or after `grow_wait` seconds."""
-            if waiting <= 0:
-                self._grow_since = None
-                return 0
-            beats = heartbeat.read_local_beats(self.run_dir, self.epoch, self.local_pids)
-            mine = [beats[r].get("committed_step") for r in self.local_pids if r in beats]
-            self._saw_commits = self._saw_commits or any(c is not None for c in mine)
-            now = time.time()
-            if not self._saw_commits:
-                return self._admit(waiting, None, "this job reports no checkpoints")
-            base = min((c for c in mine if c is not None), default=None)
-            if self._grow_since is None:
-                self._grow_since, self._grow_base = now, base
-                events.log("grow_waiting", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=base)
-            newer = (len(mine) == len(self.local_pids) and all(c is not None for c in mine)
-                     and (self._grow_base is None or min(mine) > self._grow_base))  # type: ignore[type-var]
-            if newer:
-                return self._admit(waiting, min(mine), "checkpoint committed")  # type: ignore[type-var]
-            if now - self._grow_since > self.dspec.grow_wait:
-                return self._admit(waiting, base, f"no checkpoint within {self.dspec.grow_wait:.0f} s")
-            return 0
-
-        def _admit(self, waiting: int, step: int | None, why: str) -> int:
-            events.log("grow", self.events_path, epoch=self.epoch, waiting=waiting, committed_step=step, why=why)
-            self._grow_since = None
-            self._grew = True
-            return waiting
-
-    return DTorchAgent
-
-
-class _QuietFatal(logging.Filter):
-    """Drops torch's multi-line report of a worker that exited for a fatal error: the worker
-    logged the cause as one `fatal` event, and the agent prints that line instead."""
-
-    def __init__(self, events_path: str):
-        super().__init__()
-        self.events_path = events_path
-        self.since = time.time()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
-            return True
-        return not any(e["kind"] == "fatal" and e["t"] >= self.since for e in events.read(self.events_path))
-
-
-class _GatedRendezvous:
-    """The rendezvous handler, except that `num_nodes_waiting` goes through the agent's grow gate."""
-
-    def __init__(self, handler: Any):
-        self._handler = handler
-        self.gate = None
-
-    def num_nodes_waiting(self) -> int:
-        n = self._handler.num_nodes_waiting()
-        return self.gate(n) if self.gate is not None else n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handler, name)
-
-
 def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False, no_python: bool = False) -> int:
     """Run `target` (a script path, a module with `module=True`, or an executable with `no_python`)
     on `spec.nproc_per_node` workers per node under the elastic agent. Returns the exit code:
@@ -484,6 +190,8 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from dtorch.elastic.agent import DTorchAgent, GatedRendezvous, QuietFatal
 
     run_dir: str = spec.run_dir  # type: ignore[assignment]
     trust.private_dir(run_dir, "run_dir")  # 0700, ours, not a symlink
@@ -507,6 +215,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "DTORCH_RUN_DIR": run_dir,
         "DTORCH_AGENT_PID": str(os.getpid()),
+        "DTORCH_PREEMPT_MARKER": preemption.marker(run_dir, os.getpid()),  # read by dtorch.train.preempt
         "DTORCH_CHAOS": spec.chaos,
         "DTORCH_HEARTBEAT_INTERVAL": str(max(0.05, min(0.5, spec.heartbeat_timeout / 10 or 0.5))),
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
@@ -528,7 +237,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
 
         from dtorch.elastic.bootstrap import run_target
 
-        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+        multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *spec.preload])
         entrypoint, wargs = run_target, [{}, target, list(args), module]
     else:
         entrypoint = sys.executable
@@ -537,15 +246,15 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         inner = rdzv_store.rendezvous_handler(params)  # listens on the endpoint's address only
     else:
         inner = rdzv_registry.get_rendezvous_handler(params)
-    handler = _GatedRendezvous(inner)
+    handler = GatedRendezvous(inner)
     wspec = WorkerSpec(role="dtorch", local_world_size=spec.nproc_per_node, entrypoint=entrypoint,
                        args=tuple(wargs), rdzv_handler=handler, max_restarts=spec.max_restarts,  # type: ignore[arg-type]
                        monitor_interval=spec.monitor_interval, local_addr=spec.local_addr)
-    agent = _agent_class()(spec=wspec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
+    agent = DTorchAgent(spec=wspec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
                            start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
                            shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
-    quiet = _QuietFatal(agent.events_path)
+    quiet = QuietFatal(agent.events_path)
     torch_logs = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
                                                  "torch.multiprocessing.spawn")]
     for lg in torch_logs:
@@ -553,6 +262,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     shutdown_rdzv = True
     try:
         result = agent.run()
+        agent.drain_reports()
         agent._maybe_report_recovery(force=True)
         if result is None:  # the rendezvous was closed by another node: nothing left to do here
             return 0

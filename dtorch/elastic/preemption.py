@@ -54,6 +54,7 @@ def arm(run_dir: str) -> None:
 
 
 def agent_preempting() -> bool:
-    """In a worker: whether its agent was told to stop from outside (see module doc)."""
+    """In a worker: whether its agent was told to stop from outside (see module doc). The launcher
+    also names the marker in DTORCH_PREEMPT_MARKER, which is what `dtorch.train.preempt` reads."""
     run_dir, agent = os.environ.get("DTORCH_RUN_DIR"), os.environ.get("DTORCH_AGENT_PID")
     return bool(run_dir and agent and os.path.exists(marker(run_dir, agent)))

@@ -4,8 +4,8 @@ c10d's TCPStore server listens on every interface whatever host it is given (che
 2.13: `TCPStore("127.0.0.1", 0, is_master=True)` shows up as `*:PORT`). The store has no
 authentication, and anyone who reaches it can steer the job (RELIABILITY.md). So DTorch binds the
 listening socket itself, on exactly the requested address, and hands it to TCPStore through
-`master_listen_fd`. Used for the rendezvous store (agent side) and for the workers' process-group
-store (`dtorch.elastic.worker.init_process_group`).
+`master_listen_fd` (`dtorch.process_group.tcp_store`). Used here for the rendezvous store (agent
+side); the workers' process-group store is built the same way (`dtorch.process_group`).
 
 The rendezvous state is a pickle that torch's handler unpickles on every sync, so anyone who
 can reach the store could make every agent run code by setting the rendezvous key. `SignedBackend`
@@ -26,45 +26,18 @@ import hmac
 import io
 import logging
 import pickle
-import socket
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from dtorch import trust
+from dtorch.elastic import torch_compat
+from dtorch.process_group import tcp_store  # the bound-socket store, below the trainer and the workers
 
 log = logging.getLogger("dtorch.elastic")
 _PURPOSE = "dtorch-rendezvous-state/1"
 _TAG_LEN = 64  # hex digits of an HMAC-SHA256
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    s = socket.socket(family, kind, proto)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind(addr)
-        s.listen(2048)
-    except OSError:
-        s.close()
-        raise
-    return s
-
-
-def tcp_store(host: str, port: int, is_server: bool, timeout: timedelta, world_size: int | None = None,
-              multi_tenant: bool = False) -> Any:
-    """A TCPStore at host:port. When `is_server`, its listening socket is bound to `host` only
-    (port 0 picks a free one: read `.port`). Raises OSError when the address is taken."""
-    from torch.distributed import TCPStore
-
-    if not is_server:
-        return TCPStore(host, port, world_size, False, timeout, multi_tenant=multi_tenant)
-    s = _listen(host, port)
-    bound = s.getsockname()[1]
-    # detach(): the store owns the descriptor now; a garbage-collected socket object must not close it.
-    return TCPStore(host, bound, world_size, True, timeout, wait_for_workers=False,
-                    multi_tenant=multi_tenant, master_listen_fd=s.detach())
 
 
 def rendezvous_handler(params: Any) -> Any:
@@ -73,17 +46,14 @@ def rendezvous_handler(params: Any) -> Any:
     The first agent on the endpoint's host serves the store; the others connect to it."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.utils import (
-        _matches_machine_hostname,
-        parse_rendezvous_endpoint,
-    )
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60))
     is_host = params.get_as_bool("is_host")
     store = None
     if is_host is None or is_host:
-        if is_host or _matches_machine_hostname(host):
+        if is_host or torch_compat.matches_machine_hostname(host):
             try:
                 store = tcp_store(host, port, True, timeout, multi_tenant=True)
             except OSError:
@@ -123,11 +93,9 @@ class SignedBackend:
             log.warning("dtorch: the rendezvous state in the store failed authentication and was ignored: "
                         "forged, or written by an agent with another key (every agent of a job needs the "
                         "same DTORCH_KEY or key file)")
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
-
         # our own pickle of an empty state: safe for torch to unpickle; a bitwise comparison with
         # what we wrote (set_state's success test) is False, so torch retries with this token
-        return (pickle.dumps(_RendezvousState()), token, *([False] if len(got) > 2 else []))
+        return (torch_compat.empty_rendezvous_state(), token, *([False] if len(got) > 2 else []))
 
     def get_state(self) -> Any:
         return self._open(self._inner.get_state())
@@ -143,8 +111,7 @@ class SignedBackend:
 
 class _StateUnpickler(pickle.Unpickler):
     _ALLOWED = {("datetime", "datetime"), ("datetime", "timedelta"), ("datetime", "timezone"),
-                ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
-                ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState")}
+                *torch_compat.RENDEZVOUS_STATE_CLASSES}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._ALLOWED:

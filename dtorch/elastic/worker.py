@@ -30,9 +30,9 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
+from dtorch import process_group
 from dtorch.elastic import chaos, events, heartbeat
 
 _PR_SET_PDEATHSIG = 1
@@ -328,22 +328,30 @@ def install_hooks(trainer: Any = None) -> None:
     beats and chaos points at every step and phase (`load`, `forward_backward`, `optimizer`,
     `checkpoint`), the `load` phase timed into the recovery record, checkpoint boundaries for
     growing, the first step after a restart. Called by `setup()` under `dtorch run` (so `load`
-    is seen) and by the trainer's `hooks.started(trainer)`."""
+    is seen), and through the seam by the trainer's `hooks.started(trainer)`."""
     global _hooks_installed, _trainer
     if trainer is not None:
         _trainer = trainer
         ckpt = getattr(trainer, "ckpt", None)
         if ckpt is not None and hasattr(ckpt, "on_commit") and os.environ.get("DTORCH_RUN_DIR"):
             ckpt.on_commit = _on_commit
+        _close_phase()  # the trainer's last phase ends here, before the snapshot restore (timed apart)
         if os.environ.get("DTORCH_RUN_DIR"):
             _start_snapshots(trainer)
     _close_phase()
     if _hooks_installed or not os.environ.get("DTORCH_RUN_DIR"):
         return
     _hooks_installed = True
-    from dtorch.train import hooks
+    from dtorch.train import hooks  # the seam is one-way: this side registers, the trainer only calls
 
-    hooks.register(before_step=_on_before_step, after_step=_on_after_step, on_phase=_on_phase)
+    hooks.register(before_step=_on_before_step, after_step=_on_after_step, on_phase=_on_phase,
+                   on_started=install_hooks, on_notice=_on_notice)
+
+
+def _on_notice(kind: str, fields: dict[str, Any]) -> None:
+    """The trainer's notices (a straggler named, ...) go to the event log, where the agent's
+    detectors read them (`dtorch.elastic.agent.StragglerDetector`)."""
+    events.log(kind, **fields)
 
 
 def _on_commit(step: int) -> None:
@@ -363,11 +371,8 @@ def checkpoint_committed(step: int) -> None:
 def set_collective_timeout(seconds: float, group: Any = None) -> None:
     """Shorten (or lengthen) the timeout of the process group's collectives, e.g. after the first
     step, so a dead or stopped peer fails a collective in seconds instead of 30 minutes (gloo's
-    default). Works for gloo and NCCL in torch 2.13 (`_set_pg_timeout`, which sets the backend's
-    default timeout: it applies to collectives issued after the call)."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(timedelta(seconds=seconds), group)
+    default); see `dtorch.process_group.set_collective_timeout`."""
+    process_group.set_collective_timeout(seconds, group)
 
 
 def nccl_flight_recorder(w: WorkerInfo) -> str | None:
@@ -393,31 +398,26 @@ def nccl_flight_recorder(w: WorkerInfo) -> str | None:
 
 def init_process_group(backend: str | None = None, timeout: float | None = None) -> None:
     """`torch.distributed.init_process_group` for a worker of `dtorch run`, with its store listening
-    on MASTER_ADDR only (torch's own env:// store listens on every interface; see
-    `dtorch.elastic.store`) and its values authenticated with the job's key (`SignedStore`). Backend default: nccl when CUDA is available, else gloo. `timeout` in
+    on MASTER_ADDR only (`dtorch.process_group.init_process_group`, which DTorch's trainer calls
+    too) and its values authenticated with the job's key (`SignedStore`, gloo), after this worker's
+    set-up (and, on NCCL, the flight recorder's settings) and timed into the recovery record as
+    `pg_init`. `timeout` in
     seconds (default torch's); shorten it after the first step with `set_collective_timeout`."""
-    import torch
-    import torch.distributed as dist
-
-    from dtorch.elastic import store as _store
-
     setup()
+    import torch
+
     w = info()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(w.local_rank)
         nccl_flight_recorder(w)
-    t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
-    s = _store.tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), w.rank == 0, t, w.world_size)
     keyed = os.environ.get("DTORCH_RUN_DIR") or os.environ.get("DTORCH_KEY") or os.environ.get("DTORCH_KEY_FILE")
-    if keyed and backend == "gloo":
-        # Under `dtorch run` every rank has the key its agents' rendezvous is signed with; ranks
-        # a scheduler started sign only with a key given explicitly (a per-user key file on
-        # nodes that do not share a home directory would differ). NCCL over this Python store
-        # is untested (no GPU build here), so its store stays as torch makes it.
-        s = _signed_pg_store(s, w)
-    kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
-    dist.init_process_group(backend, store=s, rank=w.rank, world_size=w.world_size, **kw)
+    # Under `dtorch run` every rank has the key its agents' rendezvous is signed with; ranks a
+    # scheduler started sign only with a key given explicitly (a per-user key file on nodes that do
+    # not share a home directory would differ). NCCL over this Python store is untested (no GPU
+    # build here), so its store stays as torch makes it.
+    wrap = (lambda inner: _signed_pg_store(inner, w)) if keyed and backend == "gloo" else None
+    with events.phase("pg_init"):
+        process_group.init_process_group(backend, timeout, wrap_store=wrap)
 
 
 def _signed_pg_store(inner: Any, w: WorkerInfo) -> Any:

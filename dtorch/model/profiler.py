@@ -47,6 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
+from dtorch.model.structure import BLOCKS_ATTR, find_blocks, find_structure
 
 aten = torch.ops.aten
 
@@ -103,33 +104,7 @@ def _fused_rms_forward(self: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return _FusedRMSNorm.apply(x, self.weight, list(self.normalized_shape), self.eps)
 
 
-# ---- finding the blocks ----------------------------------------------------------------------
-def _signature(module: nn.Module) -> tuple:
-    mods = tuple((n, type(m).__name__) for n, m in module.named_modules())
-    params = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
-    return mods + params
-
-
-def find_blocks(model: nn.Module) -> tuple[str, nn.Module]:
-    """The path and container of the repeated blocks: the nn.ModuleList/ModuleDict with the most
-    structurally identical children (ties: the most parameters). Raises ConfigError if none."""
-    best: tuple[int, int, str, nn.Module] | None = None
-    for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or len(mod) == 0:
-            continue
-        children = list(mod.children())
-        if len({_signature(c) for c in children}) != 1:
-            continue
-        size = sum(p.numel() for p in children[0].parameters())
-        key = (len(children), size, path, mod)
-        if size > 0 and (best is None or key[:2] > best[:2]):
-            best = key
-    if best is None:
-        raise ConfigError("model", type(model).__name__, "no repeated blocks found: put the transformer blocks "
-                          "in an nn.ModuleList or nn.ModuleDict of identical modules")
-    return best[2], best[3]
-
-
+# ---- the blocks: found by dtorch.model.structure (one rule for profiler, executor and monitor) ----
 def _keep_first_block(container: nn.Module) -> None:
     if isinstance(container, nn.ModuleList):
         del container[1:]
@@ -214,6 +189,11 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
 
     # -- parameters (whole model, shared parameters counted once) --
     block_path, container = find_blocks(model)
+    if not find_structure(model).uniform:
+        raise ConfigError("model", type(model).__name__,
+                          f"the blocks in '{block_path}' are not identical (modules or parameter shapes differ): the "
+                          f"profile measures one block and multiplies; set `model.{BLOCKS_ATTR}` to a container of "
+                          "identical blocks")
     blocks = list(container.children())
     num_layers = len(blocks)
     params_total = sum(p.numel() for p in model.parameters())

@@ -75,7 +75,7 @@ class MonitorConfig:
 class RunMonitor:
     def __init__(self, cfg: MonitorConfig, *, rank: int, world: int, device, metrics, plan, mesh,
                  tokens_per_step: int, flops_per_token: float, peak_flops: float, console: bool = True,
-                 model_parts: tuple = (), trace_dir=None, first_step: int = 1):
+                 model_parts: tuple = (), trace_dir=None, first_step: int = 1, structure=None):
         from dtorch.monitor.comms import CommTimer
 
         self.cfg, self.rank, self.metrics, self.plan, self.console = cfg, rank, metrics, plan, console
@@ -110,12 +110,13 @@ class RunMonitor:
         self._block_prev = 0.0
         self._t_block = 0.0
         self._handles: list = []
-        if self.collector is not None:
-            for part in model_parts:
-                layers = getattr(getattr(part, "module", part), "layers", None)  # DDP wraps the module
-                for block in (layers.children() if layers is not None else ()):
-                    self._handles.append(block.register_forward_pre_hook(self._pre))
-                    self._handles.append(block.register_forward_hook(self._post))
+        if self.collector is not None and model_parts:
+            from dtorch.model.structure import blocks_of
+
+            # the blocks as the executor found them, whatever the model names them
+            for block in blocks_of(model_parts, structure):
+                self._handles.append(block.register_forward_pre_hook(self._pre))
+                self._handles.append(block.register_forward_hook(self._post))
         if rank == 0 and cfg.port is not None:
             from dtorch.elastic.events import events_path
             from dtorch.monitor.server import MonitorServer, MonitorState

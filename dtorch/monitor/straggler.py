@@ -125,7 +125,8 @@ def gather_compute_times(seconds: float, group: object | None = None) -> list[fl
 
 
 class StragglerWatch:
-    """The trainer's straggler check: times every block's forward on this rank (module hooks; the
+    """The trainer's straggler check: times every block's forward on this rank (module hooks on the
+    blocks `dtorch.model.structure` finds, as the executor does; the
     FSDP all-gather runs in FSDP's own pre-hook, before ours), and every `every` steps gathers
     all ranks' mean seconds per block call into a `StragglerDetector` (one small all_gather).
     Per block call, so pipeline stages holding different numbers of blocks compare fairly. Under
@@ -134,7 +135,7 @@ class StragglerWatch:
     z-score can tell."""
 
     def __init__(self, model_parts: Sequence[object], world_size: int, every: int = 10, patience: int = 2,
-                 ratio_threshold: float = 1.5, min_gap: float = 2e-3):
+                 ratio_threshold: float = 1.5, min_gap: float = 2e-3, structure: object | None = None):
         if every < 1:
             raise ConfigError("straggler_every", every, "check every 1 or more steps (0 turns the check off)")
         self.every = every
@@ -145,11 +146,13 @@ class StragglerWatch:
         self._t0 = 0.0
         self._windows = 0
         self._handles = []
-        for part in model_parts:
-            layers = getattr(getattr(part, "module", part), "layers", None)  # DistributedDataParallel wraps
-            for block in (layers.children() if layers is not None else ()):
-                self._handles.append(block.register_forward_pre_hook(self._pre))
-                self._handles.append(block.register_forward_hook(self._post))
+        from dtorch.model.structure import blocks_of
+
+        # the blocks as the executor found them (`structure`, dtorch.model.structure), whatever the
+        # model names them; a part without blocks is an error, not a watch that sees nothing
+        for block in blocks_of(model_parts, structure):  # type: ignore[arg-type]
+            self._handles.append(block.register_forward_pre_hook(self._pre))
+            self._handles.append(block.register_forward_hook(self._post))
 
     def _pre(self, module, args) -> None:
         import time

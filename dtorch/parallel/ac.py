@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtorch.model.profiler import SELECTIVE_SAVE_OPS
-from dtorch.parallel.structure import block_items, find_blocks
+from dtorch.model.structure import block_items, find_blocks
 
 _SAVE_OPS = frozenset(SELECTIVE_SAVE_OPS)
 """The ops whose outputs selective checkpointing keeps: matrix multiplications and every fused

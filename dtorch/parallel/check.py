@@ -41,7 +41,7 @@ def _first_attr(obj: object, names: tuple[str, ...]) -> int | None:
 def model_dims(model: nn.Module) -> ModelDims:
     """Read layer and head counts from a model (meta is fine): its config (DTorch reference models,
     Hugging Face models) or its attributes, and the number of blocks in its block container."""
-    from dtorch.parallel.structure import find_blocks
+    from dtorch.model.structure import find_blocks
 
     _, blocks = find_blocks(model)
     sources = [getattr(model, "config", None), getattr(model, "args", None), model]

@@ -53,7 +53,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from dtorch.errors import ConfigError
 from dtorch.parallel.rng import has_random_ops
-from dtorch.parallel.structure import block_items, find_blocks
+from dtorch.model.structure import block_items, find_blocks
 
 FULLGRAPH_MODULES = ("dtorch.models.", "dtorch.parallel.hf")
 """Blocks whose class lives here trace without a graph break: compiled with fullgraph=True."""

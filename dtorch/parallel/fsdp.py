@@ -28,7 +28,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from dtorch.parallel.structure import block_items, find_blocks
+from dtorch.model.structure import block_items, find_blocks
 from dtorch.plan.plan import Plan
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtorch.errors import ConfigError
-from dtorch.parallel.structure import ANNOTATION_HELP
+from dtorch.model.structure import ANNOTATION_HELP
 
 
 def is_transformers_model(model: nn.Module) -> bool:

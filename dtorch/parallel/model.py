@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
+from dtorch.model.structure import ModelStructure, blocks_of
 from dtorch.parallel.cp import ContextParallel
 from dtorch.parallel.fsdp import uses_fsdp
 from dtorch.plan.plan import Plan
@@ -58,8 +59,12 @@ class ParallelModel:
         context: ContextParallel | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        structure: ModelStructure | None = None,
     ):
         self.plan = plan
+        self.structure = structure
+        """Where the model's blocks, embeddings and head are (`dtorch.model.structure`), found once
+        on the whole model before it was split or wrapped."""
         self.mesh = mesh
         self.model_parts = model_parts
         self.loss_fn = loss_fn
@@ -72,6 +77,10 @@ class ParallelModel:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.distributed = mesh is not None and dist.is_initialized()
+
+    def blocks(self) -> list[nn.Module]:
+        """This rank's blocks, over all its model parts (what the monitor times per block)."""
+        return blocks_of(self.model_parts, self.structure)
 
     # ---- step ----------------------------------------------------------------------------------
     def _compute_context(self):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtorch.errors import ConfigError
+from dtorch.model.structure import find_structure
 from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_plan, model_dims
 from dtorch.parallel.compile import apply_compile, check_compile, compile_enabled
@@ -78,6 +79,7 @@ def parallelize(
             "tied embeddings cannot be split over pipeline stages; untie them "
             "(transformers: tie_word_embeddings=False) or use pp=1",
         )
+    structure = find_structure(model)  # once, on the whole model: carried to the monitor
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     check_cp(plan, model)
@@ -137,6 +139,7 @@ def parallelize(
         context=context,
         dp_rank=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
         dp_size=dp_mesh.size() if dp_mesh is not None else 1,
+        structure=structure,
     )
     parallel.startup = startup_stats
     return parallel

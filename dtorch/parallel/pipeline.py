@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
 )
 
-from dtorch.parallel.structure import block_items, find_blocks
+from dtorch.model.structure import block_items, find_blocks
 from dtorch.plan.plan import Plan
 
 FIRST_STAGE_ONLY = ("tok_embeddings", "pos_embeddings", "wte", "wpe", "embed_tokens")

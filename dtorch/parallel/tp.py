@@ -29,8 +29,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtorch.errors import ConfigError
+from dtorch.model.structure import ANNOTATION_HELP, block_items, find_blocks
 from dtorch.parallel.rng import has_random_ops, shard_streams
-from dtorch.parallel.structure import ANNOTATION_HELP, block_items, find_blocks
 
 ROLES = ("colwise", "rowwise", "embedding", "output", "replicate")
 ROLE_BY_NAME = {

@@ -40,9 +40,10 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM and os.environ.get("DTORCH_RUN_DIR"):
-            from dtorch.elastic.preemption import agent_preempting
-
-            if not agent_preempting():
+            # the launcher names its preemption marker (`dtorch.elastic.preemption`) in the
+            # environment: the trainer reads the file, and imports nothing of the launcher
+            mark = os.environ.get("DTORCH_PREEMPT_MARKER")
+            if not (mark and os.path.exists(mark)):
                 # the agent is restarting the group (a peer failed): stop at once, as before
                 old = self._old.get(signum, signal.SIG_DFL)
                 if callable(old):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -174,6 +175,7 @@ class Trainer:
         # set up in _setup()
         self.plan: Plan | None = None
         self._profile = None
+        self._profiled_flops: float | None = None
         self._cluster_name: str | None = None
         self.parallel = None
         self.step = 0
@@ -242,9 +244,11 @@ class Trainer:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         if world > 1 and not dist.is_initialized():
             if os.environ.get("DTORCH_RUN_DIR") or by_scheduler:
-                # under `dtorch run`: its store listens on MASTER_ADDR only (torch's listens on all)
-                from dtorch.elastic.worker import init_process_group
+                # under `dtorch run` or a scheduler: a store that listens on MASTER_ADDR only
+                # (torch's listens on every interface)
+                from dtorch.process_group import init_process_group
 
+                hooks.phase_begin("pg_init")  # timed into the recovery record under `dtorch run`
                 init_process_group("nccl" if cuda else "gloo")
             else:
                 dist.init_process_group("nccl" if cuda else "gloo")
@@ -262,35 +266,95 @@ class Trainer:
         """Rank 0 chooses the plan and every rank receives it: the search reads measurements (the
         capability cache, the probe's calibration, runtime feedback) that two ranks could see
         differently, and ranks that apply different plans deadlock. A ConfigError on rank 0 is raised
-        on every rank."""
+        on every rank. Under `dtorch run`, a restart of the job at a world size it already ran at
+        keeps the plan agreed then (`_job_plan`)."""
         if self.world == 1 or not dist.is_initialized():
-            return self._choose_plan(self.world, self.rank)
-        doc: dict[str, Any] = {}
-        if self.rank == 0:
-            try:
-                doc = {"plan": self._choose_plan(self.world, 0).to_dict(),
-                       "cluster": self._cluster_name, "profiled": self._profile is not None}
-            except ConfigError as e:
-                value = e.value if isinstance(e.value, (int, float, str, bool, type(None))) else repr(e.value)
-                doc = {"error": [e.field, value, e.fix]}
-        payload = json.dumps(doc).encode() if self.rank == 0 else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, 0)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
-        if self.rank == 0:
-            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        dist.broadcast(buf, 0)
-        doc = json.loads(bytes(buf.cpu().tolist()).decode())
+            doc = self._plan_doc()
+        else:
+            doc = {}
+            if self.rank == 0:
+                try:
+                    doc = self._plan_doc()
+                except ConfigError as e:
+                    value = e.value if isinstance(e.value, (int, float, str, bool, type(None))) else repr(e.value)
+                    doc = {"error": [e.field, value, e.fix]}
+            payload = json.dumps(doc).encode() if self.rank == 0 else b""
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+            dist.broadcast(size, 0)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+            if self.rank == 0:
+                buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            dist.broadcast(buf, 0)
+            doc = json.loads(bytes(buf.cpu().tolist()).decode())
         if "error" in doc:
             fld, value, fix = doc["error"]
             raise ConfigError(fld, value, fix)
-        if self.rank != 0:
-            self._cluster_name = doc["cluster"]
-            if doc["profiled"]:
-                from dtorch.model import profile_module
+        self._cluster_name = doc["cluster"]
+        # the profile's figure, from rank 0: every rank reports MFU on the same denominator
+        self._profiled_flops = doc.get("flops_per_token")
+        if doc.get("profiled") and self._profile is None:
+            # as rank 0 did for this start's search (its memory is part of every rank's baseline,
+            # which the out-of-memory budget is measured against); a reused plan profiles nowhere
+            from dtorch.model import profile_module
 
-                self._profile = profile_module(self.model_factory, self.seq_len)
+            self._profile = profile_module(self.model_factory, self.seq_len)
         return Plan.from_dict(doc["plan"])
+
+    def _plan_doc(self) -> dict[str, Any]:
+        """The plan for this world (as `_choose_plan` makes it, or as this job agreed earlier),
+        with what the other ranks need to know about how it was made."""
+        cached = self._job_plan()
+        if cached is not None:
+            return cached
+        plan = self._choose_plan(self.world, self.rank)
+        doc = {"plan": plan.to_dict(), "cluster": self._cluster_name,
+               "flops_per_token": self._profile.flops_per_token if self._profile is not None else None}
+        if path := self._job_plan_path():
+            self._write_job_plan(path, doc)
+        return {**doc, "profiled": self._profile is not None}
+
+    @staticmethod
+    def _write_job_plan(path: Path, doc: dict[str, Any]) -> None:
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache only: the next start searches again
+
+    def _job_plan_path(self) -> Path | None:
+        """Under `dtorch run` (DTORCH_RUN_DIR: the job's private run directory), where the plan
+        agreed for this world size and request is kept for the job's later starts."""
+        run_dir = os.environ.get("DTORCH_RUN_DIR")
+        if not run_dir:
+            return None
+        req = self.plan_request.to_dict() if isinstance(self.plan_request, Plan) else self.plan_request
+        key = json.dumps([str(type(self.plan_request)), req, self.global_batch, self.seq_len, self.cluster_spec],
+                         sort_keys=True, default=str)
+        return Path(run_dir) / f"plan-world{self.world}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def _job_plan(self) -> dict[str, Any] | None:
+        """The plan this job agreed on at this world size in an earlier start, or None.
+
+        A worker restarted after a failure meets the same model, batch, request and machines: the
+        search would spend its time (a profile and a search: ~0.3 s of a recovery) to find what the
+        job runs already, and a plan that moved (the calibration learns while the job runs) would
+        also make the in-memory snapshot unusable. Not reused after an out-of-memory error at this
+        world size: that start must re-plan under the memory it found."""
+        path = self._job_plan_path()
+        if path is None or not path.is_file():
+            return None
+        from dtorch.monitor import oom
+
+        if oom.memory_budget(self.log_dir, self.world)[0] is not None:
+            return None
+        try:
+            doc = json.loads(path.read_text())
+            plan = Plan.from_dict(doc["plan"])
+            plan.validate(world_size=self.world)
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            return None  # unreadable or no longer valid: choose again
+        return doc if plan.global_batch == self.global_batch else None
 
     def _choose_plan(self, world: int, rank: int) -> Plan:
         """The plan for this world: given, loaded, or searched (fixed fields kept)."""
@@ -390,6 +454,7 @@ class Trainer:
                          f"{pred.get('memory_bytes_per_rank', 0) / 2**20:,.0f} MiB/rank)")
             print(f"dtorch: plan {self.plan.family()}: {self.plan.describe()}{extra}", flush=True)
 
+        hooks.phase_begin("build")  # the model and its optimizers (ends at the next phase)
         weights = None
         if self.init_from is not None:
             from dtorch.checkpoint.hf_weights import HFWeights
@@ -522,6 +587,7 @@ class Trainer:
             self.status.report("recovering", from_step=resumed, total_steps=steps,
                                after=last_fault(os.environ.get("DTORCH_RUN_DIR")),
                                epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
+        hooks.phase_begin("prepare")  # what the loop needs before its first step (ends at `started`)
         preemption = Preemption(self.world, self.device)
         from dtorch.monitor.metrics import StepMetrics, measured_gemm_peak, peak_memory_bytes
         from dtorch.parallel.compile import compile_enabled
@@ -530,7 +596,7 @@ class Trainer:
         tokens_per_step = self.global_batch * self.seq_len
         # MFU denominator: the spec-sheet peak on GPUs; on CPU the GEMM peak measured now, with all
         # ranks measuring at once (they share the cores).
-        peak = self._device_peak() or measured_gemm_peak(self.device)
+        peak = self._device_peak() or measured_gemm_peak(self.device, cache_dir=os.environ.get("DTORCH_RUN_DIR") or None)
         flops_per_token = self._flops_per_token()
         result = FitResult(0, self.step, resumed, plan=self.plan)
         step_times: list[float] = []
@@ -543,14 +609,16 @@ class Trainer:
         if self.world > 1 and self.straggler_every:
             from dtorch.monitor.straggler import StragglerWatch
 
-            watch = StragglerWatch(self.parallel.model_parts, self.world, every=self.straggler_every)
+            watch = StragglerWatch(self.parallel.model_parts, self.world, every=self.straggler_every,
+                                   structure=getattr(self.parallel, "structure", None))
         from dtorch.monitor.live import RunMonitor
 
         mon = RunMonitor.start(self.monitor_config, rank=self.rank, world=self.world, device=self.device,
                                metrics=self.metrics, plan=self.plan, mesh=self.parallel.mesh,
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                                peak_flops=peak, console=self.console, model_parts=self.parallel.model_parts,
-                               trace_dir=self.log_dir, first_step=self.step + 1)
+                               trace_dir=self.log_dir, first_step=self.step + 1,
+                               structure=getattr(self.parallel, "structure", None))
         from dtorch.monitor import oom
 
         mem_base = oom._status("VmRSS") or 0
@@ -612,10 +680,11 @@ class Trainer:
                              comm_before=comm0, comm_after_fb=comm1)
                 report = watch.step_done(self.step) if watch is not None else None
                 if report is not None and report.new:
-                    self.metrics.event("straggler", step=self.step, ranks=report.new,
-                                       ratio=[round(x, 3) for x in report.ratio])
+                    ratio = [round(x, 3) for x in report.ratio]
+                    self.metrics.event("straggler", step=self.step, ranks=report.new, ratio=ratio)
                     if self.rank == 0:
                         print(report.warning(), file=sys.stderr, flush=True)
+                        hooks.notice("straggler", step=self.step, ranks=report.new, ratio=ratio)
                 if result.steps_run == 1 and self.ckpt is not None and self.async_checkpoint:
                     # Allocate the async save's CPU buffers now, between steps, not inside the first
                     # save's stall. Not before the first step: reading an optimizer's state dict
@@ -724,6 +793,8 @@ class Trainer:
         """Training FLOPs per token: the profile's when the plan was searched, else 6 x parameters."""
         if self._profile is not None:
             return self._profile.flops_per_token
+        if self._profiled_flops is not None:
+            return float(self._profiled_flops)
         return 6.0 * sum(p.numel() for p in self._meta_params())
 
     def _meta_params(self):

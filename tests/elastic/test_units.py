@@ -62,7 +62,9 @@ def test_recovery_record_times_every_phase_on_one_time_line(tmp_path):
            {"kind": "detected", "t": 10.5, "epoch": 0, "fault_t": 10.0, "cause": "exit", "ranks": [1]},
            {"kind": "rendezvous", "t": 12, "start": 11, "end": 12, "epoch": 1, "world_size": 2},
            {"kind": "workers_started", "t": 12.5, "epoch": 1},
-           {"kind": "phase", "t": 15, "name": "replan", "start": 14, "seconds": 0.5, "epoch": 1, "rank": 0},
+           {"kind": "worker_started", "t": 12.25, "epoch": 1, "rank": 0},
+           {"kind": "phase", "t": 14, "name": "pg_init", "start": 14, "seconds": 0.25, "epoch": 1, "rank": 1},
+           {"kind": "phase", "t": 15, "name": "replan", "start": 14.25, "seconds": 0.5, "epoch": 1, "rank": 0},
            {"kind": "phase", "t": 16, "name": "load", "start": 15, "seconds": 2.0, "epoch": 1, "rank": 1},
            {"kind": "first_step", "t": 18, "start": 17, "seconds": 1.0, "epoch": 1, "rank": 0})
     assert events.recoveries(p) == []  # rank 1 has not finished its first step yet
@@ -70,6 +72,7 @@ def test_recovery_record_times_every_phase_on_one_time_line(tmp_path):
     (r,) = events.recoveries(p)
     assert (r["detect"], r["stop"], r["rendezvous"], r["start"], r["replan"], r["load"], r["first_step"]) == \
         (0.5, 0.5, 1.0, 1.5, 0.5, 2.0, 1.5)
+    assert (r["fork"], r["pg_init"], r["build"]) == (0.25, 0.25, None)  # fork: rendezvous end -> first worker
     assert r["total"] == 8.5 and "recovered from exit" in events.format_recovery(r)
 
 

@@ -14,7 +14,8 @@ from torch import nn
 from dtorch.errors import ConfigError
 from dtorch.model import profile
 from dtorch.model.profile import ModelProfile
-from dtorch.model.profiler import find_blocks, profile_module
+from dtorch.model.profiler import profile_module
+from dtorch.model.structure import find_blocks
 from dtorch.models import build_from_config, model_config
 
 

@@ -135,7 +135,7 @@ def _train(case: tuple[str, dict, bool], rank: int) -> dict:
     from torch._dynamo.eval_frame import OptimizedModule
 
     from dtorch.parallel import parallelize
-    from dtorch.parallel.structure import find_blocks
+    from dtorch.model.structure import find_blocks
 
     _, fields, compiled = case
     plan = (CompiledPlan if compiled else Plan)(**fields)

@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _training  # noqa: E402
 
 from dtorch.errors import ConfigError  # noqa: E402
+from dtorch.model.structure import block_items, find_blocks  # noqa: E402
 from dtorch.models import build_model  # noqa: E402
 from dtorch.parallel.pipeline import layer_partition, stage_ids  # noqa: E402
 from dtorch.parallel.rng import has_random_ops, shard_stream_rank  # noqa: E402
-from dtorch.parallel.structure import block_items, find_blocks  # noqa: E402
 from dtorch.plan.plan import Plan  # noqa: E402
 from dtorch.train.losses import next_token  # noqa: E402
 

@@ -38,7 +38,8 @@ def _run(tmp_path: Path, name: str, slow_rank: str | None) -> tuple[list[dict], 
     script.write_text(SCRIPT)
     ckpt = tmp_path / name
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTORCH_NO_CALIBRATION": "1", "SLOW_RANK": slow_rank or "none"}
-    cmd = [sys.executable, "-m", "dtorch.cli", "run", "--nproc-per-node", "2", str(script), str(ckpt)]
+    cmd = [sys.executable, "-m", "dtorch.cli", "run", "--nproc-per-node", "2", "--run-dir", str(tmp_path / f"run-{name}"),
+           str(script), str(ckpt)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     events = [json.loads(x) for x in (ckpt / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -50,5 +51,10 @@ def test_trainer_names_the_slow_rank_once_and_nobody_in_a_balanced_job(tmp_path)
     found, out = _run(tmp_path, "slow", "1")
     assert [e["ranks"] for e in found] == [[1]], found  # named once, not at every check
     assert found[0]["ratio"][1] > 3 and "STRAGGLER" in out and "rank 1" in out
+    # the agent's straggler detector recorded the trainer's report (one place records detections)
+    from dtorch.elastic import events
+
+    observed = [e for e in events.read(str(tmp_path / "run-slow" / events.EVENTS_FILE)) if e["kind"] == "observed"]
+    assert [(e["cause"], e["ranks"]) for e in observed] == [("straggler", [1])]
     balanced, _ = _run(tmp_path, "balanced", None)
     assert balanced == []

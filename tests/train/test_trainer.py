@@ -183,3 +183,51 @@ def test_checkpointing_does_not_change_the_numerics(tmp_path):
     # reading an optimizer's state dict before its first step would run a zero-lr step and shift
     # Adam's bias correction: saving (and staging for async saves) must leave training untouched
     assert fit(tmp_path / "ckpt") == fit(None)
+
+
+def test_restart_within_a_job_keeps_the_plan_and_gemm_peak_its_first_start_found(tmp_path, monkeypatch):
+    """A worker restarted by `dtorch run` (same run directory, same world size) reuses the plan the
+    job agreed on and the MFU denominator it measured, instead of searching and measuring again
+    (~0.3 s each of a recovery); after an out-of-memory error at that world size it plans again."""
+    from dtorch.models import build_model
+    from dtorch.monitor import metrics, oom
+    from dtorch.train import Trainer
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("DTORCH_RUN_DIR", str(run_dir))
+
+    def doc(**kw):
+        t = Trainer(model=lambda: build_model(MODEL), global_batch=4, seq_len=16, console=False,
+                    log_dir=tmp_path / "logs", **kw)
+        t.rank, t.world, t.ckpt = 0, 1, None
+        return t._plan_doc()
+
+    first = doc()
+    assert first["flops_per_token"] > 0 and first["profiled"] and len(list(run_dir.glob("plan-world1-*.json"))) == 1
+
+    def no_search(*a, **k):
+        raise AssertionError("searched again")
+
+    monkeypatch.setattr(Trainer, "_search", no_search)
+    again = doc()
+    assert not again.get("profiled")  # nobody profiles for a reused plan
+    assert (again["plan"], again["flops_per_token"]) == (first["plan"], first["flops_per_token"])
+    with pytest.raises(AssertionError, match="searched again"):  # another request is another plan
+        doc(plan={"microbatch_size": 2})
+    oom.record({"world_size": 1, "budget_bytes": 2**30, "plan": Plan.from_dict(first["plan"]).describe()},
+               tmp_path / "logs")
+    with pytest.raises(AssertionError, match="searched again"):
+        doc()
+
+    monkeypatch.setattr(metrics, "_GEMM_PEAK_CACHE", {})  # a fresh process: no in-process cache
+    peak = metrics.measured_gemm_peak(torch_cpu(), n=64, cache_dir=run_dir)
+    monkeypatch.setattr(metrics, "_GEMM_PEAK_CACHE", {})
+    monkeypatch.setattr(metrics.torch, "randn", no_search)
+    assert metrics.measured_gemm_peak(torch_cpu(), n=64, cache_dir=run_dir) == peak
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")

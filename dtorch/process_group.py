@@ -1,0 +1,83 @@
+"""Process-group set-up shared by the trainer and the elastic worker (below both in the data flow).
+
+c10d's TCPStore server listens on every interface whatever host it is given (checked on torch
+2.13: `TCPStore("127.0.0.1", 0, is_master=True)` shows up as `*:PORT`). The store has no
+authentication, and anyone who reaches it can steer the job (RELIABILITY.md). So DTorch binds the
+listening socket itself, on exactly the requested address, and hands it to TCPStore through
+`master_listen_fd` (`tcp_store`). `init_process_group` builds the default process group on such
+a store from the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK:
+`dtorch run`, torchrun, or a scheduler's variables exported by `dtorch.integrations.env`).
+
+The trainer (`dtorch.train`) and the elastic worker support (`dtorch.elastic.worker`, which adds
+its set-up and times the call into the recovery record) both call it; neither imports the other
+for it. The rendezvous store of the agent is built on `tcp_store` too (`dtorch.elastic.store`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from collections.abc import Callable
+from typing import Any
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(addr)
+        s.listen(2048)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def tcp_store(host: str, port: int, is_server: bool, timeout: timedelta, world_size: int | None = None,
+              multi_tenant: bool = False) -> Any:
+    """A TCPStore at host:port. When `is_server`, its listening socket is bound to `host` only
+    (port 0 picks a free one: read `.port`). Raises OSError when the address is taken."""
+    from torch.distributed import TCPStore
+
+    if not is_server:
+        return TCPStore(host, port, world_size, False, timeout, multi_tenant=multi_tenant)
+    s = _listen(host, port)
+    bound = s.getsockname()[1]
+    # detach(): the store owns the descriptor now; a garbage-collected socket object must not close it.
+    return TCPStore(host, bound, world_size, True, timeout, wait_for_workers=False,
+                    multi_tenant=multi_tenant, master_listen_fd=s.detach())
+
+
+def init_process_group(backend: str | None = None, timeout: float | None = None,
+                       wrap_store: Callable[[Any], Any] | None = None) -> None:
+    """`torch.distributed.init_process_group` from the launcher's environment, with its store
+    listening on MASTER_ADDR only (torch's own env:// store listens on every interface). Backend
+    default: nccl when CUDA is available, else gloo. `timeout` in seconds (default torch's: 30 min);
+    shorten it after the first step with `set_collective_timeout`. `wrap_store`, when given, wraps
+    the store before the group uses it (the elastic worker signs its values)."""
+    import torch
+    import torch.distributed as dist
+
+    env = os.environ
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
+    s = tcp_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank == 0, t, world)
+    if wrap_store is not None:
+        s = wrap_store(s)
+    kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}
+    dist.init_process_group(backend, store=s, rank=rank, world_size=world, **kw)
+
+
+def set_collective_timeout(seconds: float, group: Any = None) -> None:
+    """Shorten (or lengthen) the timeout of the process group's collectives, e.g. after the first
+    step, so a dead or stopped peer fails a collective in seconds instead of 30 minutes (gloo's
+    default). Works for gloo and NCCL in torch 2.13 (`_set_pg_timeout`, private: it sets the
+    backend's default timeout, which applies to collectives issued after the call)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), group)
