@@ -224,10 +224,12 @@ class Memory(Strategy):
 
     def block_bytes(self, step: Any, load: RankLoad) -> float:
         """State bytes of the tiers' largest block: `offload_block_bytes`, or the largest parameter
-        the rank holds (an embedding or head matrix is a block of its own), sharded."""
+        the rank holds (an embedding or head matrix is a block of its own), sharded; at most the
+        rank's whole state."""
         prof = step.profile
         big = max(prof.params_embedding * load.embedding, prof.params_head * load.head) / (step.plan.tp * step.fs)
-        return max(step.c.offload_block_bytes, STATE_BYTES * big)
+        whole = STATE_BYTES * step.p_stage(load) / step.fs  # no block is larger than the rank's state
+        return min(whole, max(step.c.offload_block_bytes, STATE_BYTES * big))
 
     def host_bytes(self, plan: Any, p_local: float, step: Any = None, load: RankLoad | None = None) -> float:
         """Host memory of one rank's offloaded states. Host tier: fp32 masters + AdamW moments (12 B
