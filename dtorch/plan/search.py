@@ -588,8 +588,9 @@ def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: 
             need = f"{e.host_bytes_per_rank * g.devices_per_node / GiB:,.0f} GiB of host memory"
             if e.disk_bytes_per_rank:
                 need += f" and {e.disk_bytes_per_rank * g.devices_per_node / GiB:,.0f} GiB of local disk"
-            out.append(f"with {need} per node (declared {g.host_memory_bytes / GiB:,.0f} GiB host memory, "
-                       f"{g.disk_bytes / GiB:,.0f} GiB disk): {p.describe()} fits "
+            declared = [f"{v / GiB:,.0f} GiB {what}" for v, what in
+                        ((g.host_memory_bytes, "host memory"), (g.disk_bytes, "disk")) if v > 0]
+            out.append(f"with {need} per node (declared: {', '.join(declared)}): {p.describe()} fits "
                        f"({e.memory_bytes_per_rank / GiB:.1f} GiB per rank)")
     g0 = cluster.slowest_group()
     for mult in (2, 4, 8, 16, 32, 64):
