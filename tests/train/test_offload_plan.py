@@ -104,6 +104,7 @@ def test_a_model_over_the_declared_device_memory_trains_with_the_planners_offloa
     assert nvme["memory"][0]["disk_bytes"] == 8 * nvme["numel"]  # the planner's disk_bytes_per_rank: 8 N
     counted = estimate(Plan(**nvme_plan), prof, roomy)
     assert counted.disk_bytes_per_rank == 8 * nvme["numel"]
+    assert 4 * nvme["numel"] <= nvme["memory"][0]["host_bytes"] <= counted.host_bytes_per_rank  # masters + buffers
     assert len(nvme["losses"]) == STEPS and all(loss == loss and loss < 20 for loss in nvme["losses"])
     assert not list((tmp_path / "nvme").iterdir())  # its files were removed
 
