@@ -4,7 +4,8 @@
     dtorch probe --nproc 4             # 4 ranks at once: the numbers a 4-rank job gets per rank
     dtorch probe --nproc 2,4 --quick   # one calibration per job size, quick shapes
     dtorch run --nproc-per-node 8 -m dtorch.cli probe   # inside a launched job (all ranks probe)
-    dtorch probe --disk /local/nvme/tmp   # only the disk: write/read bandwidth (the NVMe optimizer tier)
+    dtorch probe --disk /local/nvme/tmp   # only the disk: write/read bandwidth (the NVMe optimizer tier),
+                                          # recorded in this host's stored calibrations (or --out FILE)
 
 The calibration goes to ~/.cache/dtorch/calibration/<cluster>.json (or --out); `local_cluster()`
 and `load_cluster("detect")` merge it over the nominal numbers, so the next plan uses it.
@@ -30,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--dtypes", default=None, help="GEMM dtypes, comma list (default float32,bfloat16)")
     p.add_argument("--json", action="store_true", help="print the calibration document")
     p.add_argument("--disk", default=None, metavar="DIR",
-                   help="measure the disk holding DIR (write to fdatasync, read with the cache dropped) and stop")
+                   help="measure the disk holding DIR (write to fdatasync, read with the cache dropped), record it "
+                        "in the calibration (--out FILE, else every calibration stored for this host) and stop")
     p.add_argument("--disk-bytes", type=int, default=256 * 2**20, help="bytes written and read by --disk")
     p.set_defaults(func=run)
 
@@ -47,6 +49,27 @@ def _nprocs(text: str | None) -> list[int | None]:
     return out
 
 
+def _record_disk(doc: dict, out: str | None) -> list:
+    """Where `dtorch probe --disk` records its figures: `out`, else every stored calibration this
+    host wrote (one per job size); none stored: say how to make one."""
+    import socket
+
+    from dtorch.cluster.calibration_store import calibration_dir, read_calibration, record_disk
+
+    if out:
+        return [record_disk(doc, out)]
+    paths = []
+    for p in sorted(calibration_dir().glob("*.json")) if calibration_dir().is_dir() else []:
+        try:
+            if read_calibration(p).get("host") == socket.gethostname():
+                paths.append(record_disk(doc, p))
+        except ConfigError:
+            continue  # another version's or a damaged file: not ours to rewrite
+    if not paths:
+        print("no calibration stored for this host: run `dtorch probe` first, or give --out FILE to record the disk")
+    return paths
+
+
 def run(args: argparse.Namespace) -> int:
     from dtorch.cluster.probe import run_probe, summary
 
@@ -56,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
         doc = measure_disk(args.disk, nbytes=args.disk_bytes)
         print(json.dumps(doc, indent=1) if args.json else disk_summary(doc))
+        for path in _record_disk(doc, args.out):
+            print(f"recorded in {path}")
         return 0
     nprocs = _nprocs(args.nproc)
     if args.out and len(nprocs) > 1:

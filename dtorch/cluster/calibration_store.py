@@ -63,7 +63,26 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
             v = link.get(key)
             if not (isinstance(v, (int, float)) and v >= 0 and (key == "latency" or v > 0)):
                 raise ConfigError(f"{source}.links.{cls}.{key}", v, "must be a positive number")
+    disk = doc.get("disk")
+    if disk is not None:
+        if not isinstance(disk, dict):
+            raise ConfigError(f"{source}.disk", disk, "a mapping written by `dtorch probe --disk DIR`")
+        for key in ("read_bytes_per_s", "write_bytes_per_s", "free_bytes"):
+            v = disk.get(key)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ConfigError(f"{source}.disk.{key}", v, "must be a positive number; run `dtorch probe --disk DIR` again")
     return doc
+
+
+def record_disk(disk: dict, path: str | Path) -> Path:
+    """Merge a `measure_disk` result into the calibration file at `path` as its `disk` entry (a file
+    holding only that entry is made if none exists): the planner then prices the NVMe optimizer
+    tier with this disk's bandwidth and checks its free bytes (`apply_calibration`)."""
+    p = Path(path).expanduser()
+    doc = read_calibration(p) if p.exists() else {"version": CALIBRATION_VERSION}
+    doc["disk"] = {k: disk[k] for k in ("directory", "bytes", "read_bytes_per_s", "write_bytes_per_s",
+                                       "read_cached_bytes_per_s", "free_bytes") if k in disk}
+    return write_calibration(doc, p)
 
 
 def read_calibration(path: str | Path) -> dict:
@@ -115,7 +134,8 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
     Device: measured peak FLOP/s per dtype (unmeasured dtypes keep the preset's), matmul efficiency
     (times a runtime-feedback correction if one is stored), memory bandwidth; memory capacity is
     lowered when feedback found memory above prediction (the planner then keeps that headroom).
-    Links: the measured alpha-beta per link class. The device name gets a ``*`` so that the cost
+    Links: the measured alpha-beta per link class. Disk (`dtorch probe --disk`): read and write
+    bandwidth (cache dropped) and free bytes per node, unless the cluster file gives them. The device name gets a ``*`` so that the cost
     model's per-name efficiency table no longer overrides the measured efficiency. The whole
     document is kept in `cluster.calibration`."""
     dev_doc = doc.get("device") or {}
@@ -151,7 +171,12 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
             intra = _link(links["intra"], intra)
         if "inter" in links:
             inter = _link(links["inter"], inter)
-        groups.append(dataclasses.replace(g, device=dev, intra=intra, inter=inter))
+        disk = doc.get("disk") or {}
+        groups.append(dataclasses.replace(
+            g, device=dev, intra=intra, inter=inter,
+            disk_bytes=g.disk_bytes or int(disk.get("free_bytes", 0)),
+            disk_read_bytes_per_s=g.disk_read_bytes_per_s or float(disk.get("read_bytes_per_s", 0.0)),
+            disk_write_bytes_per_s=g.disk_write_bytes_per_s or float(disk.get("write_bytes_per_s", 0.0))))
     return Cluster(groups=groups, name=cluster.name, calibration={**cluster.calibration, **doc})
 
 

@@ -13,6 +13,9 @@ File format (YAML or JSON; `save_cluster` writes it, `load_cluster` reads it bac
         intra: {kind: nvlink, bandwidth: 4.5e+11, latency: 2.0e-06, efficiency: 0.8}   # optional
         inter: {kind: ib, bandwidth: 5.0e+10, latency: 5.0e-06}                       # optional
         host_memory_bytes: 2199023255552                                              # optional
+        disk_bytes: 3.0e+12           # optional: local disk the NVMe optimizer tier may fill, per node
+        disk_read_bytes_per_s: 3.0e+9 # optional (else `dtorch probe --disk`'s, else a nominal figure)
+        disk_write_bytes_per_s: 1.5e+9
     calibration: {}             # written by `dtorch probe`
 
 Every malformed value raises ConfigError naming the field path (``groups[0].num_nodes``).
@@ -189,7 +192,8 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
     for i, g in enumerate(groups_raw):
         path = f"groups[{i}]"
         g = _mapping(g, path)
-        allowed = {"device", "num_nodes", "devices_per_node", "intra", "inter", "host_memory_bytes", "host_cores"}
+        allowed = {"device", "num_nodes", "devices_per_node", "intra", "inter", "host_memory_bytes", "host_cores",
+                   "disk_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s"}
         unknown = sorted(set(g) - allowed)
         if unknown:
             raise ConfigError(f"{path}.{unknown[0]}", g[unknown[0]], f"unknown node-group field; {choices(sorted(allowed))}")
@@ -207,6 +211,9 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
             inter=_link(g.get("inter"), f"{path}.inter", d_inter, INTER_KINDS),
             host_memory_bytes=_num(g, "host_memory_bytes", path, integer=True, positive=False, default=d_host),
             host_cores=_num(g, "host_cores", path, integer=True, positive=False, default=0),
+            disk_bytes=_num(g, "disk_bytes", path, integer=True, positive=False, default=0),
+            disk_read_bytes_per_s=_num(g, "disk_read_bytes_per_s", path, positive=False, default=0.0),
+            disk_write_bytes_per_s=_num(g, "disk_write_bytes_per_s", path, positive=False, default=0.0),
         ))
     name = d.get("name", "cluster")
     calib = d.get("calibration") or {}
@@ -227,6 +234,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                 "inter": dataclasses.asdict(g.inter),
                 "host_memory_bytes": g.host_memory_bytes,
                 "host_cores": g.host_cores,
+                "disk_bytes": g.disk_bytes,
+                "disk_read_bytes_per_s": g.disk_read_bytes_per_s,
+                "disk_write_bytes_per_s": g.disk_write_bytes_per_s,
             }
             for g in cluster.groups
         ],

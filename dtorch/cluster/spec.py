@@ -89,6 +89,13 @@ class NodeGroup:
     host_cores: int = 0
     """CPU cores per node; 0 = unknown. A CPU cluster whose ranks outnumber its cores time-shares
     them: a rank that waits (a pipeline bubble) lends its share to the busy ones."""
+    disk_bytes: int = 0
+    """Bytes of the local disk the NVMe optimizer tier may fill, per node; 0 = unknown (no check)."""
+    disk_read_bytes_per_s: float = 0.0
+    """Local disk read bandwidth per node (cache dropped), bytes/s; 0 = unknown (the cost model's
+    conservative nominal figure). `dtorch probe --disk DIR` measures it into the calibration."""
+    disk_write_bytes_per_s: float = 0.0
+    """Local disk write bandwidth per node (to fdatasync), bytes/s; 0 = unknown (nominal)."""
 
     @property
     def num_devices(self) -> int:

@@ -9,7 +9,6 @@ a `ConfigError` naming the field, the value and the fix. Pure: no torch.distribu
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -80,8 +79,5 @@ def check_plan(
 def check_executable(plan: Plan) -> None:
     """The limits of this executor on torch 2.13 (not of the plan): ConfigError naming the field to
     change if one is hit. Each strategy declares its own (`Strategy.limits`), so that the planner
-    ranks only runnable plans. One exception: `offload=optimizer` runs (the host tier,
-    `dtorch.train.offload`) but the planner does not offer it until it models the tiers."""
-    if plan.offload == "optimizer":
-        plan = dataclasses.replace(plan, offload="none")
+    ranks only runnable plans."""
     strategies.check_executable(plan)

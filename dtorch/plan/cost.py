@@ -127,7 +127,18 @@ class CostConstants:
     host_link_bandwidth: float = 25e9
     """Device <-> host copies for offload, bytes/s per device (PCIe gen4 x16, effective)."""
     cpu_adam_bytes_per_s: float = 10e9
-    """CPU Adam throughput per device share of a host, bytes of optimizer traffic per second."""
+    """CPU Adam throughput per device share of a host, bytes of optimizer traffic per second (a
+    nominal figure: not measured on a GPU host yet; the offload benchmark's host tier on the shared
+    2-core development machine reached about 6.8e9, benchmarks/results/offload.md)."""
+    disk_read_bytes_per_s: float = 1.0e9
+    """Local disk read bandwidth per node when the cluster gives none (`dtorch probe --disk`): a
+    conservative nominal figure, a SATA-class SSD (a datacenter NVMe drive reads 3-7 GB/s)."""
+    disk_write_bytes_per_s: float = 0.5e9
+    """Local disk write bandwidth per node when the cluster gives none: nominal, conservative."""
+    offload_block_bytes: float = 64 * 2**20
+    """The optimizer tiers' block of state moved at a time (`OptimizerOffload.block_bytes`)."""
+    offload_buffers: int = 3
+    """The NVMe tier's block buffers in host memory (`OptimizerOffload.buffers`)."""
     fixed_overhead_bytes: float = 2.0 * GiB
     """CUDA context, NCCL buffers, cuBLAS workspaces per rank."""
     fragmentation: float = 0.05
@@ -201,6 +212,9 @@ class Estimate:
     """The matmul efficiency the compute time used."""
     host_bytes_per_rank: int = 0
     """Host (CPU) memory the rank's offloaded states take; `fits` requires the node's ranks to fit."""
+    disk_bytes_per_rank: int = 0
+    """Local-disk bytes of the rank's NVMe-tier files; `fits` requires the node's ranks to fit the
+    node's declared or measured `disk_bytes` (when known)."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -213,6 +227,7 @@ class Estimate:
             "memory_capacity": self.memory_capacity,
             "host_bytes_per_rank": self.host_bytes_per_rank,
             "fits": self.fits,
+            **({"disk_bytes_per_rank": self.disk_bytes_per_rank} if self.disk_bytes_per_rank else {}),
             "time_breakdown": dict(self.time_breakdown),
             "memory_breakdown": dict(self.memory_breakdown),
         }
@@ -260,7 +275,7 @@ def _states(plan: Plan, p_stage: float) -> dict[str, int]:
     if plan.pp > 1 and shard > 1 and plan.num_microbatches > 1 and plan.offload != "params":
         # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter before)
         grads += DTYPE_BYTES[plan.param_dtype] * p_stage
-    optim = 0.0 if plan.offload in ("optimizer", "params") else 8.0 * p_stage / shard
+    optim = 0.0 if plan.offload in ("optimizer", "optimizer_nvme", "params") else 8.0 * p_stage / shard
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}
 
 
@@ -518,7 +533,8 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
     r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}
     if plan.offload != "none":
-        r.host_bytes = MEMORY.host_bytes(plan, p_stage / step.fs)
+        r.host_bytes = MEMORY.host_bytes(plan, p_stage / step.fs, step, load)
+        r.disk_bytes = MEMORY.disk_bytes(plan, p_stage / step.fs)
 
 
 def rank_share(step: StepShape, load: RankLoad, timed) -> RankShare:
@@ -591,6 +607,7 @@ def estimate(
         fits=total <= step.dev.memory_bytes and host_ok,
         efficiency=step.eff,
         host_bytes_per_rank=int(host),
+        disk_bytes_per_rank=int(max(r.disk_bytes for r in shares)),
         notes=notes,
     )
 
@@ -630,6 +647,11 @@ def _host_memory(step: StepShape, shares: list[RankShare]) -> tuple[float, bool,
     notes = [] if ok else [
         f"offloaded states need {host * g.devices_per_node / 2**30:,.0f} GiB of host memory per node, "
         f"{g.host_memory_bytes / 2**30:,.0f} GiB available"]
+    disk = max(r.disk_bytes for r in shares) * g.devices_per_node
+    if disk and 0 < g.disk_bytes < disk:
+        ok = False
+        notes.append(f"the NVMe tier's files need {disk / 2**30:,.1f} GiB of local disk per node, "
+                     f"{g.disk_bytes / 2**30:,.1f} GiB available")
     return host, ok, notes
 
 

@@ -105,6 +105,11 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         f"  time: {time_breakdown(est)}",
         f"  memory per rank {_gib(est.memory_bytes_per_rank)} of {_gib(est.memory_capacity)} GiB: {memory_breakdown(est)}",
     ]
+    if plan.offload != "none":
+        from dtorch.plan.cost import DEFAULT_CONSTANTS
+        from dtorch.plan.strategies.memory import MEMORY
+
+        out.append(f"  offload: {MEMORY.offload_summary(plan, est, result.cluster.slowest_group(), DEFAULT_CONSTANTS)}")
     why_prec = precision_reason(result, plan, est)
     if why_prec:
         out.append(f"  precision: {why_prec}")

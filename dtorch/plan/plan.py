@@ -58,7 +58,9 @@ class Plan:
     ac: str = "none"
     """Activation checkpointing: none | selective | full."""
     offload: str = "none"
-    """none | optimizer (optimizer states on CPU) | params (FSDP CPU offload of params+grads+optimizer)."""
+    """none | optimizer (optimizer states + fp32 masters in host memory, the step on the CPU) |
+    optimizer_nvme (the states in files on a local disk; `dtorch train --offload-dir`) | params
+    (FSDP CPU offload of params+grads+optimizer). docs/memory-tiers.md."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2-like)."""
     param_dtype: str = "float32"

@@ -45,7 +45,7 @@ from dtorch.plan.strategies.base import divisors as _divisors
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
 from dtorch.plan.strategies.fsdp import FSDP
-from dtorch.plan.strategies.memory import MEMORY
+from dtorch.plan.strategies.memory import MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PARTITION_MARGIN, PIPELINE, bubble_fraction, ideal_load  # noqa: F401
 from dtorch.plan.strategies.precision import PRECISION, PRECISION_MARGIN  # noqa: F401
 from dtorch.plan.strategies.tensor import TENSOR
@@ -545,7 +545,8 @@ def _inner(base: Plan, fixed: dict[str, Any], consider, hopeless) -> bool:
 
 def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: dict[str, Any],
              constants: CostConstants, closest: tuple[Plan, Estimate] | None) -> list[str]:
-    """The smallest changes that make some plan fit: unfix a field, more nodes, a shorter sequence."""
+    """The smallest changes that make some plan fit: unfix a field, an offload tier (where offload is
+    fixed), more host memory or disk for the tiers, more nodes, a shorter sequence."""
     out: list[str] = []
     if closest is not None:
         plan, est = closest
@@ -567,6 +568,30 @@ def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: 
             p, e = r.best
             out.append(f"drop the fixed {key}={fixed[key]}: {p.describe()} fits "
                        f"({e.memory_bytes_per_rank / GiB:.1f} GiB, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)")
+    if "offload" in fixed:
+        for tier in OFFLOAD_POLICIES[1:]:
+            r = None if tier == fixed["offload"] else fits(profile, cluster, {**fixed, "offload": tier}, global_batch)
+            if r is not None:
+                p, e = r.best
+                out.append(f"offload={tier}: {p.describe()} fits ({e.memory_bytes_per_rank / GiB:.1f} GiB per rank, "
+                           f"{e.host_bytes_per_rank / GiB:.1f} GiB host memory per rank)")
+                break
+    budgets = [g for g in cluster.groups if g.host_memory_bytes > 0 or g.disk_bytes > 0]
+    if budgets and fixed.get("offload", "optimizer") != "none":
+        # the tiers may fail only on the host memory or the disk the cluster declares
+        cl = Cluster([dataclasses.replace(g, host_memory_bytes=0, disk_bytes=0) for g in cluster.groups],
+                     name=cluster.name, calibration=cluster.calibration)
+        r = fits(profile, cl, fixed, global_batch)
+        if r is not None and r.best[0].offload != "none":
+            p, e = r.best
+            g = cluster.slowest_group()
+            need = f"{e.host_bytes_per_rank * g.devices_per_node / GiB:,.0f} GiB of host memory"
+            if e.disk_bytes_per_rank:
+                need += f" and {e.disk_bytes_per_rank * g.devices_per_node / GiB:,.0f} GiB of local disk"
+            declared = [f"{v / GiB:,.0f} GiB {what}" for v, what in
+                        ((g.host_memory_bytes, "host memory"), (g.disk_bytes, "disk")) if v > 0]
+            out.append(f"with {need} per node (declared: {', '.join(declared)}): {p.describe()} fits "
+                       f"({e.memory_bytes_per_rank / GiB:.1f} GiB per rank)")
     g0 = cluster.slowest_group()
     for mult in (2, 4, 8, 16, 32, 64):
         nodes = cluster.num_nodes * mult

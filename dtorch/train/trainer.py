@@ -96,8 +96,9 @@ class Trainer:
         rank 0 (port 0 = a free one; default $DTORCH_MONITOR_PORT, unset = no server); see
         docs/monitoring.md.
       offload: where the optimizer state and fp32 master weights live (docs/memory-tiers.md):
-        None = what the plan says (its offload=optimizer is the host tier), "none", "optimizer"
-        (host memory, the step on the CPU), "optimizer_nvme" (files in `offload_dir`), or a
+        None = what the plan says (its offload=optimizer is the host tier, optimizer_nvme the
+        NVMe tier in `offload_dir`), "none", "optimizer" (host memory, the step on the CPU),
+        "optimizer_nvme" (files in `offload_dir`), or a
         dtorch.train.offload.OptimizerOffload for the budget, buffers and params_on_disk.
       offload_dir: the NVMe tier's directory on a local disk (checked before training starts).
       trace_comms: record every collective of every rank to <log_dir>/comms-rank<r>.jsonl, with a

@@ -125,7 +125,7 @@ def test_context_parallel_shards_cover_the_sequence_once_with_equal_causal_work(
         assert len({int((s + 1).sum()) for s in shards}) == 1
 
 
-def test_optimizer_offload_is_run_by_the_executor_but_not_yet_offered_by_the_planner():
+def test_optimizer_offload_is_run_by_the_executor_and_offered_by_the_planner():
     import pytest
 
     from dtorch.errors import ConfigError
@@ -133,10 +133,10 @@ def test_optimizer_offload_is_run_by_the_executor_but_not_yet_offered_by_the_pla
     from dtorch.plan.limits import unsupported
     from dtorch.plan.plan import Plan
 
-    # the executor applies offload=optimizer (dtorch.train.offload, the host tier) ...
-    check_executable(Plan(dp_shard=2, offload="optimizer"))
-    # ... while the planner's list still refuses it until the planner models the tiers
-    assert "offload" in (unsupported(Plan(dp_shard=2, offload="optimizer")) or "")
+    # the executor applies both optimizer tiers (dtorch.train.offload) and the planner's list agrees
+    for tier in ("optimizer", "optimizer_nvme"):
+        check_executable(Plan(dp_shard=2, offload=tier))
+        assert unsupported(Plan(dp_shard=2, offload=tier)) is None
     # and the executor's other limits still hold for such a plan
     with pytest.raises(ConfigError, match="cp"):
         check_executable(Plan(cp=2, pp=2, offload="optimizer"))

@@ -85,7 +85,7 @@ def test_a_bad_sequence_split_names_the_plan_field_in_the_planner_and_seq_len_in
 def test_limits_are_what_the_planner_skips_and_the_executor_refuses():
     from dtorch.parallel.check import check_executable
 
-    for plan, field in [(Plan(cp=2, pp=2, num_microbatches=2), "cp"), (Plan(offload="optimizer"), "offload"),
+    for plan, field in [(Plan(cp=2, pp=2, num_microbatches=2), "cp"),
                         (Plan(param_dtype="float16"), "param_dtype"),
                         (Plan(pp=2, num_microbatches=2, schedule="zero_bubble", ac="selective"), "schedule")]:
         why = strategies.unsupported(plan)
@@ -93,6 +93,9 @@ def test_limits_are_what_the_planner_skips_and_the_executor_refuses():
             check_executable(plan)
         assert why and err.value.field == field and why in str(err.value)
     assert strategies.unsupported(Plan(dp_shard=2, tp=2, sp=True)) is None
+    for tier in ("optimizer", "optimizer_nvme"):  # dtorch.train.offload applies both: one rule set
+        assert strategies.unsupported(Plan(offload=tier)) is None
+        check_executable(Plan(offload=tier))
 
 
 def test_family_and_describe_are_composed_from_the_strategies():

@@ -234,3 +234,19 @@ def test_disk_probe_measures_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ConfigError, match="disk"):
         measure_disk(tmp_path / "missing")
+
+
+def test_disk_probe_records_its_figures_in_the_calibration(tmp_path, monkeypatch, capsys):
+    from dtorch.cli import main
+    from dtorch.cluster.calibration_store import read_calibration
+
+    disk, out = tmp_path / "disk", tmp_path / "calib.json"
+    disk.mkdir()
+    assert main(["probe", "--disk", str(disk), "--disk-bytes", str(2**20), "--out", str(out)]) == 0
+    doc = read_calibration(out)["disk"]
+    assert doc["write_bytes_per_s"] > 0 and doc["read_bytes_per_s"] > 0 and doc["free_bytes"] > 0
+    assert f"recorded in {out}" in capsys.readouterr().out
+    # without --out: this host's stored calibrations (none here: it says how to make one)
+    monkeypatch.setenv("DTORCH_CALIBRATION_DIR", str(tmp_path / "empty"))
+    assert main(["probe", "--disk", str(disk), "--disk-bytes", str(2**20)]) == 0
+    assert "run `dtorch probe` first" in capsys.readouterr().out

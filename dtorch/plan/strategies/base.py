@@ -117,6 +117,8 @@ class RankShare:
     offload: float = 0.0
     memory: dict = field(default_factory=dict)
     host_bytes: float = 0.0
+    disk_bytes: float = 0.0
+    """Bytes of the rank's NVMe-tier files (offload=optimizer_nvme)."""
     p_stage: float = 0.0
     """Parameters the rank holds per TP rank."""
 

@@ -1,16 +1,21 @@
 """Memory policies: activation checkpointing (`ac`: none, selective, full) and offload (`offload`:
-none, optimizer states, or FSDP's CPU offload of parameters, gradients and optimizer states).
+none; optimizer: optimizer states and fp32 master weights in host memory, the step on the CPU;
+optimizer_nvme: the same with the optimizer states in files on a local disk; params: FSDP's CPU
+offload of parameters, gradients and optimizer states).
 
-Executor halves: `dtorch.parallel.ac` (checkpoint wrappers per block) and `dtorch.parallel.fsdp`
-(CPUOffloadPolicy).
+Executor halves: `dtorch.parallel.ac` (checkpoint wrappers per block), `dtorch.train.offload`
+(the host and NVMe optimizer tiers, docs/memory-tiers.md) and `dtorch.parallel.fsdp` (CPUOffloadPolicy).
 
 Time: full AC repeats each block's forward, 1/3 of its training FLOPs (Korthikanti et al. 2022);
 selective AC (DTorch's own policy, `dtorch.parallel.ac`) keeps the outputs of matmuls and of the
 attention kernel and re-runs the block's element-wise forward; the published runs' policies
 (Korthikanti's attention core, 4 h s per token per block; torchtitan's every second matmul) are
-priced when the calibration names them (`StepShape.selective`). Offload moves
-the optimizer step to the CPU (`cpu_adam_bytes_per_s`) and its states over the host link, and with
-parameters offloaded every gather and reduction too. Memory: activations per block by policy from
+priced when the calibration names them (`StepShape.selective`). The optimizer tiers (`offload_time`)
+run the step on the CPU (`cpu_adam_bytes_per_s`; a CPU cluster's own memory bandwidth, the kernel being
+the in-memory one) after copying the float32 gradients down and the float32 weights back up the host
+link, not overlapped with the backward; the NVMe tier also reads and writes the states on the node's
+disk (shared by its ranks), overlapped with the CPU step. With parameters offloaded every gather and
+reduction crosses the host link too. Memory: activations per block by policy from
 the profile (Korthikanti Table 2 shapes); full AC re-materialises one block during its backward.
 """
 
@@ -20,10 +25,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtorch.errors import choices
-from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation
+from dtorch.plan.strategies.base import Dims, Field, RankLoad, RankShare, Strategy, Violation
 
 AC_POLICIES = ("none", "selective", "full")
-OFFLOAD_POLICIES = ("none", "optimizer", "params")
+OFFLOAD_POLICIES = ("none", "optimizer", "optimizer_nvme", "params")
+"""In the order the search tries them, each only where the one before fits nothing: the host tier
+saves the optimizer states' device memory (8 B/param), the NVMe tier the same device memory and most
+of the host memory the host tier needs, FSDP's CPU offload also the parameters and gradients."""
+OPTIMIZER_TIERS = ("optimizer", "optimizer_nvme")
+"""The plan values `dtorch.train.offload` applies (host tier, NVMe tier)."""
+STATE_BYTES = 8.0
+"""AdamW's two float32 moments per parameter (what the tiers take off the device)."""
+MASTER_BYTES = 4.0
+"""The float32 master weights the tiers keep beside the state (host memory)."""
 LADDER = [("none", False), ("none", True), ("selective", False), ("selective", True), ("full", False), ("full", True)]
 """(ac, reshard_after_forward) in order of cost: more recomputation or more traffic is never faster."""
 
@@ -121,12 +135,6 @@ class Memory(Strategy):
         if plan.offload not in OFFLOAD_POLICIES:
             yield Violation("offload", plan.offload, choices(OFFLOAD_POLICIES))
 
-    def limits(self, plan: Any) -> Iterator[Limit]:
-        if plan.offload == "optimizer":
-            yield Limit("optimizer-state offload (ZeRO-Offload) is not implemented by this executor; "
-                        "offload=params (FSDP2 CPU offload) is", "offload", plan.offload,
-                        "use offload=params (with dp_shard > 1) or none")
-
     def describe(self, plan: Any):
         if plan.ac != "none":
             yield 30, f"ac={plan.ac}"
@@ -184,6 +192,9 @@ class Memory(Strategy):
         plan, c = step.plan, step.c
         p_local = r.p_stage / step.fs
         m, pb, rb = plan.num_microbatches, step.param_b, step.red_b
+        if plan.offload in OPTIMIZER_TIERS:
+            r.offload = self.offload_time(step, load, p_local)
+            return
         r.offload = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
         r.offload += p_local * (rb + pb) / c.host_link_bandwidth  # grads down, params up
         if plan.offload == "params":
@@ -191,10 +202,82 @@ class Memory(Strategy):
             r.offload += n_ag * p_local * pb / c.host_link_bandwidth
             r.offload += m * p_local * rb / c.host_link_bandwidth
 
-    def host_bytes(self, plan: Any, p_local: float) -> float:
-        """Host memory of one rank's offloaded states (ZeRO-Offload: fp32 master params + Adam
-        moments, plus fp32 grads when parameters are offloaded too)."""
-        return 12.0 * p_local if plan.offload == "optimizer" else (16.0 * p_local if plan.offload == "params" else 0.0)
+    def offload_time(self, step: Any, load: RankLoad, p_local: float) -> float:
+        """Seconds per step of an optimizer tier (`dtorch.train.offload`): float32 gradients down and
+        float32 weights up the host link (the device parameters are the float32 ones; a CPU cluster
+        copies them at its memory bandwidth, read and write), the AdamW step on the CPU (28 B of traffic
+        per parameter), and for the NVMe tier the state read and written on the node's disk, shared by
+        its ranks and overlapped with the step, plus one block's read before the first step."""
+        c, dev = step.c, step.dev
+        if step.cpu:
+            cpu_step = p_local * c.optimizer_bytes_per_param / (dev.memory_bandwidth * 0.8)
+            copies = p_local * 2.0 * (4.0 + 4.0) / dev.memory_bandwidth
+        else:
+            cpu_step = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
+            copies = p_local * (4.0 + 4.0) / c.host_link_bandwidth
+        if step.plan.offload != "optimizer_nvme":
+            return cpu_step + copies
+        read_bw, write_bw = disk_bandwidth(step.g, c)
+        ranks = step.g.devices_per_node
+        disk = ranks * p_local * STATE_BYTES * (1.0 / read_bw + 1.0 / write_bw)
+        return max(cpu_step, disk) + copies + self.block_bytes(step, load) / read_bw
+
+    def block_bytes(self, step: Any, load: RankLoad) -> float:
+        """State bytes of the tiers' largest block: `offload_block_bytes`, or the largest parameter
+        the rank holds (an embedding or head matrix is a block of its own), sharded; at most the
+        rank's whole state."""
+        prof = step.profile
+        big = max(prof.params_embedding * load.embedding, prof.params_head * load.head) / (step.plan.tp * step.fs)
+        whole = STATE_BYTES * step.p_stage(load) / step.fs  # no block is larger than the rank's state
+        return min(whole, max(step.c.offload_block_bytes, STATE_BYTES * big))
+
+    def host_bytes(self, plan: Any, p_local: float, step: Any = None, load: RankLoad | None = None) -> float:
+        """Host memory of one rank's offloaded states. Host tier: fp32 masters + AdamW moments (12 B
+        per parameter) and two gradient staging buffers (half a block each); NVMe tier: the masters
+        (4 B) and `offload_buffers` block buffers with their gradient staging; FSDP's CPU offload: fp32
+        params, grads and moments (16 B)."""
+        if plan.offload == "params":
+            return 16.0 * p_local
+        if plan.offload not in OPTIMIZER_TIERS:
+            return 0.0
+        block = self.block_bytes(step, load) if step is not None else DEFAULT_BLOCK_BYTES
+        if plan.offload == "optimizer":
+            return (MASTER_BYTES + STATE_BYTES) * p_local + 2 * block / 2
+        buffers = step.c.offload_buffers if step is not None else 3
+        return MASTER_BYTES * p_local + buffers * 1.5 * block
+
+    def disk_bytes(self, plan: Any, p_local: float) -> float:
+        """Bytes of one rank's NVMe-tier files (the AdamW moments; `dtorch.train.offload.bytes_needed`)."""
+        return STATE_BYTES * p_local if plan.offload == "optimizer_nvme" else 0.0
+
+    def offload_summary(self, plan: Any, est: Any, group: Any, c: Any) -> str:
+        """What the plan moved where and what it costs (for `dtorch.plan.explain`)."""
+        t = est.time_breakdown.get("offload", 0.0)
+        cost = f"{t:.2f} s per step ({t / est.step_time_s:.0%}), not overlapped with compute"
+        host = f"{est.host_bytes_per_rank / 2**30:.1f} GiB of host memory per rank"
+        if plan.offload == "params":
+            return (f"parameters, gradients and optimizer states in host memory (FSDP CPU offload), {host}; "
+                    f"the step on the CPU and every gather and reduction over the host link: {cost}")
+        where = "host memory" if plan.offload == "optimizer" else "files on the node's local disk"
+        line = (f"AdamW states (8 B/param) in {where}, fp32 master weights in host memory, the step on the CPU: "
+                f"{host}")
+        if plan.offload == "optimizer_nvme":
+            read_bw, write_bw = disk_bandwidth(group, c)
+            src = "measured" if group.disk_read_bytes_per_s > 0 else "nominal, run `dtorch probe --disk DIR`"
+            line += (f", {est.disk_bytes_per_rank / 2**30:.1f} GiB on disk per rank read and written each step at "
+                     f"{read_bw / 1e9:.2f} / {write_bw / 1e9:.2f} GB/s ({src})")
+        return line + f"; costs {cost}"
+
+
+DEFAULT_BLOCK_BYTES = 64 * 2**20
+"""`OptimizerOffload.block_bytes`' default (state bytes moved at a time)."""
+
+
+def disk_bandwidth(group: Any, c: Any) -> tuple[float, float]:
+    """(read, write) bytes/s of a node group's local disk: the cluster's (file or `dtorch probe --disk`
+    calibration), else the constants' conservative nominal figures."""
+    return (group.disk_read_bytes_per_s or c.disk_read_bytes_per_s,
+            group.disk_write_bytes_per_s or c.disk_write_bytes_per_s)
 
 
 MEMORY = Memory()

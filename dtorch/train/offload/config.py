@@ -3,8 +3,8 @@
     Trainer(..., offload="optimizer")                       # host tier: states + fp32 masters in RAM
     Trainer(..., offload=OptimizerOffload("nvme", directory="/nvme/tmp", budget_bytes=200 * 2**30))
 
-The plan's `offload=optimizer` selects the host tier too (the planner does not choose the tiers
-yet; see docs/memory-tiers.md).
+The plan's `offload=optimizer` selects the host tier too, its `offload=optimizer_nvme` the NVMe tier
+in `offload_dir` (the planner chooses them where nothing cheaper fits; see docs/memory-tiers.md).
 """
 
 from __future__ import annotations
@@ -64,10 +64,17 @@ class OptimizerOffload:
     def resolve(cls, value: Any, plan_offload: str = "none", directory: str | os.PathLike | None = None
                 ) -> OptimizerOffload | None:
         """The tier of a run: `value` (Trainer's `offload=`: None, a string of OFFLOAD_VALUES, or an
-        OptimizerOffload) wins; else the plan's `offload=optimizer` means the host tier."""
+        OptimizerOffload) wins; else the plan's `offload=optimizer` means the host tier and its
+        `offload=optimizer_nvme` the NVMe tier in `directory`."""
         if isinstance(value, OptimizerOffload):
             return value
         if value is None:
+            if plan_offload == "optimizer_nvme":
+                if directory is None:
+                    raise ConfigError("offload_dir", None,
+                                      "the plan says offload=optimizer_nvme: give a directory on a local disk, "
+                                      "Trainer(offload_dir=...) or `dtorch train --offload-dir DIR`")
+                return cls("nvme", directory=str(directory))
             return cls("host") if plan_offload == "optimizer" else None
         if value == "none":
             return None

@@ -1,0 +1,100 @@
+"""The planner's memory tiers (offload=optimizer, optimizer_nvme): offered only where the cheaper
+levels fit nothing, priced with the cluster's disk, bounded by its host memory and disk, explained,
+and suggested when nothing fits. Analytic profiles only: about 5 s."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from dtorch.cluster import load_cluster
+from dtorch.cluster.calibration_store import apply_calibration, read_calibration, record_disk
+from dtorch.plan.cost import DEFAULT_CONSTANTS, estimate
+from dtorch.plan.explain import explain
+from dtorch.plan.plan import Plan
+from dtorch.plan.profiles import analytic_profile
+from dtorch.plan.search import search
+
+GiB = 2**30
+# an 8B Llama: 16 B/param of model state (128 GB) does not fit one 80 GB H100; 8 B/param does
+P8B = analytic_profile("t8b", "llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                       seq_len=2048)
+
+
+def _one_gpu(**group):
+    cl = load_cluster("h100:1")
+    return dataclasses.replace(cl, groups=[dataclasses.replace(cl.groups[0], **group)])
+
+
+def test_host_tier_is_chosen_where_nothing_fits_in_device_memory():
+    cl = _one_gpu(host_memory_bytes=2048 * GiB)
+    r = search(P8B, cl, global_batch=8, top_k=3)
+    assert r.ranked, r.suggestions
+    plan, est = r.best
+    assert plan.offload == "optimizer" and est.fits
+    assert est.memory_breakdown["optimizer"] == 0 and est.host_bytes_per_rank >= 12 * P8B.params_total
+    # the same plan in memory needs 8 B/param more device memory than there is
+    none = estimate(dataclasses.replace(plan, offload="none"), P8B, cl)
+    assert none.memory_bytes_per_rank - est.memory_bytes_per_rank >= 8 * P8B.params_total
+    assert not none.fits
+    text = explain(r)
+    assert "offload: AdamW states (8 B/param) in host memory" in text and "s per step" in text
+
+
+def test_cheaper_levels_first_the_nvme_tier_only_where_the_host_tier_does_not_fit_host_memory():
+    small = _one_gpu(host_memory_bytes=128 * GiB)  # host tier: 12 B/param = 96 GB > 90 % of it? no: fits
+    assert search(P8B, small, global_batch=8, top_k=1).best[0].offload == "optimizer"
+    tight = _one_gpu(host_memory_bytes=72 * GiB, disk_bytes=2 * 10**12)  # host tier does not fit, NVMe does
+    r = search(P8B, tight, global_batch=8, top_k=1)
+    plan, est = r.best
+    assert plan.offload == "optimizer_nvme"
+    assert est.disk_bytes_per_rank == int(8 * P8B.params_total)
+    assert est.host_bytes_per_rank < 0.9 * 72 * GiB
+    host = estimate(dataclasses.replace(plan, offload="optimizer"), P8B, tight)
+    assert not host.fits and "host memory" in host.notes[0]
+    assert est.step_time_s > host.step_time_s  # the disk is slower than host memory
+    text = explain(r)
+    assert "files on the node's local disk" in text and "nominal" in text
+
+
+def test_disk_bandwidth_comes_from_the_calibration_and_the_disk_budget_is_checked(tmp_path):
+    tight = _one_gpu(host_memory_bytes=72 * GiB, disk_bytes=2 * 10**12)
+    plan = search(P8B, tight, global_batch=8, top_k=1).best[0]
+    nominal = estimate(plan, P8B, tight)
+    # `dtorch probe --disk` records its figures in the calibration; the planner reads them
+    path = record_disk({"directory": "/nvme", "bytes": 1, "read_bytes_per_s": 8e9, "write_bytes_per_s": 4e9,
+                        "read_cached_bytes_per_s": 2e10, "free_bytes": 3 * 10**12}, tmp_path / "c.json")
+    doc = read_calibration(path)
+    assert doc["disk"]["write_bytes_per_s"] == 4e9
+    fast = apply_calibration(_one_gpu(host_memory_bytes=72 * GiB), doc)
+    g = fast.groups[0]
+    assert (g.disk_read_bytes_per_s, g.disk_write_bytes_per_s, g.disk_bytes) == (8e9, 4e9, 3 * 10**12)
+    measured = estimate(plan, P8B, fast)
+    assert measured.time_breakdown["offload"] < nominal.time_breakdown["offload"]
+    d = 8 * P8B.params_total
+    assert nominal.time_breakdown["offload"] >= d / DEFAULT_CONSTANTS.disk_read_bytes_per_s \
+        + d / DEFAULT_CONSTANTS.disk_write_bytes_per_s
+    # a disk too small for the files: the plan does not fit, and the note says by how much
+    full = estimate(plan, P8B, _one_gpu(host_memory_bytes=72 * GiB, disk_bytes=10 * GiB))
+    assert not full.fits and any("local disk per node" in n for n in full.notes)
+
+
+def test_what_would_make_it_fit_names_the_offload_tiers():
+    # offload fixed to none: the suggestion names the tier that fits
+    r = search(P8B, _one_gpu(host_memory_bytes=2048 * GiB), global_batch=8, fixed={"offload": "none"}, top_k=1)
+    assert not r.ranked
+    assert any(s.startswith("offload=optimizer:") for s in r.suggestions), r.suggestions
+    # host memory and disk both too small for any tier: the suggestion says how much is needed
+    r = search(P8B, _one_gpu(host_memory_bytes=16 * GiB, disk_bytes=10 * GiB), global_batch=8, top_k=1)
+    assert not r.ranked
+    assert any("GiB of host memory" in s and "offload=" in s for s in r.suggestions), r.suggestions
+
+
+def test_cluster_file_declares_the_disk(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"name": "x", "groups": [{"device": "h100", "num_nodes": 1, "devices_per_node": 1,
+                                                       "disk_bytes": 5e11, "disk_read_bytes_per_s": 3e9,
+                                                       "disk_write_bytes_per_s": 1.5e9}]}))
+    g = load_cluster(str(f)).groups[0]
+    assert (g.disk_bytes, g.disk_read_bytes_per_s, g.disk_write_bytes_per_s) == (5 * 10**11, 3e9, 1.5e9)
+    assert Plan(offload="optimizer_nvme").describe().endswith("offload=optimizer_nvme")
