@@ -1,7 +1,7 @@
 """The strategy registry: every parallelism and policy declared once, for planner and executor alike.
 
 One file per strategy (`batch`, `precision`, `data`, `fsdp`, `context`, `tensor`, `memory`,
-`pipeline`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
+`pipeline`, `compile`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
 knowledge is a loop over `REGISTRY`: `Plan.validate` and `Plan.family/describe` (`validate`,
 `family`, `describe`), the planner's and the executor's checks (`check`), what this executor
 cannot run (`limits`), the `--fix` fields and their aliases (`FIXABLE`, `FIX_ALIASES`,
@@ -28,6 +28,7 @@ from dtorch.plan.strategies.base import (
     positive_int,
 )
 from dtorch.plan.strategies.batch import BATCH
+from dtorch.plan.strategies.compile import COMPILE
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
 from dtorch.plan.strategies.fsdp import FSDP
@@ -36,7 +37,7 @@ from dtorch.plan.strategies.pipeline import PIPELINE, SCHEDULES
 from dtorch.plan.strategies.precision import DTYPES, PRECISION
 from dtorch.plan.strategies.tensor import TENSOR
 
-REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, CONTEXT, TENSOR, MEMORY, PIPELINE)
+REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, CONTEXT, TENSOR, MEMORY, PIPELINE, COMPILE)
 
 FIELDS: dict[str, Field] = {f.name: f for s in REGISTRY for f in s.fields}
 OWNER: dict[str, Strategy] = {f.name: s for s in REGISTRY for f in s.fields}
