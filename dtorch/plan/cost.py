@@ -462,7 +462,8 @@ def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str |
                           f"{{{', '.join(sorted(dev.peak_flops))}}}") from None
     if dtype == "float8" and not dev.supports("float8"):
         raise ConfigError("dtype", dtype, f"{dev.name} has no float8 tensor cores; use bfloat16")
-    step = StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled, async_tp, selective)
+    step = StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled or plan.compile,
+                     async_tp, selective)
     step.world = world
     return step
 

@@ -30,6 +30,7 @@ __all__ = ["Plan", "PLAN_VERSION", "MESH_AXES", "SCHEDULES", "AC_POLICIES", "OFF
 
 
 @dataclass
+@strategies.declare_fields  # + the fields strategies declare themselves (compile: strategies/compile.py)
 class Plan:
     """How to run one model on one cluster. Every field has a default that means "off"."""
 

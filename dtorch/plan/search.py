@@ -40,7 +40,16 @@ from dtorch.plan.cost import (
     estimate,
 )
 from dtorch.plan.plan import MESH_AXES, Plan
-from dtorch.plan.strategies import FIX_ALIASES, FIXABLE, Dims, RankShare, normalize_fixed, unsupported  # noqa: F401
+from dtorch.plan.strategies import (  # noqa: F401
+    DECLARED_NAMES,
+    FIX_ALIASES,
+    FIXABLE,
+    Dims,
+    RankShare,
+    normalize_fixed,
+    pinned,
+    unsupported,
+)
 from dtorch.plan.strategies.base import divisors as _divisors
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
@@ -320,9 +329,7 @@ def search(
             book.pruned += 1
             continue
         _search_mesh(mesh, book, profile, group, global_batch, fixed, precs, lean_dtype, constants)
-    for plan in [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())]:
-        for variant in PRECISION.variants(plan, fixed):
-            book.consider(variant)
+    _variants(book, fixed, cluster, notes)
     closest = min(book.least_mem.values(), key=lambda pe: pe[1].memory_bytes_per_rank) \
         if not book.ranked and book.least_mem else None
     suggestions = _suggest(profile, cluster, global_batch, fixed, constants, closest) \
@@ -338,10 +345,21 @@ def search(
     )
 
 
+def _variants(book: _Book, fixed: dict[str, Any], cluster: Cluster, notes: list[str]) -> None:
+    """The strategies' variants of the ranked plans and of each family's best (bf16 reduction,
+    calibrated compile), then what the ranked plans cost beyond their step time (compile seconds)."""
+    for plan in [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())]:
+        for variant in strategies.variants(plan, fixed, cluster):
+            book.consider(variant)
+    for _, _, plan, _ in book.ranked:
+        notes += [n for n in strategies.notes(plan, cluster) if n not in notes]
+
+
 def _forced(fixed: dict[str, Any]) -> str | None:
     """Why this executor cannot run what the fixed fields ask for, or None."""
-    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule",
-                                                                       "virtual_stages", "param_dtype")}))
+    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule", "ac",
+                                                                       "virtual_stages", "param_dtype",
+                                                                       *DECLARED_NAMES)}))
 
 
 def _inputs(profile: ModelProfile, cluster: Cluster, global_batch: int, seq_len: int | None,
@@ -402,7 +420,8 @@ class _Book:
     def consider(self, plan: Plan) -> Estimate:
         key = (plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,
                plan.schedule, plan.virtual_stages, plan.ac, plan.offload, plan.reshard_after_forward,
-               plan.param_dtype, plan.reduce_dtype, tuple(plan.layer_partition or ()))
+               plan.param_dtype, plan.reduce_dtype, tuple(plan.layer_partition or ()),
+               *(getattr(plan, n) for n in DECLARED_NAMES))
         if key in self.seen:
             return self.seen[key]
         self.evaluated += 1
@@ -456,6 +475,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
     if not mbss:
         return
     head_blocks = profile.flops_per_token_head / (profile.flops_per_token_block or 1.0)
+    pin = pinned(fixed)
     for offload in MEMORY.offloads(mesh.dp_shard, fixed):
         if offload == "params" and mesh.dp_shard == 1:
             continue  # CPU offload of parameters is an FSDP feature
@@ -480,7 +500,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
                         tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs,
                         num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
                         param_dtype=pdt, reduce_dtype=rdt, layer_partition=part, seq_len=profile.seq_len,
-                        global_batch=global_batch,
+                        global_batch=global_batch, **pin,
                     )
                     fitted |= _inner(base, fixed, book.consider, lambda t, f=fam: not book.worth(t, f))
         if fitted:
@@ -502,6 +522,7 @@ def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dic
         ac=fixed.get("ac", "full"),
         reshard_after_forward=fixed.get("reshard_after_forward", True) if mesh.dp_shard > 1 else False,
         param_dtype=param_dtype, reduce_dtype="float32", seq_len=profile.seq_len, global_batch=global_batch,
+        **pinned(fixed),
     )
 
 

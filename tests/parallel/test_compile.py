@@ -1,15 +1,14 @@
 """torch.compile per block (dtorch/parallel/compile.py): applied where the plan says, refused where
 it cannot run, numerically the eager model, and its cost reported and recorded.
 
-The plan's `compile` field is read with getattr (the strategy registry adds it to Plan); these
-tests set it on a Plan subclass, which works with and without the field. Compiling takes tens of
+The plan's `compile` field is declared by the planner's strategy (dtorch/plan/strategies/compile.py)
+and read by the executor with getattr. Compiling takes tens of
 seconds on this CPU (Inductor generates and builds C++), so the compiled runs are marked slow and
 use 2-layer models; everything else here is fast.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from functools import partial
@@ -32,23 +31,8 @@ TINY = "llama-tiny:layers=2,heads=8,kv_heads=4"
 REL = 1e-5
 
 
-PLAN_HAS_FIELD = "compile" in {f.name for f in dataclasses.fields(Plan)}
-
-
-@dataclasses.dataclass
-class CompiledPlan(Plan):
-    compile: bool = True
-
-    def to_dict(self) -> dict:
-        # (until Plan has the field, a stored plan document must not carry it: Plan.from_dict refuses it)
-        d = super().to_dict()
-        if not PLAN_HAS_FIELD:
-            d.pop("compile", None)
-        return d
-
-
 def _plan(**fields) -> Plan:
-    return CompiledPlan(**fields)
+    return Plan(compile=True, **fields)
 
 
 # ---- fast: refusals, names, the record ---------------------------------------------------------------
@@ -138,7 +122,7 @@ def _train(case: tuple[str, dict, bool], rank: int) -> dict:
     from dtorch.model.structure import find_blocks
 
     _, fields, compiled = case
-    plan = (CompiledPlan if compiled else Plan)(**fields)
+    plan = Plan(compile=compiled, **fields)
     pm = parallelize(partial(_training.factory, TINY), plan, loss_fn=next_token, seed=0, seq_len=_training.SEQ)
     blocks = list(find_blocks(pm.model_parts[0])[1].values())
     opt = torch.optim.AdamW(list(pm.parameters()), lr=_training.LR, foreach=False)
@@ -187,7 +171,9 @@ def test_trainer_reports_compile_time_and_its_checkpoint_resumes_eager(tmp_path:
                        console=False, **kw)
 
     # (tracing collectives runs without torch's CommDebugMode under compile: monitor/live.py)
-    got = trainer(CompiledPlan(microbatch_size=2), "a", trace_comms=True).fit(3)
+    # the plan as a document carries it (a saved plan file with "compile": true)
+    plan = Plan.from_dict(Plan(microbatch_size=2, compile=True).to_dict())
+    got = trainer(plan, "a", trace_comms=True).fit(3)
     assert got.compile_s is not None and got.compile_s > 0
     events = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     (ev,) = [e for e in events if e.get("event") == "compile"]

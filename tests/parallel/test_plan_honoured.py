@@ -87,6 +87,9 @@ HAND_MADE = {
                                                           num_microbatches=2, param_dtype="bfloat16")),
     "tp no sp full ac fp32": ("gpt-tiny", Plan(tp=2, ac="full", microbatch_size=2)),
     "single fp32 accumulation": ("gpt-tiny", Plan(microbatch_size=2, num_microbatches=3)),
+    # compile=true is only emitted by the search with a calibrated gain: one applied, one refused
+    "single compile": ("llama-tiny", Plan(compile=True)),
+    "tp full ac compile refused": ("gpt-tiny", Plan(tp=2, ac="full", compile=True)),
 }
 PLANS = {**_emitted(), **HAND_MADE}
 
@@ -137,7 +140,11 @@ def _run_step(pm, plan: Plan, model_name: str) -> dict:
     root.register_forward_pre_hook(lambda m, args: rec["forward_batches"].append(args[0].shape[0]))
     mode = _MatmulDtypes()
     x, y = _training.batch(0, plan.local_batch())
-    with _gradient_collectives(rec["collectives"]):
+    # torch.compile cannot trace under the dispatch mode that records the matmuls' dtypes: a compiled
+    # plan's step runs its compiled blocks eagerly here (the same ops); `check_compile` inspects the
+    # blocks themselves, and tests/parallel/test_compile.py runs compiled steps against eager ones
+    nocompile = torch.compiler.set_stance("force_eager") if getattr(plan, "compile", False) else contextlib.nullcontext()
+    with _gradient_collectives(rec["collectives"]), nocompile:
         if pm.schedule is None:
             with mode:
                 pm.forward_backward(x, y)

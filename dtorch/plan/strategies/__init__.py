@@ -1,7 +1,7 @@
 """The strategy registry: every parallelism and policy declared once, for planner and executor alike.
 
 One file per strategy (`batch`, `precision`, `data`, `fsdp`, `context`, `tensor`, `memory`,
-`pipeline`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
+`pipeline`, `compile`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
 knowledge is a loop over `REGISTRY`: `Plan.validate` and `Plan.family/describe` (`validate`,
 `family`, `describe`), the planner's and the executor's checks (`check`), what this executor
 cannot run (`limits`), the `--fix` fields and their aliases (`FIXABLE`, `FIX_ALIASES`,
@@ -28,6 +28,7 @@ from dtorch.plan.strategies.base import (
     positive_int,
 )
 from dtorch.plan.strategies.batch import BATCH
+from dtorch.plan.strategies.compile import COMPILE
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
 from dtorch.plan.strategies.fsdp import FSDP
@@ -36,7 +37,7 @@ from dtorch.plan.strategies.pipeline import PIPELINE, SCHEDULES
 from dtorch.plan.strategies.precision import DTYPES, PRECISION
 from dtorch.plan.strategies.tensor import TENSOR
 
-REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, CONTEXT, TENSOR, MEMORY, PIPELINE)
+REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, CONTEXT, TENSOR, MEMORY, PIPELINE, COMPILE)
 
 FIELDS: dict[str, Field] = {f.name: f for s in REGISTRY for f in s.fields}
 OWNER: dict[str, Strategy] = {f.name: s for s in REGISTRY for f in s.fields}
@@ -53,11 +54,51 @@ _FAMILY_KEY = attrgetter(*dict.fromkeys(f for s in REGISTRY for f in s.family_fi
 _FAMILIES: dict[tuple, str] = {}
 FIXABLE: tuple[str, ...] = (*MESH_AXES, *(n for n, f in FIELDS.items() if f.fixable and n not in MESH_AXES))
 FIX_ALIASES: dict[str, str] = {a: f.name for f in FIELDS.values() for a in f.aliases}
+DECLARED: tuple[Field, ...] = tuple(f for f in FIELDS.values() if f.plan_type is not None)
+"""The Plan fields strategies declare themselves (`Field.plan_type`): `declare_fields` adds them."""
+DECLARED_NAMES: tuple[str, ...] = tuple(f.name for f in DECLARED)
+_VARIANTS = tuple(s for s in REGISTRY if type(s).variants is not Strategy.variants)
+_NOTES = tuple(s for s in REGISTRY if type(s).notes is not Strategy.notes)
 
 __all__ = ["REGISTRY", "FIELDS", "MESH_AXES", "FIXABLE", "FIX_ALIASES", "Dims", "Field", "Limit", "RankLoad",
            "RankShare", "Strategy", "Violation", "AC_POLICIES", "OFFLOAD_POLICIES", "SCHEDULES", "DTYPES",
            "validate", "check", "limits", "unsupported", "check_executable", "family", "describe",
-           "normalize_fixed", "penalty"]
+           "normalize_fixed", "penalty", "DECLARED", "declare_fields", "pinned", "variants", "notes"]
+
+
+def declare_fields(cls: type) -> type:
+    """Class decorator, under ``@dataclass``: add the fields strategies declare (`DECLARED`) to the
+    Plan class with their defaults, after the ones written in plan.py. A new strategy's field then
+    lives in its own file; plan.py does not change."""
+    ann = cls.__dict__.get("__annotations__")
+    if ann is None:
+        ann = cls.__annotations__ = {}
+    for f in DECLARED:
+        if f.name in ann:
+            raise TypeError(f"Plan field {f.name} is declared twice: in plan.py and by a strategy")
+        ann[f.name] = f.plan_type
+        setattr(cls, f.name, f.default)
+    cls.DECLARED_DOCS = {f.name: f.doc for f in DECLARED}
+    return cls
+
+
+def pinned(fixed: dict[str, Any]) -> dict[str, Any]:
+    """The declared fields among the fixed ones: what the search sets on every plan it builds."""
+    return {n: fixed[n] for n in DECLARED_NAMES if n in fixed}
+
+
+def variants(plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+    """Every strategy's variants of `plan`, combined (a variant of one strategy is offered to the
+    ones after it: a compiled plan reducing in bf16)."""
+    out: list[Any] = []
+    for s in _VARIANTS:
+        out += [v for p in [plan, *out] for v in s.variants(p, fixed, cluster)]
+    return out
+
+
+def notes(plan: Any, cluster: Any) -> list[str]:
+    """What the strategies say `plan` costs beyond its step time."""
+    return [n for s in _NOTES for n in s.notes(plan, cluster)]
 
 
 def world_size(plan: Any) -> int:

@@ -45,6 +45,14 @@ class Field:
     """Position of a mesh axis, outermost first (pp 0 ... tp 4)."""
     refuse: tuple[tuple[str, str], ...] = ()
     """Values `--fix` refuses with a reason (float8: not implemented by this executor)."""
+    plan_type: str | None = None
+    """Set by a strategy that declares the Plan field itself (the annotation, e.g. ``"bool"``): the
+    registry adds it to the Plan dataclass with `default` (see `strategies.declare_fields`), so
+    the strategy's file is the only place it is written down. None: the field is in plan.py."""
+    default: Any = None
+    """The declared field's default; it must mean "off", so every older plan document still loads."""
+    doc: str = ""
+    """What the declared field does (plan.py's field docstrings, for declared fields)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,15 @@ class Strategy:
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
+
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+        """Variants of a fitting plan worth estimating too (the search tries them on the plans that
+        made the ranking and on each family's best); `cluster` carries its `calibration`."""
+        return []
+
+    def notes(self, plan: Any, cluster: Any) -> Iterable[str]:
+        """What a ranked plan costs beyond its step time (start-up seconds), for the search's notes."""
+        return ()
 
     def penalty(self, plan: Any) -> float:
         """The ranking handicap of the plan's choice (1: none); a plan departing from the plain

@@ -93,7 +93,7 @@ class Precision(Strategy):
         red = fixed.get("reduce_dtype", "float32")
         return [(p, red) for p in params], notes
 
-    def variants(self, plan: Any, fixed: dict[str, Any]) -> list[Any]:
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any = None) -> list[Any]:
         """Variants of a fitting plan that reduce gradients in its 16-bit compute dtype. Reduction
         precision changes only communication (and a little buffer memory), so the search tries it on
         the plans that made the ranking rather than on every plan."""
