@@ -244,7 +244,12 @@ def manifests(req: Request, *, kinds: list[str], image: str, namespace: str, pvc
         if errors:
             raise AssertionError(f"{k} manifest does not validate: {errors[0]}")  # our bug, not the user's
         docs.append(d)
-    return (rbac(req, namespace) if with_rbac else []) + docs
+    extra = rbac(req, namespace) if with_rbac else []
+    for d in extra:
+        errors = validate(d) if validate is not None else []
+        if errors:
+            raise AssertionError(f"{d['kind']} does not validate: {errors[0]}")  # our bug, not the user's
+    return extra + docs
 
 
 def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -286,5 +286,9 @@ def test_manifests_inject_the_pod_identity_and_rbac_on_request():
         env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in pod["containers"][0]["env"]}
         assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
         assert env["POD_UID"] == "metadata.uid" and env["NODE_NAME"] == "spec.nodeName"
-    for d in (tj, js, vc):
+    for d in docs:
         assert validate(d) == [], d["kind"]
+    bad = {**binding, "roleRef": {"kind": "Role", "name": "x"}}  # apiGroup is required
+    assert any("apiGroup" in e for e in validate(bad))
+    bad = {**role, "rules": [{"resources": ["pods"], "verbz": ["patch"]}]}
+    assert any("verbz" in e for e in validate(bad)) and any("verbs" in e for e in validate(bad))
