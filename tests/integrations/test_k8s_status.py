@@ -4,13 +4,9 @@ server checks what an API server would: method, path, bearer token, content type
 against the kept core/v1 schemas (the patched pod's ObjectMeta; the Event), and answers 403 where
 told to. About 2 s in all."""
 
-import json
 import re
-import ssl
 import subprocess
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -18,124 +14,22 @@ import yaml
 from dtorch.integrations import k8s_api, status
 from dtorch.integrations.validate import _errors, _validator, validate
 
-TOKEN = "test-token-0123456789"
+TOKEN = "test-token-0123456789"  # the fake API server accepts this one (conftest)
 NS = "team-a"
 POD = "dtorch-gpt-node-0-0-abcde"
 MODEL = "gpt:layers=2,hidden=32,heads=2,vocab=256,seq=32"
 
 
-def _merge(target, patch):
-    """RFC 7386 JSON merge patch, as the API server applies application/merge-patch+json."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = _merge(out.get(k), v)
-    return out
-
-
-def _cert(d, name):
-    key, crt = d / f"{name}.key", d / f"{name}.crt"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(crt), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
-    return key, crt
-
-
-class FakeAPIServer:
-    def __init__(self, tmp, forbid=()):
-        self.requests = []  # (method, path, headers, body)
-        self.errors = []    # what an API server would have rejected
-        self.pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": POD, "namespace": NS}}
-        self.events = []
-        self.forbid = set(forbid)
-        key, self.ca = _cert(tmp, "server")
-        srv = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _reply(self, code, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _handle(self):
-                n = int(self.headers.get("Content-Length", "0"))
-                body = json.loads(self.rfile.read(n)) if n else None
-                srv.requests.append((self.command, self.path, dict(self.headers), body))
-                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                    return self._reply(401, {"kind": "Status", "code": 401, "reason": "Unauthorized"})
-                resource = "pods" if "/pods/" in self.path else "events"
-                if resource in srv.forbid:
-                    return self._reply(403, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                             "reason": "Forbidden", "code": 403, "message":
-                                             f'{resource} is forbidden: User "system:serviceaccount:{NS}:default" '
-                                             f'cannot {"patch" if resource == "pods" else "create"} resource'})
-                if self.command == "PATCH" and self.path == f"/api/v1/namespaces/{NS}/pods/{POD}":
-                    if self.headers.get("Content-Type") != "application/merge-patch+json":
-                        srv.errors.append(f"patch content type {self.headers.get('Content-Type')}")
-                        return self._reply(415, {"kind": "Status", "code": 415})
-                    srv.pod = _merge(srv.pod, body)
-                    meta = _validator("core-v1.json", "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta")
-                    srv.errors += _errors(meta, srv.pod["metadata"], "Pod.metadata")
-                    return self._reply(200, srv.pod)
-                if self.command == "POST" and self.path == f"/api/v1/namespaces/{NS}/events":
-                    srv.errors += _errors(_validator("core-v1.json", "io.k8s.api.core.v1.Event"), body, "Event")
-                    if self.headers.get("Content-Type") != "application/json":
-                        srv.errors.append(f"event content type {self.headers.get('Content-Type')}")
-                    srv.events.append(body)
-                    return self._reply(201, body)
-                srv.errors.append(f"unexpected {self.command} {self.path}")
-                return self._reply(404, {"kind": "Status", "code": 404})
-
-            do_PATCH = do_POST = do_GET = _handle
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(self.ca, key)
-        self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def count(self, method):
-        return sum(r[0] == method for r in self.requests)
-
-
 @pytest.fixture
-def api(tmp_path):
-    servers = []
-
-    def start(forbid=()):
-        s = FakeAPIServer(tmp_path, forbid)
-        servers.append(s)
-        return s
-    yield start
-    for s in servers:
-        s.close()
+def api(k8s_api):
+    return lambda forbid=(): k8s_api(POD, NS, forbid)
 
 
 def _pod_env(monkeypatch, tmp_path, srv, ca=None, interval="3600"):
-    sa = tmp_path / "sa"
-    sa.mkdir(exist_ok=True)
-    (sa / "token").write_text(TOKEN + "\n")
-    (sa / "namespace").write_text(NS)
-    (sa / "ca.crt").write_bytes((ca or srv.ca).read_bytes())
-    for k, v in {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(srv.port),
-                 "DTORCH_K8S_SA_DIR": str(sa), "POD_NAME": POD, "POD_UID": "0b6c3f4e-1111-2222-3333-444455556666",
-                 "NODE_NAME": "gpu-node-7", "DTORCH_K8S_STATUS_INTERVAL": interval}.items():
+    env = srv.pod_env(tmp_path / "sa", ca)
+    env.update({"POD_UID": "0b6c3f4e-1111-2222-3333-444455556666", "NODE_NAME": "gpu-node-7",
+                "DTORCH_K8S_STATUS_INTERVAL": interval})
+    for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("POD_NAMESPACE", raising=False)  # from the service account's namespace file
     monkeypatch.delenv("DTORCH_K8S_API", raising=False)
@@ -210,9 +104,9 @@ def test_forbidden_switches_a_channel_off_once_and_never_fails_the_job(monkeypat
     assert status.read(tmp_path / "run")["state"] == "failed"  # the status file is unaffected
 
 
-def test_wrong_ca_or_no_server_logs_once_and_does_not_block(monkeypatch, tmp_path, api, capfd):
+def test_wrong_ca_or_no_server_logs_once_and_does_not_block(monkeypatch, tmp_path, api, capfd, k8s_cert):
     srv = api()
-    _, other = _cert(tmp_path, "other")
+    _, other = k8s_cert(tmp_path, "other")
     _pod_env(monkeypatch, tmp_path, srv, ca=other)  # the server's certificate is not signed by this CA
     t0 = time.monotonic()
     r = _run_job(tmp_path)
