@@ -3,7 +3,7 @@
     python scripts/k8s_schemas.py SRC_DIR      # SRC_DIR/<repo>/<path> as listed in sources.json
 
 Keeps only what validation needs: each CRD's openAPIV3Schema of the served version, and the
-Kubernetes core/v1 models reachable from PodTemplateSpec; descriptions are dropped (size).
+Kubernetes core/v1 models reachable from PodTemplateSpec and Event; descriptions are dropped (size).
 """
 
 import json
@@ -38,6 +38,7 @@ def closure(defs: dict, roots: list[str]) -> dict:
 
 def main(src: Path) -> None:
     sources = json.loads((OUT / "sources.json").read_text())
+    merged: dict[str, dict] = {}  # openapi entries naming the same file are merged into it
     for entry in sources["schemas"]:
         raw = (src / entry["repo"] / entry["path"]).read_text()
         if entry["kind"] == "crd":
@@ -46,7 +47,9 @@ def main(src: Path) -> None:
             doc = strip(ver["schema"]["openAPIV3Schema"])
         else:
             comps = json.loads(raw)["components"]["schemas"]
-            doc = {"components": {"schemas": strip(closure(comps, entry["roots"]))}}
+            schemas = merged.setdefault(entry["file"], {})
+            schemas.update(strip(closure(comps, entry["roots"])))
+            doc = {"components": {"schemas": schemas}}
         (OUT / entry["file"]).write_text(json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n")
         print(entry["file"], (OUT / entry["file"]).stat().st_size, "bytes")
 

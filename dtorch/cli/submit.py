@@ -76,6 +76,9 @@ def add_parser(sub, help_text: str) -> None:
                    help="Kueue topology-aware scheduling: node label of the level to pack into "
                         "(e.g. cloud.google.com/gce-topology-block); 'required:LABEL' to insist")
     k.add_argument("--runtime", default="torch-distributed", help="TrainJob ClusterTrainingRuntime (default torch-distributed)")
+    k.add_argument("--rbac", action="store_true",
+                   help="also write a ServiceAccount, Role (pods: get, patch; events: create) and RoleBinding, "
+                        "and run the pods as it, so the job can put its status on its pod's annotations and events")
     k.add_argument("--dry-run", action="store_true", help="print the YAML (the default; nothing is applied)")
     p.set_defaults(func=run)
 
@@ -166,7 +169,8 @@ def run(args) -> int:
 
         kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
         docs = k8s.manifests(req, kinds=kinds, image=args.image, namespace=args.namespace, pvc=args.pvc,
-                             queue=args.queue, topology=args.topology, runtime=args.runtime)
+                             queue=args.queue, topology=args.topology, runtime=args.runtime,
+                             with_rbac=args.rbac)
         text = k8s.to_yaml(docs)
     else:
         req.python = args.python or sys.executable

@@ -62,6 +62,34 @@ def pet_env(req: Request, master: str, node_rank: dict[str, Any] | None) -> list
     return env
 
 
+# The pod's identity from the downward API: the job annotates its own pod and posts events about it
+# (dtorch.integrations.k8s_api), where its service account is permitted.
+DOWNWARD_ENV = [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}
+                for n, f in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"),
+                             ("POD_UID", "metadata.uid"), ("NODE_NAME", "spec.nodeName"))]
+
+
+def status_account(req: Request) -> str:
+    return f"{req.name}-status"
+
+
+def rbac(req: Request, namespace: str) -> list[dict[str, Any]]:
+    """A ServiceAccount the pods run as, a Role that permits what the job reports (get and patch
+    pods: its annotations; create events) and the RoleBinding between them (`--rbac`)."""
+    sa = status_account(req)
+    labels = {"app.kubernetes.io/name": "dtorch", "app.kubernetes.io/instance": req.name}
+    meta = {"name": sa, "namespace": namespace, "labels": labels}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": dict(meta),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
+                   {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": dict(meta),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+         "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}]},
+    ]
+
+
 def _resources(req: Request) -> dict[str, Any]:
     cpu = str(req.cpus_per_task * max(1, req.tasks_per_node))
     mem = f"{max(1, req.mem_per_node_bytes // 2**20)}Mi"
@@ -115,7 +143,7 @@ def trainjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str |
              runtime: str) -> dict[str, Any]:
     volumes, mounts = _volumes(pvc)
     pod_spec: dict[str, Any] = {"terminationGracePeriodSeconds": req.grace_s, "volumes": volumes,
-                                "containers": [{"name": "node", "volumeMounts": mounts}]}
+                                "containers": [{"name": "node", "volumeMounts": mounts, "env": DOWNWARD_ENV}]}
     if _node_selector(req):
         pod_spec["nodeSelector"] = _node_selector(req)
     pod_tmpl: dict[str, Any] = {"spec": pod_spec}
@@ -136,7 +164,7 @@ def jobset(req: Request, *, image: str, namespace: str, pvc: str, queue: str | N
            topology: str | None) -> dict[str, Any]:
     volumes, mounts = _volumes(pvc)
     rank = {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
-    env = pet_env(req, f"{req.name}-node-0-0.{req.name}", rank)
+    env = pet_env(req, f"{req.name}-node-0-0.{req.name}", rank) + DOWNWARD_ENV
     pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
                            "volumes": volumes, "containers": [_container(req, image, env, mounts)]}
     if _node_selector(req):
@@ -161,7 +189,7 @@ def jobset(req: Request, *, image: str, namespace: str, pvc: str, queue: str | N
 def vcjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str | None,
           topology: str | None) -> dict[str, Any]:
     volumes, mounts = _volumes(pvc)
-    env = pet_env(req, f"{req.name}-node-0.{req.name}", None)  # node rank: VC_TASK_INDEX (env plugin)
+    env = pet_env(req, f"{req.name}-node-0.{req.name}", None) + DOWNWARD_ENV  # node rank: VC_TASK_INDEX
     pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
                            "volumes": volumes, "containers": [_container(req, image, env, mounts)]}
     if _node_selector(req):
@@ -180,8 +208,11 @@ def vcjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str | No
 
 
 def manifests(req: Request, *, kinds: list[str], image: str, namespace: str, pvc: str, queue: str | None = None,
-              topology: str | None = None, runtime: str = "torch-distributed") -> list[dict[str, Any]]:
-    """The requested manifests, each validated against its schema (ConfigError if not)."""
+              topology: str | None = None, runtime: str = "torch-distributed",
+              with_rbac: bool = False) -> list[dict[str, Any]]:
+    """The requested manifests, each validated against its schema (ConfigError if not); with
+    `with_rbac`, first a ServiceAccount, Role and RoleBinding that permit the job's status
+    annotations and events, and the pods run as that account."""
     from dtorch.integrations.validate import validate
 
     bad = [k for k in kinds if k not in KINDS]
@@ -206,11 +237,30 @@ def manifests(req: Request, *, kinds: list[str], image: str, namespace: str, pvc
             d = jobset(req, image=image, namespace=namespace, pvc=pvc, queue=queue, topology=topology)
         else:
             d = vcjob(req, image=image, namespace=namespace, pvc=pvc, queue=queue, topology=topology)
+        if with_rbac:
+            for spec in _pod_specs(d):
+                spec["serviceAccountName"] = status_account(req)
         errors = validate(d) if validate is not None else []
         if errors:
             raise AssertionError(f"{k} manifest does not validate: {errors[0]}")  # our bug, not the user's
         docs.append(d)
-    return docs
+    extra = rbac(req, namespace) if with_rbac else []
+    for d in extra:
+        errors = validate(d) if validate is not None else []
+        if errors:
+            raise AssertionError(f"{d['kind']} does not validate: {errors[0]}")  # our bug, not the user's
+    return extra + docs
+
+
+def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod specs a manifest carries (TrainJob: the one in its runtime patch)."""
+    spec = doc["spec"]
+    if doc["kind"] == "TrainJob":
+        return [rj["template"]["spec"]["template"]["spec"] for p in spec["runtimePatches"]
+                for rj in p["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]]
+    if doc["kind"] == "JobSet":
+        return [rj["template"]["spec"]["template"]["spec"] for rj in spec["replicatedJobs"]]
+    return [task["template"]["spec"] for task in spec["tasks"]]
 
 
 def to_yaml(docs: list[dict[str, Any]]) -> str:

@@ -1,5 +1,6 @@
 """The job's state, told to whoever asks: a status file in the run directory (always), the Slurm
-job comment (inside a Slurm job), the Kubernetes termination message (inside a pod).
+job comment (inside a Slurm job), the Kubernetes termination message (inside a pod), and the
+pod's annotations and events where the pod's service account is permitted (`k8s_api.PodStatus`).
 
     r = Reporter(run_dir, rank)          # rank 0 writes; other ranks' calls are no-ops
     r.report("planning")
@@ -140,6 +141,11 @@ class Reporter:
         self._proc: subprocess.Popen | None = None
         self.slurm_job = os.environ.get("SLURM_JOB_ID")
         self._scontrol = shutil.which("scontrol") if self.slurm_job else None
+        self.pod = None
+        if self.enabled:
+            from dtorch.integrations.k8s_api import PodStatus
+
+            self.pod = PodStatus.from_env()  # None outside a pod; rate-limits itself
 
     def report(self, state: str, **fields: Any) -> None:
         if not self.enabled:
@@ -152,6 +158,8 @@ class Reporter:
         doc = write(self.run_dir, state, append_history=changed, **fields)  # type: ignore[arg-type]
         now = time.monotonic()
         self._last_state = state
+        if self.pod is not None:
+            self.pod.report(doc, "dtorch: " + one_line(doc), final=state in ("preempted", "failed", "finished"))
         if changed or now - self._last_sent >= self.interval or state in ("preempted", "failed", "finished"):
             self._last_sent = now
             self._to_scheduler(doc, final=state in ("preempted", "failed", "finished"))

@@ -3,7 +3,8 @@ and upstream commits), with `jsonschema`.
 
 - A TrainJob, JobSet or Volcano Job is checked against its CRD's openAPIV3Schema;
 - every full pod template inside (JobSet's Job template, Volcano's task templates) is also
-  checked against the Kubernetes core/v1 `PodTemplateSpec` model.
+  checked against the Kubernetes core/v1 `PodTemplateSpec` model;
+- the Role and RoleBinding of `--rbac` against the rbac.authorization.k8s.io/v1 models.
 Strict like `kubectl apply --validate=strict`: an object schema that lists its properties
 rejects any other field (a typo fails here instead of being pruned by the API server), unless
 it is marked x-kubernetes-preserve-unknown-fields. Not checked: CEL rules
@@ -21,6 +22,11 @@ SCHEMAS = Path(__file__).with_name("schemas")
 CRDS = {("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainjob-v1alpha1.json",
         ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset-v1alpha2.json",
         ("batch.volcano.sh/v1alpha1", "Job"): "vcjob-v1alpha1.json"}
+# Built-in kinds `dtorch submit k8s --rbac` writes: (file, OpenAPI model)
+BUILTIN = {("rbac.authorization.k8s.io/v1", "Role"): ("rbac-v1.json", "io.k8s.api.rbac.v1.Role"),
+           ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rbac-v1.json", "io.k8s.api.rbac.v1.RoleBinding"),
+           # a ServiceAccount of dtorch's carries metadata only: checked as ObjectMeta below
+           ("v1", "ServiceAccount"): None}
 
 
 def _strict(node: Any) -> Any:
@@ -67,8 +73,15 @@ def pod_templates(doc: dict) -> list[tuple[str, dict]]:
 def validate(doc: dict) -> list[str]:
     """Every schema violation in `doc` (empty when valid)."""
     key = (doc.get("apiVersion"), doc.get("kind"))
+    if key in BUILTIN:
+        if BUILTIN[key] is None:
+            extra = sorted(set(doc) - {"apiVersion", "kind", "metadata"})
+            meta = _validator("core-v1.json", "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta")
+            return ([f"{doc['kind']}: fields not checked here: {extra}"] if extra else []) + \
+                _errors(meta, doc.get("metadata", {}), f"{doc['kind']}.metadata")
+        return _errors(_validator(*BUILTIN[key]), doc, doc["kind"])
     if key not in CRDS:
-        return [f"apiVersion/kind {key}: no schema kept for it; known: {sorted(CRDS)}"]
+        return [f"apiVersion/kind {key}: no schema kept for it; known: {sorted(CRDS) + sorted(BUILTIN)}"]
     errs = _errors(_validator(CRDS[key]), doc, doc["kind"])
     core = _validator("core-v1.json", "io.k8s.api.core.v1.PodTemplateSpec")
     for where, tmpl in pod_templates(doc):

@@ -84,10 +84,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp_path):
+def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp_path, k8s_api):
     """The TrainJob's command, with Kubeflow's env for 2 nodes x 1 process: a 2-rank job. SIGTERM to
     each pod's first process (what the kubelet sends on preemption) checkpoints within the grace
-    period; the restarted pods resume from that step and finish."""
+    period; the restarted pods resume from that step and finish. Each pod has the downward-API
+    identity and a service account; the pod of rank 0 puts its state on its annotations and events
+    (a stand-in API server on 127.0.0.1, see conftest)."""
+    api = k8s_api("dtorch-gpt-node-0-0-x1", "default")
     steps = 60
     (tj,) = _docs("--model", MODEL, "--device-type", "cpu", "--nodes", "2", "--steps", str(steps),
                   "--global-batch", "4", "--seq-len", "32", "--pvc", "ckpt", "--kind", "trainjob", "--grace", "30",
@@ -107,6 +110,8 @@ def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp
                    if not k.startswith(("PET_", "SLURM_", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_RANK"))}
             env.update({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node_rank),
                         "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)})
+            env.update(api.pod_env(tmp_path / "sa"))  # what the kubelet mounts and the downward API sets
+            env.update({"POD_NAME": f"dtorch-gpt-node-0-{node_rank}-x1", "POD_NAMESPACE": "default"})
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         return procs
 
@@ -127,6 +132,9 @@ def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp
     assert doc["state"] == "preempted" and doc["signal"] == "SIGTERM", doc
     stop = doc["checkpoint_step"]
     assert 3 <= stop < steps and (run / f"step-{stop:08d}").is_dir()
+    ann = api.pod["metadata"]["annotations"]
+    assert ann["dtorch.io/state"] == "preempted" and ann["dtorch.io/checkpoint-step"] == str(stop), ann
+    assert api.events[-1]["reason"] == "Preempted" and api.events[-1]["type"] == "Warning"
 
     again = pods()
     outs = [p.communicate(timeout=300)[0] for p in again]
@@ -137,3 +145,7 @@ def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp
     assert {m["world_size"] for m in logged} == {2}
     hist = [h["state"] for h in status.history(run)]
     assert hist.index("preempted") < hist.index("recovering") < hist.index("finished")
+    # only rank 0's pod was written to (any other path would be in errors), every body valid
+    assert api.errors == [] and api.pod["metadata"]["annotations"]["dtorch.io/state"] == "finished"
+    reasons = [e["reason"] for e in api.events]
+    assert reasons.index("Preempted") < reasons.index("Recovering") < reasons.index("Finished"), reasons
