@@ -254,7 +254,8 @@ class MoE(nn.Module):
         token = order // c.top_k
         y = self.experts(xt[token], counts)
         y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        out = torch.zeros_like(xt).index_add_(0, token, y)
+        # (under autocast the experts' matmuls return bfloat16: sum into the residual stream's dtype)
+        out = torch.zeros_like(xt).index_add_(0, token, y.to(xt.dtype))
         if self.shared_expert is not None:
             out = out + self.shared_expert(xt)
         out = out.view(b, s, h)

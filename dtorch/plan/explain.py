@@ -9,8 +9,10 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.search import SearchResult
 
 GiB = 2**30
+from dtorch.plan.strategies.expert import routing_traffic
+
 TIME_LABELS = {
-    "compute": "compute", "recompute": "recompute", "host": "host overhead", "tp": "TP comm", "cp": "CP comm", "fsdp": "FSDP comm",
+    "compute": "compute", "recompute": "recompute", "host": "host overhead", "tp": "TP comm", "cp": "CP comm", "ep": "EP all-to-all", "fsdp": "FSDP comm",
     "dp": "DP all-reduce", "pp_p2p": "PP send/recv", "bubble": "PP bubble", "optimizer": "optimizer",
     "offload": "CPU offload",
 }
@@ -105,6 +107,9 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         f"  time: {time_breakdown(est)}",
         f"  memory per rank {_gib(est.memory_bytes_per_rank)} of {_gib(est.memory_capacity)} GiB: {memory_breakdown(est)}",
     ]
+    routing = routing_traffic(plan, prof, cl.devices_per_node)
+    if routing:
+        out.append(f"  {routing}")
     why_prec = precision_reason(result, plan, est)
     if why_prec:
         out.append(f"  precision: {why_prec}")

@@ -30,13 +30,14 @@ from dtorch.plan.strategies.base import (
 from dtorch.plan.strategies.batch import BATCH
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
+from dtorch.plan.strategies.expert import EXPERT
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import AC_POLICIES, MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PIPELINE, SCHEDULES
 from dtorch.plan.strategies.precision import DTYPES, PRECISION
 from dtorch.plan.strategies.tensor import TENSOR
 
-REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, CONTEXT, TENSOR, MEMORY, PIPELINE)
+REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, EXPERT, CONTEXT, TENSOR, MEMORY, PIPELINE)
 
 FIELDS: dict[str, Field] = {f.name: f for s in REGISTRY for f in s.fields}
 OWNER: dict[str, Strategy] = {f.name: s for s in REGISTRY for f in s.fields}
