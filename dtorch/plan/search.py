@@ -339,7 +339,8 @@ def search(
             book.pruned += 1
             continue
         _search_mesh(mesh, book, profile, group, global_batch, fixed, precs, lean_dtype, constants)
-    for plan in [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())]:
+    for plan in [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())] \
+            + [p for p, _ in list(book.best_ep.values())]:
         for variant in PRECISION.variants(plan, fixed):
             book.consider(variant)
     closest = min(book.least_mem.values(), key=lambda pe: pe[1].memory_bytes_per_rank) \
@@ -408,6 +409,9 @@ class _Book:
         self.ranked: list[tuple[float, int, Plan, Estimate]] = []
         self.best_family: dict[str, tuple[Plan, Estimate]] = {}
         self.best_precision: dict[str, tuple[Plan, Estimate]] = {}
+        self.best_ep: dict[int, tuple[Plan, Estimate]] = {}
+        """The fastest fitting plan of every ep > 1 (their precision variants are tried too: EP's
+        degree trades all-to-all against FSDP traffic, which the reduction dtype halves)."""
         self.least_mem: dict[str, tuple[Plan, Estimate]] = {}
         self.not_runnable: dict[str, str] = {}
         self.seen: dict[tuple, Estimate] = {}
@@ -448,6 +452,8 @@ class _Book:
         best = self.best_family.get(fam)
         if best is None or score < best[1].step_time_s * _precision_penalty(best[0]):
             self.best_family[fam] = (plan, est)
+        if plan.ep > 1 and (plan.ep not in self.best_ep or est.step_time_s < self.best_ep[plan.ep][1].step_time_s):
+            self.best_ep[plan.ep] = (plan, est)
         prec = f"{plan.param_dtype}/{plan.reduce_dtype}"
         if prec not in self.best_precision or est.step_time_s < self.best_precision[prec][1].step_time_s:
             self.best_precision[prec] = (plan, est)
