@@ -6,8 +6,7 @@ each value the planner allows (`--fix ep=2`, `--fix ep=4`), so that `parallelize
 honour `plan.ep`. Each runs one forward/backward through `parallelize()` in one group of 4 gloo
 processes; the loss must be finite and within 2% of the float32 single-process loss (bfloat16
 rounding). Then, through the same `parallelize()` path in float32, 5 AdamW steps of EP (ep=2, ep=4,
-and ep=2 with full AC; one micro-batch: with gradient accumulation the balance loss is weighted m times, see
-docs/moe.md, with or without EP) with FSDP over the 4 ranks give per-step losses within 1e-5 relative, and
+ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks give per-step losses within 1e-5 relative, and
 gradient norms (`clip_grad_norm_` over the EP-sharded DTensors) within 1e-4, of one process on the
 global batch. About 30 s of CPU on the 2-core machine, spawning the group included.
 """
@@ -53,6 +52,8 @@ EXACT = {
     "fsdp4_ep2": dict(dp_shard=4, ep=2, microbatch_size=2),
     "fsdp4_ep4": dict(dp_shard=4, ep=4, microbatch_size=2),
     "fsdp4_ep2_ac_full": dict(dp_shard=4, ep=2, ac="full", microbatch_size=2),
+    # gradient accumulation: the balance loss's gradient is divided by m like the LM loss's
+    "fsdp4_ep2_2mb": dict(dp_shard=4, ep=2, microbatch_size=1, num_microbatches=2),
 }
 
 
