@@ -8,7 +8,7 @@ processes; the loss must be finite and within 2% of the float32 single-process l
 rounding). Then, through the same `parallelize()` path in float32, 5 AdamW steps of EP (ep=2, ep=4,
 ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks give per-step losses within 1e-5 relative, and
 gradient norms (`clip_grad_norm_` over the EP-sharded DTensors) within 1e-4, of one process on the
-global batch. About 30 s of CPU on the 2-core machine, spawning the group included.
+global batch. About 45 s wall on the shared 2-core machine (one group of 4 processes for all cases).
 """
 
 from __future__ import annotations
