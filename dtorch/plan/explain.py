@@ -7,9 +7,9 @@ from __future__ import annotations
 from dtorch.plan.cost import Estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.search import SearchResult
+from dtorch.plan.strategies.expert import routing_traffic
 
 GiB = 2**30
-from dtorch.plan.strategies.expert import routing_traffic
 
 TIME_LABELS = {
     "compute": "compute", "recompute": "recompute", "host": "host overhead", "tp": "TP comm", "cp": "CP comm", "ep": "EP all-to-all", "fsdp": "FSDP comm",

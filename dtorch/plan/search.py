@@ -339,10 +339,7 @@ def search(
             book.pruned += 1
             continue
         _search_mesh(mesh, book, profile, group, global_batch, fixed, precs, lean_dtype, constants)
-    for plan in [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())] \
-            + [p for p, _ in list(book.best_ep.values())]:
-        for variant in PRECISION.variants(plan, fixed):
-            book.consider(variant)
+    _precision_variants(book, fixed)
     closest = min(book.least_mem.values(), key=lambda pe: pe[1].memory_bytes_per_rank) \
         if not book.ranked and book.least_mem else None
     suggestions = _suggest(profile, cluster, global_batch, fixed, constants, closest) \
@@ -358,12 +355,22 @@ def search(
     )
 
 
+def _precision_variants(book: _Book, fixed: dict[str, Any]) -> None:
+    """Try the precision variants (`PRECISION.variants`) of the top plans, of the best plan of every
+    family and of every ep degree."""
+    plans = [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())] \
+        + [p for p, _ in list(book.best_ep.values())]
+    for plan in plans:
+        for variant in PRECISION.variants(plan, fixed):
+            book.consider(variant)
+
+
 def _forced(fixed: dict[str, Any], profile: ModelProfile) -> str | None:
     """Why this executor cannot run what the fixed fields ask for, or None."""
     if profile.num_experts and fixed.get("tp", 1) > 1:
         return (f"tensor parallelism of a mixture of experts (tp={fixed['tp']}: the router and the routed experts "
                 "have no tensor-parallel roles); use ep instead")
-    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("ep", "cp", "tp", "pp", "sp", "schedule",
+    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("ep", "dp_replicate", "cp", "tp", "pp", "sp", "schedule",
                                                                        "virtual_stages", "param_dtype")}))
 
 

@@ -13,11 +13,10 @@ from dtorch.errors import ConfigError
 from dtorch.plan.cost import DEFAULT_CONSTANTS, _rank_params, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.profiles import get_profile
-from dtorch.plan.search import _bound, _Mesh, parse_fix, precisions, search
+from dtorch.plan.search import _bound, _Mesh, check, parse_fix, precisions, search
 from dtorch.plan.strategies import check_executable, unsupported
 from dtorch.plan.strategies.base import RankLoad
 from dtorch.plan.strategies.expert import EXPERT, all_to_all_time
-from dtorch.plan.search import check
 
 
 def test_ep_must_divide_the_data_parallel_ranks_and_the_experts():

@@ -1,6 +1,6 @@
 """The strategy registry: every parallelism and policy declared once, for planner and executor alike.
 
-One file per strategy (`batch`, `precision`, `data`, `fsdp`, `context`, `tensor`, `memory`,
+One file per strategy (`batch`, `precision`, `data`, `fsdp`, `expert`, `context`, `tensor`, `memory`,
 `pipeline`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
 knowledge is a loop over `REGISTRY`: `Plan.validate` and `Plan.family/describe` (`validate`,
 `family`, `describe`), the planner's and the executor's checks (`check`), what this executor

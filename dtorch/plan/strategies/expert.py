@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from dtorch.plan.comm import _coll
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 
 LOAD_IMBALANCE = 1.0
