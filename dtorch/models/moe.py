@@ -189,17 +189,22 @@ class _AddAuxLossGrad(torch.autograd.Function):
     optimised as if added to the LM loss (the block's forward value is unchanged)."""
 
     @staticmethod
-    def forward(ctx, out, aux):
+    def forward(ctx, out, aux, scale: float = 1.0):
+        ctx.scale = scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
 class MoE(nn.Module):
     """Routed experts (+ shared experts) with top-k gating; see the module docstring for the steps."""
 
+    aux_grad_scale = 1.0
+    """Weight of the balance loss's injected gradient: a loop that divides each of m accumulated
+    micro-batches' LM loss by m sets 1/m here (`dtorch.parallel.model.ParallelModel` does), so
+    that the balance loss keeps its weight relative to the LM loss."""
     assignment_counts = None
     """None: per-expert assignment counts read from the routing (one host read). The measuring
     profiler installs a callable (num_assignments, num_experts) -> list[int]."""
@@ -254,7 +259,8 @@ class MoE(nn.Module):
         token = order // c.top_k
         y = self.experts(xt[token], counts)
         y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        out = torch.zeros_like(xt).index_add_(0, token, y)
+        # (under autocast the experts' matmuls return bfloat16: sum into the residual stream's dtype)
+        out = torch.zeros_like(xt).index_add_(0, token, y.to(xt.dtype))
         if self.shared_expert is not None:
             out = out + self.shared_expert(xt)
         out = out.view(b, s, h)
@@ -265,7 +271,7 @@ class MoE(nn.Module):
         if self.training and c.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.balance_loss(scores, idx, b, s)
             self.last_aux_loss = aux.detach()
-            out = _AddAuxLossGrad.apply(out, aux)
+            out = _AddAuxLossGrad.apply(out, aux, self.aux_grad_scale)
         return out
 
     def _apply_capacity(self, order: torch.Tensor, counts: list[int], n: int) -> tuple[torch.Tensor, list[int]]:

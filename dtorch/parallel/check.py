@@ -27,6 +27,7 @@ class ModelDims:
     num_heads: int
     num_kv_heads: int
     vocab_size: int | None = None
+    num_experts: int = 0
 
 
 def _first_attr(obj: object, names: tuple[str, ...]) -> int | None:
@@ -57,7 +58,8 @@ def model_dims(model: nn.Module) -> ModelDims:
             "cannot find the number of attention heads; give the model a `config` with n_heads "
             "(and n_kv_heads) or an attribute n_heads",
         )
-    return ModelDims(len(blocks), heads, kv or heads, vocab)
+    experts = _first_attr(getattr(model, "config", None) or {}, ("n_experts", "num_experts", "num_local_experts"))
+    return ModelDims(len(blocks), heads, kv or heads, vocab, experts or 0)
 
 
 def check_plan(
@@ -71,7 +73,7 @@ def check_plan(
     plan.validate()  # the document's version, then the rules over the plan alone
     # the suggested degrees are the model's: the world may still be the plan's own (no process group yet)
     strategies.check(plan, Dims(dims.num_layers, dims.num_heads, dims.num_kv_heads, None, seq_len,
-                                seq_field="seq_len"), world=world_size)
+                                seq_field="seq_len", num_experts=dims.num_experts), world=world_size)
     if executable:
         check_executable(plan)
 

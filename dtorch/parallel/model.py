@@ -77,6 +77,13 @@ class ParallelModel:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.distributed = mesh is not None and dist.is_initialized()
+        if schedule is None and plan.num_microbatches > 1:
+            # gradient accumulation divides each micro-batch's loss by m: so must the MoE balance loss's
+            # injected gradient (under PP the schedule's scale_grads divides all gradients alike)
+            for part in model_parts:
+                for m in part.modules():
+                    if hasattr(type(m), "aux_grad_scale"):
+                        m.aux_grad_scale = 1.0 / plan.num_microbatches
 
     def blocks(self) -> list[nn.Module]:
         """This rank's blocks, over all its model parts (what the monitor times per block)."""

@@ -1,7 +1,7 @@
 """`parallelize(model_or_factory, plan)`: apply a Plan with PyTorch's own distributed stack.
 
 Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> context
-parallel hooks -> activation checkpointing -> torch.compile per block (plan.compile) -> FSDP2 /
+parallel hooks -> expert parallelism (plan.ep) -> activation checkpointing -> torch.compile per block (plan.compile) -> FSDP2 /
 HSDP / DDP -> materialise from meta -> pipeline schedule. Everything up to materialisation runs
 on the meta device, so no rank ever holds more than its shard: reference models initialise
 rank-locally, pretrained weights are read slice by slice (`weights=`); see materialize.py for the
@@ -25,7 +25,8 @@ from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_plan, model_dims
 from dtorch.parallel.compile import apply_compile, check_compile, compile_enabled
 from dtorch.parallel.cp import apply_cp, check_cp
-from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, uses_fsdp, wrap_ddp
+from dtorch.parallel.expert import apply_expert_parallel, apply_fsdp_with_experts, expert_mesh
+from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, mp_policy, uses_fsdp, wrap_ddp
 from dtorch.parallel.hf import adapt
 from dtorch.parallel.materialize import Startup, materialize
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
@@ -98,6 +99,9 @@ def parallelize(
     if plan.world_size > 1 or dist.is_initialized():
         ensure_process_group(device)
         mesh = build_mesh(plan, device.type)
+    # expert parallelism borrows ep of the data-parallel ranks; check_plan's limits keep it to FSDP
+    # over the whole world (dp_shard = world), so the (edp, ep) mesh spans every rank
+    emesh = expert_mesh(plan.ep, device.type, world) if plan.ep > 1 else None
     # Dropout's rule (rng.py): one stream per (pp, dp, cp) position, shared by the TP ranks.
     seed_rank_streams(plan, mesh, seed, device)
 
@@ -113,10 +117,15 @@ def parallelize(
             context = apply_cp(part, sub_mesh(mesh, "cp"))
         if plan.tp > 1 and not plan.sp:  # (with sp, whole blocks run on shard streams: tp.py)
             shard_attention_streams(part, sub_mesh(mesh, "tp"))
+        if emesh is not None:  # experts sharded over ep, the all-to-all dispatcher installed (expert.py)
+            apply_expert_parallel(part, emesh)
         apply_ac(part, plan.ac)
         if compile_enabled(plan):  # after TP and AC, before FSDP: see compile.py
             apply_compile(part)
-        if uses_fsdp(plan):
+        if emesh is not None:  # experts FSDP'd over edp (gradients summed over ep), the rest over all ranks
+            apply_fsdp_with_experts(part, emesh, mp_policy=mp_policy(plan),
+                                    reshard_after_forward=plan.reshard_after_forward)
+        elif uses_fsdp(plan):
             apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
         elif plan.dp_replicate > 1 and not classic_ddp(plan):
             apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)

@@ -70,6 +70,7 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.strategies import TIMED
 from dtorch.plan.strategies.base import RankLoad, RankShare
 from dtorch.plan.strategies.data import DATA
+from dtorch.plan.strategies.expert import mean_block_flops, mean_block_params
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     MEMORY,
@@ -202,7 +203,7 @@ class Estimate:
     mfu: float
     """Model FLOPs (no recompute) per second over the cluster's bf16 peak (summed over all devices)."""
     time_breakdown: dict[str, float]
-    """compute, recompute, host, tp, cp, fsdp, dp, pp_p2p, bubble, optimizer, offload (exposed seconds)."""
+    """compute, recompute, host, tp, cp, ep, fsdp, dp, pp_p2p, bubble, optimizer, offload (exposed seconds)."""
     memory_bytes_per_rank: int
     memory_breakdown: dict[str, int]
     """params, grads, optimizer, activations, buffers, margin (bytes, on the fullest rank)."""
@@ -254,7 +255,7 @@ def bubble_fraction_of_microbatch(plan: Plan) -> float:
 
 def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
     """Parameters of one pipeline rank per TP rank."""
-    p = load.blocks * profile.params_per_block
+    p = load.blocks * mean_block_params(profile)  # (a MoE model's dense first blocks are smaller)
     p += profile.params_embedding * load.embedding
     p += profile.params_head * load.head
     return p / tp
@@ -383,7 +384,7 @@ class StepShape:
         "plan", "profile", "g", "c", "dtype", "peak", "elem_speed", "compiled", "async_tp", "dev", "cpu",
         "compute_dtype", "s", "h", "act_b", "act_scale", "param_b", "red_b", "tokens_mb", "rows", "eff",
         "speed", "attn_fwd", "elem_s_per_byte", "act_full", "st_cp", "st_dpr", "st_pp", "fs", "st_fs",
-        "a_none", "shard_act", "shard_full", "world", "selective", "linear", "__dict__",
+        "a_none", "shard_act", "shard_full", "block_params", "block_flops", "world", "selective", "linear", "__dict__",
     )
     # (strategies add their per-plan quantities in `prepare`: those go to __dict__)
 
@@ -424,11 +425,14 @@ class StepShape:
         self.fs, self.st_fs = plan.dp_shard * cp, tp
         self.a_none = prof.act_bytes_per_token_block.get("none", 34.0 * self.h)  # 16-bit bytes per token per block
         self.shard_act, self.shard_full = TENSOR.activation_share(plan)
+        # an average block (a MoE model's dense first blocks are smaller; equal to the block for dense models)
+        self.block_params = mean_block_params(prof)
+        self.block_flops = mean_block_flops(prof)
 
     def p_stage(self, load: RankLoad) -> float:
         """Parameters of pipeline rank `load` per TP rank (`_rank_params`)."""
         prof = self.profile
-        return (load.blocks * prof.params_per_block + prof.params_embedding * load.embedding
+        return (load.blocks * self.block_params + prof.params_embedding * load.embedding
                 + prof.params_head * load.head) / self.plan.tp
 
 
@@ -477,7 +481,7 @@ def compute_time(step: StepShape, load: RankLoad, r: RankShare, *, head_elementw
     Returns the micro-batch's FLOPs on the rank."""
     plan, prof, c = step.plan, step.profile, step.c
     div = plan.tp * plan.cp
-    flops_mb = step.tokens_mb * (load.blocks * prof.flops_per_token_block + prof.flops_per_token_head * load.head) / div
+    flops_mb = step.tokens_mb * (load.blocks * step.block_flops + prof.flops_per_token_head * load.head) / div
     attn_part = step.tokens_mb * load.blocks * 3 * step.attn_fwd / div  # the attention core, at its own speed
     if step.dtype == "float8":
         # float8 covers the blocks' linear layers; the output head stays in bf16 (torchao's and
@@ -631,6 +635,7 @@ def _time_breakdown(m: int, pace: RankShare, worst: RankShare, t_p2p: float, t_b
         "host": m * pace.host,
         "tp": m * pace.tp + worst.tp_step,
         "cp": m * pace.cp,
+        "ep": m * pace.ep,
         "fsdp": worst.fsdp,
         "dp": worst.dp,
         "pp_p2p": t_p2p,

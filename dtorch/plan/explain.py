@@ -7,10 +7,12 @@ from __future__ import annotations
 from dtorch.plan.cost import Estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.search import SearchResult
+from dtorch.plan.strategies.expert import routing_traffic
 
 GiB = 2**30
+
 TIME_LABELS = {
-    "compute": "compute", "recompute": "recompute", "host": "host overhead", "tp": "TP comm", "cp": "CP comm", "fsdp": "FSDP comm",
+    "compute": "compute", "recompute": "recompute", "host": "host overhead", "tp": "TP comm", "cp": "CP comm", "ep": "EP all-to-all", "fsdp": "FSDP comm",
     "dp": "DP all-reduce", "pp_p2p": "PP send/recv", "bubble": "PP bubble", "optimizer": "optimizer",
     "offload": "CPU offload",
 }
@@ -110,6 +112,9 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         from dtorch.plan.strategies.memory import MEMORY
 
         out.append(f"  offload: {MEMORY.offload_summary(plan, est, result.cluster.slowest_group(), DEFAULT_CONSTANTS)}")
+    routing = routing_traffic(plan, prof, cl.devices_per_node)
+    if routing:
+        out.append(f"  {routing}")
     why_prec = precision_reason(result, plan, est)
     if why_prec:
         out.append(f"  precision: {why_prec}")

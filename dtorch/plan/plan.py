@@ -44,6 +44,9 @@ class Plan:
     """Tensor-parallel degree (Megatron-style column/row split of linear layers)."""
     pp: int = 1
     """Pipeline-parallel degree (number of pipeline ranks)."""
+    ep: int = 1
+    """Expert-parallel degree: routed experts sharded over ep of the dp_replicate*dp_shard*cp ranks
+    (borrowed, not extra ranks: the world size does not change). 1 for dense models."""
     sp: bool = False
     """Sequence parallelism on the TP axis (norms and dropout sharded on sequence); needs tp > 1."""
     microbatch_size: int = 1

@@ -53,6 +53,7 @@ from dtorch.plan.strategies import (  # noqa: F401
 from dtorch.plan.strategies.base import divisors as _divisors
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
+from dtorch.plan.strategies.expert import EXPERT
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PARTITION_MARGIN, PIPELINE, bubble_fraction, ideal_load  # noqa: F401
@@ -117,7 +118,7 @@ def dims(profile: ModelProfile, world_size: int | None, seq_len: int | None = No
     """What the registry's rules check a plan against in the planner (the model's sequence is
     given, so a bad sequence split is reported on the plan's own field)."""
     return Dims(profile.num_layers, profile.num_heads, profile.num_kv_heads, world_size,
-                seq_len or profile.seq_len, seq_field=None, name=profile.name)
+                seq_len or profile.seq_len, seq_field=None, name=profile.name, num_experts=profile.num_experts)
 
 
 def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster, global_batch: int) -> None:
@@ -153,6 +154,16 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
                           fixed.get("num_microbatches", fixed.get("microbatch_size")),
                           f"microbatch_size x num_microbatches = {per_dp} does not divide the global batch "
                           f"{global_batch}; use values whose product divides it")
+    if "ep" in fixed:
+        from dtorch.plan.strategies.base import divisors
+
+        ep = fixed["ep"]
+        if ep > 1 and not profile.num_experts:
+            raise ConfigError("ep", ep, f"{profile.name} is dense (no routed experts); use ep=1")
+        if ep > 1 and (profile.num_experts % ep or W % ep):
+            ok = [d for d in divisors(profile.num_experts) if W % d == 0]
+            raise ConfigError("ep", ep, f"must divide the {profile.num_experts} routed experts and the world size "
+                              f"{W}; use ep in {{{', '.join(map(str, ok))}}}")
     dp_fixed = fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1)
     if global_batch % dp_fixed:
         raise ConfigError("global_batch", global_batch,
@@ -179,7 +190,10 @@ def rescale_seq(profile: ModelProfile, seq_len: int) -> ModelProfile:
     # Korthikanti's 5 a s term exists only without flash attention: it is the gap none - selective
     if "none" in acts and "selective" in acts and acts["none"] - acts["selective"] > 4.9 * profile.num_heads * profile.seq_len:
         acts["none"] += 5.0 * profile.num_heads * ds
+    dense = {"flops_per_token_dense_block": profile.flops_per_token_dense_block + 12.0 * profile.hidden * ds} \
+        if profile.num_dense_layers else {}
     return replace(profile, seq_len=seq_len, flops_per_token_block=profile.flops_per_token_block + 12.0 * profile.hidden * ds,
+                   **dense,
                    act_bytes_per_token_block=acts)
 
 
@@ -207,7 +221,10 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
         return [fixed[axis]] if axis in fixed else candidates
 
     out = []
-    for tp in pick("tp", valid_tp(profile, cluster)):
+    # the executor has no tensor-parallel roles for routed experts and the router (parallelize refuses
+    # tp > 1 on a MoE model): MoE meshes get tp=1 unless tp is fixed (then the search says it cannot run)
+    tps = [1] if profile.num_experts else valid_tp(profile, cluster)
+    for tp in pick("tp", tps):
         if W % tp:
             continue
         for cp in pick("cp", CONTEXT.degrees(W // tp, profile.seq_len, tp)):
@@ -252,7 +269,9 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     local = global_batch // (m.dp_replicate * m.dp_shard)
     mb = mbs or local
     sched, v = PIPELINE.OPTIMISTIC if m.pp > 1 else ("1f1b", 1)
-    plan = Plan(pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp, sp=m.tp > 1,
+    # the largest ep the shard group allows: the least FSDP traffic (EP's own all-to-all left out)
+    ep = max(e for e in EXPERT.degrees(profile, m.dp_shard, {}) if m.dp_shard % e == 0)
+    plan = Plan(ep=ep, pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp, sp=m.tp > 1,
                 microbatch_size=mb, num_microbatches=local // mb, schedule=sched, virtual_stages=v,
                 param_dtype="bfloat16", reduce_dtype="bfloat16")
     dev = group.device
@@ -310,7 +329,7 @@ def search(
     t0 = time.perf_counter()
     profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
     notes: list[str] = []
-    if executable_only and (forced := _forced(fixed)):
+    if executable_only and (forced := _forced(fixed, profile)):
         # the user asked for it: evaluate, but say that this DTorch cannot run it
         executable_only = False
         notes.append(f"the fixed fields ask for what this DTorch cannot run yet: {forced}")
@@ -346,20 +365,26 @@ def search(
 
 
 def _variants(book: _Book, fixed: dict[str, Any], cluster: Cluster, notes: list[str]) -> None:
-    """The strategies' variants of the ranked plans and of each family's best (bf16 reduction,
-    calibrated compile), then what the ranked plans cost beyond their step time (compile seconds)."""
-    for plan in [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())]:
+    """The strategies' variants (bf16 reduction, calibrated compile) of the ranked plans, of each
+    family's best and of the best plan of every ep degree, then what the ranked plans cost beyond
+    their step time (compile seconds)."""
+    plans = [p for _, _, p, _ in list(book.ranked)] + [p for p, _ in list(book.best_family.values())] \
+        + [p for p, _ in list(book.best_ep.values())]
+    for plan in plans:
         for variant in strategies.variants(plan, fixed, cluster):
             book.consider(variant)
     for _, _, plan, _ in book.ranked:
         notes += [n for n in strategies.notes(plan, cluster) if n not in notes]
 
 
-def _forced(fixed: dict[str, Any]) -> str | None:
+def _forced(fixed: dict[str, Any], profile: ModelProfile) -> str | None:
     """Why this executor cannot run what the fixed fields ask for, or None."""
-    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("cp", "tp", "pp", "sp", "schedule", "ac",
-                                                                       "virtual_stages", "param_dtype",
-                                                                       *DECLARED_NAMES)}))
+    if profile.num_experts and fixed.get("tp", 1) > 1:
+        return (f"tensor parallelism of a mixture of experts (tp={fixed['tp']}: the router and the routed experts "
+                "have no tensor-parallel roles); use ep instead")
+    return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("ep", "dp_replicate", "cp", "tp", "pp", "sp",
+                                                                       "schedule", "ac", "virtual_stages",
+                                                                       "param_dtype", *DECLARED_NAMES)}))
 
 
 def _inputs(profile: ModelProfile, cluster: Cluster, global_batch: int, seq_len: int | None,
@@ -404,6 +429,9 @@ class _Book:
         self.ranked: list[tuple[float, int, Plan, Estimate]] = []
         self.best_family: dict[str, tuple[Plan, Estimate]] = {}
         self.best_precision: dict[str, tuple[Plan, Estimate]] = {}
+        self.best_ep: dict[int, tuple[Plan, Estimate]] = {}
+        """The fastest fitting plan of every ep > 1 (their precision variants are tried too: EP's
+        degree trades all-to-all against FSDP traffic, which the reduction dtype halves)."""
         self.least_mem: dict[str, tuple[Plan, Estimate]] = {}
         self.not_runnable: dict[str, str] = {}
         self.seen: dict[tuple, Estimate] = {}
@@ -418,7 +446,7 @@ class _Book:
         return bound < self.kth() or fam not in self.best_family
 
     def consider(self, plan: Plan) -> Estimate:
-        key = (plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,
+        key = (plan.pp, plan.ep, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,
                plan.schedule, plan.virtual_stages, plan.ac, plan.offload, plan.reshard_after_forward,
                plan.param_dtype, plan.reduce_dtype, tuple(plan.layer_partition or ()),
                *(getattr(plan, n) for n in DECLARED_NAMES))
@@ -445,6 +473,8 @@ class _Book:
         best = self.best_family.get(fam)
         if best is None or score < best[1].step_time_s * _precision_penalty(best[0]):
             self.best_family[fam] = (plan, est)
+        if plan.ep > 1 and (plan.ep not in self.best_ep or est.step_time_s < self.best_ep[plan.ep][1].step_time_s):
+            self.best_ep[plan.ep] = (plan, est)
         prec = f"{plan.param_dtype}/{plan.reduce_dtype}"
         if prec not in self.best_precision or est.step_time_s < self.best_precision[prec][1].step_time_s:
             self.best_precision[prec] = (plan, est)
@@ -476,13 +506,20 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
         return
     head_blocks = profile.flops_per_token_head / (profile.flops_per_token_block or 1.0)
     pin = pinned(fixed)
+    eps = EXPERT.degrees(profile, mesh.dp_replicate * mesh.dp_shard * mesh.cp, fixed)
+    if book.executable_only:  # an ep this executor cannot run on the mesh is never ranked
+        eps = [e for e in eps if e == 1 or not next(EXPERT.limits(Plan(
+            ep=e, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp)), None)]
+    eps = [e for e in eps if (mesh.dp_replicate * mesh.dp_shard * mesh.cp) % e == 0]
+    if not eps:
+        return
     for offload in MEMORY.offloads(mesh.dp_shard, fixed):
         if offload == "params" and mesh.dp_shard == 1:
             continue  # CPU offload of parameters is an FSDP feature
         fitted = False
         # a whole offload level is skipped when even its leanest plan (smallest micro-batch, full
         # checkpointing, resharding) does not fit
-        lean = _leanest(mesh, local, offload, mbss[-1], L, fixed, lean_dtype, profile, global_batch)
+        lean = _leanest(mesh, local, offload, mbss[-1], L, fixed, lean_dtype, profile, global_batch, max(eps))
         if lean is None or not book.consider(lean).fits:
             continue
         for mbs in mbss:
@@ -490,13 +527,14 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
             if not book.worth(_bound(mesh, mbs, profile, group, global_batch, precs, c), fam):
                 continue
             if mbs != mbss[-1]:
-                lean = _leanest(mesh, local, offload, mbs, L, fixed, lean_dtype, profile, global_batch)
+                lean = _leanest(mesh, local, offload, mbs, L, fixed, lean_dtype, profile, global_batch, max(eps))
                 if lean is None or not book.consider(lean).fits:
                     continue  # activations grow with the micro-batch: try a smaller one
             for sched, v in PIPELINE.schedules(mesh.pp, nmb, L, fixed):
-                for (pdt, rdt), part in itertools.product(precs, PIPELINE.partitions(mesh.pp, v, L, head_blocks)):
+                for (pdt, rdt), part, ep in itertools.product(precs, PIPELINE.partitions(mesh.pp, v, L, head_blocks),
+                                                              eps):
                     base = Plan(
-                        pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
+                        ep=ep, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
                         tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs,
                         num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
                         param_dtype=pdt, reduce_dtype=rdt, layer_partition=part, seq_len=profile.seq_len,
@@ -508,7 +546,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
 
 
 def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dict[str, Any], param_dtype: str,
-             profile: ModelProfile, global_batch: int) -> Plan | None:
+             profile: ModelProfile, global_batch: int, ep: int = 1) -> Plan | None:
     """The plan of this mesh, offload level and micro-batch size that needs the least memory: full
     checkpointing (unless ac is fixed), resharding, the schedule with the fewest micro-batches in flight."""
     nmb = local // mbs
@@ -516,7 +554,7 @@ def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dic
     if not sched:
         return None
     return Plan(
-        pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
+        ep=ep, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
         sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs, num_microbatches=nmb,
         schedule=sched[0][0], virtual_stages=sched[0][1], offload=offload,
         ac=fixed.get("ac", "full"),

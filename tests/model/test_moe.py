@@ -81,7 +81,7 @@ def test_balance_loss_gradient_is_injected_as_if_added_to_the_loss():
 
     orig = moe_mod._AddAuxLossGrad.apply
     collected = []
-    moe_mod._AddAuxLossGrad.apply = staticmethod(lambda out, aux: (collected.append(aux), out)[1])
+    moe_mod._AddAuxLossGrad.apply = staticmethod(lambda out, aux, scale=1.0: (collected.append(scale * aux), out)[1])
     try:
         logits = b(tokens)
     finally:

@@ -389,7 +389,20 @@ def check_compile(plan: Plan, pm, rec: dict) -> None:
             assert isinstance(block, OptimizedModule) == bool(getattr(plan, "compile", False)), type(block)
 
 
+def check_ep(plan: Plan, pm, rec: dict) -> None:
+    # routed experts sharded over ep ranks with the all-to-all dispatcher installed (ep > 1), or left
+    # whole with none (ep = 1; the dense reference models have no experts at all). The MoE side, ep > 1
+    # run for real: tests/parallel/test_moe_planner_plans.py
+    experts = [m for part in _parts(pm) for m in part.modules() if hasattr(type(m), "dispatcher")]
+    for m in experts:
+        assert (m.dispatcher is not None) == (plan.ep > 1)
+        if plan.ep > 1:
+            w = m.w1.to_local() if hasattr(m.w1, "to_local") else m.w1
+            assert w.shape[0] * plan.ep == m.w1.shape[0]
+
+
 CHECKS = {
+    "ep": check_ep,
     "dp_replicate": check_dp_replicate, "dp_shard": check_dp_shard, "cp": check_cp, "tp": check_tp,
     "pp": check_pp, "sp": check_sp, "microbatch_size": check_microbatch_size,
     "num_microbatches": check_num_microbatches, "schedule": check_schedule,

@@ -1,6 +1,6 @@
 """The strategy registry: every parallelism and policy declared once, for planner and executor alike.
 
-One file per strategy (`batch`, `precision`, `data`, `fsdp`, `context`, `tensor`, `memory`,
+One file per strategy (`batch`, `precision`, `data`, `fsdp`, `expert`, `context`, `tensor`, `memory`,
 `pipeline`, `compile`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
 knowledge is a loop over `REGISTRY`: `Plan.validate` and `Plan.family/describe` (`validate`,
 `family`, `describe`), the planner's and the executor's checks (`check`), what this executor
@@ -31,13 +31,14 @@ from dtorch.plan.strategies.batch import BATCH
 from dtorch.plan.strategies.compile import COMPILE
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
+from dtorch.plan.strategies.expert import EXPERT
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import AC_POLICIES, MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PIPELINE, SCHEDULES
 from dtorch.plan.strategies.precision import DTYPES, PRECISION
 from dtorch.plan.strategies.tensor import TENSOR
 
-REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, CONTEXT, TENSOR, MEMORY, PIPELINE, COMPILE)
+REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, EXPERT, CONTEXT, TENSOR, MEMORY, PIPELINE, COMPILE)
 
 FIELDS: dict[str, Field] = {f.name: f for s in REGISTRY for f in s.fields}
 OWNER: dict[str, Strategy] = {f.name: s for s in REGISTRY for f in s.fields}

@@ -95,6 +95,8 @@ class Dims:
     seq_len: int | None = None
     seq_field: str | None = "seq_len"
     name: str = "the model"
+    num_experts: int = 0
+    """Routed experts per MoE block (0: a dense model)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class RankShare:
     host: float = 0.0
     tp: float = 0.0
     cp: float = 0.0
+    ep: float = 0.0
+    """Expert-parallel all-to-all (dispatch and combine) per micro-batch."""
     tp_step: float = 0.0
     fsdp: float = 0.0
     dp: float = 0.0
@@ -132,7 +136,7 @@ class RankShare:
 
     @property
     def per_microbatch(self) -> float:
-        return self.compute + self.recompute + self.host + self.tp + self.cp
+        return self.compute + self.recompute + self.host + self.tp + self.cp + self.ep
 
     @property
     def per_step(self) -> float:

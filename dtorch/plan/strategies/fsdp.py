@@ -18,6 +18,7 @@ from typing import Any
 
 from dtorch.plan.comm import collective_time, exposed
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
+from dtorch.plan.strategies.expert import EXPERT, gathered_block_params
 
 
 class Sharded(Strategy):
@@ -45,7 +46,7 @@ class Sharded(Strategy):
         step.ag_unit = collective_time("all_gather", 1.0, fs, st, g)
         step.rs_unit = collective_time("reduce_scatter", 1.0, fs, st, g)
         # one block's gather: the one nothing hides
-        step.ag_block = collective_time("all_gather", step.profile.params_per_block / step.plan.tp * step.param_b,
+        step.ag_block = collective_time("all_gather", gathered_block_params(step.profile, step.plan) * step.param_b,
                                         fs, st, g)
         return True
 
@@ -53,8 +54,18 @@ class Sharded(Strategy):
         """(all-gather, reduce-scatter) seconds of the `p_stage` parameters and their gradients of
         `load`, one collective per FSDP unit (`unit_latency=False`: one for all, the lower bound's)."""
         fs, st, g = step.fs, step.st_fs, step.g
-        ag = collective_time("all_gather", p_stage * step.param_b, fs, st, g)
-        rs = collective_time("reduce_scatter", p_stage * step.red_b, fs, st, g)
+        ep = step.plan.ep
+        if ep > 1:
+            # with EP the routed experts are sharded over ep and FSDP'd over edp = fs/ep only (ep innermost):
+            # 1/ep of them gathered, over the slower outer ranks (`dtorch.parallel.expert.apply_fsdp_with_experts`)
+            pe = min(p_stage, EXPERT.expert_stage_params(step, load))
+            ag = (collective_time("all_gather", (p_stage - pe) * step.param_b, fs, st, g)
+                  + collective_time("all_gather", pe / ep * step.param_b, max(1, fs // ep), st * ep, g))
+            rs = (collective_time("reduce_scatter", (p_stage - pe) * step.red_b, fs, st, g)
+                  + collective_time("reduce_scatter", pe / ep * step.red_b, max(1, fs // ep), st * ep, g))
+        else:
+            ag = collective_time("all_gather", p_stage * step.param_b, fs, st, g)
+            rs = collective_time("reduce_scatter", p_stage * step.red_b, fs, st, g)
         if unit_latency:
             # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
             ag += load.blocks * step.ag_unit
@@ -78,7 +89,7 @@ class Sharded(Strategy):
         plan = step.plan
         if step.fs == 1:
             return 0.0
-        p_block = step.profile.params_per_block / plan.tp
+        p_block = gathered_block_params(step.profile, plan)
         if plan.reshard_after_forward or plan.offload == "params":
             return 2 * p_block * step.param_b + p_block * step.red_b  # gathered block + prefetch, one grad block
         return p_stage * step.param_b + p_block * step.red_b  # whole stage stays gathered fwd -> bwd

@@ -171,7 +171,7 @@ class Memory(Strategy):
         # the blocks' element-wise forward: a third of their forward + backward element-wise work
         elem_fwd = step.tokens_mb * load.blocks * step.a_none / div * step.elem_s_per_byte / 3.0
         if plan.ac == "full":
-            rec_flops = step.tokens_mb * load.blocks * step.profile.flops_per_token_block / 3.0 / div
+            rec_flops = step.tokens_mb * load.blocks * step.block_flops / 3.0 / div
             r.recompute = r.compute * (rec_flops / flops_mb) if flops_mb else 0.0
         elif step.selective == "matmuls_saved":
             # DTorch's policy (dtorch/parallel/ac.py): matmul and attention outputs come from the

@@ -1,0 +1,211 @@
+"""Expert parallelism (EP): the routed experts of every MoE block sharded over `ep` ranks borrowed
+from the data-parallel ones (dp_replicate x dp_shard x cp), tokens moved to their experts' ranks by
+all-to-all (dispatch) and back (combine).
+
+Executor half: `dtorch.parallel.expert` (applied by `dtorch.parallel.parallelize` when ep > 1).
+
+Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replicate*dp_shard*cp
+(what `expert_mesh` requires). `ep` is not a mesh axis of its own: the world is unchanged.
+
+Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the world's ranks
+(dp_shard = world: no TP, PP, CP, DDP/HSDP replicas, parameter offload, selective AC or compile).
+
+Time, per MoE block per micro-batch on the rank with the most traffic: the count exchange (latency)
+plus dispatch and combine all-to-alls forward, the same two in backward (autograd's reverse
+exchange) and two more when full AC re-runs the forward. Each moves, from every rank, its
+tokens x top_k assignments x hidden x activation bytes x (ep-1)/ep to the other ep ranks, times
+`load_imbalance` (the hottest rank's share over the mean); the executor waits for them (exposed).
+The hottest rank's routed experts also compute `load_imbalance` x the mean. An all-to-all over a
+group inside one node moves (k-1)/k of the bytes on NVLink; one that spans nodes sends the
+(ep-k)/ep off-node share through the rank's NIC (the expensive case).
+
+Memory: with FSDP over all D ranks the expert weights are sharded over ep x edp = D as the rest
+are, so model states per rank do not change; what shrinks is the gathered block (its experts are
+gathered over edp only, 1/ep of them) and FSDP's traffic (experts all-gathered and
+reduce-scattered over edp only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
+
+LOAD_IMBALANCE = 1.0
+"""Default hottest-rank load over the mean (1: balanced). DeepSeek-V3's auxiliary-loss-free bias keeps
+loads near balance; pass another value to `EXPERT.load_imbalance` (or the cost model's constants)
+for what-if studies."""
+
+
+def data_ranks(plan: Any) -> int:
+    """D: the ranks EP borrows from (they see different tokens)."""
+    return plan.dp_replicate * plan.dp_shard * plan.cp
+
+
+def moe_fraction(profile: Any) -> float:
+    """Share of the blocks that are MoE blocks (DeepSeek-V3: 58 of 61)."""
+    if not profile.num_experts:
+        return 0.0
+    return (profile.num_layers - profile.num_dense_layers) / profile.num_layers
+
+
+def expert_params_per_block(profile: Any) -> float:
+    """Routed-expert parameters of one MoE block."""
+    return float(profile.num_experts * profile.params_per_expert)
+
+
+def mean_block_params(profile: Any) -> float:
+    """Parameters of an average block: a MoE model's dense first blocks are smaller (the even
+    pipeline split the executor runs with ep > 1 is pp = 1, so the mean is exact there)."""
+    if not profile.num_dense_layers:
+        return float(profile.params_per_block)
+    L, d = profile.num_layers, profile.num_dense_layers
+    return ((L - d) * profile.params_per_block + d * profile.params_per_dense_block) / L
+
+
+def mean_block_flops(profile: Any) -> float:
+    if not profile.num_dense_layers:
+        return float(profile.flops_per_token_block)
+    L, d = profile.num_layers, profile.num_dense_layers
+    return ((L - d) * profile.flops_per_token_block + d * profile.flops_per_token_dense_block) / L
+
+
+def all_to_all_time(nbytes: float, ep: int, stride: int, group: Any) -> float:
+    """Seconds of one all-to-all where every rank of an `ep`-rank group at rank stride `stride`
+    holds `nbytes` to scatter evenly over the group (its own 1/ep stays). Pairwise exchange:
+    intra-node share (k-1)/ep at NVLink bandwidth with a latency per peer, the off-node share
+    (ep-k)/ep through the rank's own NIC with a latency per remote node."""
+    if ep <= 1 or nbytes <= 0:
+        return 0.0
+    dpn = group.devices_per_node
+    k = 1 if stride >= dpn else min(ep, max(1, dpn // stride))
+    m = -(-ep // k)
+    intra, inter = group.intra, group.inter
+    t = 0.0
+    if k > 1:
+        t += nbytes * (k - 1) / ep / (intra.bandwidth * intra.efficiency) + (k - 1) * intra.latency
+    if m > 1:
+        t += nbytes * (ep - k) / ep / (inter.bandwidth * inter.efficiency) + (m - 1) * inter.latency
+    return t
+
+
+class Expert(Strategy):
+    name = "expert"
+    executor = "dtorch.parallel.expert"
+    fields = (Field("ep", "int", aliases=("expert_parallel",)),)
+    family_fields = ("ep",)
+    load_imbalance: float = LOAD_IMBALANCE
+
+    def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
+        ep = plan.ep
+        if ep == 1:
+            return
+        D = data_ranks(plan)
+        if D % ep:
+            ok = [d for d in divisors(D)]
+            yield Violation("ep", ep, f"expert parallelism borrows the dp_replicate*dp_shard*cp = {D} data-parallel "
+                            f"ranks and must divide them; use ep in {{{', '.join(map(str, ok))}}}")
+            return
+        if dims is None:
+            return
+        n = dims.num_experts
+        if not n:
+            yield Violation("ep", ep, f"{dims.name} is dense (no routed experts); use ep=1")
+        elif n % ep:
+            yield Violation("ep", ep, f"must divide the {n} routed experts of {dims.name}; use ep in "
+                            f"{{{', '.join(str(d) for d in divisors(n) if D % d == 0)}}}")
+
+    def limits(self, plan: Any) -> Iterator[Limit]:
+        if plan.ep == 1:
+            return
+        if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.dp_replicate > 1:
+            yield Limit("expert parallelism is wired into parallelize() only with FSDP over all ranks "
+                        "(no tp, pp, cp or dp_replicate)", "ep", plan.ep,
+                        "use ep=1, or dp_shard = the world size with tp=pp=cp=dp_replicate=1")
+        elif plan.offload == "params":
+            yield Limit("expert parallelism with FSDP parameter offload is not implemented", "ep", plan.ep,
+                        "use ep=1 or offload=none")
+        elif plan.ac == "selective":
+            # torch 2.13: the experts' nested FSDP unit inside a selectively checkpointed block fails in recompute
+            yield Limit("expert parallelism with FSDP and selective activation checkpointing fails in torch 2.13",
+                        "ep", plan.ep, "use ac=full or ac=none, or ep=1")
+        elif getattr(plan, "compile", False):
+            yield Limit("expert parallelism with torch.compile is not tested", "ep", plan.ep,
+                        "use compile=false or ep=1")
+
+    def family(self, plan: Any) -> str | None:
+        return "EP" if plan.ep > 1 else None
+
+    def describe(self, plan: Any):
+        if plan.ep > 1:
+            yield 5, f"ep={plan.ep}"
+
+    def degrees(self, profile: Any, data: int, fixed: dict[str, Any]) -> list[int]:
+        """The search's ep candidates on a mesh of `data` data-parallel ranks: divisors of both the
+        routed experts and `data` (only 1 for a dense model)."""
+        if "ep" in fixed:
+            return [fixed["ep"]]
+        if not profile.num_experts:
+            return [1]
+        return [d for d in divisors(data) if profile.num_experts % d == 0]
+
+    # ---- time --------------------------------------------------------------------------------
+    def prepare(self, step: Any) -> bool:
+        plan, prof = step.plan, step.profile
+        if plan.ep == 1 or not prof.num_experts:
+            return False
+        ep = plan.ep
+        # each rank's assignments of one micro-batch (its tokens / cp, top_k each), hidden wide
+        nbytes = step.tokens_mb / plan.cp * prof.experts_per_token * step.h * step.act_b * self.load_imbalance
+        st = step.st_fs  # ep is the innermost part of the FSDP (dp_shard x cp) group
+        step.ep_a2a = all_to_all_time(nbytes, ep, st, step.g)
+        step.ep_counts = all_to_all_time(8.0 * prof.num_experts, ep, st, step.g)  # the count exchange
+        step.ep_bytes = nbytes * (ep - 1) / ep
+        return True
+
+    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+        plan, prof = step.plan, step.profile
+        moe_blocks = load.blocks * moe_fraction(prof)
+        n_a2a = 4 + (2 if plan.ac == "full" else 0)  # dispatch + combine, forward and backward (+ recompute)
+        n_counts = 1 + (1 if plan.ac == "full" else 0)
+        r.ep = moe_blocks * (n_a2a * step.ep_a2a + n_counts * step.ep_counts)
+        if self.load_imbalance > 1.0:  # the hottest rank's routed experts compute more than the mean
+            routed = 6.0 * prof.experts_per_token * prof.params_per_expert * (1 + (plan.ac == "full") / 3.0)
+            r.ep += (self.load_imbalance - 1.0) * step.tokens_mb / plan.cp * moe_blocks * routed / step.speed
+
+    # ---- memory and FSDP -----------------------------------------------------------------------
+    def expert_stage_params(self, step: Any, load: RankLoad) -> float:
+        """Routed-expert parameters on pipeline rank `load` before EP (per TP rank)."""
+        prof = step.profile
+        return load.blocks * moe_fraction(prof) * expert_params_per_block(prof) / step.plan.tp
+
+
+def gathered_block_params(profile: Any, plan: Any) -> float:
+    """Parameters of one block FSDP gathers on a rank (per TP rank): the experts only 1/ep."""
+    p = float(profile.params_per_block)
+    if plan.ep > 1 and profile.num_experts:
+        p -= expert_params_per_block(profile) * (1.0 - 1.0 / plan.ep)
+    return p / plan.tp
+
+
+EXPERT = Expert()
+
+
+def routing_traffic(plan: Any, profile: Any, devices_per_node: int) -> str | None:
+    """One line for the explanation: the bytes each rank sends per MoE block per micro-batch (one
+    direction, mean load) and where the ep group lies, or None without EP."""
+    if plan.ep == 1 or not profile.num_experts:
+        return None
+    act_b = 4 if plan.param_dtype == "float32" else (1 if plan.param_dtype == "float8" else 2)
+    tokens = plan.microbatch_size * profile.seq_len / plan.cp
+    nbytes = tokens * profile.experts_per_token * profile.hidden * act_b * (plan.ep - 1) / plan.ep
+    blocks = profile.num_layers - profile.num_dense_layers
+    stride = plan.tp
+    k = 1 if stride >= devices_per_node else min(plan.ep, devices_per_node // stride)
+    where = "inside one node (NVLink)" if k >= plan.ep else \
+        f"over {-(-plan.ep // k)} nodes ({(plan.ep - k) / plan.ep:.0%} of it through the NICs)"
+    per_step = nbytes * 4 * blocks * plan.num_microbatches
+    return (f"routing: ep={plan.ep} all-to-all {where}; {nbytes / 2**20:,.1f} MiB per rank per MoE block per "
+            f"micro-batch each way (dispatch, combine, x2 in backward: {per_step / 2**30:,.1f} GiB per rank per step "
+            f"over {blocks} MoE blocks, load imbalance {EXPERT.load_imbalance:g})")

@@ -1,0 +1,122 @@
+"""The expert-parallel strategy (`dtorch/plan/strategies/expert.py`): its rules, its limits (the
+executor wiring's), `--fix ep`, its all-to-all term per link class, expert memory, the MoE size
+accounting the estimate uses, and the search's EP plans. Torch-free, about 3 s."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dtorch.cluster.load import parse_shorthand
+from dtorch.errors import ConfigError
+from dtorch.plan.cost import DEFAULT_CONSTANTS, _rank_params, estimate
+from dtorch.plan.plan import Plan
+from dtorch.plan.profiles import get_profile
+from dtorch.plan.search import _bound, _Mesh, check, parse_fix, precisions, search
+from dtorch.plan.strategies import check_executable, unsupported
+from dtorch.plan.strategies.base import RankLoad
+from dtorch.plan.strategies.expert import EXPERT, all_to_all_time
+
+
+def test_ep_must_divide_the_data_parallel_ranks_and_the_experts():
+    with pytest.raises(ConfigError) as e:
+        Plan(dp_shard=4, ep=3).validate()
+    assert e.value.field == "ep" and "{1, 2, 4}" in str(e.value)
+    cl = parse_shorthand("cpu:1x4")
+    moe = get_profile("moe-tiny", 16)  # 8 experts
+    check(Plan(dp_shard=4, ep=4), moe, cl)
+    with pytest.raises(ConfigError, match="must divide the 6 routed experts"):
+        check(Plan(dp_shard=4, ep=4), dataclasses.replace(moe, num_experts=6), cl)
+    with pytest.raises(ConfigError, match="dense") as e:
+        check(Plan(dp_shard=4, ep=2), get_profile("llama-tiny", 16), cl)
+    assert e.value.field == "ep"
+
+
+def test_limits_mirror_the_executor_wiring():
+    assert unsupported(Plan(dp_shard=4, ep=2)) is None
+    assert unsupported(Plan(dp_shard=4, ep=2, ac="full")) is None
+    for plan in (Plan(dp_shard=2, tp=2, ep=2), Plan(pp=2, dp_shard=2, ep=2), Plan(dp_shard=2, cp=2, ep=2),
+                 Plan(dp_replicate=4, ep=2), Plan(dp_shard=4, ep=2, ac="selective"),
+                 Plan(dp_shard=4, ep=2, offload="params")):
+        with pytest.raises(ConfigError) as e:
+            check_executable(plan)
+        assert e.value.field == "ep"
+
+
+def test_fix_ep():
+    assert parse_fix("ep=8") == {"ep": 8}
+    cl = parse_shorthand("h100:1x8")
+    with pytest.raises(ConfigError, match="dense") as e:
+        search(get_profile("llama3-8b", 1024), cl, global_batch=64, fixed={"ep": 2})
+    assert e.value.field == "ep"
+    with pytest.raises(ConfigError) as e:
+        search(get_profile("mixtral-8x7b", 1024), cl, global_batch=64, fixed={"ep": 3})
+    assert e.value.field == "ep"
+    res = search(get_profile("mixtral-8x7b", 1024), parse_shorthand("h100:4x8"), global_batch=256,
+                 fixed={"ep": 8})
+    assert res.ranked and all(p.ep == 8 for p, _ in res.ranked)
+
+
+def test_all_to_all_inter_node_is_the_expensive_case():
+    g = parse_shorthand("h100:4x8").groups[0]
+    nbytes = 1e9
+    intra = all_to_all_time(nbytes, 8, 1, g)  # one node, NVLink
+    inter = all_to_all_time(nbytes, 16, 1, g)  # two nodes: half of it through the NICs
+    assert all_to_all_time(nbytes, 1, 1, g) == 0.0
+    assert inter > 3 * intra
+    # alpha-beta: the off-node share (ep - k)/ep at the NIC's bandwidth
+    expect = nbytes * 7 / 16 / (g.intra.bandwidth * g.intra.efficiency) + 7 * g.intra.latency \
+        + nbytes * 8 / 16 / (g.inter.bandwidth * g.inter.efficiency) + g.inter.latency
+    assert inter == pytest.approx(expect)
+
+
+def test_ep_term_in_the_estimate_and_load_imbalance():
+    prof, cl = get_profile("mixtral-8x7b", 4096), parse_shorthand("h100:4x8")
+    base = dict(dp_shard=32, microbatch_size=1, num_microbatches=2, ac="full", param_dtype="bfloat16")
+    e1 = estimate(Plan(**base), prof, cl)
+    e8 = estimate(Plan(**base, ep=8), prof, cl)
+    assert e1.time_breakdown["ep"] == 0.0 and e8.time_breakdown["ep"] > 0.0
+    # tokens x top_k x hidden x 2 bytes, 6 all-to-alls per MoE block per micro-batch under full AC
+    per = 4096 * 2 * 4096 * 2.0
+    a2a = all_to_all_time(per, 8, 1, cl.groups[0])
+    counts = all_to_all_time(8.0 * 8, 8, 1, cl.groups[0])  # the per-expert count exchange, again in recompute
+    assert e8.time_breakdown["ep"] == pytest.approx(2 * 32 * (6 * a2a + 2 * counts), rel=1e-9)
+    # EP shrinks FSDP's traffic (experts gathered over edp only) and its gathered block
+    assert e8.time_breakdown["fsdp"] < e1.time_breakdown["fsdp"]
+    assert e8.memory_breakdown["buffers"] < e1.memory_breakdown["buffers"]
+    # model states are sharded over all 32 ranks either way
+    assert e8.memory_breakdown["optimizer"] == e1.memory_breakdown["optimizer"]
+    old = EXPERT.load_imbalance
+    try:
+        EXPERT.load_imbalance = 1.5
+        e8b = estimate(Plan(**base, ep=8), prof, cl)
+    finally:
+        EXPERT.load_imbalance = old
+    assert e8b.time_breakdown["ep"] > 1.4 * e8.time_breakdown["ep"]
+
+
+def test_moe_sizes_count_dense_first_blocks_at_their_own_size():
+    prof = get_profile("deepseek-v3", 4096)
+    whole = RankLoad(0, prof.num_layers, 1.0, 1.0)
+    assert _rank_params(whole, prof, 1) == pytest.approx(prof.params_total, rel=1e-6)
+
+
+def test_the_bound_stays_below_ep_plans():
+    prof, cl = get_profile("mixtral-8x7b", 4096), parse_shorthand("h100:4x8")
+    group = cl.slowest_group()
+    precs, _ = precisions(group, {})
+    for ep in (1, 2, 8, 32):
+        for mbs, nmb in ((1, 8), (2, 4)):
+            plan = Plan(dp_shard=32, ep=ep, microbatch_size=mbs, num_microbatches=nmb, param_dtype="bfloat16")
+            est = estimate(plan, prof, cl)
+            for b in (0, mbs):
+                assert _bound(_Mesh(1, 1, 32, 1, 1), b, prof, group, 256, precs, DEFAULT_CONSTANTS) <= est.step_time_s
+
+
+def test_deepseek_v3_on_256_h100s_gets_a_fitting_expert_parallel_plan():
+    res = search(get_profile("deepseek-v3", 4096), parse_shorthand("h100:32x8"), global_batch=2048, seq_len=4096)
+    assert res.ranked
+    plan, est = res.best
+    assert est.fits and plan.ep > 1 and unsupported(plan) is None
+    assert all(p.tp == 1 for p, _ in res.ranked)  # no TP roles for routers/experts in the executor
