@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import io
 import logging
+import operator
 import os
 import pickle
 import threading
@@ -154,6 +155,13 @@ def _meshes(obj: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _LiveDict(dict):
+    """A state-dict subtree that its owner hands out again, the very same object, only while every
+    leaf is still the live tensor it was (values change in place, nothing else does). A snapshot
+    packs it once per slot and reuses the packing while the owner returns the same object
+    (`Snapshotter._pack`); it is never changed after it is made."""
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     return (t._local_tensor if _is_dtensor(t) else t).data_ptr()
 
@@ -221,14 +229,95 @@ class LiveModules:
     def state_dict(self) -> dict[str, Any]:
         if self._cached is not None and self._holds():
             return self._cached
-        sd = {str(i): m.state_dict() for i, m in enumerate(self.modules)}
-        self._cached = sd if self._bind(sd) else None
-        return sd
+        sd = _LiveDict({str(i): m.state_dict() for i, m in enumerate(self.modules)})
+        if self._bind(sd):
+            self._cached = sd
+            return sd
+        self._cached = None
+        return dict(sd)  # not live: packed afresh at every take
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._cached = None
         for i, m in enumerate(self.modules):
             m.load_state_dict(sd[str(i)])
+
+
+class LiveOptimizers:
+    """Optimizers as one Stateful over their native state dicts, the per-parameter state reused.
+
+    `torch.optim.Optimizer.state_dict()` already hands out its live per-parameter state dicts;
+    in torch's optimizers (AdamW included: "step" is a 0-d tensor incremented in place, the
+    moments updated in place) those dicts, their tensors and their storage stay the same from
+    step to step once the first step has made them, and only the param groups' scalars change
+    (the schedule writes "lr"). So the "state" part of each optimizer is built once, a
+    `_LiveDict` reused while every parameter's state dict and every value in it is still the
+    same object (identity tests in C loops; a replaced value, a new parameter or a
+    `load_state_dict` rebuilds it); the param groups are copied afresh at every call. An
+    optimizer with state-dict hooks (which may rewrite the dict) is asked for its full state
+    dict every time."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+        self._live: list[tuple[Any, ...] | None] = [None] * len(self.optimizers)
+
+    @staticmethod
+    def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for g in opt.param_groups:
+            for q in g["params"]:
+                seen.setdefault(id(q), q)
+        return list(seen.values())
+
+    def _build(self, opt: torch.optim.Optimizer) -> tuple[Any, ...] | None:
+        params = self._params(opt)
+        index = {id(q): i for i, q in enumerate(params)}
+        if any(not isinstance(k, torch.Tensor) or id(k) not in index for k in opt.state):
+            return None
+        holders = [opt.state[q] for q in params if q in opt.state]
+        keys = [q for q in params if q in opt.state]
+        state = _LiveDict({index[id(q)]: d for q, d in zip(keys, holders)})
+        dicts, names, values = [], [], []
+        for d in holders:
+            for k, v in d.items():
+                dicts.append(d)
+                names.append(k)
+                values.append(v)
+        return (params, keys, holders, [len(d) for d in holders], dicts, names, values, state, len(opt.state))
+
+    @staticmethod
+    def _holds(opt: torch.optim.Optimizer, live: tuple[Any, ...]) -> bool:
+        params, keys, holders, lens, dicts, names, values, _, n = live
+        groups = [q for g in opt.param_groups for q in g["params"]]
+        return (len(opt.state) == n and len(groups) == len(params) and all(map(operator.is_, groups, params))
+                and all(map(operator.is_, map(opt.state.get, keys), holders))
+                and list(map(len, holders)) == lens
+                and all(map(operator.is_, map(dict.__getitem__, dicts, names), values)))
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for i, opt in enumerate(self.optimizers):
+            if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
+                out[str(i)] = opt.state_dict()
+                continue
+            live = self._live[i]
+            if live is None or not self._holds(opt, live):
+                live = self._live[i] = self._build(opt)
+                if live is None:
+                    out[str(i)] = opt.state_dict()
+                    continue
+            params, index = live[0], {}
+            groups = []
+            for g in opt.param_groups:
+                packed = {k: v for k, v in g.items() if k != "params"}
+                packed["params"] = [index.setdefault(id(q), len(index)) for q in g["params"]]
+                groups.append(packed)
+            out[str(i)] = {"state": live[7], "param_groups": groups}
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._live = [None] * len(self.optimizers)
+        for i, opt in enumerate(self.optimizers):
+            opt.load_state_dict(sd[str(i)])
 
 
 class Snapshotter:
@@ -245,6 +334,8 @@ class Snapshotter:
         self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
         self._src: list[torch.Tensor] = []
         self._refs: list[dict[str, Any]] = []
+        self._live_packs: list[dict[int, tuple[Any, ...]]] = [{} for _ in range(_SLOTS)]
+        self._live_used: dict[int, tuple[Any, ...]] = {}
         self._mesh_keys: dict[int, str] = {}
         self._placement_docs: dict[tuple[Any, ...], list[list[Any]]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -322,6 +413,8 @@ class Snapshotter:
         typ = type(obj)
         if typ is dict:
             return {k: self._pack(v, slot) for k, v in obj.items()}
+        if typ is _LiveDict:
+            return self._pack_live(obj, slot)
         if typ is torch.Tensor:
             ref: dict[str, Any] = {}
             self._src.append(obj)
@@ -340,6 +433,22 @@ class Snapshotter:
             return {k: self._pack(v, slot) for k, v in obj.items()}
         return obj
 
+    def _pack_live(self, obj: _LiveDict, slot: int) -> Any:
+        """A `_LiveDict`: packed the first time this slot meets it, then the same packing and the
+        same tensors reused while its owner hands out the same object (the side thread refills
+        the references of this slot's packing only, at this slot's copy)."""
+        hit = self._live_packs[slot].get(id(obj))
+        if hit is not None and hit[0] is obj:
+            _, packed, src, refs = hit
+            self._src.extend(src)
+            self._refs.extend(refs)
+        else:
+            start = len(self._src)
+            packed = {k: self._pack(v, slot) for k, v in obj.items()}
+            hit = (obj, packed, self._src[start:], self._refs[start:])
+        self._live_used[id(obj)] = hit
+        return packed
+
     def take(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state` (name -> Stateful or tensors/plain values) as of the end of `step`.
         Returns after the first half (see the module doc); the copy runs on until `wait()`.
@@ -354,8 +463,9 @@ class Snapshotter:
         t1 = time.perf_counter()
         slot = int(step) % _SLOTS
         try:
-            self._src, self._refs = [], []
+            self._src, self._refs, self._live_used = [], [], {}
             packed = self._pack(tree, slot)
+            self._live_packs[slot] = self._live_used  # what this take did not meet is dropped
         except _NotSnapshottable as e:
             self._turn_off(f"the state holds {e}", warn=False)
             return
