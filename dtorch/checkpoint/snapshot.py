@@ -305,7 +305,7 @@ class LiveOptimizers:
                 if live is None:
                     out[str(i)] = opt.state_dict()
                     continue
-            params, index = live[0], {}
+            index: dict[int, int] = {}
             groups = []
             for g in opt.param_groups:
                 packed = {k: v for k, v in g.items() if k != "params"}

@@ -174,3 +174,28 @@ def assert_same_optim(a, b):
     assert a["state"].keys() == b["state"].keys()
     for i, s in a["state"].items():
         assert s.keys() == b["state"][i].keys() and all(torch.equal(v, b["state"][i][k]) for k, v in s.items())
+
+
+def test_numpy_rng_state_read_cheaply_is_always_the_full_state():
+    """RNGState reads NumPy's global generator raw while it has not moved: after every kind of
+    draw (one consuming a held Gaussian included) it must equal `np.random.get_state()`."""
+    import numpy as np
+
+    def same():
+        full = np.random.get_state(legacy=True)
+        got = RNGState().state_dict()["numpy"]
+        assert got["keys"].tolist() == full[1].tolist() and got["pos"] == full[2]
+        assert got["has_gauss"] == full[3] and got["cached_gaussian"] == full[4]
+
+    np.random.seed(3)
+    same()
+    same()  # unmoved: the raw read
+    for draw in (lambda: np.random.random(3), lambda: np.random.standard_normal(),  # holds a Gaussian
+                 lambda: None, lambda: np.random.standard_normal(),  # hands it out: key and pos unmoved
+                 lambda: None, lambda: np.random.seed(3), lambda: np.random.randint(9, size=700)):
+        draw()
+        same()
+    state = np.random.get_state()
+    np.random.random(5)
+    np.random.set_state(state)
+    same()
