@@ -79,6 +79,8 @@ class _BuiltinsOnly(pickle.Unpickler):
 
 
 _SCALARS = {int, float, bool, str, type(None)}
+_CHECK_LATER = 64
+"""Tuples longer than this are checked for scalars-only on the side thread (`Snapshotter._pack`)."""
 
 
 class _NotSnapshottable(Exception):
@@ -336,6 +338,8 @@ class Snapshotter:
         self._refs: list[dict[str, Any]] = []
         self._live_packs: list[dict[int, tuple[Any, ...]]] = [{} for _ in range(_SLOTS)]
         self._live_used: dict[int, tuple[Any, ...]] = {}
+        self._deferred: list[tuple[Any, ...]] = []
+        self._walk_tuples = False
         self._mesh_keys: dict[int, str] = {}
         self._placement_docs: dict[tuple[Any, ...], list[list[Any]]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -424,6 +428,13 @@ class Snapshotter:
             return obj
         if isinstance(obj, torch.Tensor):
             return self._dtensor(slot, obj) if _is_dtensor(obj) else self._buffer(slot, obj)
+        if typ is tuple and len(obj) > _CHECK_LATER and not self._walk_tuples:
+            # a long tuple (Python's RNG state: 625 ints) is almost surely scalars only, which
+            # nothing can change: kept whole, and the side thread checks it before the header
+            # is written (`_persist`: anything else in it, and this take is dropped and long
+            # tuples are walked here from then on)
+            self._deferred.append(obj)
+            return obj
         if isinstance(obj, (list, tuple)):
             if _flat(obj):
                 return obj  # scalars only: pickled (by the side thread) before the next step runs
@@ -463,7 +474,7 @@ class Snapshotter:
         t1 = time.perf_counter()
         slot = int(step) % _SLOTS
         try:
-            self._src, self._refs, self._live_used = [], [], {}
+            self._src, self._refs, self._live_used, self._deferred = [], [], {}, []
             packed = self._pack(tree, slot)
             self._live_packs[slot] = self._live_used  # what this take did not meet is dropped
         except _NotSnapshottable as e:
@@ -472,13 +483,13 @@ class Snapshotter:
         except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
             self._turn_off(f"cannot write snapshots ({e})")
             return
-        src, refs = self._src, self._refs
-        self._src, self._refs = [], []
+        src, refs, deferred = self._src, self._refs, self._deferred
+        self._src, self._refs, self._deferred = [], [], []
         doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag, "tree": packed}
         if not self.background:
             done: Future = Future()
             try:
-                done.set_result(self._persist(slot, doc, src, refs))
+                done.set_result(self._persist(slot, doc, src, refs, deferred))
             except (OSError, RuntimeError) as e:
                 done.set_exception(e)
             self._pending = done
@@ -490,18 +501,26 @@ class Snapshotter:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-snapshot")
-        self._pending = self._pool.submit(self._persist, slot, doc, src, refs)
+        self._pending = self._pool.submit(self._persist, slot, doc, src, refs, deferred)
         t2 = time.perf_counter()
         self.parts_s["state_dicts"].append(t1 - t0)
         self.parts_s["match"].append(t2 - t1)
         self.stall_s.append(t2 - t0)
 
-    def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]]) -> float:
+    def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]],
+                 deferred: list[tuple[Any, ...]] = ()) -> float:
         """The side thread's half: invalidate the slot, match buffers, copy, write its header.
         Returns seconds."""
         t0 = time.perf_counter()
         header = self._header(slot)
         header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
+        if not all(map(_flat, deferred)):
+            # a long tuple held more than scalars (a tensor would be pickled whole, a list read
+            # after the boundary): this take stays invalid, and long tuples are walked from now on
+            self._walk_tuples = True
+            log.info("in-memory snapshot of step %s dropped: a long tuple in the state holds more than scalars; "
+                     "long tuples are walked at the step boundary from now on", doc.get("step"))
+            return time.perf_counter() - t0
         dst = self._match(slot, src, refs)
         with torch.no_grad():  # grad mode is per thread
             torch._foreach_copy_(dst, src)  # one call instead of one per tensor

@@ -199,3 +199,22 @@ def test_numpy_rng_state_read_cheaply_is_always_the_full_state():
     np.random.random(5)
     np.random.set_state(state)
     same()
+
+
+def test_a_long_tuple_holding_a_tensor_is_walked_and_never_pickled_whole(tmp_path):
+    """Long tuples are checked for scalars only on the side thread: one holding a tensor drops
+    that take (its header would hold the tensor itself), and long tuples are walked from then on."""
+    w = torch.zeros(3)
+    snap = Snapshotter(tmp_path, rank=0, world_size=1, tag="t")
+    snap.take(1, {"m": {"t": tuple(range(100)) + (w,)}})
+    snap.wait()
+    assert not (tmp_path / "rank0-slot1.hdr").exists()  # dropped
+    w.add_(1.0)
+    snap.take(2, {"m": {"t": tuple(range(100)) + (w,)}, "flat": {"r": tuple(range(1000))}})
+    snap.wait()
+    w.add_(1.0)
+    got = {"m": {}, "flat": {}}
+    assert Snapshotter(tmp_path, 0, 1, tag="t").restore(got, durable_step=None) == 2
+    assert got["m"]["t"][:100] == tuple(range(100)) and torch.equal(got["m"]["t"][100], torch.ones(3))
+    assert got["flat"]["r"] == tuple(range(1000))
+    snap.close()
