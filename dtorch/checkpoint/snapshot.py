@@ -13,9 +13,10 @@ gathered and no collective runs while a snapshot is taken.
 `take(step, state)` has two halves (the split CheckFreq, FAST'21, calls snapshot and persist):
 
 1. On the training thread, at the step boundary (this is the stall): the state dicts are built
-   (the model's reused while its tensors stay the same, `LiveModules`) and their tensors listed.
-   This must be done between steps: FSDP registers unsharded parameters during forward and
-   backward.
+   (the model's and the optimizer's per-parameter state reused while their tensors stay the
+   same, `LiveModules`, `LiveOptimizers`) and their tensors listed (a reused part's list and
+   header references kept per slot, `_LiveDict`). This must be done between steps: FSDP
+   registers unsharded parameters during forward and backward.
 2. On a side thread, overlapping the next step's data loading: each tensor is matched to its
    buffer (preallocated, shared memory: tensors mapped on files in that directory,
    `torch.from_file(shared=True)`), copied (one `_foreach_copy_`), then a small header (step,
