@@ -13,9 +13,10 @@ gathered and no collective runs while a snapshot is taken.
 `take(step, state)` has two halves (the split CheckFreq, FAST'21, calls snapshot and persist):
 
 1. On the training thread, at the step boundary (this is the stall): the state dicts are built
-   (the model's reused while its tensors stay the same, `LiveModules`) and their tensors listed.
-   This must be done between steps: FSDP registers unsharded parameters during forward and
-   backward.
+   (the model's and the optimizer's per-parameter state reused while their tensors stay the
+   same, `LiveModules`, `LiveOptimizers`) and their tensors listed (a reused part's list and
+   header references kept per slot, `_LiveDict`). This must be done between steps: FSDP
+   registers unsharded parameters during forward and backward.
 2. On a side thread, overlapping the next step's data loading: each tensor is matched to its
    buffer (preallocated, shared memory: tensors mapped on files in that directory,
    `torch.from_file(shared=True)`), copied (one `_foreach_copy_`), then a small header (step,
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import io
 import logging
+import operator
 import os
 import pickle
 import threading
@@ -78,6 +80,8 @@ class _BuiltinsOnly(pickle.Unpickler):
 
 
 _SCALARS = {int, float, bool, str, type(None)}
+_CHECK_LATER = 64
+"""Tuples longer than this are checked for scalars-only on the side thread (`Snapshotter._pack`)."""
 
 
 class _NotSnapshottable(Exception):
@@ -154,6 +158,13 @@ def _meshes(obj: Any, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _LiveDict(dict):
+    """A state-dict subtree that its owner hands out again, the very same object, only while every
+    leaf is still the live tensor it was (values change in place, nothing else does). A snapshot
+    packs it once per slot and reuses the packing while the owner returns the same object
+    (`Snapshotter._pack`); it is never changed after it is made."""
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     return (t._local_tensor if _is_dtensor(t) else t).data_ptr()
 
@@ -221,14 +232,95 @@ class LiveModules:
     def state_dict(self) -> dict[str, Any]:
         if self._cached is not None and self._holds():
             return self._cached
-        sd = {str(i): m.state_dict() for i, m in enumerate(self.modules)}
-        self._cached = sd if self._bind(sd) else None
-        return sd
+        sd = _LiveDict({str(i): m.state_dict() for i, m in enumerate(self.modules)})
+        if self._bind(sd):
+            self._cached = sd
+            return sd
+        self._cached = None
+        return dict(sd)  # not live: packed afresh at every take
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._cached = None
         for i, m in enumerate(self.modules):
             m.load_state_dict(sd[str(i)])
+
+
+class LiveOptimizers:
+    """Optimizers as one Stateful over their native state dicts, the per-parameter state reused.
+
+    `torch.optim.Optimizer.state_dict()` already hands out its live per-parameter state dicts;
+    in torch's optimizers (AdamW included: "step" is a 0-d tensor incremented in place, the
+    moments updated in place) those dicts, their tensors and their storage stay the same from
+    step to step once the first step has made them, and only the param groups' scalars change
+    (the schedule writes "lr"). So the "state" part of each optimizer is built once, a
+    `_LiveDict` reused while every parameter's state dict and every value in it is still the
+    same object (identity tests in C loops; a replaced value, a new parameter or a
+    `load_state_dict` rebuilds it); the param groups are copied afresh at every call. An
+    optimizer with state-dict hooks (which may rewrite the dict) is asked for its full state
+    dict every time."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
+        self._live: list[tuple[Any, ...] | None] = [None] * len(self.optimizers)
+
+    @staticmethod
+    def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for g in opt.param_groups:
+            for q in g["params"]:
+                seen.setdefault(id(q), q)
+        return list(seen.values())
+
+    def _build(self, opt: torch.optim.Optimizer) -> tuple[Any, ...] | None:
+        params = self._params(opt)
+        index = {id(q): i for i, q in enumerate(params)}
+        if any(not isinstance(k, torch.Tensor) or id(k) not in index for k in opt.state):
+            return None
+        holders = [opt.state[q] for q in params if q in opt.state]
+        keys = [q for q in params if q in opt.state]
+        state = _LiveDict({index[id(q)]: d for q, d in zip(keys, holders)})
+        dicts, names, values = [], [], []
+        for d in holders:
+            for k, v in d.items():
+                dicts.append(d)
+                names.append(k)
+                values.append(v)
+        return (params, keys, holders, [len(d) for d in holders], dicts, names, values, state, len(opt.state))
+
+    @staticmethod
+    def _holds(opt: torch.optim.Optimizer, live: tuple[Any, ...]) -> bool:
+        params, keys, holders, lens, dicts, names, values, _, n = live
+        groups = [q for g in opt.param_groups for q in g["params"]]
+        return (len(opt.state) == n and len(groups) == len(params) and all(map(operator.is_, groups, params))
+                and all(map(operator.is_, map(opt.state.get, keys), holders))
+                and list(map(len, holders)) == lens
+                and all(map(operator.is_, map(dict.__getitem__, dicts, names), values)))
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for i, opt in enumerate(self.optimizers):
+            if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
+                out[str(i)] = opt.state_dict()
+                continue
+            live = self._live[i]
+            if live is None or not self._holds(opt, live):
+                live = self._live[i] = self._build(opt)
+                if live is None:
+                    out[str(i)] = opt.state_dict()
+                    continue
+            index: dict[int, int] = {}
+            groups = []
+            for g in opt.param_groups:
+                packed = {k: v for k, v in g.items() if k != "params"}
+                packed["params"] = [index.setdefault(id(q), len(index)) for q in g["params"]]
+                groups.append(packed)
+            out[str(i)] = {"state": live[7], "param_groups": groups}
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._live = [None] * len(self.optimizers)
+        for i, opt in enumerate(self.optimizers):
+            opt.load_state_dict(sd[str(i)])
 
 
 class Snapshotter:
@@ -245,6 +337,10 @@ class Snapshotter:
         self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
         self._src: list[torch.Tensor] = []
         self._refs: list[dict[str, Any]] = []
+        self._live_packs: list[dict[int, tuple[Any, ...]]] = [{} for _ in range(_SLOTS)]
+        self._live_used: dict[int, tuple[Any, ...]] = {}
+        self._deferred: list[tuple[Any, ...]] = []
+        self._walk_tuples = False
         self._mesh_keys: dict[int, str] = {}
         self._placement_docs: dict[tuple[Any, ...], list[list[Any]]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -322,6 +418,8 @@ class Snapshotter:
         typ = type(obj)
         if typ is dict:
             return {k: self._pack(v, slot) for k, v in obj.items()}
+        if typ is _LiveDict:
+            return self._pack_live(obj, slot)
         if typ is torch.Tensor:
             ref: dict[str, Any] = {}
             self._src.append(obj)
@@ -331,6 +429,13 @@ class Snapshotter:
             return obj
         if isinstance(obj, torch.Tensor):
             return self._dtensor(slot, obj) if _is_dtensor(obj) else self._buffer(slot, obj)
+        if typ is tuple and len(obj) > _CHECK_LATER and not self._walk_tuples:
+            # a long tuple (Python's RNG state: 625 ints) is almost surely scalars only, which
+            # nothing can change: kept whole, and the side thread checks it before the header
+            # is written (`_persist`: anything else in it, and this take is dropped and long
+            # tuples are walked here from then on)
+            self._deferred.append(obj)
+            return obj
         if isinstance(obj, (list, tuple)):
             if _flat(obj):
                 return obj  # scalars only: pickled (by the side thread) before the next step runs
@@ -339,6 +444,22 @@ class Snapshotter:
         if isinstance(obj, dict):
             return {k: self._pack(v, slot) for k, v in obj.items()}
         return obj
+
+    def _pack_live(self, obj: _LiveDict, slot: int) -> Any:
+        """A `_LiveDict`: packed the first time this slot meets it, then the same packing and the
+        same tensors reused while its owner hands out the same object (the side thread refills
+        the references of this slot's packing only, at this slot's copy)."""
+        hit = self._live_packs[slot].get(id(obj))
+        if hit is not None and hit[0] is obj:
+            _, packed, src, refs = hit
+            self._src.extend(src)
+            self._refs.extend(refs)
+        else:
+            start = len(self._src)
+            packed = {k: self._pack(v, slot) for k, v in obj.items()}
+            hit = (obj, packed, self._src[start:], self._refs[start:])
+        self._live_used[id(obj)] = hit
+        return packed
 
     def take(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state` (name -> Stateful or tensors/plain values) as of the end of `step`.
@@ -354,21 +475,22 @@ class Snapshotter:
         t1 = time.perf_counter()
         slot = int(step) % _SLOTS
         try:
-            self._src, self._refs = [], []
+            self._src, self._refs, self._live_used, self._deferred = [], [], {}, []
             packed = self._pack(tree, slot)
+            self._live_packs[slot] = self._live_used  # what this take did not meet is dropped
         except _NotSnapshottable as e:
             self._turn_off(f"the state holds {e}", warn=False)
             return
         except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
             self._turn_off(f"cannot write snapshots ({e})")
             return
-        src, refs = self._src, self._refs
-        self._src, self._refs = [], []
+        src, refs, deferred = self._src, self._refs, self._deferred
+        self._src, self._refs, self._deferred = [], [], []
         doc = {"step": int(step), "world_size": self.world_size, "rank": self.rank, "tag": self.tag, "tree": packed}
         if not self.background:
             done: Future = Future()
             try:
-                done.set_result(self._persist(slot, doc, src, refs))
+                done.set_result(self._persist(slot, doc, src, refs, deferred))
             except (OSError, RuntimeError) as e:
                 done.set_exception(e)
             self._pending = done
@@ -380,18 +502,26 @@ class Snapshotter:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-snapshot")
-        self._pending = self._pool.submit(self._persist, slot, doc, src, refs)
+        self._pending = self._pool.submit(self._persist, slot, doc, src, refs, deferred)
         t2 = time.perf_counter()
         self.parts_s["state_dicts"].append(t1 - t0)
         self.parts_s["match"].append(t2 - t1)
         self.stall_s.append(t2 - t0)
 
-    def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]]) -> float:
+    def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]],
+                 deferred: list[tuple[Any, ...]] = ()) -> float:
         """The side thread's half: invalidate the slot, match buffers, copy, write its header.
         Returns seconds."""
         t0 = time.perf_counter()
         header = self._header(slot)
         header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
+        if not all(map(_flat, deferred)):
+            # a long tuple held more than scalars (a tensor would be pickled whole, a list read
+            # after the boundary): this take stays invalid, and long tuples are walked from now on
+            self._walk_tuples = True
+            log.info("in-memory snapshot of step %s dropped: a long tuple in the state holds more than scalars; "
+                     "long tuples are walked at the step boundary from now on", doc.get("step"))
+            return time.perf_counter() - t0
         dst = self._match(slot, src, refs)
         with torch.no_grad():  # grad mode is per thread
             torch._foreach_copy_(dst, src)  # one call instead of one per tensor

@@ -8,7 +8,9 @@ several same-named replicated values). `RNGState` is the built-in one.
 from __future__ import annotations
 
 import copy
+import ctypes
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -35,18 +37,12 @@ class RNGState:
     rank_local = True
 
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state(legacy=True)
         sd: dict[str, Any] = {
             "torch_cpu": torch.get_rng_state(),
             "python": random.getstate(),
-            "numpy": {
-                "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
-                "pos": int(np_state[2]),
-                "has_gauss": int(np_state[3]),
-                "cached_gaussian": float(np_state[4]),
-            },
+            "numpy": _NUMPY.state(),
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized() and torch.cuda.is_available():
             sd["torch_cuda"] = torch.cuda.get_rng_state_all()
         tracker = _dtensor_tracker()
         if tracker is not None:
@@ -68,17 +64,68 @@ class RNGState:
             tracker.distribute_region_enabled = sd["dtensor_distribute_region_enabled"]
 
 
+class _NumpyGlobal:
+    """NumPy's legacy global generator's state, read cheaply while it has not moved.
+
+    `np.random.get_state()` copies the 624-word key one element at a time (tens of µs, most
+    of what capturing the RNG streams costs a snapshot at every step), and training rarely
+    draws from this generator. Its raw Mersenne Twister state (key and position) is read
+    through NumPy's documented ctypes interface instead (one 2.5 KB copy): while those bytes
+    equal the last full read and that read held no cached Gaussian, the state is that read
+    (drawing a Gaussian either moves them or hands out a held one, and none is held). Otherwise,
+    and where the raw layout does not match a full read (checked once per generator), it is read
+    in full. One change goes unseen: `np.random.set_state` of a state with this very key and
+    position but a Gaussian held (a state saved at this position before a held Gaussian was
+    drawn); `np.random.seed` and every draw are seen."""
+
+    _RAW = 624 * 4 + 4  # mt19937_state: uint32 key[624]; int pos
+
+    def __init__(self) -> None:
+        self._gen: Any = None
+        self._fast = False
+        self._raw: bytes | None = None
+        self._last: dict[str, Any] | None = None
+
+    def _read_raw(self, gen: Any) -> bytes:
+        return bytes((ctypes.c_char * self._RAW).from_address(gen.ctypes.state_address))
+
+    def state(self) -> dict[str, Any]:
+        rs = np.random.mtrand._rand
+        gen = getattr(rs, "_bit_generator", None)
+        raw = None
+        if gen is not None and gen is self._gen and self._fast:
+            raw = self._read_raw(gen)
+            if raw == self._raw and self._last is not None and not self._last["has_gauss"]:
+                return dict(self._last)
+        st = np.random.get_state(legacy=True)
+        out = {"keys": torch.from_numpy(np.asarray(st[1], dtype=np.int64)), "pos": int(st[2]),
+               "has_gauss": int(st[3]), "cached_gaussian": float(st[4])}
+        if gen is not self._gen:  # a new generator (np.random.set_bit_generator): check the layout once
+            self._gen, self._fast = gen, False
+            try:
+                probe = self._read_raw(gen)
+                self._fast = (st[0] == "MT19937" and probe[:-4] == np.asarray(st[1], dtype=np.uint32).tobytes()
+                              and int.from_bytes(probe[-4:], sys.byteorder, signed=True) == int(st[2]))
+            except (AttributeError, TypeError, ValueError, OSError):
+                self._fast = False
+        if self._fast:
+            self._raw = raw if raw is not None else self._read_raw(gen)
+            self._last = out
+        return dict(out)
+
+
+_NUMPY = _NumpyGlobal()
+
+
 def _as_tuple(x: Any) -> Any:
     # random.setstate wants tuples all the way down; serialisation may hand back lists.
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _dtensor_tracker() -> Any:
-    try:
-        from torch.distributed.tensor import _random
-    except ImportError:  # torch built without distributed
-        return None
-    return getattr(_random, "_rng_tracker", None)
+    # the tracker lives in that module; not imported yet means there is none (and no import here)
+    mod = sys.modules.get("torch.distributed.tensor._random")
+    return getattr(mod, "_rng_tracker", None) if mod is not None else None
 
 
 def materialize(state: dict[str, Any]) -> dict[str, Any]:

@@ -218,22 +218,6 @@ def _start_snapshots(trainer: Any) -> None:
                   f"{'of step ' + str(durable) if durable else 'none'})", file=sys.stderr, flush=True)
 
 
-class _Native:
-    """Modules or optimizers as one Stateful over their own `state_dict()`: for a snapshot of the
-    same plan the native state dicts are exact and far cheaper than the distributed-checkpoint
-    helpers (which a durable, reshardable checkpoint needs)."""
-
-    def __init__(self, objs: list[Any]):
-        self.objs = objs
-
-    def state_dict(self) -> dict[str, Any]:
-        return {str(i): o.state_dict() for i, o in enumerate(self.objs)}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for i, o in enumerate(self.objs):
-            o.load_state_dict(sd[str(i)])
-
-
 _live: Any = None
 
 
@@ -248,12 +232,28 @@ def _live_modules(parts: list[Any]) -> Any:
     return _live
 
 
+_live_optim: Any = None
+
+
+def _live_optimizers(optims: list[Any]) -> Any:
+    """The optimizers for snapshots, one object per run: their per-parameter state is reused
+    (`dtorch.checkpoint.snapshot.LiveOptimizers`)."""
+    global _live_optim
+    if _live_optim is None or _live_optim.optimizers != optims:
+        from dtorch.checkpoint.snapshot import LiveOptimizers
+
+        _live_optim = LiveOptimizers(optims)
+    return _live_optim
+
+
 def _snapshot_state(trainer: Any) -> dict[str, Any]:
-    """What a snapshot holds: everything a checkpoint holds, model and optimizer natively."""
+    """What a snapshot holds: everything a checkpoint holds, model and optimizer natively (for a
+    snapshot of the same plan the native state dicts are exact and far cheaper than the
+    distributed-checkpoint helpers that a durable, reshardable checkpoint needs)."""
     state = dict(trainer.checkpoint_state())
     parts, optims = getattr(getattr(trainer, "parallel", None), "model_parts", None), getattr(trainer, "optimizers", None)
     if parts is not None and optims is not None and "model" in state and "optim" in state:
-        state["model"], state["optim"] = _live_modules(list(parts)), _Native(list(optims))
+        state["model"], state["optim"] = _live_modules(list(parts)), _live_optimizers(list(optims))
     return state
 
 

@@ -101,3 +101,120 @@ def test_live_modules_reuse_the_state_dict_only_while_every_tensor_is_the_module
     assert "2.weight" in live.state_dict()["0"]
     model.register_buffer("scale", torch.ones(1))
     assert "scale" in live.state_dict()["0"]
+
+
+def test_live_optimizers_and_reused_packing_follow_every_change(tmp_path):
+    """The optimizer state and the packed snapshot tree are reused between takes: a snapshot
+    must still hold the values of the step it was taken at, and any replaced piece rebuilds."""
+    from dtorch.checkpoint.snapshot import LiveModules, LiveOptimizers
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+
+    def train(model, opt, sched):
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    model, opt, sched = build()
+    train(model, opt, sched)
+    live = LiveOptimizers([opt])
+    first = live.state_dict()
+    assert live.state_dict()["0"]["state"] is first["0"]["state"]  # nothing replaced: reused
+    snap = Snapshotter(tmp_path, rank=0, world_size=1, tag="t")
+    state = {"model": LiveModules([model]), "optim": live}
+    want = {}
+    for step in range(1, 6):  # both slots taken twice over: their packings are reused
+        train(model, opt, sched)
+        snap.take(step, state)
+        snap.wait()
+        want[step] = ({k: v.clone() for k, v in model.state_dict().items()}, copy_optim(opt))
+    assert live.state_dict()["0"]["state"] is first["0"]["state"]
+    assert live.state_dict()["0"]["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]  # fresh scalars
+    model2, opt2, _ = build()
+    assert Snapshotter(tmp_path, 0, 1, tag="t").restore({"model": LiveModules([model2]), "optim": LiveOptimizers([opt2])},
+                                                         durable_step=None) == 5
+    assert_same_optim(copy_optim(opt2), want[5][1])
+    assert all(torch.equal(v, want[5][0][k]) for k, v in model2.state_dict().items())
+
+    # a replaced state tensor, a loaded state dict, a new param group: each rebuilds
+    p = model[0].weight
+    opt.state[p]["exp_avg"] = torch.full_like(p, 7.0)
+    again = live.state_dict()
+    assert again["0"]["state"] is not first["0"]["state"] and torch.equal(again["0"]["state"][0]["exp_avg"], p * 0 + 7)
+    snap.take(6, state)
+    snap.wait()
+    opt3 = build()[1]
+    Snapshotter(tmp_path, 0, 1, tag="t").restore({"optim": LiveOptimizers([opt3])}, durable_step=None)
+    assert torch.equal(opt3.state[opt3.param_groups[0]["params"][0]]["exp_avg"], torch.full_like(p, 7.0))
+    opt.load_state_dict(opt.state_dict())
+    assert live.state_dict()["0"]["state"] is not again["0"]["state"]
+    extra = torch.nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    groups = live.state_dict()["0"]["param_groups"]
+    assert [g["params"] for g in groups] == [g["params"] for g in opt.state_dict()["param_groups"]]
+    # an optimizer whose state-dict hook rewrites the dict is asked for it every time
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "marker": 1})
+    assert live.state_dict()["0"]["marker"] == 1
+    snap.close()
+
+
+def copy_optim(opt):
+    sd = opt.state_dict()
+    return {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()},
+            "param_groups": [dict(g) for g in sd["param_groups"]]}
+
+
+def assert_same_optim(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i, s in a["state"].items():
+        assert s.keys() == b["state"][i].keys() and all(torch.equal(v, b["state"][i][k]) for k, v in s.items())
+
+
+def test_numpy_rng_state_read_cheaply_is_always_the_full_state():
+    """RNGState reads NumPy's global generator raw while it has not moved: after every kind of
+    draw (one consuming a held Gaussian included) it must equal `np.random.get_state()`."""
+    import numpy as np
+
+    def same():
+        full = np.random.get_state(legacy=True)
+        got = RNGState().state_dict()["numpy"]
+        assert got["keys"].tolist() == full[1].tolist() and got["pos"] == full[2]
+        assert got["has_gauss"] == full[3] and got["cached_gaussian"] == full[4]
+
+    np.random.seed(3)
+    same()
+    same()  # unmoved: the raw read
+    for draw in (lambda: np.random.random(3), lambda: np.random.standard_normal(),  # holds a Gaussian
+                 lambda: None, lambda: np.random.standard_normal(),  # hands it out: key and pos unmoved
+                 lambda: None, lambda: np.random.seed(3), lambda: np.random.randint(9, size=700)):
+        draw()
+        same()
+    state = np.random.get_state()
+    np.random.random(5)
+    np.random.set_state(state)
+    same()
+
+
+def test_a_long_tuple_holding_a_tensor_is_walked_and_never_pickled_whole(tmp_path):
+    """Long tuples are checked for scalars only on the side thread: one holding a tensor drops
+    that take (its header would hold the tensor itself), and long tuples are walked from then on."""
+    w = torch.zeros(3)
+    snap = Snapshotter(tmp_path, rank=0, world_size=1, tag="t")
+    snap.take(1, {"m": {"t": tuple(range(100)) + (w,)}})
+    snap.wait()
+    assert not (tmp_path / "rank0-slot1.hdr").exists()  # dropped
+    w.add_(1.0)
+    snap.take(2, {"m": {"t": tuple(range(100)) + (w,)}, "flat": {"r": tuple(range(1000))}})
+    snap.wait()
+    w.add_(1.0)
+    got = {"m": {}, "flat": {}}
+    assert Snapshotter(tmp_path, 0, 1, tag="t").restore(got, durable_step=None) == 2
+    assert got["m"]["t"][:100] == tuple(range(100)) and torch.equal(got["m"]["t"][100], torch.ones(3))
+    assert got["flat"]["r"] == tuple(range(1000))
+    snap.close()
