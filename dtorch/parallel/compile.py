@@ -52,8 +52,8 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from dtorch.errors import ConfigError
-from dtorch.parallel.rng import has_random_ops
 from dtorch.model.structure import block_items, find_blocks
+from dtorch.parallel.rng import has_random_ops
 
 FULLGRAPH_MODULES = ("dtorch.models.", "dtorch.parallel.hf")
 """Blocks whose class lives here trace without a graph break: compiled with fullgraph=True."""

@@ -479,7 +479,7 @@ def compute_time(step: StepShape, load: RankLoad, r: RankShare, *, head_elementw
     16 bits).
     `head_elementwise=False` leaves out the head's element-wise passes (the search's lower bound).
     Returns the micro-batch's FLOPs on the rank."""
-    plan, prof, c = step.plan, step.profile, step.c
+    plan, prof = step.plan, step.profile
     div = plan.tp * plan.cp
     flops_mb = step.tokens_mb * (load.blocks * step.block_flops + prof.flops_per_token_head * load.head) / div
     attn_part = step.tokens_mb * load.blocks * 3 * step.attn_fwd / div  # the attention core, at its own speed

@@ -118,8 +118,8 @@ CASES = {
 def _train(case: tuple[str, dict, bool], rank: int) -> dict:
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from dtorch.parallel import parallelize
     from dtorch.model.structure import find_blocks
+    from dtorch.parallel import parallelize
 
     _, fields, compiled = case
     plan = Plan(compile=compiled, **fields)

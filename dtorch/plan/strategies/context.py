@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtorch.plan.comm import collective_time
-from dtorch.plan.strategies.memory import recompute_reruns_collectives
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
+from dtorch.plan.strategies.memory import recompute_reruns_collectives
 
 MAX_CP = 64
 """The largest context-parallel degree the search tries."""

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtorch.plan.comm import collective_time
-from dtorch.plan.strategies.memory import recompute_reruns_collectives
 from dtorch.plan.strategies.base import (
     Dims,
     Field,
@@ -28,6 +27,7 @@ from dtorch.plan.strategies.base import (
     braces,
     divisors,
 )
+from dtorch.plan.strategies.memory import recompute_reruns_collectives
 
 
 class Tensor(Strategy):
