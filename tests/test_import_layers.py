@@ -28,13 +28,10 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 """Rooms from the bottom up. A room may import rooms of its own layer or below, never above; no
 circle may form, within a layer either. Single-file modules at the top of the package
-(`dtorch/errors.py`, `trust.py`, `docio.py`, `process_group.py`) are the floor: every room may
+(`dtorch/errors.py`, `trust.py`, `docio.py`, `process_group.py`, `eventlog.py`) are the floor: every room may
 import them, and they import no room."""
 
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    # The run's event log (elastic/events.py) is read by the live monitor and written by the OOM
-    # record. It belongs on the floor (dtorch/events.py); not moved yet (17 importers).
-    ("monitor", "elastic"): "monitor/live.py, server.py and oom.py use dtorch.elastic.events",
 }
 """Arrows against the flow that exist today, each with the reason and what removes it."""
 

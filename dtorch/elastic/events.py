@@ -15,13 +15,11 @@ detect, stop, rendezvous, start, replan, load, first_step (seconds).
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
+from dtorch.eventlog import EVENTS_FILE, events_path, log, read  # noqa: F401  (the file itself lives on the floor)
 
 # Worker-side phases that belong to a recovery, in the order a (re)started worker meets them:
 # process-group init (`worker.init_process_group`), choosing the plan, building the model and
@@ -31,36 +29,6 @@ RECOVERY_PHASES = ("pg_init", "replan", "build", "load", "prepare")
 REPORTED_PHASES = ("detect", "stop", "rendezvous", "fork", "start", "pg_init", "replan", "build", "load",
                    "snapshot_restore", "prepare", "first_step")
 """The phases of a recovery record, on one time line (see `recoveries`)."""
-
-
-def events_path(run_dir: str | None = None) -> str | None:
-    """Path of the event log in `run_dir` (default: `$DTORCH_RUN_DIR`), or None when not under `dtorch run`."""
-    run_dir = run_dir or os.environ.get("DTORCH_RUN_DIR")
-    return os.path.join(run_dir, EVENTS_FILE) if run_dir else None
-
-
-def log(kind: str, path: str | None = None, **fields: Any) -> dict[str, Any] | None:
-    """Append one event `{"kind": kind, "t": now, "pid": ..., **fields}`; returns it (None if no log).
-
-    Workers fill `rank` and `epoch` from their environment when the caller does not.
-    """
-    path = path or events_path()
-    if path is None:
-        return None
-    rec: dict[str, Any] = {"kind": kind, "t": time.time(), "pid": os.getpid()}
-    if "RANK" in os.environ and "rank" not in fields:
-        rec["rank"] = int(os.environ["RANK"])
-    if "DTORCH_EPOCH" in os.environ and "epoch" not in fields:
-        rec["epoch"] = int(os.environ["DTORCH_EPOCH"])
-    rec.update(fields)
-    line = (json.dumps(rec, default=str) + "\n").encode()
-    # never through a symlink: a link planted in the run directory must not redirect our appends
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-    return rec
 
 
 @contextlib.contextmanager
@@ -80,21 +48,6 @@ def phase(name: str, path: str | None = None, **fields: Any) -> Iterator[None]:
     finally:
         log("phase", path, name=name, start=t0, seconds=time.time() - t0, ok=ok, **fields)
         heartbeat.mark(phase="step")
-
-
-def read(path: str) -> list[dict[str, Any]]:
-    """All events of a log, in file order; a torn last line (writer killed mid-write) is skipped."""
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def recoveries(path: str) -> list[dict[str, Any]]:

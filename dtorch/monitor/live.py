@@ -118,7 +118,7 @@ class RunMonitor:
                 self._handles.append(block.register_forward_pre_hook(self._pre))
                 self._handles.append(block.register_forward_hook(self._post))
         if rank == 0 and cfg.port is not None:
-            from dtorch.elastic.events import events_path
+            from dtorch.eventlog import events_path
             from dtorch.monitor.server import MonitorServer, MonitorState
 
             self.state = MonitorState(events_path())

@@ -156,9 +156,9 @@ def record(rec: dict[str, Any], log_dir: str | os.PathLike | None) -> None:
             os.write(fd, (json.dumps(rec, default=str) + "\n").encode())
         finally:
             os.close(fd)
-    from dtorch.elastic import events
+    from dtorch import eventlog
 
-    events.log("oom", **{k: v for k, v in rec.items() if k != "t"})
+    eventlog.log("oom", **{k: v for k, v in rec.items() if k != "t"})
 
 
 def message(rec: dict[str, Any]) -> str:

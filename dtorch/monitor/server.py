@@ -65,7 +65,7 @@ class MonitorState:
         """The elastic event log's records (recoveries, failures), when the run has one."""
         if not self.events_path or not os.path.exists(self.events_path):
             return []
-        from dtorch.elastic.events import read
+        from dtorch.eventlog import read
 
         keep = ("failure", "recovery", "rendezvous", "workers_started", "oom", "hang", "straggler", "fault")
         return [e for e in read(self.events_path)[-2000:] if any(k in str(e.get("kind", "")) for k in keep)][-200:]
