@@ -112,7 +112,8 @@ def _plan_on(profile, group: NodeGroup, nodes: int, global_batch: int, dtype: st
     cl = _cluster(group, nodes)
     cb, shown = search_progress(f"planning {nodes} node{'s' if nodes != 1 else ''} of {group.device.name}")
     try:
-        r = search(profile, cl, global_batch=global_batch, top_k=1, dtype=dtype, suggest=False, progress=cb)
+        r = search(profile, cl, global_batch=global_batch, top_k=1, dtype=dtype, suggest=False, progress=cb,
+                   families=False)
     except ConfigError as e:
         return None, None, e.fix
     shown.close(f"searched {r.meshes:,} meshes, {r.evaluated:,} plans estimated")

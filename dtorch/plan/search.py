@@ -318,6 +318,7 @@ def search(
     suggest: bool = True,
     executable_only: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
+    families: bool = True,
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
     tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
@@ -325,7 +326,8 @@ def search(
     searched like the rest; `dtype`, when given, pins param_dtype. Returns the top `top_k`, the best
     plan of each family, why other families were rejected, and when nothing fits, suggestions.
     `progress(meshes_done, meshes_total, plans_estimated)`, when given, is called once per mesh
-    (`dtorch.progress.search_progress` prints it)."""
+    (`dtorch.progress.search_progress` prints it). `families=False` skips the search for each
+    family's best plan (sizing needs only the top k: the bound prunes far more)."""
     t0 = time.perf_counter()
     profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
     notes: list[str] = []
@@ -339,7 +341,8 @@ def search(
     for m in meshes:
         m.bound = _bound(m, 0, profile, group, global_batch, precs, constants)
     meshes.sort(key=lambda m: m.bound)
-    book = _Book(lambda plan: estimate(plan, profile, cluster, constants=constants), top_k, executable_only)
+    book = _Book(lambda plan: estimate(plan, profile, cluster, constants=constants), top_k, executable_only,
+                 families)
     lean_dtype = min((p for p, _ in precs), key=lambda d: DTYPE_BYTES[d])
     for i, mesh in enumerate(meshes):
         if progress is not None:
@@ -349,10 +352,7 @@ def search(
             continue
         _search_mesh(mesh, book, profile, group, global_batch, fixed, precs, lean_dtype, constants)
     _variants(book, fixed, cluster, notes)
-    closest = min(book.least_mem.values(), key=lambda pe: pe[1].memory_bytes_per_rank) \
-        if not book.ranked and book.least_mem else None
-    suggestions = _suggest(profile, cluster, global_batch, fixed, constants, closest) \
-        if not book.ranked and suggest else []
+    closest, suggestions = _when_nothing_fits(book, profile, cluster, global_batch, fixed, constants, suggest)
     return SearchResult(
         ranked=[(p, e) for _, _, p, e in book.ranked],
         best_by_family=dict(sorted(book.best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
@@ -362,6 +362,15 @@ def search(
         seconds=time.perf_counter() - t0, closest=closest, notes=notes,
         best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)),
     )
+
+
+def _when_nothing_fits(book: _Book, profile: ModelProfile, cluster: Cluster, global_batch: int,
+                       fixed: dict[str, Any], constants: CostConstants, suggest: bool) -> tuple[Any, list]:
+    """When no plan fits: the plan that came closest (least memory) and what would make one fit."""
+    if book.ranked:
+        return None, []
+    closest = min(book.least_mem.values(), key=lambda pe: pe[1].memory_bytes_per_rank) if book.least_mem else None
+    return closest, _suggest(profile, cluster, global_batch, fixed, constants, closest) if suggest else []
 
 
 def _variants(book: _Book, fixed: dict[str, Any], cluster: Cluster, notes: list[str]) -> None:
@@ -424,8 +433,9 @@ class _Book:
     best plan of each family and precision, the leanest plan of families with none fitting, and the
     families whose fitting plans this executor cannot run."""
 
-    def __init__(self, estimate_fn, top_k: int, executable_only: bool):
+    def __init__(self, estimate_fn, top_k: int, executable_only: bool, families: bool = True):
         self.estimate_fn, self.top_k, self.executable_only = estimate_fn, top_k, executable_only
+        self.families = families
         self.ranked: list[tuple[float, int, Plan, Estimate]] = []
         self.best_family: dict[str, tuple[Plan, Estimate]] = {}
         self.best_precision: dict[str, tuple[Plan, Estimate]] = {}
@@ -443,7 +453,7 @@ class _Book:
     def worth(self, bound: float, fam: str) -> bool:
         # a family keeps being explored until it has one fitting plan; after that only while it can
         # still reach the top k (its best is then exact whenever it matters, an upper bound otherwise)
-        return bound < self.kth() or fam not in self.best_family
+        return bound < self.kth() or (self.families and fam not in self.best_family)
 
     def consider(self, plan: Plan) -> Estimate:
         key = (plan.pp, plan.ep, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,

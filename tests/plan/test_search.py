@@ -212,3 +212,14 @@ def test_fixing_an_unsupported_field_is_evaluated_with_a_note():
     result = search(profile("llama3-8b", 8192), load_cluster("h100:1x8"), global_batch=16, fixed={"cp": 2, "pp": 2})
     assert result.ranked and all(p.cp == 2 and p.pp == 2 for p, _ in result.ranked)
     assert any("cannot run" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("cluster", ["h100:8x8", "a100:4x8"])
+def test_sizing_search_without_family_bests_finds_the_same_best_plan_with_fewer_estimates(l70, cluster):
+    """`families=False` (what `dtorch submit` sizing uses) only stops exploring each family for its own
+    best: the lower bound still guards the top plan, so the best plan and its estimate are the same."""
+    cl = load_cluster(cluster)
+    full = search(l70, cl, global_batch=512, top_k=1, suggest=False)
+    lean = search(l70, cl, global_batch=512, top_k=1, suggest=False, families=False)
+    assert lean.best[0] == full.best[0] and lean.best[1].step_time_s == full.best[1].step_time_s
+    assert lean.evaluated < full.evaluated
