@@ -2,9 +2,14 @@
 re-plans under the measured budget and finishes, and the checkpoint before the OOM is intact.
 
 On CPU the OOM is provoked by a test-only cap (DTORCH_TEST_MEMORY_CAP, see dtorch/monitor/oom.py):
-rank 1's peak resident set above its pre-step baseline + 70 MiB counts as out of memory from
-step 3 on. The first plan (DDP, no activation checkpointing: ~110 MiB over the baseline) goes over
-it; the plan picked under the budget the OOM measured stays under it."""
+rank 1's peak resident set above its pre-step baseline + 100 MiB counts as out of memory from
+step 3 on. The first plan (DDP, no activation checkpointing: ~150 MiB over the baseline) goes over
+it; the plan picked under the budget the OOM measured stays under it (FSDP: ~72-77 MiB, measured
+2026-12-01). The cap was 70 MiB while restarted workers still measured the GEMM peak before the
+baseline (which raised it by ~23 MiB); without that, FSDP at 72 MiB went over and the CPU memory
+estimate's error, which differs by plan family (measured / estimated 1.2-3.4x), can make a
+re-plan go over again: the budget shrinks by the measured overshoot of the plan that failed, which
+need not be the next plan's (seen: 1-3 OOMs before a plan fits), hence 5 restarts."""
 
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ def test_forced_oom_is_named_and_the_replanned_restart_finishes(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dtorch.cli", "run", "--nproc-per-node", "2", "--max-restarts", "3",
+    cmd = [sys.executable, "-m", "dtorch.cli", "run", "--nproc-per-node", "2", "--max-restarts", "5",
            "--run-dir", str(run_dir), "-m", "dtorch.train.job",
            "--model", "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256", "--seq-len", "256",
            "--global-batch", "16", "--steps", "5", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt),
@@ -33,7 +38,7 @@ def test_forced_oom_is_named_and_the_replanned_restart_finishes(tmp_path):
            # measured bf16 speed, and bf16 activations under autocast on a CPU are not half the RSS
            "--plan", "param_dtype=float32"]
     # its own calibration: the runtime feedback earlier tests of the suite wrote would change the plans
-    env = {**os.environ, "DTORCH_TEST_MEMORY_CAP": "rank=1,over_base=70MB,from_step=3",
+    env = {**os.environ, "DTORCH_TEST_MEMORY_CAP": "rank=1,over_base=100MB,from_step=3",
            "DTORCH_CALIBRATION_DIR": str(tmp_path / "calibration")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
