@@ -205,3 +205,14 @@ def test_the_cluster_layer_never_imports_the_planner():
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(m.startswith(("dtorch.plan", "dtorch.parallel")) for m in mods), (path.name, mods)
+
+
+def test_dp_shares_must_give_one_count_per_data_parallel_rank_summing_to_the_global_batch():
+    from dtorch.errors import ConfigError
+    from dtorch.plan.plan import Plan
+
+    ok = Plan(dp_shard=2, num_microbatches=2, dp_shares=[3, 1]).validate()
+    assert ok.describe().endswith("shares=3/1")
+    for bad, says in (([3, 3], "must sum to .* = 4"), ([1, 2, 1], "give 2 counts"), ([0, 4], "positive")):
+        with pytest.raises(ConfigError, match=says):
+            Plan(dp_shard=2, num_microbatches=2, dp_shares=bad).validate()

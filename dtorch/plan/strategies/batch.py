@@ -3,6 +3,10 @@ data-parallel rank (pipeline micro-batches, or gradient-accumulation steps witho
 
 Executor half: `dtorch.parallel.parallelize` (the step splits the local batch).
 ``global_batch = dp_replicate * dp_shard * microbatch_size * num_microbatches``.
+
+Uneven work (mixed devices, docs/heterogeneous.md): `dp_shares`, declared here, gives each
+data-parallel rank its own number of micro-batches per step. `num_microbatches` stays the mean, so
+the global batch is the same formula: ``microbatch_size * sum(dp_shares)``.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from dtorch.plan.strategies.base import Dims, Field, Strategy, Violation
+from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation, positive_int
 
 
 class Batch(Strategy):
@@ -19,6 +23,10 @@ class Batch(Strategy):
     fields = (
         Field("microbatch_size", "int", aliases=("microbatch", "mbs", "micro_batch")),
         Field("num_microbatches", "int", aliases=("nmb", "microbatches")),
+        Field("dp_shares", "list", fixable=False, plan_type="list[int] | None", default=None,
+              doc="Micro-batches per step of each data-parallel rank (dp_replicate * dp_shard entries, in "
+                  "data-parallel rank order) for uneven work across mixed devices; None: num_microbatches "
+                  "each. They sum to dp * num_microbatches (the global batch is unchanged)."),
     )
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
@@ -28,9 +36,26 @@ class Batch(Strategy):
             yield Violation("global_batch", plan.global_batch,
                             f"dp({dp}) * microbatch_size({plan.microbatch_size}) * num_microbatches"
                             f"({plan.num_microbatches}) = {dp * local}; make them agree")
+        shares = plan.dp_shares
+        if shares is None:
+            return
+        if not isinstance(shares, (list, tuple)) or not all(positive_int(n) for n in shares):
+            yield Violation("dp_shares", shares, "give one positive micro-batch count per data-parallel rank")
+        elif len(shares) != dp:
+            yield Violation("dp_shares", shares, f"give {dp} counts (dp_replicate * dp_shard), one per data-parallel rank")
+        elif sum(shares) != dp * plan.num_microbatches:
+            yield Violation("dp_shares", shares, f"the counts sum to {sum(shares)}; they must sum to dp({dp}) * "
+                            f"num_microbatches({plan.num_microbatches}) = {dp * plan.num_microbatches}")
+
+    def limits(self, plan: Any) -> Iterator[Limit]:
+        if plan.dp_shares is not None and len(set(plan.dp_shares)) > 1:
+            yield Limit("uneven data-parallel shares are not applied by this executor yet", "dp_shares",
+                        plan.dp_shares, "leave dp_shares unset (even shares)")
 
     def describe(self, plan: Any):
         yield 0, f"mb={plan.microbatch_size}x{plan.num_microbatches}"
+        if plan.dp_shares is not None:
+            yield 1, "shares=" + "/".join(str(n) for n in plan.dp_shares)
 
 
 BATCH = Batch()
