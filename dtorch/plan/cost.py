@@ -574,7 +574,8 @@ def estimate(
     The compute dtype is the plan's `param_dtype`: that is what the executor runs. `dtype`,
     `compiled` and `async_tp` describe published runs (float8 linear layers, their whole-model
     torch.compile, async TP): the calibration uses them for published measurements; the search
-    never does (a plan's own fields, `compile` among them, are priced by their strategies). `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
+    never does (a plan's own fields, `compile` among them, are priced by their strategies).
+    `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
     policy, the default: the element-wise forward, see `matmuls_saved_act_bytes`), 'attention_core'
     (the attention scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm'
     (torchtitan's op-level policy, see `every_second_matmul_params`). The plan's degrees must
