@@ -15,6 +15,10 @@ What is fitted, and how it is judged:
   the one left out. A device that only the held-out source measured borrows the efficiency fitted
   for its generation's other devices (else the previous generation's); the report says so.
 
+What is described, not fitted: each row's configuration, and per source what its run did that the
+cost model prices (`selective:` policy, `compiled`, `async_tp`, `float8_recipe:`, see
+`FLOAT8_RECIPES`).
+
     python -m dtorch.plan.calibration                   # fit on every source: constants, in-sample errors
     python -m dtorch.plan.calibration --loso            # leave-one-source-out table (< 1 s)
     python -m dtorch.plan.calibration --loso --refit-globals   # also refit the 4 global constants per fold
@@ -193,7 +197,8 @@ def _models() -> dict[str, ModelProfile]:
 
 CALIBRATION_BASE = DEFAULT_CONSTANTS
 """The shipped constants (float8 GEMMs of published float8 runs at the device's fp8 / bf16 peak
-ratio, `CostConstants.float8_linear_speedup`)."""
+ratio, `CostConstants.float8_linear_speedup`, unless the row's source names a float8 recipe:
+`FLOAT8_RECIPES`, applied per row by `predict`)."""
 
 
 @lru_cache(maxsize=256)
