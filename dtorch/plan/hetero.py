@@ -63,16 +63,18 @@ def cell_groups(cluster: Cluster, pp: int, dp: int, cp: int, tp: int) -> tuple[t
                        for d in range(dp)) for i in range(pp))
 
 
-def span_violation(cluster: Cluster, pp: int, dp: int, cp: int, tp: int) -> tuple[str, int, str] | None:
-    """(field, value, fix) when a tensor- or context-parallel group of the mesh spans two kinds of
-    device, or a tensor-parallel group spans nodes of a group; None when every group can hold its cells."""
+def span_violation(cluster: Cluster, pp: int, dp: int, cp: int, tp: int,
+                   cells: bool = True) -> tuple[str, int, str] | None:
+    """(field, value, fix) when a tensor-parallel group is larger than a node of some group, or
+    (with `cells`) a tensor- or context-parallel group of the mesh spans two kinds of device; None
+    when every group can hold its cells."""
     bounds, block = group_bounds(cluster), cp * tp
     for k, g in enumerate(cluster.groups):
         what = f"group {k} ({g.num_nodes} x {g.devices_per_node} {g.device.name})"
         if tp > g.devices_per_node:
             return "tp", tp, (f"{what} has {g.devices_per_node} devices per node and tensor parallelism stays in a node; "
                               f"use tp <= {g.devices_per_node}")
-    for cell in range(pp * dp):
+    for cell in range(pp * dp if cells else 0):
         ks = _groups_of(cell * block, (cell + 1) * block, bounds)
         devs = {_device_key(cluster.groups[k].device) for k in ks}
         if len(devs) > 1:

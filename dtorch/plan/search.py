@@ -175,10 +175,11 @@ def _check_groups(cluster: Cluster, pp: int, cp: int, tp: int) -> None:
     """On a mixed cluster, ConfigError naming the node group that cannot hold the tensor- and
     context-parallel groups of `cp` x `tp` (more tp than its node has, or a group spanning two kinds
     of device: `hetero.span_violation`)."""
+    if cluster.homogeneous:
+        return  # (one kind of device: the strategies' rules say it all)
     W, block = cluster.world_size, cp * tp
-    if cluster.homogeneous or W % block:
-        return  # (one kind of device: the strategies' rules say it all; a bad product is reported after)
-    bad = hetero.span_violation(cluster, pp, W // pp // block, cp, tp) if W % (pp * block) == 0 else None
+    # (a product not dividing the world is reported after, without naming a group)
+    bad = hetero.span_violation(cluster, pp, max(1, W // pp // block), cp, tp, cells=W % (pp * block) == 0)
     if bad:
         raise ConfigError(*bad)
 
