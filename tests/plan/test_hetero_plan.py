@@ -155,3 +155,17 @@ def test_the_lower_bound_holds_on_a_mixed_cluster(shares_applied):
     for plan, est in plans:
         mesh = _Mesh(plan.pp, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp)
         assert _bound(mesh, plan.microbatch_size, prof, bg, 64, precs, DEFAULT_CONSTANTS) <= est.step_time_s
+
+
+def test_the_cluster_file_in_the_docs_loads_as_a_mixed_cluster():
+    """docs/heterogeneous.md "cluster file": the format `dtorch probe` targets stays loadable."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "heterogeneous.md").read_text()
+    doc = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    cl = cluster_from_dict(doc)
+    assert not cl.homogeneous and [g.num_devices for g in cl.groups] == [24, 8]
+    assert hetero.group_speed(cl.groups[1]) < 0.6 * hetero.group_speed(cl.groups[0])
