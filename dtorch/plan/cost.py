@@ -633,19 +633,18 @@ def _pace(shares: list[RankShare], m: int) -> tuple[RankShare, RankShare]:
 
 def _estimate_mixed(plan: Plan, profile: ModelProfile, cluster: Cluster, kw: dict) -> Estimate:
     """`estimate` on a mixed cluster (docs/heterogeneous.md). Every data-parallel rank runs its own
-    pipeline: its stages on the groups its cells land on (`hetero.cell_groups`, the executor's rank
-    order), its own micro-batch count (`dp_shares`). The step waits for the slowest of them (the
-    gradient reduction is synchronous); every rank's memory is held against its own device's."""
-    cells = hetero.cell_groups(cluster, plan.pp, plan.dp, plan.cp, plan.tp)
+    pipeline: its stages on the groups its cells land on (`hetero.column_groups`, the executor's
+    rank order), its own micro-batch count (`dp_shares`). The step waits for the slowest of them
+    (the gradient reduction is synchronous); every rank's memory is held against its own device's."""
     counts = plan.dp_shares or [plan.num_microbatches] * plan.dp
     columns: dict[tuple, tuple] = {}
-    for d, m in enumerate(counts):
-        key = (tuple(row[d] for row in cells), m)
+    for key in zip(hetero.column_groups(cluster, plan.pp, plan.dp, plan.cp, plan.tp), counts):
         if key not in columns:
-            columns[key] = _column(plan, profile, cluster, key[0], m, kw)
-    (stages, m), (step_s, pace, worst, t_p2p, t_bubble, shares, steps) = max(columns.items(), key=lambda c: c[1][0])
-    ranks = [(r, col[6][k]) for (stg, _), col in columns.items() for r, k in zip(col[5], stg)]  # (share, its step)
-    tight, tg = max(ranks, key=lambda rs: sum(rs[0].memory.values()) / rs[1].dev.memory_bytes)
+            columns[key] = _column(plan, profile, cluster, *key, kw)
+    m = max(columns, key=lambda k: columns[k][0])[1]
+    step_s, pace, worst, t_p2p, t_bubble, _ = columns[max(columns, key=lambda k: columns[k][0])]
+    ranks = [(r, st) for col in columns.values() for _, r, st in col[5]]  # (share, its step shape)
+    tight, tst = max(ranks, key=lambda rs: sum(rs[0].memory.values()) / rs[1].dev.memory_bytes)
     notes, host_ok = [], True
     for g in cluster.groups:  # every node's ranks against its own host memory and disk
         mine = [(r, st) for r, st in ranks if st.g is g]
@@ -655,32 +654,36 @@ def _estimate_mixed(plan: Plan, profile: ModelProfile, cluster: Cluster, kw: dic
     tps = plan.dp * plan.microbatch_size * plan.num_microbatches * profile.seq_len / step_s  # sum(dp_shares) = dp m
     return Estimate(
         step_time_s=step_s, tokens_per_s=tps, tokens_per_s_per_gpu=tps / cluster.world_size,
-        mfu=mfu(tps, profile, cluster, steps[stages[0]].compute_dtype),
+        mfu=mfu(tps, profile, cluster, tst.compute_dtype),
         time_breakdown=_time_breakdown(m, pace, worst, t_p2p, t_bubble),
         memory_bytes_per_rank=int(sum(tight.memory.values())), memory_breakdown=dict(tight.memory),
-        memory_capacity=int(tg.dev.memory_bytes),
+        memory_capacity=int(tst.dev.memory_bytes),
         fits=host_ok and all(sum(r.memory.values()) <= st.dev.memory_bytes for r, st in ranks),
-        efficiency=min(st.eff for col in columns.values() for st in col[6].values()),
+        efficiency=min(st.eff for _, st in ranks),
         host_bytes_per_rank=int(max(r.host_bytes for r, _ in ranks)),
         disk_bytes_per_rank=int(max(r.disk_bytes for r, _ in ranks)), notes=notes,
-        groups=hetero.group_summary(cluster, cells, counts, {k: c[0] for k, c in columns.items()},
-                                    {k: [sum(r.memory.values()) for r in c[5]] for k, c in columns.items()},
-                                    [ld.blocks for ld in rank_loads(plan, profile.num_layers)]),
+        groups=hetero.group_summary(cluster, {key: (col[0], [(k, sum(r.memory.values()), b) for (k, b), r, _ in col[5]])
+                                              for key, col in columns.items()}),
     )
 
 
 def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[int, ...], m: int, kw: dict):
     """One data-parallel rank's pipeline on a mixed cluster: pipeline rank i on group `stages[i]`,
-    `m` micro-batches. (step seconds, pace, worst, p2p, bubble, every pipeline rank's share, steps)."""
+    `m` micro-batches. Returns (step seconds, pace, worst, p2p, bubble, ranks), ranks the distinct
+    pipeline ranks as ((group, blocks), share, step shape): ranks of one group with the same load
+    take the same time, and the first of them holds the most micro-batches in flight."""
     p = Plan.__new__(Plan)
     p.__dict__ = {**plan.__dict__, "num_microbatches": m, "dp_shares": None}
     steps = {k: step_shape(p, profile, cluster, group=cluster.groups[k], **kw) for k in dict.fromkeys(stages)}
     timed = {k: [s for s in TIMED if s.prepare(st)] for k, st in steps.items()}
-    shares = [rank_share(steps[stages[ld.pp_rank]], ld, timed[stages[ld.pp_rank]])
-              for ld in rank_loads(p, profile.num_layers)]
+    loads: dict[tuple, tuple] = {}
+    for ld in rank_loads(p, profile.num_layers):
+        loads.setdefault((stages[ld.pp_rank], ld.blocks, ld.embedding, ld.head), (stages[ld.pp_rank], ld))
+    ranks = [((k, ld.blocks), rank_share(steps[k], ld, timed[k]), steps[k]) for k, ld in loads.values()]
+    shares = [r for _, r, _ in ranks]
     pace, worst = _pace(shares, m)
-    t_p2p, t_bubble = PIPELINE.step_time(steps[stages[shares.index(pace)]], pace.per_microbatch)
-    return m * pace.per_microbatch + t_bubble + t_p2p + worst.per_step, pace, worst, t_p2p, t_bubble, shares, steps
+    t_p2p, t_bubble = PIPELINE.step_time(ranks[shares.index(pace)][2], pace.per_microbatch)
+    return m * pace.per_microbatch + t_bubble + t_p2p + worst.per_step, pace, worst, t_p2p, t_bubble, ranks
 
 
 def mfu(tokens_per_s: float, profile: ModelProfile, cluster: Cluster, compute_dtype: str) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import lru_cache
 
 from dtorch.cluster.spec import Cluster, DeviceType, NodeGroup
 
@@ -57,10 +58,24 @@ def _groups_of(lo: int, hi: int, bounds: Sequence[int]) -> list[int]:
 def cell_groups(cluster: Cluster, pp: int, dp: int, cp: int, tp: int) -> tuple[tuple[int, ...], ...]:
     """[pipeline rank][data-parallel rank] -> the index of the group the cell's ``cp * tp`` ranks
     run on (the slowest one, should a cell span groups of equal devices)."""
-    bounds, block = group_bounds(cluster), cp * tp
-    speed = [group_speed(g) for g in cluster.groups]
+    return _cells(tuple(group_bounds(cluster)), tuple(group_speed(g) for g in cluster.groups), pp, dp, cp * tp)
+
+
+def column_groups(cluster: Cluster, pp: int, dp: int, cp: int, tp: int) -> tuple[tuple[int, ...], ...]:
+    """[data-parallel rank] -> the groups of its pipeline ranks (`cell_groups` transposed)."""
+    return _columns(tuple(group_bounds(cluster)), tuple(group_speed(g) for g in cluster.groups), pp, dp, cp * tp)
+
+
+@lru_cache(maxsize=4096)
+def _cells(bounds: tuple[int, ...], speed: tuple[float, ...], pp: int, dp: int, block: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(min(_groups_of((i * dp + d) * block, (i * dp + d + 1) * block, bounds), key=lambda k: speed[k])
                        for d in range(dp)) for i in range(pp))
+
+
+@lru_cache(maxsize=4096)
+def _columns(bounds: tuple[int, ...], speed: tuple[float, ...], pp: int, dp: int, block: int) -> tuple[tuple[int, ...], ...]:
+    cells = _cells(bounds, speed, pp, dp, block)
+    return tuple(tuple(row[d] for row in cells) for d in range(dp))
 
 
 def span_violation(cluster: Cluster, pp: int, dp: int, cp: int, tp: int,
@@ -185,24 +200,21 @@ def bound_group(cluster: Cluster) -> NodeGroup:
                                         memory_bandwidth=max(g.device.memory_bandwidth for g in groups)))
 
 
-def group_summary(cluster: Cluster, cells: Sequence[Sequence[int]], counts: Sequence[int],
-                  column_s: dict[tuple, float], column_bytes: dict[tuple, list[float]],
-                  blocks: Sequence[float]) -> list[dict]:
+def group_summary(cluster: Cluster, columns: dict[tuple, tuple[float, list[tuple[int, float, float]]]]) -> list[dict]:
     """Per group, what a mixed estimate gave its ranks: the global ranks it holds, the micro-batches
     per step and the blocks of its ranks (sorted distinct values), the slowest pipeline that runs
-    on it (seconds), its fullest rank's bytes against its device's, and whether they fit."""
+    on it (seconds), its fullest rank's bytes against its device's, and whether they fit.
+    `columns`: (stage groups, micro-batches) -> (step seconds, [(group, bytes, blocks) per rank])."""
     bounds = group_bounds(cluster)
     out = []
     for k, g in enumerate(cluster.groups):
         mbs, blk, secs, used = set(), set(), 0.0, 0.0
-        for d, m in enumerate(counts):
-            stages = tuple(row[d] for row in cells)
-            for i, kk in enumerate(stages):
+        for (_, m), (step_s, ranks) in columns.items():
+            for kk, nbytes, blocks in ranks:
                 if kk == k:
                     mbs.add(m)
-                    blk.add(blocks[i])
-                    secs = max(secs, column_s[(stages, m)])
-                    used = max(used, column_bytes[(stages, m)][i])
+                    blk.add(blocks)
+                    secs, used = max(secs, step_s), max(used, nbytes)
         cap = g.device.memory_bytes
         out.append({"group": k, "device": g.device.name, "ranks": f"{bounds[k]}-{bounds[k + 1] - 1}",
                     "microbatches": sorted(mbs), "blocks": sorted(blk), "step_s": secs,
