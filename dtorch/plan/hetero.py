@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 
-from dtorch.cluster.spec import Cluster, DeviceType, NodeGroup
+from dtorch.cluster.spec import Cluster, NodeGroup
 
 
 def group_speed(group: NodeGroup, dtype: str = "bfloat16") -> float:
@@ -34,12 +34,6 @@ def group_speed(group: NodeGroup, dtype: str = "bfloat16") -> float:
     measured numbers where `dtorch probe` wrote them); 0 if the device has no such arithmetic."""
     dev = group.device
     return dev.peak(dtype) * dev.matmul_efficiency if dev.supports(dtype) else 0.0
-
-
-def mixed(cluster: Cluster) -> bool:
-    """Whether the groups' devices differ in anything (speed, memory, links' ends): such a cluster is
-    planned per group. Same-named devices measured at different speeds are mixed too."""
-    return not cluster.homogeneous
 
 
 def group_bounds(cluster: Cluster) -> list[int]:
@@ -78,33 +72,30 @@ def _columns(bounds: tuple[int, ...], speed: tuple[float, ...], pp: int, dp: int
     return tuple(tuple(row[d] for row in cells) for d in range(dp))
 
 
-def span_violation(cluster: Cluster, pp: int, dp: int, cp: int, tp: int,
-                   cells: bool = True) -> tuple[str, int, str] | None:
+def span_violation(cluster: Cluster, cp: int, tp: int, cells: bool = True) -> tuple[str, int, str] | None:
     """(field, value, fix) when a tensor-parallel group is larger than a node of some group, or
-    (with `cells`) a tensor- or context-parallel group of the mesh spans two kinds of device; None
-    when every group can hold its cells."""
+    (with `cells`) a cell's tensor- and context-parallel ranks span two kinds of device; None when
+    every group can hold its cells. The cells tile the world in blocks of ``cp * tp`` whatever pp
+    and dp are (`cell_groups`)."""
     bounds, block = group_bounds(cluster), cp * tp
     for k, g in enumerate(cluster.groups):
         what = f"group {k} ({g.num_nodes} x {g.devices_per_node} {g.device.name})"
         if tp > g.devices_per_node:
             return "tp", tp, (f"{what} has {g.devices_per_node} devices per node and tensor parallelism stays in a node; "
                               f"use tp <= {g.devices_per_node}")
-    for cell in range(pp * dp if cells else 0):
+    straddled = sorted({b // block for b in bounds[1:-1] if b % block}) if cells else []
+    for cell in straddled:  # (only a cell across a group boundary can span two kinds of device)
         ks = _groups_of(cell * block, (cell + 1) * block, bounds)
-        devs = {_device_key(cluster.groups[k].device) for k in ks}
-        if len(devs) > 1:
-            a, b = (cluster.groups[k] for k in ks[:2])
+        other = next((k for k in ks[1:] if cluster.groups[k].device != cluster.groups[ks[0]].device), None)
+        if other is not None:  # (two kinds of device, as `Cluster.homogeneous` tells them apart)
+            ks = [ks[0], other]
+            a, b = cluster.groups[ks[0]], cluster.groups[other]
             fld, val = ("cp", cp) if cp > 1 else ("tp", tp)
             sizes = math.gcd(*(g.num_devices for g in cluster.groups))
             return fld, val, (f"ranks {cell * block}-{(cell + 1) * block - 1} (a cp*tp={block} group) span group {ks[0]} "
                               f"({a.device.name}) and group {ks[1]} ({b.device.name}); tensor- and context-parallel "
                               f"groups stay on one kind of device: use cp*tp dividing {sizes}")
     return None
-
-
-def _device_key(dev: DeviceType) -> tuple:
-    return (dev.name, tuple(sorted(dev.peak_flops.items())), dev.memory_bytes, dev.memory_bandwidth,
-            dev.matmul_efficiency, dev.kind)
 
 
 def apportion(total: int, weights: Sequence[float], unit: int = 1, minimum: int = 1) -> list[int]:

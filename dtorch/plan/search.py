@@ -177,9 +177,8 @@ def _check_groups(cluster: Cluster, pp: int, cp: int, tp: int) -> None:
     of device: `hetero.span_violation`)."""
     if cluster.homogeneous:
         return  # (one kind of device: the strategies' rules say it all)
-    W, block = cluster.world_size, cp * tp
     # (a product not dividing the world is reported after, without naming a group)
-    bad = hetero.span_violation(cluster, pp, max(1, W // pp // block), cp, tp, cells=W % (pp * block) == 0)
+    bad = hetero.span_violation(cluster, cp, tp, cells=cluster.world_size % (pp * cp * tp) == 0)
     if bad:
         raise ConfigError(*bad)
 
@@ -254,7 +253,7 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
                 out += [_Mesh(pp, dpr, dps, cp, tp) for dpr, dps in _dp_splits(rest // pp, fixed)]
     if not cluster.homogeneous:
         # tensor- and context-parallel groups stay on one kind of device (docs/heterogeneous.md)
-        out = [m for m in out if not hetero.span_violation(cluster, m.pp, W // m.pp // m.cp // m.tp, m.cp, m.tp)]
+        out = [m for m in out if not hetero.span_violation(cluster, m.cp, m.tp)]
         for m in out:
             m.stage_weights = hetero.stage_weights(cluster, m.pp, m.dp_replicate * m.dp_shard, m.cp, m.tp)
     if not out:

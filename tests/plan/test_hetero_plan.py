@@ -122,7 +122,7 @@ def test_tensor_and_context_parallel_groups_never_span_device_types():
     prof = get_profile("llama3-8b", 4096)
     res = search(prof, cl, global_batch=32, top_k=5)
     for plan, _ in res.ranked + list(res.best_by_family.values()):
-        assert hetero.span_violation(cl, plan.pp, plan.dp, plan.cp, plan.tp) is None, plan.describe()
+        assert hetero.span_violation(cl, plan.cp, plan.tp) is None, plan.describe()
     bad = Plan(cp=8, dp_shard=2, microbatch_size=1, num_microbatches=16)
     with pytest.raises(ConfigError) as e:
         check(bad, prof, cl)
