@@ -641,8 +641,8 @@ def _estimate_mixed(plan: Plan, profile: ModelProfile, cluster: Cluster, kw: dic
     for key in zip(hetero.column_groups(cluster, plan.pp, plan.dp, plan.cp, plan.tp), counts):
         if key not in columns:
             columns[key] = _column(plan, profile, cluster, *key, kw)
-    m = max(columns, key=lambda k: columns[k][0])[1]
-    step_s, pace, worst, t_p2p, t_bubble, _ = columns[max(columns, key=lambda k: columns[k][0])]
+    slowest = max(columns, key=lambda k: columns[k][0])
+    m, (step_s, pace, worst, t_p2p, t_bubble, _) = slowest[1], columns[slowest]
     ranks = [(r, st) for col in columns.values() for _, r, st in col[5]]  # (share, its step shape)
     tight, tst = max(ranks, key=lambda rs: sum(rs[0].memory.values()) / rs[1].dev.memory_bytes)
     notes, host_ok = [], True
