@@ -53,6 +53,10 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
   (Korthikanti Table 2 shapes), divided by tp with SP (10/34 stays replicated without SP) and by cp;
   micro-batches in flight: 1 without PP, min(p, m) for 1F1B/zero-bubble on the first stage,
   p (1 + (p-1)/(p v)) interleaved (Narayanan et al. 2021), m for GPipe.
+- Mixed clusters (docs/heterogeneous.md): every data-parallel rank's pipeline is costed on the node
+  groups its ranks land on (`hetero.cell_groups`: node-major ranks, groups in the cluster's order)
+  with its own micro-batch count (`dp_shares`); the step waits for the slowest; every rank's memory
+  is held against its own device's.
 """
 
 from __future__ import annotations
@@ -382,7 +386,7 @@ _exposed = exposed  # the old private name
 
 # ---- the shared step shape --------------------------------------------------------------------
 class StepShape:
-    """What every term of one plan's step shares: the plan, the slowest node group, the constants
+    """What every term of one plan's step shares: the plan, the node group it runs on, the constants
     (CPU-adjusted), the compute dtype's peak and widths, a micro-batch's tokens and GEMM rows, the
     matmul speed, the element-wise cost per byte and the mesh strides. Strategies read it by name."""
 
