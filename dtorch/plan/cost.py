@@ -187,7 +187,7 @@ class CostConstants:
 
 # Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
 # fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
-# H100 SXM 0.7148, H100 96GB/500 W 0.542 over its power-capped peak), so that `dtorch probe` measurements replace them.
+# H100 SXM 0.7148, H100 96GB/500 W 0.6173 over its power-capped peak), so that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=GEMM_WIDTH_HALF,  # the device-shape constants live below the planner (dtorch.cluster.shape),
     gemm_rows_half=GEMM_ROWS_HALF,  # where the probe and the CPU capability timing read them too
@@ -476,9 +476,8 @@ def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str |
                           f"{{{', '.join(sorted(dev.peak_flops))}}}") from None
     if dtype == "float8" and not dev.supports("float8"):
         raise ConfigError("dtype", dtype, f"{dev.name} has no float8 tensor cores; use bfloat16")
-    step = StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled or plan.compile,
-                     async_tp, selective)
-    step.world = world
+    step = StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled, async_tp, selective)
+    step.world, step.cluster = world, cluster  # (strategies read measured gains from cluster.calibration)
     return step
 
 
@@ -583,9 +582,10 @@ def estimate(
     """Predict step time, throughput, MFU and per-rank memory of `plan` (see module doc).
 
     The compute dtype is the plan's `param_dtype`: that is what the executor runs. `dtype`,
-    `compiled` and `async_tp` describe runs this executor does not make (float8 linear layers,
+    `compiled` and `async_tp` describe published runs (float8 linear layers, their whole-model
     torch.compile, async TP): the calibration uses them for published measurements; the search
-    never does. `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
+    never does (a plan's own fields, `compile` among them, are priced by their strategies).
+    `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
     policy, the default: the element-wise forward, see `matmuls_saved_act_bytes`), 'attention_core'
     (the attention scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm'
     (torchtitan's op-level policy, see `every_second_matmul_params`). The plan's degrees must

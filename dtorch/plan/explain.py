@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from dtorch.plan import strategies
 from dtorch.plan.cost import Estimate, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.search import SearchResult
@@ -25,13 +26,17 @@ def _gib(b: float) -> str:
 
 
 def table(result: SearchResult) -> str:
-    """The ranked plans as an aligned text table."""
-    rows = [("#", "plan", "family", "step s", "tok/s/GPU", "MFU", "GiB/rank")]
+    """The ranked plans as an aligned text table (with the amortised step time they were ranked by,
+    when the run's length was given and a plan pays one-off seconds)."""
+    amortise = bool(result.steps) and any(strategies.once_s(p, result.cluster) for p, _ in result.ranked)
+    rows = [("#", "plan", "family", "step s", *(("amortised s",) if amortise else ()), "tok/s/GPU", "MFU",
+             "GiB/rank")]
     for i, (plan, est) in enumerate(result.ranked, 1):
-        rows.append((str(i), plan.describe(), plan.family(), f"{est.step_time_s:.2f}",
+        am = (f"{strategies.amortised_s(est.step_time_s, plan, result.cluster, result.steps):.2f}",) if amortise else ()
+        rows.append((str(i), plan.describe(), plan.family(), f"{est.step_time_s:.2f}", *am,
                      f"{est.tokens_per_s_per_gpu:,.0f}", f"{est.mfu:.1%}", _gib(est.memory_bytes_per_rank)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    right = {0, 3, 4, 5, 6}
+    right = {0, *range(3, len(rows[0]))}
     lines = []
     for j, r in enumerate(rows):
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
@@ -57,6 +62,20 @@ def why_slower(plan: Plan, est: Estimate, best: Estimate) -> str:
                    reverse=True)
     parts = [f"+{d:.2f} s {TIME_LABELS[k]}" for d, k in diffs[:2] if d > 0.005 * best.step_time_s]
     return ", ".join(parts) or "slightly more of everything"
+
+
+def one_off(result: SearchResult, plan: Plan, est: Estimate) -> str | None:
+    """The chosen plan's one-off seconds (compilation) and how the ranking counted them."""
+    once = strategies.once_s(plan, result.cluster)
+    if not once:
+        return None
+    if not result.steps:
+        return (f"{once:,.0f} s once (compilation, calibrated), not in the step time: no run length given, so the "
+                f"ranking is by step time alone (dtorch plan --steps N, or the trainer's steps, amortises it)")
+    am = strategies.amortised_s(est.step_time_s, plan, result.cluster, result.steps)
+    return (f"{once:,.0f} s once (compilation, calibrated) over {result.steps:,} steps: "
+            f"({est.step_time_s:.3f} x {result.steps:,} + {once:,.0f}) / {result.steps:,} = {am:.3f} s/step "
+            f"amortised, what the ranking used")
 
 
 def precision_reason(result: SearchResult, plan: Plan, est: Estimate) -> str:
@@ -152,6 +171,9 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
     routing = routing_traffic(plan, prof, cl.devices_per_node)
     if routing:
         out.append(f"  {routing}")
+    once = one_off(result, plan, est)
+    if once:
+        out.append(f"  one-off: {once}")
     why_prec = precision_reason(result, plan, est)
     if why_prec:
         out.append(f"  precision: {why_prec}")

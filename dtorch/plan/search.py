@@ -89,6 +89,9 @@ class SearchResult:
     """Caveats about the whole result (e.g. fixed fields this DTorch cannot execute)."""
     best_by_precision: dict[str, tuple[Plan, Estimate]] = field(default_factory=dict)
     """The fastest fitting plan of every precision searched ('param_dtype/reduce_dtype')."""
+    steps: int | None = None
+    """The run's length the ranking amortised one-off seconds (compilation) over; None: unknown,
+    ranked by step time alone (`strategies.amortised_s`)."""
 
     @property
     def best(self) -> tuple[Plan, Estimate] | None:
@@ -339,7 +342,7 @@ def search(
     suggest: bool = True,
     executable_only: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
-    families: bool = True,
+    families: bool = True, steps: int | None = None,
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
     tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
@@ -348,7 +351,8 @@ def search(
     plan of each family, why other families were rejected, and when nothing fits, suggestions.
     `progress(meshes_done, meshes_total, plans_estimated)`, when given, is called once per mesh
     (`dtorch.progress.search_progress` prints it). `families=False` skips the search for each
-    family's best plan (sizing needs only the top k: the bound prunes far more)."""
+    family's best plan (sizing needs only the top k: the bound prunes far more). `steps`, the run's
+    length when known, ranks by (step time x steps + one-off seconds) / steps (compilation)."""
     t0 = time.perf_counter()
     profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
     notes: list[str] = []
@@ -364,7 +368,7 @@ def search(
         m.bound = _bound(m, 0, profile, bgroup, global_batch, precs, constants)
     meshes.sort(key=lambda m: m.bound)
     book = _Book(lambda plan: estimate(plan, profile, cluster, constants=constants), top_k, executable_only,
-                 families)
+                 families, _ranking_time(cluster, steps))
     lean_dtype = min((p for p, _ in precs), key=lambda d: DTYPE_BYTES[d])
     for i, mesh in enumerate(meshes):
         if progress is not None:
@@ -382,7 +386,7 @@ def search(
         cluster=cluster, global_batch=global_batch, seq_len=profile.seq_len, fixed=fixed,
         evaluated=book.evaluated, meshes=len(meshes), meshes_pruned=book.pruned,
         seconds=time.perf_counter() - t0, closest=closest, notes=notes,
-        best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)),
+        best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)), steps=steps,
     )
 
 
@@ -435,6 +439,14 @@ def _inputs(profile: ModelProfile, cluster: Cluster, global_batch: int, seq_len:
     return profile, fixed
 
 
+def _ranking_time(cluster: Cluster, steps: int | None) -> Callable[[Plan, Estimate], float]:
+    """What the search ranks a plan by: its step time, or with the run's length `steps` known the
+    amortised (step time x steps + one-off seconds) / steps (`strategies.amortised_s`)."""
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ConfigError("steps", steps, "the run's length in optimizer steps: a positive integer, or None if unknown")
+    return lambda plan, est: strategies.amortised_s(est.step_time_s, plan, cluster, steps)
+
+
 def _precisions(group: NodeGroup, fixed: dict[str, Any], notes: list[str]) -> list[tuple[str, str]]:
     """The precisions to search on the group's device (notes say why others were left out)."""
     dev = group.device
@@ -455,8 +467,10 @@ class _Book:
     best plan of each family and precision, the leanest plan of families with none fitting, and the
     families whose fitting plans this executor cannot run."""
 
-    def __init__(self, estimate_fn, top_k: int, executable_only: bool, families: bool = True):
+    def __init__(self, estimate_fn, top_k: int, executable_only: bool, families: bool = True, time_fn=None):
         self.estimate_fn, self.top_k, self.executable_only = estimate_fn, top_k, executable_only
+        self.time_fn = time_fn or (lambda plan, est: est.step_time_s)
+        """What a plan is ranked by before its handicap: the step time, amortised where the run's length is known."""
         self.families = families
         self.ranked: list[tuple[float, int, Plan, Estimate]] = []
         self.best_family: dict[str, tuple[Plan, Estimate]] = {}
@@ -497,19 +511,22 @@ class _Book:
 
     def _rank(self, plan: Plan, est: Estimate, fam: str) -> None:
         self.counter += 1
-        score = est.step_time_s * _precision_penalty(plan)
+        score = self.score(plan, est)
         if len(self.ranked) < self.top_k or score < self.ranked[-1][0]:
             self.ranked.append((score, self.counter, plan, est))
             self.ranked.sort(key=lambda r: (r[0], r[1]))
             del self.ranked[self.top_k:]
         best = self.best_family.get(fam)
-        if best is None or score < best[1].step_time_s * _precision_penalty(best[0]):
+        if best is None or score < self.score(*best):
             self.best_family[fam] = (plan, est)
         if plan.ep > 1 and (plan.ep not in self.best_ep or est.step_time_s < self.best_ep[plan.ep][1].step_time_s):
             self.best_ep[plan.ep] = (plan, est)
         prec = f"{plan.param_dtype}/{plan.reduce_dtype}"
         if prec not in self.best_precision or est.step_time_s < self.best_precision[prec][1].step_time_s:
             self.best_precision[prec] = (plan, est)
+
+    def score(self, plan: Plan, est: Estimate) -> float:
+        return self.time_fn(plan, est) * _precision_penalty(plan)
 
     def rejected(self) -> dict[str, str]:
         """Families with no fitting plan -> why (cannot run here, or the least memory one needed)."""
