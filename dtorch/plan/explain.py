@@ -4,8 +4,10 @@ changes that would. Plain text (fast, greppable, the same in a log and a termina
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dtorch.plan import strategies
-from dtorch.plan.cost import Estimate
+from dtorch.plan.cost import Estimate, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.search import SearchResult
 from dtorch.plan.strategies.expert import routing_traffic
@@ -93,6 +95,39 @@ def precision_reason(result: SearchResult, plan: Plan, est: Estimate) -> str:
     return head + "; " + "; ".join(others + prec_notes)
 
 
+def uniform(plan: Plan) -> Plan | None:
+    """`plan` with its work split evenly (no dp_shares, even stages), or None if it already is."""
+    if plan.dp_shares is None and plan.layer_partition is None:
+        return None
+    return replace(plan, dp_shares=None, layer_partition=None)
+
+
+def apportioned(result: SearchResult, plan: Plan, est: Estimate) -> list[str]:
+    """On a mixed cluster: how the chosen plan apportions work over the node groups (ranks in the
+    executor's order: node-major, groups in the cluster's order), and what the even split of the
+    same plan would cost."""
+    out = ["  work per node group (ranks node-major, groups in the cluster's order):"]
+    for g in est.groups:
+        mbs = "/".join(map(str, g["microbatches"]))
+        blocks = "/".join(f"{b:g}" for b in g["blocks"])
+        out.append(f"    group {g['group']} {g['device']} ranks {g['ranks']}: {blocks} blocks, {mbs} micro-batches "
+                   f"per step per rank; {_gib(g['memory_bytes'])} of {_gib(g['memory_capacity'])} GiB; "
+                   f"its slowest pipeline {g['step_s']:.2f} s")
+    even = uniform(plan)
+    if even is None:
+        out.append("    split evenly: the even split is the fastest the search found for this cluster")
+        return out
+    e = estimate(even, result.profile, result.cluster)
+    if not e.fits:
+        worst = max(e.groups, key=lambda g: g["memory_bytes"] / g["memory_capacity"])
+        out.append(f"    the even split ({even.describe()}) does not fit: {_gib(worst['memory_bytes'])} GiB per rank "
+                   f"on group {worst['group']} ({worst['device']}), {_gib(worst['memory_capacity'])} GiB available")
+    else:
+        out.append(f"    the even split ({even.describe()}) would take {e.step_time_s:.2f} s per step "
+                   f"({e.step_time_s / est.step_time_s - 1.0:+.0%}), every rank at the slowest group's pace")
+    return out
+
+
 def explain(result: SearchResult, *, show_families: bool = True) -> str:
     """The whole explanation as text (see module doc)."""
     prof, cl = result.profile, result.cluster
@@ -131,6 +166,8 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         from dtorch.plan.strategies.memory import MEMORY
 
         out.append(f"  offload: {MEMORY.offload_summary(plan, est, result.cluster.slowest_group(), DEFAULT_CONSTANTS)}")
+    if est.groups:
+        out += apportioned(result, plan, est)
     routing = routing_traffic(plan, prof, cl.devices_per_node)
     if routing:
         out.append(f"  {routing}")
