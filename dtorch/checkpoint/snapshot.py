@@ -707,9 +707,11 @@ class Snapshotter:
             self._live_packs[slot] = self._live_used  # what this take did not meet is dropped
         except _NotSnapshottable as e:
             self._turn_off(f"the state holds {e}", warn=False)
+            self._submit_round(slot, None, [])  # the peer still pairs one round with this take
             return
         except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
             self._turn_off(f"cannot write snapshots ({e})")
+            self._submit_round(slot, None, [])
             return
         src, refs, deferred = self._src, self._refs, self._deferred
         self._src, self._refs, self._deferred = [], [], []
@@ -738,7 +740,17 @@ class Snapshotter:
     def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]],
                  deferred: list[tuple[Any, ...]] = ()) -> float:
         """The side thread's half: invalidate the slot, match buffers, copy, write its header.
-        Returns seconds."""
+        Returns seconds. A failed copy still runs this take's (empty) replication round."""
+        queued = self._repl_pending[slot]
+        try:
+            return self._persist_local(slot, doc, src, refs, deferred)
+        except BaseException:
+            if self._repl_pending[slot] is queued:
+                self._submit_round(slot, None, [])
+            raise
+
+    def _persist_local(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]],
+                       deferred: list[tuple[Any, ...]]) -> float:
         t0 = time.perf_counter()
         header = self._header(slot)
         header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
