@@ -47,44 +47,11 @@ def side_by_side(tr: Any, snap_dir: str, steps: int, log=print, blocks: int = 4)
     the step after none, the stall (take + wait) outside both. The modes run in alternating
     blocks of `steps / blocks` steps each, so that a change in the machine's load hits all."""
     from dtorch.checkpoint.snapshot import Snapshotter
-    from dtorch.elastic import worker
-    from dtorch.train import hooks
 
     res = {m: {"after": [], "none": [], "stall": []} for m in MODES}
-    for block in range(blocks):
+    for _ in range(blocks):
         for mode, kw in MODES.items():
-            snap = Snapshotter(snap_dir, 0, 1, tag=f"side-{mode}", **kw)
-            rec = {"t0": 0.0, "wait": 0.0, "prev": None}
-            r = res[mode]
-
-            def before(step: int) -> None:
-                rec["t0"], rec["wait"] = time.perf_counter(), 0.0
-
-            def phase(name: str, step: int) -> None:
-                t = time.perf_counter()
-                snap.wait()
-                rec["wait"] += time.perf_counter() - t
-
-            def after(step: int, loss: float) -> None:
-                dt = time.perf_counter() - rec["t0"] - rec["wait"]
-                if rec["prev"] is not None:
-                    (r["after"] if rec["prev"] else r["none"]).append(dt)
-                    if rec["prev"]:
-                        r["stall"][-1] += rec["wait"]
-                rec["prev"] = step % 2 == 0
-                if rec["prev"]:
-                    t = time.perf_counter()
-                    snap.take(step, worker._snapshot_state(tr))
-                    r["stall"].append(time.perf_counter() - t)
-
-            hooks.register(before_step=before, after_step=after, on_phase=phase)
-            try:
-                tr.fit(steps=tr.step + max(4, steps // blocks))
-            finally:
-                hooks.clear()
-                snap.close()
-            if rec["prev"] and r["stall"]:
-                r["stall"].pop()  # the last take's wait was never measured
+            _block(tr, Snapshotter(snap_dir, 0, 1, tag=f"side-{mode}", **kw), max(4, steps // blocks), res[mode])
     out = {}
     for mode, r in res.items():
         a, n = statistics.median(r["after"]), statistics.median(r["none"])
@@ -93,6 +60,43 @@ def side_by_side(tr: Any, snap_dir: str, steps: int, log=print, blocks: int = 4)
                      "steps": len(r["after"]) + len(r["none"])}
     log(json.dumps({"side_by_side": out}))
     return out
+
+
+def _block(tr: Any, snap: Any, steps: int, r: dict[str, list[float]]) -> None:
+    """`steps` trainer steps with `snap` taken after every 2nd, timed into `r` (see `side_by_side`)."""
+    from dtorch.elastic import worker
+    from dtorch.train import hooks
+
+    rec: dict[str, Any] = {"t0": 0.0, "wait": 0.0, "prev": None}
+
+    def before(step: int) -> None:
+        rec["t0"], rec["wait"] = time.perf_counter(), 0.0
+
+    def phase(name: str, step: int) -> None:
+        t = time.perf_counter()
+        snap.wait()
+        rec["wait"] += time.perf_counter() - t
+
+    def after(step: int, loss: float) -> None:
+        dt = time.perf_counter() - rec["t0"] - rec["wait"]
+        if rec["prev"] is not None:
+            (r["after"] if rec["prev"] else r["none"]).append(dt)
+            if rec["prev"]:
+                r["stall"][-1] += rec["wait"]
+        rec["prev"] = step % 2 == 0
+        if rec["prev"]:
+            t = time.perf_counter()
+            snap.take(step, worker._snapshot_state(tr))
+            r["stall"].append(time.perf_counter() - t)
+
+    hooks.register(before_step=before, after_step=after, on_phase=phase)
+    try:
+        tr.fit(steps=tr.step + steps)
+    finally:
+        hooks.clear()
+        snap.close()
+    if rec["prev"] and r["stall"]:
+        r["stall"].pop()  # the last take's wait was never measured
 
 
 def run(takes: int = 1000, log=print, steps: int = 400) -> dict[str, Any]:

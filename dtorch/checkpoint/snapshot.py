@@ -944,7 +944,7 @@ class Snapshotter:
                     doc, _, tensors = got
                     # each tensor its own storage, as a read from a file gives (a view of the flat
                     # byte buffer would leave the optimizer holding byte storage)
-                    tree = self._unpack(doc["tree"], meshes, lambda ref: tensors[str(ref["__shm__"])].clone())
+                    tree = self._unpack(doc["tree"], meshes, lambda ref, got=tensors: got[str(ref["__shm__"])].clone())
             if tree is None:
                 doc = available(self.dir, self.rank, self.world_size)[best]
                 tree = self._unpack(doc["tree"], meshes, self._reader(doc["_kind"], self.rank, doc))
