@@ -48,6 +48,7 @@ import importlib
 import logging
 import os
 import secrets
+import stat
 import sys
 import tempfile
 import threading
@@ -157,6 +158,51 @@ class LaunchSpec:
         chaos.parse(self.chaos)  # fail now, not in every worker
 
 
+
+SNAP_PREFIX = "dtorch-snap-"
+"""Snapshot directories are named ``dtorch-snap-<agent pid>.<its start time>.<random>``: an agent
+killed with SIGKILL cannot remove its own (RAM in /dev/shm), so the next agent on the node removes
+those whose agent is gone."""
+
+
+def _process_tag(pid: int) -> str | None:
+    """``<pid>.<start time in clock ticks>`` (/proc), which names one process even after its pid is
+    reused; None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid}.{f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def sweep_stale_snapshots(parent: str) -> list[str]:
+    """Remove this user's snapshot directories under `parent` whose agent no longer runs (killed
+    with SIGKILL, or its node rebooted the job away); returns the paths removed. A directory of a
+    running agent, of another user, a symlink or a name not of this form is left alone."""
+    import shutil
+
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name[len(SNAP_PREFIX):].split(".") if name.startswith(SNAP_PREFIX) else []
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        if _process_tag(int(parts[0])) == f"{parts[0]}.{parts[1]}":
+            continue  # its agent is alive
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     """`host:port` -> (host, port); a missing port is 29400 (torchrun's default)."""
     host, sep, port = endpoint.rpartition(":")
@@ -210,7 +256,9 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         # (DTORCH_SNAPSHOT_ROOT: another parent directory, e.g. for tests that kill agents)
         shm = os.environ.get("DTORCH_SNAPSHOT_ROOT") or (
             "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else run_dir)
-        snap_dir = str(trust.private_dir(os.path.join(shm, f"dtorch-snap-{secrets.token_hex(8)}"), "snapshot_dir"))
+        sweep_stale_snapshots(shm)
+        snap_dir = str(trust.private_dir(os.path.join(shm, f"{SNAP_PREFIX}{_process_tag(os.getpid()) or 'nopid'}."
+                                                         f"{secrets.token_hex(8)}"), "snapshot_dir"))
     env = {
         "DTORCH_SNAPSHOT_DIR": snap_dir or "",
         "DTORCH_SNAPSHOT_EVERY": str(spec.snapshot_every),

@@ -298,3 +298,26 @@ def test_a_new_step_is_published_at_once_so_a_stopped_rank_reports_its_real_step
     for step in (41, 42):
         heartbeat.mark(step=step, phase="forward")
         assert heartbeat.read_beats(str(tmp_path), 1)[0]["step"] == step
+
+
+def test_snapshot_directories_of_agents_that_are_gone_are_swept_and_live_ones_kept(tmp_path):
+    import subprocess
+
+    from dtorch.elastic.launch import SNAP_PREFIX, _process_tag, sweep_stale_snapshots
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = tmp_path / f"{SNAP_PREFIX}{_process_tag(os.getpid())}.aa"
+    gone = tmp_path / f"{SNAP_PREFIX}{dead.pid}.1.bb"  # its pid has exited
+    reused = tmp_path / f"{SNAP_PREFIX}{os.getpid()}.1.cc"  # our pid, another process's start time
+    old_form = tmp_path / f"{SNAP_PREFIX}0123456789abcdef"
+    for d in (live, gone, reused, old_form):
+        d.mkdir()
+        (d / "rank0-slot0.bin").write_bytes(b"x")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / f"{SNAP_PREFIX}{dead.pid}.1.dd").symlink_to(target)
+    removed = sweep_stale_snapshots(str(tmp_path))
+    assert sorted(removed) == sorted([str(gone), str(reused)])
+    assert live.is_dir() and old_form.is_dir() and target.is_dir()
+    assert sweep_stale_snapshots(str(tmp_path / "missing")) == []
