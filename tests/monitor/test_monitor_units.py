@@ -117,7 +117,13 @@ def test_prometheus_endpoint_parses_and_has_every_rank():
         terms = {s.labels["term"] for s in fams["dtorch_rank_step_term_seconds"].samples}
         assert {"compute", "comm_tp", "optimizer"} <= terms
         code, body = _get(srv.url + "api/data")
-        assert code == 200 and [s["step"] for s in json.loads(body)["steps"]] == [1, 2]
+        full = json.loads(body)
+        assert code == 200 and [s["step"] for s in full["steps"]] == [1, 2] and full["since"] is None
+        # the page's poll: only the steps after the one it holds, while the session is the same
+        part = json.loads(_get(srv.url + f"api/data?since=1&session={full['session']}")[1])
+        assert [s["step"] for s in part["steps"]] == [2] and part["since"] == 1
+        other = json.loads(_get(srv.url + "api/data?since=1&session=another")[1])
+        assert [s["step"] for s in other["steps"]] == [1, 2] and other["since"] is None
         code, body = _get(srv.url)
         assert code == 200 and b"DTorch monitor" in body
     finally:
