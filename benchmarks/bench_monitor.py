@@ -7,21 +7,26 @@ Overhead. ONE group of 2 spawned ranks (gloo on CPU) runs short `Trainer.fit`s i
 
 - off: ``metrics_every=0``, no server (the trainer's usual rank-0 console/JSONL logging stays on);
 - on:  per-rank metrics every 10 steps (communication timer, block hooks, the all_gather), the
-  server on rank 0, and a client in rank 0's process that reads the page's data every 2 s and
-  scrapes /metrics every 5 s (more often than Prometheus' usual 15 s; the client's own CPU is
-  charged to the monitor).
+  server on rank 0, and a client in rank 0's process that reads the page's data every 2 s as the
+  page does (the steps after the last it holds) and scrapes /metrics every 5 s (more often than
+  Prometheus' usual 15 s; the client's own CPU is charged to the monitor).
 
 One warm-up fit is discarded; then each round runs an off and an on fit back to back, in
 alternating order (off-on, on-off, ...), so that the machine's load, which drifts over tens of
 seconds on a shared host, is nearly the same for both halves of a round. Per fit, the first steps
 are dropped and the median kept, for two clocks: rank 0's wall step time (`step_time_s`) and rank
 0's process CPU time per step (all its threads: the server and the client included), which other
-processes' load moves much less. The overhead is the median over rounds of on / off - 1, with
+processes' load moves much less. (The fastest tenth of each fit's wall steps was tried as a
+load-robust wall figure: at load 11-16 its spread over rounds was 36 points against the median's 8.) The overhead is the median over rounds of on / off - 1, with
 the rounds' interquartile range as the spread. The benchmark also accounts for the monitor's work
 directly: time inside the monitor's per-step call (`RunMonitor.step`, including the gather every N
 steps), plus the collectives per step times the measured cost of the timing wrapper around one
 call, plus block-forward calls per step times the measured cost of the two hooks. Communication
-tracing (CommDebugMode) is not part of either side.
+tracing (CommDebugMode) is not part of either side. The 1-min load average is recorded at the
+start, after every fit and at the end.
+
+Page polls of a long run. A fit of 24 steps cannot show what a poll costs after 20,000 steps;
+`poll_costs` times it directly (the whole history vs the steps since the page's last poll).
 
 Communication share. `dtorch train --nproc 4 --plan tp=4` on a tiny model with
 ``DTORCH_PROFILE_COMMS=1``: per rank, the ``ranks`` record's comm_tp / step next to the profiler's
@@ -58,9 +63,13 @@ def _client(log_dir: Path, stop: threading.Event, counts: dict) -> None:
         return
     url = json.loads(info.read_text())["url"]
     last_scrape = 0.0
+    since = session = None
     while not stop.wait(2.0):
         try:
-            urllib.request.urlopen(url + "api/data", timeout=10).read()
+            # as the page polls: the steps after the last one it holds
+            q = f"?since={since}&session={session}" if session is not None and since is not None else ""
+            d = json.loads(urllib.request.urlopen(url + "api/data" + q, timeout=10).read())
+            session, since = d["session"], (d["steps"][-1]["step"] if d["steps"] else since)
             counts["page"] += 1
             if time.time() - last_scrape >= 5.0:
                 urllib.request.urlopen(url + "metrics", timeout=10).read()
@@ -103,7 +112,7 @@ def _worker(payload: dict, rank: int, world: int) -> dict:
 
     MetricsLogger.log = log_step
     out: dict[str, Any] = {"off": [], "on": [], "off_cpu": [], "on_cpu": [], "inside_s": [], "counts": [],
-                           "comm_calls_per_step": []}
+                           "comm_calls_per_step": [], "load": []}
     sides = [("warmup", "off")] + [(r, side) for r in range(payload["rounds"])
                                    for side in (("off", "on") if r % 2 == 0 else ("on", "off"))]
     drop = payload["drop"]
@@ -132,6 +141,7 @@ def _worker(payload: dict, rank: int, world: int) -> dict:
             times = [r["step_time_s"] for r in recs if "event" not in r][drop:]
             cpu = [b - a for a, b in zip(cpu_marks, cpu_marks[1:])][drop - 1:]
             out[side].append(times)
+            out["load"].append(os.getloadavg()[0])
             out[f"{side}_cpu"].append(cpu)
             if side == "on":
                 out["inside_s"].append(inside["s"] / payload["steps"])
@@ -175,6 +185,29 @@ def _unit_costs(n: int = 20000) -> dict[str, float]:
     return {"wrapper_s_per_call": wrap_cost, "hooks_s_per_block_call": hook_cost}
 
 
+def poll_costs(steps: int = 20000, new: int = 20, repeats: int = 5) -> dict[str, float]:
+    """Seconds one page poll holds the rank-0 process (the server's thread, under the GIL the
+    training loop needs) after `steps` steps: the whole history, and only the `new` steps since the
+    page's last poll (what the page asks for). Best of `repeats`; no training runs."""
+    from dtorch.monitor.server import MonitorState
+
+    st = MonitorState(None)
+    for i in range(1, steps + 1):
+        st.feed({"step": i, "loss": 4.0, "grad_norm": 1.0, "lr": 1e-3, "step_time_s": 0.1, "tokens_per_s": 1e4,
+                 "mfu": 0.01, "peak_memory_bytes": 2**30, "world_size": 2, "epoch": 0, "t": 1.0, "eta_s": 60.0})
+
+    def best(**kw) -> float:
+        out = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            json.dumps(st.data(**kw), default=str).encode()
+            out = min(out, time.perf_counter() - t)
+        return out
+
+    return {"steps": steps, "new_steps": new, "full_s": best(),
+            "incremental_s": best(since=steps - new, session=st.session)}
+
+
 def _quartiles(xs: list[float]) -> tuple[float, float]:
     if len(xs) < 2:
         return xs[0], xs[0]
@@ -213,10 +246,11 @@ def comm_share(quick: bool = False) -> dict[str, Any]:
 
 
 def run(quick: bool = False, log=print) -> dict[str, Any]:
-    rounds, steps, drop = (3, 14, 4) if quick else (8, 24, 4)
+    rounds, steps, drop = (3, 14, 4) if quick else (12, 24, 4)
     log(f"monitor overhead: 1 warm-up fit + {rounds} rounds x (off, on, alternating order) x {steps} steps "
         f"at world 2")
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     r0 = run_group(2, _worker, {"rounds": rounds, "steps": steps, "drop": drop}, timeout_s=900)[0]
     if "error" in r0:
         raise RuntimeError(r0["error"])
@@ -235,11 +269,14 @@ def run(quick: bool = False, log=print) -> dict[str, Any]:
         load = os.getloadavg()[0]
     except OSError:
         load = None
+    polls = poll_costs()
     log("communication share vs the profiler: TP at world 4")
     comm = comm_share(quick)
     return {"config": {"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "world_size": 2,
                        "rounds": rounds, "steps_per_fit": steps, "dropped_steps_per_fit": drop, "metrics_every": 10,
-                       "quick": quick, "cpus": os.cpu_count(), "load_avg_1min_at_end": load},
+                       "quick": quick, "cpus": os.cpu_count(), "load_avg_1min_at_end": load,
+                       "load_avg_1min_at_start": load0, "load_avg_1min_per_fit": r0["load"]},
+            "page_poll": polls,
             "median_step_off_s": all_off, "median_step_on_s": all_on,
             "overhead": statistics.median(wall), "overhead_iqr": _quartiles(wall), "per_round_overhead": wall,
             "cpu_overhead": statistics.median(cpu), "cpu_overhead_iqr": _quartiles(cpu), "per_round_cpu_overhead": cpu,
@@ -264,8 +301,10 @@ def markdown(r: dict) -> str:
         f"(gloo, CPU), per-rank metrics every {c['metrics_every']} steps, server + a client reading the page "
         f"data every 2 s and /metrics every 5 s; a warm-up fit, then {c['rounds']} rounds of (off, on) fits in "
         f"alternating order, {c['steps_per_fit']} steps each, the first {c['dropped_steps_per_fit']} dropped.",
-        "", f"Machine: {c['cpus']} CPUs, shared with other jobs (1-min load average {load:.1f} at the end)"
-        if load is not None else "", "",
+        "", f"Machine: {c['cpus']} CPUs, shared with other jobs (1-min load average {c['load_avg_1min_at_start']:.1f} "
+        f"at the start, {min(c['load_avg_1min_per_fit']):.1f}-{max(c['load_avg_1min_per_fit']):.1f} during the fits, "
+        f"{load:.1f} at the end; the step is ~{r['median_cpu_per_step_off_s'] * 1e3:.0f} ms of CPU, so a wall step "
+        f"far above it means other processes had the cores)" if load is not None else "", "",
         "| | off | on | overhead: median over rounds (IQR) |", "|---|---|---|---|",
         f"| rank 0 wall step, ms | {r['median_step_off_s'] * 1e3:.1f} | {r['median_step_on_s'] * 1e3:.1f} | "
         f"**{100 * r['overhead']:+.2f} %** ({100 * iq[0]:+.1f} .. {100 * iq[1]:+.1f} %) |",
@@ -273,6 +312,8 @@ def markdown(r: dict) -> str:
         f"{r['median_cpu_per_step_on_s'] * 1e3:.1f} | **{100 * r['cpu_overhead']:+.2f} %** "
         f"({100 * iqc[0]:+.1f} .. {100 * iqc[1]:+.1f} %) |", "",
         f"Per round, wall: {pct}; CPU: {pct_cpu}.", "",
+        "The wall median is the figure for a quiet machine; under load, other processes decide much "
+        "of it and the CPU time is the one to read.", "",
         f"Time inside the monitor's per-step call (including the gather every {c['metrics_every']} steps): "
         f"{r['monitor_call_s_per_step'] * 1e6:.0f} us per step = {100 * r['monitor_call_share']:.2f} % of the step.",
         "",
@@ -280,6 +321,12 @@ def markdown(r: dict) -> str:
         f"{r['wrapper_s_per_call'] * 1e6:.2f} us + {r['block_calls_per_step']:.0f} block calls x "
         f"{r['hooks_s_per_block_call'] * 1e6:.2f} us = {r['accounted_s_per_step'] * 1e6:.0f} us = "
         f"**{100 * r['accounted_share']:.2f} %** of the step (no other process's load in this figure).", "",
+        f"One page poll after {r['page_poll']['steps']:,} steps (the server's thread, under the GIL the training "
+        f"loop needs): the whole history {r['page_poll']['full_s'] * 1e3:.1f} ms, the "
+        f"{r['page_poll']['new_steps']} steps since the page's last poll (what it asks for) "
+        f"{r['page_poll']['incremental_s'] * 1e3:.2f} ms; every 2 s that is "
+        f"{100 * r['page_poll']['full_s'] / 2:.2f} % vs **{100 * r['page_poll']['incremental_s'] / 2:.3f} %** of the "
+        "wall time.", "",
         "## Exposed communication share: the monitor vs torch's profiler", "",
         f"`{cm['model']}`, plan {cm['plan']} at world {cm['world_size']} (gloo), steps {cm['steps_compared']}: "
         "the `ranks` record's comm_tp / step and, over the same steps, the profiler's union of the training "

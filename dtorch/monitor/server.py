@@ -13,6 +13,7 @@ training loop, and the training loop never waits on a request.
 
 from __future__ import annotations
 
+import bisect
 import hmac
 import json
 import os
@@ -44,6 +45,9 @@ class MonitorState:
         self.plan: dict[str, Any] | None = None
         self.events_path = events_path
         self.started = time.time()
+        self.session = os.urandom(6).hex()
+        """Names this state: a page that polls with `since` gets only new steps while it is the same."""
+        self._run_events: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
 
     def feed(self, record: dict[str, Any]) -> None:
         kind = record.get("event")
@@ -67,13 +71,30 @@ class MonitorState:
             return []
         from dtorch.eventlog import read
 
+        st = os.stat(self.events_path)
+        key = (st.st_size, st.st_mtime_ns)
+        if self._run_events is not None and self._run_events[0] == key:  # not re-read on every poll
+            return self._run_events[1]
         keep = ("failure", "recovery", "rendezvous", "workers_started", "oom", "hang", "straggler", "fault")
-        return [e for e in read(self.events_path)[-2000:] if any(k in str(e.get("kind", "")) for k in keep)][-200:]
+        out = [e for e in read(self.events_path)[-2000:] if any(k in str(e.get("kind", "")) for k in keep)][-200:]
+        self._run_events = (key, out)
+        return out
 
-    def data(self) -> dict[str, Any]:
+    def data(self, since: int | None = None, session: str | None = None) -> dict[str, Any]:
+        """What the page draws. With `since` (the last step the page holds) and this state's
+        `session`, only the steps after it (``"since"`` in the answer says so): a poll of a long run
+        then costs what is new, not a serialisation of every step so far under the GIL the
+        training loop needs."""
+        events = self.run_events()
         with self.lock:
-            return {"steps": list(self.steps), "ranks": self.ranks, "rank_history": list(self.rank_history),
-                    "events": list(self.events), "plan": self.plan, "run_events": self.run_events(),
+            steps = self.steps
+            part = since is not None and session == self.session
+            if part:
+                lo = bisect.bisect_right(steps, since, key=lambda r: r["step"])
+                steps = steps[lo:]
+            return {"steps": list(steps), "since": since if part else None, "session": self.session,
+                    "ranks": self.ranks, "rank_history": list(self.rank_history),
+                    "events": list(self.events), "plan": self.plan, "run_events": events,
                     "started": self.started, "now": time.time()}
 
 
@@ -180,7 +201,13 @@ class _Handler(BaseHTTPRequestHandler):
 
             self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
         elif url.path == "/api/data":
-            self._send(200, json.dumps(self.server.state.data(), default=str).encode(), "application/json")
+            q = parse_qs(url.query)
+            try:
+                since = int(q["since"][0]) if "since" in q else None
+            except ValueError:
+                since = None  # not a step number: everything
+            data = self.server.state.data(since=since, session=(q.get("session") or [None])[0])
+            self._send(200, json.dumps(data, default=str).encode(), "application/json")
         elif url.path in ("/", "/index.html"):
             self._send(200, _page(), "text/html; charset=utf-8")
         else:

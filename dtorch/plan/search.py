@@ -342,7 +342,12 @@ def search(
     suggest: bool = True,
     executable_only: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
+<<<<<<< HEAD
     families: bool = True, steps: int | None = None,
+=======
+    families: bool = True,
+    memory_correction: Callable[[Plan, Estimate], int] | None = None,
+>>>>>>> watch
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
     tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
@@ -351,8 +356,15 @@ def search(
     plan of each family, why other families were rejected, and when nothing fits, suggestions.
     `progress(meshes_done, meshes_total, plans_estimated)`, when given, is called once per mesh
     (`dtorch.progress.search_progress` prints it). `families=False` skips the search for each
+<<<<<<< HEAD
     family's best plan (sizing needs only the top k: the bound prunes far more). `steps`, the run's
     length when known, ranks by (step time x steps + one-off seconds) / steps (compilation)."""
+=======
+    family's best plan (sizing needs only the top k: the bound prunes far more).
+    `memory_correction(plan, estimate)`, when given, returns the bytes per rank a plan is judged
+    and reported by in place of the estimate's (never less): a correction measured at run time,
+    e.g. per plan family after an out-of-memory error (`dtorch.monitor.oom.Replan`)."""
+>>>>>>> watch
     t0 = time.perf_counter()
     profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
     notes: list[str] = []
@@ -367,8 +379,13 @@ def search(
     for m in meshes:
         m.bound = _bound(m, 0, profile, bgroup, global_batch, precs, constants)
     meshes.sort(key=lambda m: m.bound)
+<<<<<<< HEAD
     book = _Book(lambda plan: estimate(plan, profile, cluster, constants=constants), top_k, executable_only,
                  families, _ranking_time(cluster, steps))
+=======
+    book = _Book(lambda plan: _corrected(plan, estimate(plan, profile, cluster, constants=constants),
+                                         memory_correction), top_k, executable_only, families)
+>>>>>>> watch
     lean_dtype = min((p for p, _ in precs), key=lambda d: DTYPE_BYTES[d])
     for i, mesh in enumerate(meshes):
         if progress is not None:
@@ -388,6 +405,18 @@ def search(
         seconds=time.perf_counter() - t0, closest=closest, notes=notes,
         best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)), steps=steps,
     )
+
+
+def _corrected(plan: Plan, est: Estimate, correction: Callable[[Plan, Estimate], int] | None) -> Estimate:
+    """`est` with the memory `correction` gives (the difference kept as ``correction`` in the breakdown)."""
+    if correction is None:
+        return est
+    extra = max(0, int(correction(plan, est)) - est.memory_bytes_per_rank)
+    if not extra:
+        return est
+    mem = est.memory_bytes_per_rank + extra
+    return replace(est, memory_bytes_per_rank=mem, memory_breakdown={**est.memory_breakdown, "correction": extra},
+                   fits=est.fits and mem <= est.memory_capacity)
 
 
 def _when_nothing_fits(book: _Book, profile: ModelProfile, cluster: Cluster, global_batch: int,

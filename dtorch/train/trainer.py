@@ -368,15 +368,16 @@ class Trainer:
             fixed = dict(req) if isinstance(req, dict) else {}
             from dtorch.monitor import oom
 
-            # an earlier start ran out of memory: plan under the memory it found, not the plan that failed
-            budget, failed = oom.memory_budget(self.log_dir, world)
+            # an earlier start ran out of memory: plan under the memory it found, with every plan
+            # family's estimate corrected by what was measured, not the plan that failed
+            replan = oom.Replan.load(self.log_dir, world)
             plan = self._checkpointed_plan(world) if not fixed else None
-            if plan is not None and plan.describe() in failed:
+            if plan is not None and replan is not None and plan.describe() in replan.failed:
                 plan = None
-            plan = plan or self._search(world, fixed, memory_budget=budget)
-            if budget is not None and rank == 0 and self.console:
-                print(f"dtorch: re-planned after an out-of-memory error, within {budget / 2**20:,.1f} MiB/rank "
-                      f"(estimated): {plan.describe()}", flush=True)
+            plan = plan or self._search(world, fixed, replan=replan)
+            if replan is not None and rank == 0:  # a notice, not progress: printed without the console line too
+                print(f"dtorch: re-planned after {len(replan.records)} out-of-memory error(s), {replan.describe()}: "
+                      f"{plan.describe()}", file=sys.stderr, flush=True)
         if plan.global_batch is None:
             # A hand-written plan may leave micro-batching open: fill it from the global batch.
             local, rem = divmod(self.global_batch, plan.dp)
@@ -390,7 +391,7 @@ class Trainer:
                               f"the plan is for global_batch={plan.global_batch}; make them agree")
         return plan
 
-    def _search(self, world: int, fixed: dict, memory_budget: int | None = None) -> Plan:
+    def _search(self, world: int, fixed: dict, replan=None) -> Plan:
         from dtorch.cluster import load_cluster, local_cluster
         from dtorch.model import profile_module
         from dtorch.plan.search import search
@@ -400,16 +401,19 @@ class Trainer:
         workload = (profile.hidden, profile.num_heads, profile.seq_len)
         cluster = (load_cluster(self.cluster_spec, workload=workload) if self.cluster_spec
                    else local_cluster(world, workload=workload))
-        if memory_budget is not None:  # after an OOM: the memory the planner may plan with, per device
+        if replan is not None:  # after an OOM: the memory the planner may plan with, per device
             groups = [dataclasses.replace(g, device=dataclasses.replace(
-                g.device, memory_bytes=min(g.device.memory_bytes, memory_budget))) for g in cluster.groups]
+                g.device, memory_bytes=min(g.device.memory_bytes, replan.budget))) for g in cluster.groups]
             cluster = dataclasses.replace(cluster, groups=groups)
         self._cluster_name = cluster.name
         if cluster.world_size != world:
             raise ConfigError("cluster", self.cluster_spec,
                               f"it has {cluster.world_size} devices but {world} processes were launched")
         result = search(profile, cluster, global_batch=self.global_batch, seq_len=self.seq_len,
-                        fixed=fixed or None, top_k=3, steps=getattr(self, "_fit_steps", None))  # (compile amortised)
+                        fixed=fixed or None, top_k=3, steps=getattr(self, "_fit_steps", None),  # (compile amortised)
+                        memory_correction=replan.correct if replan else None, suggest=replan is None)
+        if result.best is None and replan is not None:
+            raise ConfigError("plan", "auto", replan.nothing_fits(result.closest))
         if result.best is None:
             raise ConfigError("plan", "auto", "no plan fits this model on this machine: "
                               + "; ".join(result.suggestions or ["use a smaller model or more devices"]))
@@ -448,7 +452,8 @@ class Trainer:
         pred = self.plan.predicted or {}
         self.metrics.event("plan", plan=self.plan.describe(), family=self.plan.family(),
                            predicted_step_time_s=pred.get("step_time_s"),
-                           predicted_memory_bytes_per_rank=pred.get("memory_bytes_per_rank"))
+                           predicted_memory_bytes_per_rank=pred.get("memory_bytes_per_rank"),
+                           predicted_memory_breakdown=pred.get("memory_breakdown"))
         if self.rank == 0 and self.console:
             extra = ""
             if pred:
@@ -695,6 +700,7 @@ class Trainer:
                 if self.step % self.checkpoint_every == 0 and self.step < steps:
                     phase = "checkpoint"
                     self._save()
+                    cap.check(self.step)  # a test's cap: the save's staging copy is memory too
                     self.status.report("checkpointed", checkpoint_step=self.step, step=self.step, total_steps=steps)
                 else:
                     self.status.report("running", step=self.step, total_steps=steps, tokens_per_s=round(tps, 1))
@@ -743,7 +749,8 @@ class Trainer:
 
             stages = list(stage_ids(self.plan, self.parallel.mesh["pp"].get_local_rank()))
         try:
-            rec = oom.describe(exc, rank=self.rank, phase=phase, step=self.step + 1, stages=stages, plan=self.plan,
+            step = self.step if phase == "checkpoint" else self.step + 1  # a save is of the step done
+            rec = oom.describe(exc, rank=self.rank, phase=phase, step=step, stages=stages, plan=self.plan,
                                device=self.device, base_bytes=mem_base, cap=cap)
             oom.record(rec, self.log_dir)
             self.metrics.event("oom", **rec)

@@ -115,6 +115,8 @@ def test_live_page_in_headless_chromium_shows_this_runs_data(live_run):
     records = _jsonl(live_run["run_dir"] / "metrics.jsonl")
     by_step = {r["step"]: r for r in records if "event" not in r}
     assert len(page["steps"]) >= 8
+    # polled several times in its virtual 8 s, each poll adding only the new steps: none lost or twice
+    assert page["steps"] == list(range(page["steps"][0], page["steps"][-1] + 1)) and page["partial_polls"] >= 1
     for step, loss, tps in zip(page["steps"], page["loss"], page["tokens_per_s"]):
         assert by_step[step]["loss"] == loss and by_step[step]["tokens_per_s"] == tps
     assert page["heat_rows"] == 2 and len(page["ranks"]) == 2

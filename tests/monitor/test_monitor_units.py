@@ -3,6 +3,7 @@ the Prometheus endpoint, the token and the loopback-only default."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import socket
@@ -116,7 +117,13 @@ def test_prometheus_endpoint_parses_and_has_every_rank():
         terms = {s.labels["term"] for s in fams["dtorch_rank_step_term_seconds"].samples}
         assert {"compute", "comm_tp", "optimizer"} <= terms
         code, body = _get(srv.url + "api/data")
-        assert code == 200 and [s["step"] for s in json.loads(body)["steps"]] == [1, 2]
+        full = json.loads(body)
+        assert code == 200 and [s["step"] for s in full["steps"]] == [1, 2] and full["since"] is None
+        # the page's poll: only the steps after the one it holds, while the session is the same
+        part = json.loads(_get(srv.url + f"api/data?since=1&session={full['session']}")[1])
+        assert [s["step"] for s in part["steps"]] == [2] and part["since"] == 1
+        other = json.loads(_get(srv.url + "api/data?since=1&session=another")[1])
+        assert [s["step"] for s in other["steps"]] == [1, 2] and other["since"] is None
         code, body = _get(srv.url)
         assert code == 200 and b"DTorch monitor" in body
     finally:
@@ -218,6 +225,73 @@ def test_oom_budget_is_below_the_failed_plan_and_the_lowest_holds(tmp_path):
     assert budget == min(r["budget_bytes"] for r in recs) and failed == [plan.describe()] * 2
     assert oom.memory_budget(tmp_path, world_size=4) == (None, [])
     assert "OUT OF MEMORY on rank 1 in forward_backward at step 3" in oom.message(recs[0])
+
+
+def test_replan_corrects_each_family_by_its_measured_oom_and_excludes_a_repeat(tmp_path, monkeypatch):
+    """Per family: its own measured over estimated plan-controlled memory, max(scale * c, c + offset);
+    an unmeasured family gets the worst seen; a family with two OOMs is excluded; the search ranks by
+    the corrected memory; when nothing fits, the error names the rank, the bytes and the fix."""
+    from dtorch.cluster import load_cluster
+    from dtorch.monitor import oom
+    from dtorch.plan.plan import Plan
+    from dtorch.plan.profiles import get_profile
+    from dtorch.plan.search import search
+
+    MiB = 2**20
+    ddp = Plan(dp_replicate=2, microbatch_size=4, num_microbatches=1, global_batch=8, seq_len=16)
+    fsdp = Plan(dp_shard=2, microbatch_size=4, num_microbatches=1, global_batch=8, seq_len=16)
+
+    def oom_of(plan, controlled_mb, grown_mb):  # a CPU OOM under a cap of base 200 + 100 MiB
+        plan.predicted = {"memory_bytes_per_rank": (controlled_mb + 500) * MiB,
+                          "memory_breakdown": {"activations": controlled_mb * MiB, "margin": 500 * MiB}}
+        monkeypatch.setattr(oom, "_status", lambda key: (200 + grown_mb) * MiB)  # the peak "measured"
+        cap = oom.MemoryCap.__new__(oom.MemoryCap)
+        cap.limit, cap.from_step = 300 * MiB, 1
+        oom.record(oom.describe(torch.OutOfMemoryError("x"), rank=1, phase="forward_backward", step=3, stages=[0],
+                                plan=plan, device=torch.device("cpu"), base_bytes=200 * MiB, cap=cap), tmp_path)
+
+    assert oom.Replan.load(tmp_path, 2) is None
+    oom_of(ddp, 120, 132)
+    oom_of(fsdp, 60, 110)
+    r = oom.Replan.load(tmp_path, 2)
+    assert r.budget == int(500 * MiB + oom.SAFETY * 100 * MiB) and r.failed == [ddp.describe(), fsdp.describe()]
+    assert r.corrections["DDP"] == (pytest.approx(1.1), 12 * MiB)
+    assert r.corrections["FSDP"] == (pytest.approx(110 / 60), 50 * MiB)
+    assert r.correction("PP") == (pytest.approx(110 / 60), 50 * MiB)  # not measured: the worst seen
+    est = type("E", (), {"memory_bytes_per_rank": 540 * MiB, "memory_breakdown": {"margin": 500 * MiB}})
+    assert r.correct(fsdp, est) == 500 * MiB + 90 * MiB  # 40 MiB estimated: +50 MiB beats x1.83
+    assert r.correct(ddp, est) == 500 * MiB + 52 * MiB  # x1.1 = 44 MiB < 40 + 12 MiB
+    assert not r.excluded and "FSDP x1.83 / +50 MiB" in r.describe()
+    assert "the next start re-plans within 590.0 MiB" in oom.message(oom.read(tmp_path)[1])
+
+    # on a real search: a family whose correction takes every plan over the budget is not ranked,
+    # and what is ranked carries its correction in the breakdown
+    prof, cl = get_profile("llama-tiny", 64), load_cluster("h100:1x2")
+    plain = search(prof, cl, global_batch=8, seq_len=64, top_k=3, suggest=False)
+    fam = plain.best[0].family()
+    huge = oom.Replan(budget=0, failed=[], records=[], corrections={fam: (1e6, 0)})
+    assert huge.correction("any other") == (1e6, 0)  # unmeasured families get the worst seen
+    res = search(prof, cl, global_batch=8, seq_len=64, top_k=3, suggest=False, memory_correction=huge.correct)
+    assert not res.ranked and res.closest[1].memory_breakdown["correction"] > 0
+    res = search(prof, cl, global_batch=8, seq_len=64, top_k=3, suggest=False,
+                 memory_correction=lambda p, e: huge.correct(p, e) if p.family() == fam else e.memory_bytes_per_rank + MiB)
+    assert res.ranked and all(p.family() != fam for p, _ in res.ranked) and fam in res.rejected
+    assert all(e.memory_breakdown["correction"] > 0 for _, e in res.ranked)
+
+    oom_of(fsdp, 30, 104)  # FSDP again, with a smaller plan: the family is excluded
+    r = oom.Replan.load(tmp_path, 2)
+    assert r.excluded == {"FSDP"} and r.correct(fsdp, est) >= 2**60 and "excluded after 2 OOMs: FSDP" in r.describe()
+    why = r.nothing_fits(None)
+    assert "last on rank 1" in why and "needed 332 MiB with 300 MiB available" in why and "Fix:" in why
+
+    # the trainer's re-plan: nothing fits under the measured budget -> one ConfigError (fatal for
+    # `dtorch run`: no restart meets anything else), naming the rank, the bytes and the fix
+    from dtorch.models import build_model
+    from dtorch.train import Trainer
+
+    t = Trainer(model=lambda: build_model("gpt-tiny"), global_batch=4, seq_len=16, console=False, log_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"last on rank 1 .*needed 332 MiB.*Fix: more memory per rank"):
+        t._search(1, {}, replan=dataclasses.replace(r, budget=MiB))
 
 
 def test_functional_collectives_land_on_their_mesh_axis_launch_and_wait(tmp_path):
