@@ -342,29 +342,18 @@ def search(
     suggest: bool = True,
     executable_only: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
-<<<<<<< HEAD
     families: bool = True, steps: int | None = None,
-=======
-    families: bool = True,
     memory_correction: Callable[[Plan, Estimate], int] | None = None,
->>>>>>> watch
 ) -> SearchResult:
-    """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
-    tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
-    v, reshard, dtype); impossible ones raise ConfigError. Precision (param_dtype, reduce_dtype) is
-    searched like the rest; `dtype`, when given, pins param_dtype. Returns the top `top_k`, the best
-    plan of each family, why other families were rejected, and when nothing fits, suggestions.
-    `progress(meshes_done, meshes_total, plans_estimated)`, when given, is called once per mesh
-    (`dtorch.progress.search_progress` prints it). `families=False` skips the search for each
-<<<<<<< HEAD
-    family's best plan (sizing needs only the top k: the bound prunes far more). `steps`, the run's
-    length when known, ranks by (step time x steps + one-off seconds) / steps (compilation)."""
-=======
-    family's best plan (sizing needs only the top k: the bound prunes far more).
-    `memory_correction(plan, estimate)`, when given, returns the bytes per rank a plan is judged
-    and reported by in place of the estimate's (never less): a correction measured at run time,
-    e.g. per plan family after an out-of-memory error (`dtorch.monitor.oom.Replan`)."""
->>>>>>> watch
+    """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len` tokens
+    (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp, v, reshard,
+    dtype); impossible ones raise ConfigError. Precision is searched like the rest; `dtype` pins param_dtype.
+    Returns the top `top_k`, each family's best plan, why other families were rejected, and when nothing
+    fits, suggestions. `progress(meshes_done, meshes_total, plans_estimated)` is called once per mesh.
+    `families=False` skips each family's best (sizing needs only the top k: the bound prunes far more).
+    `steps`, the run's length when known, ranks by (step time x steps + one-off seconds) / steps.
+    `memory_correction(plan, estimate)` returns the bytes per rank a plan is judged by instead of the
+    estimate's (never less), measured at run time (`dtorch.monitor.oom.Replan` after an OOM)."""
     t0 = time.perf_counter()
     profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
     notes: list[str] = []
@@ -379,13 +368,7 @@ def search(
     for m in meshes:
         m.bound = _bound(m, 0, profile, bgroup, global_batch, precs, constants)
     meshes.sort(key=lambda m: m.bound)
-<<<<<<< HEAD
-    book = _Book(lambda plan: estimate(plan, profile, cluster, constants=constants), top_k, executable_only,
-                 families, _ranking_time(cluster, steps))
-=======
-    book = _Book(lambda plan: _corrected(plan, estimate(plan, profile, cluster, constants=constants),
-                                         memory_correction), top_k, executable_only, families)
->>>>>>> watch
+    book = _new_book(profile, cluster, constants, memory_correction, top_k, executable_only, families, steps)
     lean_dtype = min((p for p, _ in precs), key=lambda d: DTYPE_BYTES[d])
     for i, mesh in enumerate(meshes):
         if progress is not None:
@@ -466,6 +449,16 @@ def _inputs(profile: ModelProfile, cluster: Cluster, global_batch: int, seq_len:
         fixed = {**fixed, **normalize_fixed({"param_dtype": dtype})}
     _check_fixed(fixed, profile, cluster, global_batch)
     return profile, fixed
+
+
+def _new_book(profile: ModelProfile, cluster: Cluster, constants: CostConstants,
+              memory_correction: Callable[[Plan, Estimate], int] | None, top_k: int, executable_only: bool,
+              families: bool, steps: int | None) -> _Book:
+    """The search's book, scoring each plan by its (memory-corrected) estimate and ranking time."""
+    def score(plan: Plan) -> Estimate:
+        return _corrected(plan, estimate(plan, profile, cluster, constants=constants), memory_correction)
+
+    return _Book(score, top_k, executable_only, families, _ranking_time(cluster, steps))
 
 
 def _ranking_time(cluster: Cluster, steps: int | None) -> Callable[[Plan, Estimate], float]:
