@@ -187,7 +187,7 @@ class CostConstants:
 
 # Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
 # fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
-# H100 SXM 0.7148, H100 96GB/500 W 0.6173 over its power-capped peak), so that `dtorch probe` measurements replace them.
+# H100 SXM 0.7148, H100 96GB/500 W 0.6438 over its power-capped peak), so that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=GEMM_WIDTH_HALF,  # the device-shape constants live below the planner (dtorch.cluster.shape),
     gemm_rows_half=GEMM_ROWS_HALF,  # where the probe and the CPU capability timing read them too

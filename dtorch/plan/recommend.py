@@ -253,7 +253,7 @@ def recommend(
         W = cl.world_size
         rec.searches += 1
         try:
-            r = search(profile, cl, global_batch=seqs_max, top_k=1, dtype=dtype, suggest=False)
+            r = search(profile, cl, global_batch=seqs_max, top_k=1, dtype=dtype, suggest=False, families=False)
         except ConfigError as e:
             if global_batch is None:
                 note = (f"batch-bound: {seqs_max * seq:,} tokens per step cannot occupy {W} GPUs; "
