@@ -6,7 +6,9 @@ each value the planner allows (`--fix ep=2`, `--fix ep=4`), so that `parallelize
 honour `plan.ep`. Each runs one forward/backward through `parallelize()` in one group of 4 gloo
 processes; the loss must be finite and within 2% of the float32 single-process loss (bfloat16
 rounding). Then, through the same `parallelize()` path in float32, 5 AdamW steps of EP (ep=2, ep=4,
-ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks give per-step losses within 1e-5 relative, and
+ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks, and EP x TP
+(dp_shard=2 x tp=2, ep=2) on moe-tiny and deepseek-tiny (its latent attention split by heads), give
+per-step losses within 1e-5 relative, and
 gradient norms (`clip_grad_norm_` over the EP-sharded DTensors) within 1e-4, of one process on the
 global batch. About 45 s wall on the shared 2-core machine (one group of 4 processes for all cases).
 """
@@ -54,13 +56,18 @@ EXACT = {
     "fsdp4_ep2_ac_full": dict(dp_shard=4, ep=2, ac="full", microbatch_size=2),
     # gradient accumulation: the balance loss's gradient is divided by m like the LM loss's
     "fsdp4_ep2_2mb": dict(dp_shard=4, ep=2, microbatch_size=1, num_microbatches=2),
+    # EP x TP: experts split over ep=2 data-parallel ranks and their hidden units over tp=2, the
+    # rest FSDP over dp=2 x TP (dtorch.parallel.expert, "expert-tensor parallelism")
+    "fsdp2_tp2_ep2": dict(dp_shard=2, tp=2, ep=2, microbatch_size=4),
+    "fsdp2_tp2_ep2_deepseek": dict(model="deepseek-tiny", dp_shard=2, tp=2, ep=2, microbatch_size=4),
+    "fsdp2_tp2_deepseek": dict(model="deepseek-tiny", dp_shard=2, tp=2, microbatch_size=4),
 }
 
 
 def _worker(case: tuple[str, dict], rank: int) -> dict:
     kind, fields = case
     if kind == "exact":
-        return _training.parallel({"model": MODEL, **fields}, rank)
+        return _training.parallel({"model": MODEL} | fields, rank)
     return _one_step(fields)
 
 
@@ -87,8 +94,8 @@ def results() -> list:
 
 
 @cache
-def _reference() -> dict:
-    return _training.single_process(GLOBAL_BATCH, MODEL)
+def _reference(model: str = MODEL) -> dict:
+    return _training.single_process(GLOBAL_BATCH, model)
 
 
 def _reference_first_loss() -> float:
@@ -112,7 +119,7 @@ def test_moe_planner_plan_runs_one_training_step(results: list, index: int) -> N
 
 @pytest.mark.parametrize("name", list(EXACT))
 def test_expert_parallel_plans_match_one_process_in_float32(results: list, name: str) -> None:
-    ref = _reference()
+    ref = _reference(EXACT[name].get("model", MODEL))
     for r, res in enumerate(results[len(PLANS) + list(EXACT).index(name)]):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
         assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5)

@@ -119,10 +119,17 @@ class Expert(Strategy):
     def limits(self, plan: Any) -> Iterator[Limit]:
         if plan.ep == 1:
             return
-        if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.dp_replicate > 1:
-            yield Limit("expert parallelism is wired into parallelize() only with FSDP over all ranks "
-                        "(no tp, pp, cp or dp_replicate)", "ep", plan.ep,
-                        "use ep=1, or dp_shard = the world size with tp=pp=cp=dp_replicate=1")
+        if plan.pp > 1:
+            yield Limit("expert parallelism with pipeline parallelism is not wired into parallelize(): the stages' "
+                        "ep groups, the schedule's per-micro-batch all-to-alls and the balance loss of each stage "
+                        "are not built or checked", "ep", plan.ep, "use pp=1 (FSDP x EP x TP), or ep=1 with pp")
+        elif plan.cp > 1 or plan.dp_replicate > 1:
+            yield Limit("expert parallelism is wired into parallelize() only with FSDP over all data-parallel ranks "
+                        "(no cp or dp_replicate)", "ep", plan.ep,
+                        "use ep=1, or dp_shard = world size / tp with cp=dp_replicate=1")
+        elif plan.tp > 1 and plan.sp:
+            yield Limit("expert parallelism with sequence parallelism is not implemented (the MoE blocks would "
+                        "route sequence shards)", "sp", plan.sp, "use sp=false with ep and tp")
         elif plan.offload == "params":
             yield Limit("expert parallelism with FSDP parameter offload is not implemented", "ep", plan.ep,
                         "use ep=1 or offload=none")
