@@ -221,9 +221,7 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
         return [fixed[axis]] if axis in fixed else candidates
 
     out = []
-    # the executor has no tensor-parallel roles for routed experts and the router (parallelize refuses
-    # tp > 1 on a MoE model): MoE meshes get tp=1 unless tp is fixed (then the search says it cannot run)
-    tps = [1] if profile.num_experts else valid_tp(profile, cluster)
+    tps = valid_tp(profile, cluster)
     for tp in pick("tp", tps):
         if W % tp:
             continue
@@ -388,9 +386,9 @@ def _variants(book: _Book, fixed: dict[str, Any], cluster: Cluster, notes: list[
 
 def _forced(fixed: dict[str, Any], profile: ModelProfile) -> str | None:
     """Why this executor cannot run what the fixed fields ask for, or None."""
-    if profile.num_experts and fixed.get("tp", 1) > 1:
-        return (f"tensor parallelism of a mixture of experts (tp={fixed['tp']}: the router and the routed experts "
-                "have no tensor-parallel roles); use ep instead")
+    if profile.num_experts and fixed.get("tp", 1) > 1 and fixed.get("sp", False):
+        return ("sequence parallelism of a mixture of experts (the MoE blocks would route sequence shards) is not "
+                "implemented; use sp=false with tp")
     return unsupported(Plan(**{k: v for k, v in fixed.items() if k in ("ep", "dp_replicate", "cp", "tp", "pp", "sp",
                                                                        "schedule", "ac", "virtual_stages",
                                                                        "param_dtype", *DECLARED_NAMES)}))
@@ -545,7 +543,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
                                                               eps):
                     base = Plan(
                         ep=ep, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
-                        tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs,
+                        tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1, microbatch_size=mbs,
                         num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
                         param_dtype=pdt, reduce_dtype=rdt, layer_partition=part, seq_len=profile.seq_len,
                         global_batch=global_batch, **pin,
@@ -565,7 +563,7 @@ def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dic
         return None
     return Plan(
         ep=ep, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
-        sp=fixed.get("sp", mesh.tp > 1) and mesh.tp > 1, microbatch_size=mbs, num_microbatches=nmb,
+        sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1, microbatch_size=mbs, num_microbatches=nmb,
         schedule=sched[0][0], virtual_stages=sched[0][1], offload=offload,
         ac=fixed.get("ac", "full"),
         reshard_after_forward=fixed.get("reshard_after_forward", True) if mesh.dp_shard > 1 else False,

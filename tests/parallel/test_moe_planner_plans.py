@@ -85,7 +85,9 @@ def _one_step(fields: dict) -> dict:
     rows = slice(pm.dp_rank * local, (pm.dp_rank + 1) * local)
     experts = [m for part in pm.model_parts for m in part.modules() if hasattr(type(m), "dispatcher")]
     return {"loss": float(pm.forward_backward(x[rows], y[rows])),
-            "ep_dispatch": any(m.dispatcher is not None for m in experts)}
+            "ep_dispatch": max([m.dispatcher.keywords["ep"] for m in experts if m.dispatcher is not None] or [1]),
+            "tp_experts": any(m.dispatcher is not None and m.dispatcher.keywords["tp_group"] is not None
+                              for m in experts)}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +114,8 @@ def test_moe_planner_plan_runs_one_training_step(results: list, index: int) -> N
     fields = PLANS[index]
     for r, res in enumerate(results[index]):
         assert "error" not in res, f"rank {r} {fields}:\n{res['error']}"
-        assert res["ep_dispatch"] == (fields["ep"] > 1)  # plan.ep honoured: the all-to-all dispatcher
+        assert res["ep_dispatch"] == fields["ep"]  # plan.ep honoured: the all-to-all dispatcher over ep ranks
+        assert res["tp_experts"] == (fields["tp"] > 1)  # and plan.tp: the experts' hidden units split
         assert math.isfinite(res["loss"])
         assert res["loss"] == pytest.approx(_reference_first_loss(), rel=2e-2)
 

@@ -7,8 +7,11 @@ Executor half: `dtorch.parallel.expert` (applied by `dtorch.parallel.parallelize
 Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replicate*dp_shard*cp
 (what `expert_mesh` requires). `ep` is not a mesh axis of its own: the world is unchanged.
 
-Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the world's ranks
-(dp_shard = world: no TP, PP, CP, DDP/HSDP replicas, parameter offload, selective AC or compile).
+Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the data-parallel ranks
+(dp_shard = world / tp), optionally with TP (sp=false: the routed experts' hidden units split over
+tp, expert-tensor parallelism); no PP, CP, DDP/HSDP replicas, parameter offload, selective AC or
+compile. With TP each MoE block all-reduces its routed output (top_k rows per token) over tp
+forward and the input gradient backward, priced here on top of the TP strategy's collectives.
 
 Time, per MoE block per micro-batch on the rank with the most traffic: the count exchange (latency)
 plus dispatch and combine all-to-alls forward, the same two in backward (autograd's reverse
@@ -177,6 +180,13 @@ class Expert(Strategy):
         n_a2a = 4 + (2 if plan.ac == "full" else 0)  # dispatch + combine, forward and backward (+ recompute)
         n_counts = 1 + (1 if plan.ac == "full" else 0)
         r.ep = moe_blocks * (n_a2a * step.ep_a2a + n_counts * step.ep_counts)
+        if plan.tp > 1 and getattr(step, "tp_act", 0.0):
+            # expert-tensor parallelism (dtorch.parallel.expert): the routed output, one row per
+            # assignment, is all-reduced over tp forward and its input gradient backward (+ recompute);
+            # without shared experts that replaces the dense MLP's all-reduce the TP strategy counts
+            rows = prof.experts_per_token - (0 if prof.num_shared_experts else 1)
+            n_ar = 2 + (1 if plan.ac == "full" else 0)
+            r.ep += moe_blocks * n_ar * 2.0 * step.tp_act * rows * step.c.tp_exposed
         if self.load_imbalance > 1.0:  # the hottest rank's routed experts compute more than the mean
             routed = 6.0 * prof.experts_per_token * prof.params_per_expert * (1 + (plan.ac == "full") / 3.0)
             r.ep += (self.load_imbalance - 1.0) * step.tokens_mb / plan.cp * moe_blocks * routed / step.speed
