@@ -221,7 +221,9 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
         return [fixed[axis]] if axis in fixed else candidates
 
     out = []
-    tps = valid_tp(profile, cluster)
+    # MoE meshes search tp=1 unless tp is fixed (`--fix tp=2` runs: expert-tensor parallelism): with tp
+    # free the DeepSeek-V3 search on 256 GPUs grows from ~500 to ~20,000 plans (4 s against 0.05 s)
+    tps = [1] if profile.num_experts else valid_tp(profile, cluster)
     for tp in pick("tp", tps):
         if W % tp:
             continue

@@ -2,7 +2,7 @@
 
 The plans are `dtorch.plan.search.search`'s for `moe-tiny` on `cpu:1x4` (the ranked top plans and
 the best plan of every family, expert parallelism among them), plus the best plan with ep fixed to
-each value the planner allows (`--fix ep=2`, `--fix ep=4`), so that `parallelize()` is seen to
+each value the planner allows (`--fix ep=2`, `--fix ep=4`) and the plans of `--fix tp=2`, so that `parallelize()` is seen to
 honour `plan.ep`. Each runs one forward/backward through `parallelize()` in one group of 4 gloo
 processes; the loss must be finite and within 2% of the float32 single-process loss (bfloat16
 rounding). Then, through the same `parallelize()` path in float32, 5 AdamW steps of EP (ep=2, ep=4,
@@ -41,6 +41,8 @@ def _planner_plans() -> dict[str, dict]:
     results = [search(prof, cluster, global_batch=GLOBAL_BATCH, seq_len=_training.SEQ)]
     results += [search(prof, cluster, global_batch=GLOBAL_BATCH, seq_len=_training.SEQ, fixed={"ep": ep}, top_k=1)
                 for ep in (2, 4)]
+    # tensor parallelism of a MoE is searched when tp is fixed (expert-tensor parallelism)
+    results += [search(prof, cluster, global_batch=GLOBAL_BATCH, seq_len=_training.SEQ, fixed={"tp": 2})]
     for res in results:
         for plan, _ in [*res.ranked, *res.best_by_family.values()]:
             d = {k: v for k, v in plan.to_dict().items() if k not in ("predicted", "version")}

@@ -36,12 +36,16 @@ def test_ep_must_divide_the_data_parallel_ranks_and_the_experts():
 def test_limits_mirror_the_executor_wiring():
     assert unsupported(Plan(dp_shard=4, ep=2)) is None
     assert unsupported(Plan(dp_shard=4, ep=2, ac="full")) is None
-    for plan in (Plan(dp_shard=2, tp=2, ep=2), Plan(pp=2, dp_shard=2, ep=2), Plan(dp_shard=2, cp=2, ep=2),
+    assert unsupported(Plan(dp_shard=2, tp=2, ep=2)) is None  # EP x TP (expert-tensor parallelism)
+    for plan in (Plan(pp=2, dp_shard=2, ep=2), Plan(dp_shard=2, cp=2, ep=2),
                  Plan(dp_replicate=4, ep=2), Plan(dp_shard=4, ep=2, ac="selective"),
                  Plan(dp_shard=4, ep=2, offload="params")):
         with pytest.raises(ConfigError) as e:
             check_executable(plan)
         assert e.value.field == "ep"
+    with pytest.raises(ConfigError) as e:  # MoE blocks do not route sequence shards
+        check_executable(Plan(dp_shard=2, tp=2, ep=2, sp=True))
+    assert e.value.field == "sp"
 
 
 def test_fix_ep():
@@ -119,4 +123,4 @@ def test_deepseek_v3_on_256_h100s_gets_a_fitting_expert_parallel_plan():
     assert res.ranked
     plan, est = res.best
     assert est.fits and plan.ep > 1 and unsupported(plan) is None
-    assert all(p.tp == 1 for p, _ in res.ranked)  # no TP roles for routers/experts in the executor
+    assert not any(p.sp for p, _ in res.ranked)  # TP of a MoE runs without sequence parallelism
