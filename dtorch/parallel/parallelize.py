@@ -11,7 +11,7 @@ seed path of other modules.
 from __future__ import annotations
 
 import copy
-import warnings
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -84,11 +84,6 @@ def parallelize(
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     check_cp(plan, model)
-    speed = getattr(getattr(model, "config", None), "bias_update_speed", 0)
-    if speed > 0:  # a setting nobody applies must not pass silently (docs/moe.md, "Not done yet")
-        warnings.warn(f"bias_update_speed={speed}: the trainer does not run the auxiliary-loss-free expert bias "
-                      "update yet, so that balancing is off; call model.update_expert_bias() after each optimizer "
-                      "step, or use bias_update_speed=0 to silence this", stacklevel=2)
     if plan.tp > 1:
         check_roles(model, plan.sp)
         if plan.sp and any(hasattr(type(m), "dispatcher") for m in model.modules()):
@@ -138,6 +133,14 @@ def parallelize(
             apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
         elif plan.dp_replicate > 1 and not classic_ddp(plan):
             apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
+    if mesh is not None and hasattr(type(model), "load_all_reduce"):
+        # the expert loads of the bias update: summed over the ranks that route different tokens
+        # (data and context parallel, per pipeline stage; EP installed its own over the same ranks)
+        axes = tuple(a for a in ("dp_replicate", "dp_shard", "cp") if a in (mesh.mesh_dim_names or ()))
+        if axes and emesh is None:
+            group = (mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten("moe_load")).get_group()
+            for _, part in parts:
+                part.load_all_reduce = partial(dist.all_reduce, group=group)
     init_device = torch.device("cpu") if plan.offload == "params" else device
     startup_stats = materialize([m for _, m in parts], startup, init_device)
     if classic_ddp(plan):
