@@ -216,6 +216,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config.n_experts, config.dim, config.expert_hidden)
         self.shared_expert = (SwiGLU(config.dim, config.n_shared_experts * config.expert_hidden)
                               if config.n_shared_experts else None)
+        self.shared_expert_gate = (nn.Linear(config.dim, 1, bias=False)
+                                   if config.n_shared_experts and config.shared_expert_gate else None)
         # Persistent: the auxiliary-loss-free bias is training state (checkpointed).
         self.register_buffer("expert_bias", torch.zeros(config.n_experts), persistent=True)
         # int64: exact counts, and left alone by model.to(bfloat16)
@@ -262,7 +264,10 @@ class MoE(nn.Module):
         # (under autocast the experts' matmuls return bfloat16: sum into the residual stream's dtype)
         out = torch.zeros_like(xt).index_add_(0, token, y.to(xt.dtype))
         if self.shared_expert is not None:
-            out = out + self.shared_expert(xt)
+            shared = self.shared_expert(xt)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(xt)) * shared
+            out = out + shared
         out = out.view(b, s, h)
         if self.training and c.bias_update_speed > 0:
             with torch.no_grad():

@@ -41,7 +41,7 @@ ROLE_BY_NAME = {
     "w1": "colwise", "w3": "colwise", "w2": "rowwise",
     # mixtures of experts (dtorch.models.moe): the router is small and must see whole tokens; the
     # routed experts are not Linear layers and are split by dtorch.parallel.expert instead
-    "router": "replicate",
+    "router": "replicate", "shared_expert_gate": "replicate",
     # DeepSeek's latent attention: the low-rank down-projections stay whole (their output is the
     # shared latent every head reads), the up-projections split by heads
     "wq_a": "replicate", "wkv_a": "replicate", "wq_b": "colwise", "wkv_b": "colwise",
