@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+sys.path.insert(0, str(Path(__file__).parent))
 from _harness import run_group  # noqa: E402
 
 from dtorch.checkpoint.hf_weights import HFWeights, load_model_config  # noqa: E402
@@ -118,25 +119,11 @@ def test_unsupported_moe_setting_is_refused(dirs: dict[str, Path], tmp_path: Pat
         load_model_config(d)
 
 
-def _ep_worker(directory: str, rank: int) -> dict:
-    from dtorch.models import build_from_config
-    from dtorch.parallel import parallelize
-    from dtorch.plan.plan import Plan
-    from dtorch.train.losses import next_token
-
-    _, cfg = load_model_config(directory)
-    weights = HFWeights(directory)
-    pm = parallelize(lambda: build_from_config(cfg), Plan(dp_shard=2, ep=2), loss_fn=next_token, seq_len=SEQ,
-                     weights=weights)
-    (model,) = pm.model_parts
-    with torch.no_grad():
-        logits = model.eval()(_tokens())
-    return {"logits": logits.tolist(), "bytes_read": weights.bytes_read}
-
-
 def test_expert_parallel_ranks_load_their_experts_with_the_same_logits(dirs: dict[str, Path]) -> None:
     d = dirs["mixtral"]
-    (per_rank,) = run_group(2, [str(d)], _ep_worker)
+    from _moe_load import ep_worker  # a module without transformers: the spawned ranks import it fast
+
+    (per_rank,) = run_group(2, [str(d)], ep_worker)
     ref = _hf_logits(d)
     from dtorch.checkpoint.hf_weights import tensor_shapes
 
