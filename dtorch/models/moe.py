@@ -48,11 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtorch.errors import ConfigError
 from dtorch.models import init
 from dtorch.models.configs import MoEConfig
 from dtorch.models.llama import Attention as _LlamaAttention
-from dtorch.models.llama import apply_rope, rope_tables
+from dtorch.models.llama import apply_rope, decoder_forward, rope_tables
 
 __all__ = ["MoE", "MoEConfig", "MoETransformer", "GroupedExperts"]
 
@@ -363,7 +362,9 @@ class MoETransformer(nn.Module):
         seed = 0 if seed is None else seed
         std, resid_std = 0.02, 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("bias"):  # q/k/v biases (qkv_bias), as Llama
+                init.constant_(param, 0.0)
+            elif name.endswith("norm.weight"):
                 init.constant_(param, 1.0)
             elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 init.normal_(param, resid_std, seed, name)
@@ -392,17 +393,4 @@ class MoETransformer(nn.Module):
             m.update_bias()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        s = h.shape[1]
-        pos, seq_len = (None, s) if self.token_positions is None else self.token_positions(s, h.device)
-        if seq_len > self.config.max_seq_len:
-            raise ConfigError("seq_len", seq_len, f"at most max_seq_len={self.config.max_seq_len}; build the "
-                              "model with a larger max_seq_len (spec key seq=)")
-        if pos is None:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        else:
-            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return decoder_forward(self, tokens)

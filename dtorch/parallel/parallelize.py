@@ -11,8 +11,8 @@ seed path of other modules.
 from __future__ import annotations
 
 import copy
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
