@@ -540,7 +540,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
                 lean = _leanest(mesh, local, offload, mbs, L, fixed, lean_dtype, profile, global_batch, max(eps))
                 if lean is None or not book.consider(lean).fits:
                     continue  # activations grow with the micro-batch: try a smaller one
-            for sched, v in PIPELINE.schedules(mesh.pp, nmb, L, fixed):
+            for sched, v in _schedules(mesh.pp, nmb, L, fixed, profile):
                 for (pdt, rdt), part, ep in itertools.product(precs, PIPELINE.partitions(mesh.pp, v, L, head_blocks),
                                                               eps):
                     base = Plan(
@@ -555,12 +555,19 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
             return  # offloading is only worth it where nothing else fits on this mesh
 
 
+def _schedules(pp: int, nmb: int, L: int, fixed: dict[str, Any], profile: ModelProfile) -> list[tuple[str, int]]:
+    """The pipeline strategy's schedules, less zero-bubble for a MoE model (parallelize refuses it:
+    its split weight-gradient pass loses part of a MoE block's gradients in torch 2.13)."""
+    out = PIPELINE.schedules(pp, nmb, L, fixed)
+    return [(s, v) for s, v in out if not (profile.num_experts and s == "zero_bubble")]
+
+
 def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dict[str, Any], param_dtype: str,
              profile: ModelProfile, global_batch: int, ep: int = 1) -> Plan | None:
     """The plan of this mesh, offload level and micro-batch size that needs the least memory: full
     checkpointing (unless ac is fixed), resharding, the schedule with the fewest micro-batches in flight."""
     nmb = local // mbs
-    sched = PIPELINE.schedules(mesh.pp, nmb, L, fixed)
+    sched = _schedules(mesh.pp, nmb, L, fixed, profile)
     if not sched:
         return None
     return Plan(

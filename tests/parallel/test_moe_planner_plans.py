@@ -7,7 +7,8 @@ honour `plan.ep`. Each runs one forward/backward through `parallelize()` in one 
 processes; the loss must be finite and within 2% of the float32 single-process loss (bfloat16
 rounding). Then, through the same `parallelize()` path in float32, 5 AdamW steps of EP (ep=2, ep=4,
 ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks, and EP x TP
-(dp_shard=2 x tp=2, ep=2) on moe-tiny and deepseek-tiny (its latent attention split by heads), give
+(dp_shard=2 x tp=2, ep=2) on moe-tiny and deepseek-tiny (its latent attention split by heads), and
+EP x PP (pp=2 x dp_shard=2, ep=2, 1F1B), give
 per-step losses within 1e-5 relative, and
 gradient norms (`clip_grad_norm_` over the EP-sharded DTensors) within 1e-4, of one process on the
 global batch. About 45 s wall on the shared 2-core machine (one group of 4 processes for all cases).
@@ -63,6 +64,8 @@ EXACT = {
     "fsdp2_tp2_ep2": dict(dp_shard=2, tp=2, ep=2, microbatch_size=4),
     "fsdp2_tp2_ep2_deepseek": dict(model="deepseek-tiny", dp_shard=2, tp=2, ep=2, microbatch_size=4),
     "fsdp2_tp2_deepseek": dict(model="deepseek-tiny", dp_shard=2, tp=2, microbatch_size=4),
+    # EP x PP: each pipeline stage's experts over its own 2 data-parallel ranks
+    "pp2_fsdp2_ep2_1f1b": dict(pp=2, dp_shard=2, ep=2, microbatch_size=2, num_microbatches=2, schedule="1f1b"),
 }
 
 

@@ -8,8 +8,9 @@ Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replic
 (what `expert_mesh` requires). `ep` is not a mesh axis of its own: the world is unchanged.
 
 Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the data-parallel ranks
-(dp_shard = world / tp), optionally with TP (sp=false: the routed experts' hidden units split over
-tp, expert-tensor parallelism); no PP, CP, DDP/HSDP replicas, parameter offload, selective AC or
+(dp_shard = world / (pp*tp)), optionally with TP (sp=false: the routed experts' hidden units split
+over tp, expert-tensor parallelism) and PP (each stage's ep groups are its own data-parallel ranks;
+zero-bubble is refused for MoE models by parallelize and skipped by the search); no CP, DDP/HSDP replicas, parameter offload, selective AC or
 compile. With TP each MoE block all-reduces its routed output (top_k rows per token) over tp
 forward and the input gradient backward, priced here on top of the TP strategy's collectives.
 
@@ -62,7 +63,7 @@ def expert_params_per_block(profile: Any) -> float:
 
 def mean_block_params(profile: Any) -> float:
     """Parameters of an average block: a MoE model's dense first blocks are smaller (the even
-    pipeline split the executor runs with ep > 1 is pp = 1, so the mean is exact there)."""
+    mean is exact without PP; a pipeline stage holding the dense blocks is approximated by it)."""
     if not profile.num_dense_layers:
         return float(profile.params_per_block)
     L, d = profile.num_layers, profile.num_dense_layers
@@ -174,11 +175,7 @@ class Expert(Strategy):
     def limits(self, plan: Any) -> Iterator[Limit]:
         if plan.ep == 1:
             return
-        if plan.pp > 1:
-            yield Limit("expert parallelism with pipeline parallelism is not wired into parallelize(): the stages' "
-                        "ep groups, the schedule's per-micro-batch all-to-alls and the balance loss of each stage "
-                        "are not built or checked", "ep", plan.ep, "use pp=1 (FSDP x EP x TP), or ep=1 with pp")
-        elif plan.cp > 1 or plan.dp_replicate > 1:
+        if plan.cp > 1 or plan.dp_replicate > 1:
             yield Limit("expert parallelism is wired into parallelize() only with FSDP over all data-parallel ranks "
                         "(no cp or dp_replicate)", "ep", plan.ep,
                         "use ep=1, or dp_shard = world size / tp with cp=dp_replicate=1")
