@@ -19,8 +19,8 @@
    zero-bubble as the nearest schedule to DualPipe, batch 15360): on H100 and on H800 (NVLink 400
    GB/s), with this executor's dispatch and with DeepSeek's (`DEEPSEEK_V3_DISPATCH`: all-to-all
    overlapped with compute at the price of 20 of 132 SMs, node-limited routing over at most 4 nodes
-   deduplicated on the NIC, FP8 dispatch). What-if estimates: this executor runs neither EP with PP
-   nor float8 nor that dispatch, so the search never offers them.
+   deduplicated on the NIC, FP8 dispatch). What-if estimates: this executor runs neither float8
+   nor that dispatch (EP with PP it does), so the search never offers them.
 
 Nothing is fitted to the published row: the constants are the shipped ones.
 """
@@ -102,8 +102,8 @@ def _markdown(r: dict) -> str:
         lines.append(f"| what-if, DeepSeek's layout on 2048 GPUs, {w['what']}: `{w['plan']}` | "
                      f"{w['tokens_per_s_per_gpu']:,.0f} | {w['error']:+.0%} | {w['ep_all_to_all_s']:.2f} | {w['fits']} |")
     lines += ["", "Nothing was fitted to the published row (shipped constants; the dispatch settings of the last row are "
-              "DeepSeek's own, from its report, sec. 3.2-3.3). The what-if rows are not plans this executor runs (EP "
-              "with PP, float8, DeepSeek's dispatch kernels) and do not fit in the model's memory estimate (DeepSeek's "
+              "DeepSeek's own, from its report, sec. 3.2-3.3). The what-if rows are not plans this executor runs "
+              "(float8, DeepSeek's dispatch kernels) and do not fit in the model's memory estimate (DeepSeek's "
               "memory savings: FP8 activation caching, recomputing norms and MLA up-projections, EMA on CPU, are not "
               "modelled). The planner's own choice is a prediction of this DTorch executor (no overlap of the "
               "all-to-all, bf16, FSDP instead of PP), a slower system than DeepSeek's, not of the published one."]
