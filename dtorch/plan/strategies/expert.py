@@ -273,12 +273,13 @@ def routing_traffic(plan: Any, profile: Any, devices_per_node: int) -> str | Non
     act_b = 4 if plan.param_dtype == "float32" else (1 if plan.param_dtype == "float8" else 2)
     tokens = plan.microbatch_size * profile.seq_len / plan.cp
     nbytes = tokens * profile.experts_per_token * profile.hidden * act_b * (plan.ep - 1) / plan.ep
-    blocks = profile.num_layers - profile.num_dense_layers
+    blocks = (profile.num_layers - profile.num_dense_layers) / plan.pp  # a pipeline rank routes its stage's
     stride = plan.tp
     k = 1 if stride >= devices_per_node else min(plan.ep, devices_per_node // stride)
     where = "inside one node (NVLink)" if k >= plan.ep else \
         f"over {-(-plan.ep // k)} nodes ({(plan.ep - k) / plan.ep:.0%} of it through the NICs)"
     per_step = nbytes * 4 * blocks * plan.num_microbatches
+    stage = " per pipeline stage" if plan.pp > 1 else ""
     return (f"routing: ep={plan.ep} all-to-all {where}; {nbytes / 2**20:,.1f} MiB per rank per MoE block per "
             f"micro-batch each way (dispatch, combine, x2 in backward: {per_step / 2**30:,.1f} GiB per rank per step "
-            f"over {blocks} MoE blocks, load imbalance {EXPERT.load_imbalance:g})")
+            f"over {blocks:.3g} MoE blocks{stage}, load imbalance {EXPERT.load_imbalance:g})")
