@@ -4,7 +4,7 @@
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
                                               # d planner, e checkpoint, f recovery, g mainjob, h compile,
-                                              # i offload, j failure_cost)
+                                              # i offload, j failure_cost, k hetero_plan)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
 Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
@@ -29,10 +29,10 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "failure_cost", "mainjob",
-         "compile", "offload")
+         "compile", "offload", "hetero_plan")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
-           "g": "mainjob", "h": "compile", "i": "offload", "j": "failure_cost"}
-OWN_FILES = ("planner", "checkpoint")
+           "g": "mainjob", "h": "compile", "i": "offload", "j": "failure_cost", "k": "hetero_plan"}
+OWN_FILES = ("planner", "checkpoint", "hetero_plan")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
 TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0, "recovery_s": 1.5,
            "steps_redone": 1, "stall_pct": 2.0}
@@ -154,6 +154,13 @@ def section_offload(quick: bool) -> dict:
     from benchmarks import bench_offload
 
     return bench_offload.run(quick=quick, log=log)
+
+
+def section_hetero_plan(quick: bool) -> dict:
+    """Mixed presets planned (issue 14): fits per group, throughput against uniform and fastest-only."""
+    from benchmarks import bench_hetero_plan
+
+    return bench_hetero_plan.run(log=log)
 
 
 SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}

@@ -671,15 +671,13 @@ class CheckpointManager:
         )
 
     def _snapshot_step(self) -> int | None:
-        """Collective: the newest step of which every rank holds an in-memory snapshot for this
-        world size (DTORCH_SNAPSHOT_DIR, set by `dtorch run`), or None."""
+        """Collective: the newest step of which every rank's in-memory snapshot for this world
+        size is held by some node (DTORCH_SNAPSHOT_DIR, set by `dtorch run`), or None."""
         d = os.environ.get("DTORCH_SNAPSHOT_DIR") if self.defer_to_snapshots else None
-        from dtorch.checkpoint.snapshot import available
+        from dtorch.checkpoint.snapshot import common_steps, inventory
 
-        steps = set(available(d, self.rank, self.world_size)) if d else set()
-        for theirs in self._all_gather(sorted(steps)):
-            steps &= set(theirs)
-        return max(steps, default=None)
+        # a rank's snapshot may be held by its own node or, replicated, by its peer node
+        return max(common_steps(self._all_gather(inventory(d, self.world_size)), self.world_size), default=None)
 
     def load(self, step_or_path: int | str | os.PathLike, state: dict[str, Any]) -> int:
         """Restore one given checkpoint (verified first, no fallback); returns its step."""

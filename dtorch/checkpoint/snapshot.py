@@ -36,12 +36,24 @@ optimizer, schedule, RNG streams, step), so the continuation is bit-identical. A
 another world size or plan is never restored: the durable checkpoint (which reshards) is.
 
 Buffers are reserved with `posix_fallocate`, so a full /dev/shm turns snapshots off (with a
-warning) instead of crashing. A lost node loses its snapshots (no copy to a peer node yet).
+warning) instead of crashing.
+
+A lost node loses its own snapshots, so on more than one node each is also replicated to a peer
+node (`peer_ranks`: rank r's goes to the same local rank on the next node, wrapping). A third
+thread sends it there after its copy, over a gloo group of its own (`group`; the training
+thread's collectives never interleave with it), as its header plus one flat byte buffer; the
+peer keeps it as `peer<r>-slot<S>.bin` with its header written last. The next take joins that
+round first, so the replica is at most one take behind the rank's own snapshot: a lost node
+costs at most one step more than a lost worker, and nothing when the round finished. Every rank
+runs one round per take (an empty one for a dropped take), so rounds pair up. `restore` finds,
+for each rank, the node that holds its newest step (its own, else its peer's replica) and the
+holder sends it over the group.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import operator
 import os
@@ -61,17 +73,65 @@ log = logging.getLogger("dtorch.checkpoint")
 _SLOTS = 2
 
 
-def available(directory: str | os.PathLike, rank: int, world_size: int) -> dict[int, dict[str, Any]]:
-    """Complete snapshots of `rank` in `directory` for `world_size`: step -> header."""
-    out = {}
-    for slot in range(_SLOTS):
-        try:
-            doc = _BuiltinsOnly(io.BytesIO((Path(directory) / f"rank{rank}-slot{slot}.hdr").read_bytes())).load()
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+def _headers(directory: str | os.PathLike, kind: str, rank: int | None = None):
+    """(rank, slot, path) of every `<kind><R>-slot<S>.hdr` in `directory` (kind "rank": own
+    snapshots, "peer": replicas held for a rank on another node), of `rank` only if given."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(kind) and name.endswith(".hdr")):
             continue
-        if isinstance(doc, dict) and doc.get("world_size") == world_size and doc.get("rank") == rank:
-            out[int(doc["step"])] = doc
+        head = name[len(kind):-len(".hdr")]
+        r, sep, slot = head.partition("-slot")
+        if not (sep and r.isdigit() and slot.isdigit()) or (rank is not None and int(r) != rank):
+            continue
+        yield int(r), int(slot), Path(directory) / name
+
+
+def _read_header(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = _BuiltinsOnly(io.BytesIO(path.read_bytes())).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def available(directory: str | os.PathLike, rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    """Complete snapshots of `rank` in `directory` for `world_size`: step -> header (own
+    snapshots first; a replica received from the rank's node is used for a step it lacks)."""
+    out: dict[int, dict[str, Any]] = {}
+    for kind in ("peer", "rank"):  # own snapshots win over replicas of the same step
+        for r, _, path in _headers(directory, kind, rank):
+            doc = _read_header(path)
+            if doc is not None and doc.get("world_size") == world_size and doc.get("rank") == r:
+                out[int(doc["step"])] = {**doc, "_kind": kind}
     return out
+
+
+def inventory(directory: str | os.PathLike | None, world_size: int, tag: str | None = None) -> list[list[Any]]:
+    """[rank, step] of every complete snapshot in `directory` (this node's: its ranks' own and
+    the replicas it holds for ranks on another node) for `world_size` (and `tag` if given)."""
+    out = set()
+    if directory:
+        for kind in ("rank", "peer"):
+            for r, _, path in _headers(directory, kind):
+                doc = _read_header(path)
+                if (doc is not None and doc.get("world_size") == world_size and doc.get("rank") == r
+                        and (tag is None or doc.get("tag") == tag)):
+                    out.add((r, int(doc["step"])))
+    return sorted([r, s] for r, s in out)
+
+
+def common_steps(inventories: list[list[list[Any]]], world_size: int) -> dict[int, dict[int, list[int]]]:
+    """From every rank's `inventory`: step -> {rank: [ranks whose node holds that rank's snapshot
+    of that step]}, for the steps of which every rank's snapshot is held somewhere."""
+    held: dict[int, dict[int, list[int]]] = {}
+    for holder, inv in enumerate(inventories):
+        for r, s in inv:
+            held.setdefault(int(s), {}).setdefault(int(r), []).append(holder)
+    return {s: h for s, h in held.items() if all(r in h for r in range(world_size))}
 
 
 class _BuiltinsOnly(pickle.Unpickler):
@@ -323,13 +383,168 @@ class LiveOptimizers:
             opt.load_state_dict(sd[str(i)])
 
 
+# ---- replication: helpers ------------------------------------------------------------------------
+def peer_ranks(nodes: list[tuple[int, int]], rank: int) -> tuple[int | None, int | None]:
+    """(peer, source) of `rank` given every rank's (node rank, local rank): the peer is the same
+    local rank on the next node (in node-rank order, wrapping), which holds a replica of this
+    rank's snapshots; the source the same local rank on the previous node, whose replica this
+    rank holds. (None, None) on one node; None where that node has no such local rank."""
+    ids = sorted({n for n, _ in nodes})
+    if len(ids) < 2:
+        return None, None
+    node, local = nodes[rank]
+    i = ids.index(node)
+
+    def on(n: int) -> int | None:
+        return next((r for r, (nn, ll) in enumerate(nodes) if nn == n and ll == local), None)
+
+    return on(ids[(i + 1) % len(ids)]), on(ids[(i - 1) % len(ids)])
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _shape_dtype(ref: dict[str, Any]) -> tuple[list[int], torch.dtype]:
+    shape = [int(x) for x in ref["shape"]]
+    dtype = getattr(torch, str(ref["dtype"]), None)
+    if not isinstance(dtype, torch.dtype) or any(x < 0 for x in shape):
+        raise ValueError(f"snapshot header has a bad tensor description {ref!r}")
+    return shape, dtype
+
+
+def _mapped(path: Path, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor mapped shared on a file of its size, its pages reserved now: a shared mapping of a
+    file on a full tmpfs would SIGBUS on write; `posix_fallocate` fails cleanly instead."""
+    n = _numel(shape)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(1, n) * torch.empty((), dtype=dtype).element_size())
+    finally:
+        os.close(fd)
+    return torch.from_file(str(path), shared=True, size=max(1, n), dtype=dtype)[:n].view(shape)
+
+
+def _refs(tree: Any) -> list[dict[str, Any]]:
+    """The tensor references of a packed tree, by buffer index (the order buffers are sent in)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, dict) and "__shm__" in obj:
+            out[str(obj["__shm__"])] = obj
+        elif isinstance(obj, dict) and "__dtensor__" in obj:
+            walk(obj["__dtensor__"])
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(tree)
+    return [out[k] for k in sorted(out, key=lambda n: int(n.rsplit("-", 1)[-1].removesuffix(".bin")))]
+
+
+_ALIGN = 64
+"""Byte alignment of each tensor in a replica's flat buffer (any dtype can view it)."""
+
+
+def _layout(refs: list[dict[str, Any]]) -> tuple[list[tuple[int, int, list[int], torch.dtype]], int]:
+    """Where each tensor of `refs` lies in a flat replica buffer: (offset, bytes, shape, dtype)
+    each, and the total bytes."""
+    out, off = [], 0
+    for ref in refs:
+        shape, dtype = _shape_dtype(ref)
+        nb = _numel(shape) * dtype.itemsize
+        out.append((off, nb, shape, dtype))
+        off += -(-nb // _ALIGN) * _ALIGN
+    return out, off
+
+
+def _views(flat: torch.Tensor, layout: list[tuple[int, int, list[int], torch.dtype]]) -> list[torch.Tensor]:
+    return [flat[o:o + nb].view(dtype).view(shape) for o, nb, shape, dtype in layout]
+
+
+def _flatten(bufs: list[torch.Tensor], refs: list[dict[str, Any]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors `bufs` (described by `refs`) in one flat byte buffer (`out` reused if its size
+    fits): one message instead of one per tensor, copied in one `_foreach_copy_`."""
+    layout, total = _layout(refs)
+    if out is None or out.numel() != total:
+        out = torch.empty(total, dtype=torch.uint8)
+    pairs = [(v, b) for v, b in zip(_views(out, layout), bufs) if b.numel()]
+    if pairs:
+        with torch.no_grad():
+            torch._foreach_copy_([v for v, _ in pairs], [b for _, b in pairs])
+    return out
+
+
+def _fresh(doc: dict[str, Any], refs: list[dict[str, Any]], total: int) -> torch.Tensor:
+    """A plain buffer to receive a snapshot into (at a restore: loaded, then dropped)."""
+    return torch.empty(total, dtype=torch.uint8)
+
+
+def _send_async(dst: int, blob: bytes | None, flat: torch.Tensor | None, group: Any, error: bool = False) -> list[Any]:
+    """Post one snapshot message to `dst`: a meta tensor [header bytes, buffer bytes] (tag 0;
+    [0, 0] for none this round, [-1, 0] for "cannot"), the header (tag 1), the flat buffer of
+    every tensor (tag 2, `_flatten`)."""
+    if blob is None or flat is None:
+        return [dist.isend(torch.tensor([-1 if error else 0, 0], dtype=torch.int64), dst, group=group, tag=0)]
+    works = [dist.isend(torch.tensor([len(blob), flat.numel()], dtype=torch.int64), dst, group=group, tag=0),
+             dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, group=group, tag=1)]
+    if flat.numel():
+        works.append(dist.isend(flat, dst, group=group, tag=2))
+    return works
+
+
+def _recv(src: int, group: Any, alloc: Any) -> tuple[dict[str, Any], bytes, dict[str, torch.Tensor]] | None:
+    """Receive one snapshot message from `src` (see `_send_async`): (header, its bytes, name ->
+    tensor, views of the flat buffer `alloc(header, refs, bytes)`); None when `src` sent none."""
+    meta = torch.zeros(2, dtype=torch.int64)
+    dist.recv(meta, src, group=group, tag=0)
+    n_hdr, n_bytes = (int(x) for x in meta.tolist())
+    if n_hdr <= 0:
+        return None
+    raw_t = torch.empty(n_hdr, dtype=torch.uint8)
+    dist.recv(raw_t, src, group=group, tag=1)
+    raw = raw_t.numpy().tobytes()
+    doc = _BuiltinsOnly(io.BytesIO(raw)).load()
+    if not isinstance(doc, dict) or "tree" not in doc or "step" not in doc:
+        raise ValueError(f"rank {src} sent a malformed snapshot header")
+    refs = _refs(doc["tree"])
+    layout, total = _layout(refs)
+    if total != n_bytes:
+        raise ValueError(f"rank {src} sent {n_bytes} bytes for a snapshot of {total}")
+    flat = alloc(doc, refs, total)
+    if total:
+        dist.recv(flat, src, group=group, tag=2)
+    return doc, raw, {str(ref["__shm__"]): v for ref, v in zip(refs, _views(flat, layout))}
+
+
 class Snapshotter:
     """Shared-memory snapshots of this rank's training state in `directory` (see module doc).
     `tag` identifies the configuration (plan): snapshots of another tag are never restored."""
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = "",
-                 background: bool = True):
+                 background: bool = True, group: Any = None, peer: int | None = None, source: int | None = None):
         self.dir = Path(directory)
+        self.group, self.peer, self.source = group, peer, source
+        """Replication to a peer node (`peer_ranks`): every snapshot is also sent to rank `peer` (on
+        the next node) over `group` (a gloo group of its own, so the side thread never interleaves
+        with the training thread's collectives), and rank `source`'s snapshot is received and kept
+        here as `peer<source>-slot<S>`. None: no replication (one node)."""
+        self._repl_pool: ThreadPoolExecutor | None = None
+        self._repl_pending: list[Future | None] = [None] * _SLOTS
+        self._matched: list[tuple[Any, ...] | None] = [None] * _SLOTS
+        """Per slot, the last copy's tensors, reference dicts and buffers (`_match`)."""
+        self._peer_flat: list[torch.Tensor | None] = [None] * _SLOTS
+        self._stage: list[torch.Tensor | None] = [None] * _SLOTS
+        self.repl_off: str | None = None
+        """Why replication stopped (a peer failed or timed out), or None."""
+        self.repl_s: list[float] = []
+        """Seconds of each replication round (sent and received) on the replication thread."""
         self.rank, self.world_size, self.tag = rank, world_size, tag
         self.background = background
         """Copy on the side thread (default); False: the whole take on the caller's thread, for
@@ -362,14 +577,7 @@ class Snapshotter:
     def _allocate(self, slot: int, i: int, t: torch.Tensor) -> None:
         """Buffer `i` of `slot`, shaped like `t`: a file in the snapshot directory mapped shared."""
         name = f"rank{self.rank}-slot{slot}-{i}.bin"
-        n = t.numel()
-        # reserve the pages now: a shared mapping of a file on a full tmpfs would SIGBUS on write
-        fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, max(1, n) * t.element_size())
-        finally:
-            os.close(fd)
-        buf = torch.from_file(str(self.dir / name), shared=True, size=max(1, n), dtype=t.dtype)[:n].view(t.shape)
+        buf = _mapped(self.dir / name, list(t.shape), t.dtype)
         ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         bufs = self._bufs[slot]
         if i < len(bufs):
@@ -389,13 +597,28 @@ class Snapshotter:
     def _match(self, slot: int, src: list[torch.Tensor], refs: list[dict[str, Any]]) -> list[torch.Tensor]:
         """Side thread: the buffer of each tensor (kept between takes; a new one where the shape
         or dtype differs from last time), its reference filled in."""
-        bufs, dst = self._bufs[slot], []
-        for i, t in enumerate(src):
+        bufs = self._bufs[slot]
+        prev = self._matched[slot]
+        if prev is not None and len(prev[0]) == len(src):
+            # The same tensor and the same reference dict as this slot's last copy: a live packing
+            # reused (`_pack_live`: its owner checked that every tensor is still the one it was,
+            # `LiveModules`, `LiveOptimizers`), the same buffer. Found in C loops: a Python loop
+            # over every tensor (even reading .shape) would hold the GIL against the training
+            # thread for ~0.3 us a tensor. The others are matched one by one.
+            psrc, prefs, dst = prev
+            same = map(operator.and_, map(operator.is_, src, psrc), map(operator.is_, refs, prefs))
+            todo: Any = list(itertools.compress(range(len(src)), map(operator.not_, same)))
+            dst = list(dst)
+        else:
+            todo, dst = range(len(src)), [None] * len(src)
+        for i in todo:
+            t = src[i]
             if i >= len(bufs) or bufs[i][0].shape != t.shape or bufs[i][0].dtype != t.dtype:
                 self._allocate(slot, i, t)
             buf, ref = bufs[i]
             refs[i].update(ref)
-            dst.append(buf)
+            dst[i] = buf
+        self._matched[slot] = (src, refs, dst)
         return dst
 
     def _dtensor(self, slot: int, t: Any) -> dict[str, Any]:
@@ -465,24 +688,30 @@ class Snapshotter:
         """Snapshot `state` (name -> Stateful or tensors/plain values) as of the end of `step`.
         Returns after the first half (see the module doc); the copy runs on until `wait()`.
         Nothing in `state` may change before `wait()` returns."""
+        slot = int(step) % _SLOTS
+        if not self.disabled:
+            self.wait()
+        for other in range(_SLOTS):
+            # the last take's replica is complete before this one starts (a lost node then costs at
+            # most one step more than a lost worker), and no round still reads this slot's buffers
+            self._join_round(other)
         if self.disabled:
-            return
-        self.wait()
-        if self.disabled:
+            self._submit_round(slot, None, [])  # the peer still pairs one round with this take
             return
         t0 = time.perf_counter()
         tree = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
         t1 = time.perf_counter()
-        slot = int(step) % _SLOTS
         try:
             self._src, self._refs, self._live_used, self._deferred = [], [], {}, []
             packed = self._pack(tree, slot)
             self._live_packs[slot] = self._live_used  # what this take did not meet is dropped
         except _NotSnapshottable as e:
             self._turn_off(f"the state holds {e}", warn=False)
+            self._submit_round(slot, None, [])  # the peer still pairs one round with this take
             return
         except (OSError, RuntimeError) as e:  # /dev/shm full: recover from the durable checkpoint
             self._turn_off(f"cannot write snapshots ({e})")
+            self._submit_round(slot, None, [])
             return
         src, refs, deferred = self._src, self._refs, self._deferred
         self._src, self._refs, self._deferred = [], [], []
@@ -511,7 +740,17 @@ class Snapshotter:
     def _persist(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]],
                  deferred: list[tuple[Any, ...]] = ()) -> float:
         """The side thread's half: invalidate the slot, match buffers, copy, write its header.
-        Returns seconds."""
+        Returns seconds. A failed copy still runs this take's (empty) replication round."""
+        queued = self._repl_pending[slot]
+        try:
+            return self._persist_local(slot, doc, src, refs, deferred)
+        except BaseException:
+            if self._repl_pending[slot] is queued:
+                self._submit_round(slot, None, [])
+            raise
+
+    def _persist_local(self, slot: int, doc: dict[str, Any], src: list[torch.Tensor], refs: list[dict[str, Any]],
+                       deferred: list[tuple[Any, ...]]) -> float:
         t0 = time.perf_counter()
         header = self._header(slot)
         header.unlink(missing_ok=True)  # this slot is invalid until its copy is complete
@@ -521,15 +760,82 @@ class Snapshotter:
             self._walk_tuples = True
             log.info("in-memory snapshot of step %s dropped: a long tuple in the state holds more than scalars; "
                      "long tuples are walked at the step boundary from now on", doc.get("step"))
+            self._submit_round(slot, None, [])
             return time.perf_counter() - t0
         dst = self._match(slot, src, refs)
         with torch.no_grad():  # grad mode is per thread
             torch._foreach_copy_(dst, src)  # one call instead of one per tensor
         tmp = header.with_name(f".{header.name}.tmp")
+        blob = pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL)
         with open(tmp, "wb") as f:
-            f.write(pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL))
+            f.write(blob)
         os.replace(tmp, header)
+        self._submit_round(slot, blob, dst, refs)
         return time.perf_counter() - t0
+
+    # ---- replication to a peer node ----------------------------------------------------------
+    def _submit_round(self, slot: int, blob: bytes | None, bufs: list[torch.Tensor],
+                      refs: list[dict[str, Any]] = ()) -> None:
+        """Queue one replication round (this snapshot out to `peer`, `source`'s in) on the
+        replication thread: it reads this slot's buffers, which the next take leaves alone (it
+        writes the other slot) and the take after joins first (`_join_round`). Every rank runs
+        one round per take, an empty one (blob None) for a dropped take, so rounds pair up."""
+        if self.group is None or self.repl_off or (self.peer is None and self.source is None):
+            return
+        if self._repl_pool is None:
+            self._repl_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-snapshot-peer")
+        self._repl_pending[slot] = self._repl_pool.submit(self._round, slot, blob, list(bufs), list(refs))
+
+    def _join_round(self, slot: int) -> None:
+        pending, self._repl_pending[slot] = self._repl_pending[slot], None
+        if pending is None:
+            return
+        try:
+            self.repl_s.append(pending.result())
+        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+            self.repl_off = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning("in-memory snapshot replication to the peer node off: %s", self.repl_off)
+
+    def _round(self, slot: int, blob: bytes | None, bufs: list[torch.Tensor], refs: list[dict[str, Any]]) -> float:
+        """Replication thread: send this snapshot (its header and its tensors in one flat buffer,
+        `_send_async`) to `peer`; receive `source`'s into this node's `peer<source>-slot<S>.bin`,
+        its header written last (atomically)."""
+        t0 = time.perf_counter()
+        sends = []
+        if self.peer is not None:
+            flat = None
+            if blob is not None:
+                flat = self._stage[slot] = _flatten(bufs, refs, self._stage[slot])
+            sends = _send_async(self.peer, blob, flat, self.group)
+        if self.source is not None:
+            got = _recv(self.source, self.group, self._peer_alloc)
+            if got is not None:
+                doc, raw, _ = got
+                if doc.get("rank") != self.source or doc.get("world_size") != self.world_size:
+                    raise ValueError(f"rank {self.source} sent a snapshot of rank {doc.get('rank')}")
+                header = self.dir / f"peer{self.source}-slot{int(doc['step']) % _SLOTS}.hdr"
+                tmp = header.with_name(f".{header.name}.tmp")
+                with open(tmp, "wb") as f:
+                    f.write(raw)
+                os.replace(tmp, header)
+        for w in sends:
+            w.wait()
+        return time.perf_counter() - t0
+
+    def _peer_alloc(self, doc: dict[str, Any], refs: list[dict[str, Any]], total: int) -> torch.Tensor:
+        """Where a received replica goes: one flat file `peer<R>-slot<S>.bin` in this node's
+        directory, kept between rounds. The slot's header is removed first: a torn replica is
+        never read."""
+        slot = int(doc["step"]) % _SLOTS
+        (self.dir / f"peer{self.source}-slot{slot}.hdr").unlink(missing_ok=True)
+        for ref in refs:
+            name = str(ref["__shm__"])
+            if "/" in name or not name.startswith(f"rank{self.source}-slot{slot}-"):
+                raise ValueError(f"rank {self.source} sent a snapshot naming a foreign file {name!r}")
+        flat = self._peer_flat[slot]
+        if flat is None or flat.numel() != total:
+            flat = self._peer_flat[slot] = _mapped(self.dir / f"peer{self.source}-slot{slot}.bin", [total], torch.uint8)
+        return flat
 
     def wait(self) -> None:
         """Block until the last take's copy and header are done (its time is added to that take's
@@ -555,63 +861,94 @@ class Snapshotter:
         for slot in range(_SLOTS):  # a half-described state must never be restored
             self._header(slot).unlink(missing_ok=True)
 
-    def _available(self) -> dict[int, dict[str, Any]]:
-        return {s: d for s, d in available(self.dir, self.rank, self.world_size).items() if d.get("tag") == self.tag}
+    def _reader(self, kind: str, rank: int, doc: dict[str, Any]):
+        """Reads the tensors of header `doc` of `rank` held in this node's directory: "rank" its
+        own (a file per tensor, each checked to be one of that rank's), "peer" a replica (one
+        flat file, `peer<R>-slot<S>.bin`)."""
+        if kind == "peer":
+            refs = _refs(doc["tree"])
+            layout, total = _layout(refs)
+            path = self.dir / f"peer{rank}-slot{int(doc['step']) % _SLOTS}.bin"
+            flat = torch.from_file(str(path), shared=False, size=max(1, total), dtype=torch.uint8)[:total]
+            views = {str(ref["__shm__"]): v for ref, v in zip(refs, _views(flat, layout))}
+            return lambda ref: views[str(ref["__shm__"])].clone()
 
-    def _read(self, ref: dict[str, Any]) -> torch.Tensor:
-        name = str(ref["__shm__"])
-        if "/" in name or not name.startswith(f"rank{self.rank}-slot"):
-            raise ValueError(f"snapshot header names a foreign file {name!r}")
-        shape = [int(x) for x in ref["shape"]]
-        n = 1
-        for x in shape:
-            n *= x
-        dtype = getattr(torch, str(ref["dtype"]))
-        t = torch.from_file(str(self.dir / name), shared=False, size=max(1, n), dtype=dtype)
-        return t[:n].view(shape).clone()
+        def read(ref: dict[str, Any]) -> torch.Tensor:
+            name = str(ref["__shm__"])
+            if "/" in name or not name.startswith(f"rank{rank}-slot"):
+                raise ValueError(f"snapshot header names a foreign file {name!r}")
+            shape, dtype = _shape_dtype(ref)
+            n = _numel(shape)
+            t = torch.from_file(str(self.dir / name), shared=False, size=max(1, n), dtype=dtype)
+            return t[:n].view(shape).clone()
+        return read
 
-    def _unpack(self, obj: Any, meshes: dict[str, Any]) -> Any:
+    def _unpack(self, obj: Any, meshes: dict[str, Any], read: Any) -> Any:
         if isinstance(obj, dict) and "__shm__" in obj:
-            return self._read(obj)
+            return read(obj)
         if isinstance(obj, dict) and "__dtensor__" in obj:
             from torch.distributed.tensor import DTensor
 
             mesh = meshes.get(str(obj["mesh"]))
             if mesh is None:
                 raise ValueError(f"snapshot names a device mesh this run does not have ({obj['mesh']})")
-            return DTensor.from_local(self._read(obj["__dtensor__"]), mesh, _unplacements(obj["placements"]),
+            return DTensor.from_local(read(obj["__dtensor__"]), mesh, _unplacements(obj["placements"]),
                                       run_check=False, shape=torch.Size(obj["shape"]), stride=tuple(obj["stride"]))
         if isinstance(obj, dict):
-            return {k: self._unpack(v, meshes) for k, v in obj.items()}
+            return {k: self._unpack(v, meshes, read) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self._unpack(v, meshes) for v in obj]
+            return [self._unpack(v, meshes, read) for v in obj]
         if isinstance(obj, tuple):
-            return tuple(self._unpack(v, meshes) for v in obj)
+            return tuple(self._unpack(v, meshes, read) for v in obj)
         return obj
 
     def restore(self, state: dict[str, Any], durable_step: int | None) -> int | None:
-        """Collective. Load the newest snapshot that every rank holds, if newer than
-        `durable_step`, into `state` (Statefuls via load_state_dict); returns its step or None.
-        DTensors are rebuilt on the meshes of the DTensors `state` holds now."""
+        """Collective. Load the newest snapshot of which every rank's copy is held somewhere (by
+        its own node, or as a replica by its peer node), if newer than `durable_step`, into
+        `state` (Statefuls via load_state_dict); returns its step or None. A rank whose node lost
+        its snapshot receives the replica from a rank on the node that holds it. DTensors are
+        rebuilt on the meshes of the DTensors `state` holds now."""
         self.wait()
-        mine = self._available()
-        steps = set(mine)
+        for slot in range(_SLOTS):
+            self._join_round(slot)
         multi = dist.is_initialized() and dist.get_world_size() > 1
+        mine = inventory(self.dir, self.world_size, self.tag)
         if multi:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, sorted(steps))
-            for g in gathered:
-                steps &= set(g)
-        best = max(steps, default=None)
-        if best is None or (durable_step is not None and best <= durable_step):
+            invs: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(invs, mine)
+        else:
+            invs = [mine]
+        common = common_steps(invs, self.world_size)
+        best = max((s for s in common if durable_step is None or s > durable_step), default=None)
+        if best is None:
+            return None
+        holders = common[best]
+        # the ranks whose own node does not hold their snapshot: served by the lowest rank that does
+        transfers = [(min(holders[r]), r) for r in range(self.world_size) if r not in holders[r]]
+        if transfers and self.group is None:
+            log.warning("in-memory snapshot of step %d is held on another node only and this run has no "
+                        "replication group; using the durable checkpoint", best)
             return None
         meshes: dict[str, Any] = {}
         for v in state.values():
             _meshes(v.state_dict() if is_stateful(v) else v, meshes)
-        problem = None
+        problem, tree = None, None
         try:
-            tree = self._unpack(mine[best]["tree"], meshes)
-        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
+            for holder, r in transfers:
+                if self.rank == holder:
+                    self._serve(r, best)
+                elif self.rank == r:
+                    got = _recv(holder, self.group, _fresh)
+                    if got is None:
+                        raise ValueError(f"rank {holder} could not read the snapshot it holds for rank {r}")
+                    doc, _, tensors = got
+                    # each tensor its own storage, as a read from a file gives (a view of the flat
+                    # byte buffer would leave the optimizer holding byte storage)
+                    tree = self._unpack(doc["tree"], meshes, lambda ref, got=tensors: got[str(ref["__shm__"])].clone())
+            if tree is None:
+                doc = available(self.dir, self.rank, self.world_size)[best]
+                tree = self._unpack(doc["tree"], meshes, self._reader(doc["_kind"], self.rank, doc))
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as e:
             problem = f"rank {self.rank}: {e}"
         if multi:  # every rank restores, or none does
             problems: list[Any] = [None] * dist.get_world_size()
@@ -620,6 +957,8 @@ class Snapshotter:
         if problem:
             log.warning("in-memory snapshot of step %d not restored (%s); using the durable checkpoint", best, problem)
             return None
+        self.restored_from = [r for _, r in transfers]
+        """The ranks whose snapshot came from a peer node at the last restore."""
         for k, v in state.items():
             if k not in tree:
                 continue
@@ -629,10 +968,33 @@ class Snapshotter:
                 v.update(tree[k])
         return best
 
+    def _serve(self, rank: int, step: int) -> None:
+        """Send the snapshot of `rank` at `step` held in this node's directory to `rank`; an empty
+        message if it cannot be read (the receiver then reports the problem)."""
+        blob, flat = None, None
+        try:
+            doc = available(self.dir, rank, self.world_size)[step]
+            kind = doc.pop("_kind")
+            refs = _refs(doc["tree"])
+            read = self._reader(kind, rank, doc)
+            flat = _flatten([read(ref) for ref in refs], refs)
+            blob = pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
+            log.warning("in-memory snapshot of rank %d step %d unreadable here: %s", rank, step, e)
+            blob, flat = None, None
+        for w in _send_async(rank, blob, flat, self.group, error=blob is None):
+            w.wait()
+
     def close(self) -> None:
-        """Finish the pending copy, stop the side thread, drop the mappings."""
+        """Finish the pending copy and replication, stop the side threads, drop the mappings."""
         self.wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for slot in range(_SLOTS):
+            self._join_round(slot)
+        for pool in (self._pool, self._repl_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._repl_pool = None
         self._bufs = [[] for _ in range(_SLOTS)]
+        self._matched = [None] * _SLOTS
+        self._peer_flat = [None] * _SLOTS
+        self._stage = [None] * _SLOTS

@@ -3,6 +3,7 @@
     dtorch plan --model llama3-70b --cluster h100:8x8 --seq-len 8192 --global-batch 512
     dtorch plan ... --fix tp=8,pp=2,microbatch=1,ac=full      # what-if: pin fields, search the rest
     dtorch plan ... --json --out plan.json                    # the Plan document with `predicted`
+    dtorch plan ... --steps 2000                              # rank with one-off compile seconds amortised
     dtorch plan --model llama3-405b --recommend --device-type h100 --tokens 15T --deadline 60d
 
 Never imports torch for preset models and clusters (the planner is pure arithmetic).
@@ -50,6 +51,9 @@ def add_parser(sub, help_text: str) -> None:
                    help="sequences per optimizer step (default: one per device)")
     p.add_argument("--fix", default=None, help="pin plan fields, e.g. tp=8,pp=2,microbatch=1,ac=full")
     p.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the run's length in optimizer steps: one-off seconds (torch.compile's) are amortised over "
+                        "it, (step x steps + once) / steps, in the ranking; default: unknown, ranked by step time")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="pin the compute dtype (param_dtype); default: searched, like --fix param_dtype=...")
     p.add_argument("--json", action="store_true", help="print the chosen Plan as JSON (with `predicted`)")
@@ -105,6 +109,8 @@ def run(args) -> int:
         raise ConfigError("global-batch", args.global_batch, "must be a positive integer (sequences per step)")
     if args.top < 1:
         raise ConfigError("top", args.top, "must be a positive integer")
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError("steps", args.steps, "must be a positive integer (optimizer steps of the run), or leave it out")
     profile = get_profile(args.model, args.seq_len)
 
     if args.recommend:
@@ -137,7 +143,7 @@ def run(args) -> int:
     cb, shown = search_progress(f"planning {args.model} on {cluster.world_size:,} devices",
                                 enabled=True if args.progress else None)
     result = search(profile, cluster, global_batch=gb, fixed=parse_fix(args.fix), top_k=args.top, dtype=args.dtype,
-                    progress=cb)
+                    progress=cb, steps=args.steps)
     shown.close(f"searched {result.meshes:,} meshes, {result.evaluated:,} plans estimated")
     if not result.ranked:
         if args.json:

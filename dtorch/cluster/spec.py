@@ -121,7 +121,11 @@ class Cluster:
 
     @property
     def homogeneous(self) -> bool:
-        return len({g.device.name for g in self.groups}) == 1
+        """One kind of device everywhere: every group's device has the same name and the same
+        numbers. Same-named devices measured at different speeds (`dtorch probe` writes each as its
+        own group) make a mixed cluster, planned per group (docs/heterogeneous.md)."""
+        first = self.groups[0].device
+        return all(g.device == first for g in self.groups[1:])
 
     @property
     def devices_per_node(self) -> int:

@@ -15,6 +15,8 @@ joined by `:`:
     hang:rank=2:step=7               SIGSTOP rank 2 at step 7 (mode=busy: spin in Python instead)
     slow:rank=0:factor=3             rank 0 runs 3x slower from step 0 (or from step=K): the time
                                      between two injection points is stretched by sleeping
+    killnode:rank=1:step=5           SIGKILL rank 1's agent, then rank 1: its whole node is lost
+                                     (the agent's other workers die with it)
     every=20:kill                    every 20 steps (20, 40, ...) SIGKILL one rank drawn with a seeded
                                      generator (seed=S, default 0); `every=20:hang` likewise
 
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 
 from dtorch.errors import ConfigError
 
-KINDS = ("kill", "hang", "slow")
+KINDS = ("kill", "killnode", "hang", "slow")
 _FIELDS = {"rank", "step", "phase", "factor", "mode", "seed", "every"}
 
 
@@ -83,10 +85,10 @@ def parse(spec: str) -> list[Fault]:
                 kind = part
             else:
                 raise ConfigError("chaos", text, f"unknown part {part!r}; a fault is "
-                                  "KIND[:rank=R][:step=K][:phase=P] with KIND in {kill, hang, slow}, "
+                                  "KIND[:rank=R][:step=K][:phase=P] with KIND in {kill, killnode, hang, slow}, "
                                   "or every=N:KIND")
         if kind is None:
-            raise ConfigError("chaos", text, "name the fault kind: kill, hang or slow")
+            raise ConfigError("chaos", text, "name the fault kind: kill, killnode, hang or slow")
         try:
             f = Fault(kind=kind,
                       rank=None if kv.get("rank", "*") == "*" else int(kv["rank"]),
@@ -148,7 +150,9 @@ class Injector:
 
         events.log("fault", fault=f.text, fault_kind=f.kind, rank=self.rank, step=step, phase=phase)
         heartbeat.flush()  # so the monitor's record shows this step and phase, not the previous beat
-        if f.kind == "kill":
+        if f.kind == "killnode" and os.environ.get("DTORCH_AGENT_PID"):
+            os.kill(int(os.environ["DTORCH_AGENT_PID"]), signal.SIGKILL)  # its workers die with it
+        if f.kind in ("kill", "killnode"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.mode == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)

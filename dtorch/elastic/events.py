@@ -131,7 +131,7 @@ def drill_report(path: str, steps: list[dict[str, Any]], wall_s: float) -> dict[
     """
     last = {s["step"]: s for s in steps}
     useful = sum(s["seconds"] for s in last.values())
-    faults = [e for e in read(path) if e["kind"] == "fault" and e.get("fault_kind") in ("kill", "hang")]
+    faults = [e for e in read(path) if e["kind"] == "fault" and e.get("fault_kind") in ("kill", "killnode", "hang")]
     lost = []
     for f in faults:
         resumed = [s["step"] for s in steps if s.get("epoch", -1) > f.get("epoch", -1)]

@@ -207,7 +207,9 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     snap_dir = None
     if spec.snapshot_every > 0:
         # RAM (/dev/shm) when there is one: snapshots outlive workers, not the machine
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else run_dir
+        # (DTORCH_SNAPSHOT_ROOT: another parent directory, e.g. for tests that kill agents)
+        shm = os.environ.get("DTORCH_SNAPSHOT_ROOT") or (
+            "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else run_dir)
         snap_dir = str(trust.private_dir(os.path.join(shm, f"dtorch-snap-{secrets.token_hex(8)}"), "snapshot_dir"))
     env = {
         "DTORCH_SNAPSHOT_DIR": snap_dir or "",

@@ -193,9 +193,11 @@ def _start_snapshots(trainer: Any) -> None:
 
     plan = getattr(trainer, "plan", None)
     tag = f"{plan.describe() if plan is not None else ''}|seed={getattr(trainer, 'seed', '')}"
+    group, peer, source = _replication(trainer)
     # DTORCH_SNAPSHOT_BACKGROUND=0: copy on the training thread (the benchmark compares both)
     _snap = Snapshotter(d, trainer.rank, trainer.world, tag=tag,
-                        background=os.environ.get("DTORCH_SNAPSHOT_BACKGROUND", "1") != "0")
+                        background=os.environ.get("DTORCH_SNAPSHOT_BACKGROUND", "1") != "0",
+                        group=group, peer=peer, source=source)
     durable = trainer.step
     t0 = time.time()
     step = _snap.restore(_snapshot_state(trainer), durable_step=durable)
@@ -212,10 +214,34 @@ def _start_snapshots(trainer: Any) -> None:
     if step is not None:
         trainer.step = trainer.train_state.step
         events.log("phase", name="snapshot_restore", start=t0, seconds=time.time() - t0, ok=True, step=step,
-                   durable_step=durable)
+                   durable_step=durable, from_peer=list(getattr(_snap, "restored_from", [])))
         if trainer.rank == 0:
             print(f"dtorch: restored the in-memory snapshot of step {step} (newer than the durable checkpoint "
                   f"{'of step ' + str(durable) if durable else 'none'})", file=sys.stderr, flush=True)
+
+
+def _replication(trainer: Any) -> tuple[Any, int | None, int | None]:
+    """On more than one node: a gloo group of its own for snapshot replication and this rank's
+    (peer, source) (`dtorch.checkpoint.snapshot.peer_ranks`: the same local rank on the next and
+    the previous node), so that a node's loss leaves a copy of its ranks' snapshots on another
+    node. (None, None, None) on one node or with DTORCH_SNAPSHOT_PEER=0. Collective."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None, None, None
+    from dtorch.checkpoint.snapshot import peer_ranks
+
+    me = (int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+          os.environ.get("DTORCH_SNAPSHOT_PEER", "1") != "0")
+    nodes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, me)
+    if not all(n[2] for n in nodes) or len({n[0] for n in nodes}) < 2:
+        return None, None, None
+    from datetime import timedelta
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120"))))
+    peer, source = peer_ranks([(n[0], n[1]) for n in nodes], dist.get_rank())
+    return group, peer, source
 
 
 _live: Any = None

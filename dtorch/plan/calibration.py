@@ -15,6 +15,10 @@ What is fitted, and how it is judged:
   the one left out. A device that only the held-out source measured borrows the efficiency fitted
   for its generation's other devices (else the previous generation's); the report says so.
 
+What is described, not fitted: each row's configuration, and per source what its run did that the
+cost model prices (`selective:` policy, `compiled`, `async_tp`, `float8_recipe:`, see
+`FLOAT8_RECIPES`).
+
     python -m dtorch.plan.calibration                   # fit on every source: constants, in-sample errors
     python -m dtorch.plan.calibration --loso            # leave-one-source-out table (< 1 s)
     python -m dtorch.plan.calibration --loso --refit-globals   # also refit the 4 global constants per fold
@@ -63,6 +67,33 @@ class Source:
     metric: str = "tokens_per_s_per_gpu"
     notes: str = ""
     assumed: str = ""
+    float8_recipe: str = ""
+    """How the source's float8 runs scale and cast (a key of `FLOAT8_RECIPES`; "" for none)."""
+
+
+FLOAT8_RECIPES: dict[str, float] = {
+    "te_current_scaling": 0.0,
+    "torchao_tensorwise": 1.5,
+}
+"""Float8 linear-layer speed-up over bf16 that a published run's float8 recipe realises, as the
+cost model's `float8_linear_speedup` (0: the device's fp8 / bf16 peak ratio, 2 on Hopper and
+Blackwell). Not fitted to the published tables, taken from the recipes' own layer measurements:
+
+- ``torchao_tensorwise``: torchao's Float8Linear with tensor-wise dynamic scaling (torchtitan's
+  float8 converter in 2024-25). Its own forward + backward layer benchmark on H100 at Llama-70B
+  shapes (pytorch-labs/float8_experimental PR 144, fast accumulation in the forward only) measured
+  1.42-1.55x for the large MLP GEMMs, 1.19-1.26x for the attention output and 0.97-0.99x for the
+  fused q/k/v projection of a TP-8 shard: about 1.5 where the FLOPs are. The backward GEMMs run
+  without fast accumulation (split accumulators on Hopper) and every operand is cast in separate
+  passes, so the realised gain is well below the tensor cores' 2x. The cast traffic is still
+  priced apart (`cost.float8_cast_bytes_per_token_block`).
+- ``te_current_scaling``: Transformer Engine (Megatron-Core), whose casts are fused into the
+  kernels that produce the operands: the spec ratio.
+
+Held out, the torchtitan tables with torchao's 1.5 agree with themselves (the bf16 and float8 rows of
+torchtitan-2024-12 fit one efficiency, 0.620 and 0.616; with 2x they needed 0.620 and 0.508) and the
+H200's fitted efficiency lands on the H100 SXM's (same die and clocks: 0.71 against 0.73; with 2x
+it was 0.60)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +114,8 @@ class Row:
     memory_gib: float | None = None
     published: str = ""
     """The number as the source prints it, with its unit."""
+    float8_linear_speedup: float = 0.0
+    """What the source's float8 recipe realises on the linear layers (`FLOAT8_RECIPES`; 0: the spec ratio)."""
 
 
 def _profile(name: str, d: dict) -> ModelProfile:
@@ -111,7 +144,9 @@ def _load(folder: str) -> tuple[tuple[Source, ...], tuple[Row, ...], tuple[tuple
         src = Source(id=doc["source"], title=doc["title"], url=doc["url"], table=doc["table"], date=str(doc["date"]),
                      hardware=doc.get("hardware", ""), framework=doc.get("framework", ""),
                      metric=doc.get("metric", "tokens_per_s_per_gpu"), notes=doc.get("notes", ""),
-                     assumed=doc.get("assumed", ""))
+                     assumed=doc.get("assumed", ""), float8_recipe=doc.get("float8_recipe", ""))
+        if src.float8_recipe and src.float8_recipe not in FLOAT8_RECIPES:
+            raise ValueError(f"{path.name}: float8_recipe {src.float8_recipe!r} is not one of {sorted(FLOAT8_RECIPES)}")
         sources.append(src)
         for name, spec in (doc.get("models") or {}).items():
             if name in models and models[name] != spec:
@@ -138,7 +173,8 @@ def _load(folder: str) -> tuple[tuple[Source, ...], tuple[Row, ...], tuple[tuple
         out.append(Row(name=r["name"], source=src.id, model=r["model"], cluster=r["cluster"], plan=plan,
                        tokens_per_s_per_gpu=tps, dtype=r.get("dtype", "bfloat16"), compiled=r.get("compiled", False),
                        async_tp=r.get("async_tp", False),
-                       selective=r.get("selective", "attention_core"), memory_gib=r.get("memory_gib"), published=shown))
+                       selective=r.get("selective", "attention_core"), memory_gib=r.get("memory_gib"), published=shown,
+                       float8_linear_speedup=FLOAT8_RECIPES.get(src.float8_recipe, 0.0)))
     return tuple(sources), tuple(out), tuple(sorted(models.items()))
 
 
@@ -161,7 +197,8 @@ def _models() -> dict[str, ModelProfile]:
 
 CALIBRATION_BASE = DEFAULT_CONSTANTS
 """The shipped constants (float8 GEMMs of published float8 runs at the device's fp8 / bf16 peak
-ratio, `CostConstants.float8_linear_speedup`)."""
+ratio, `CostConstants.float8_linear_speedup`, unless the row's source names a float8 recipe:
+`FLOAT8_RECIPES`, applied per row by `predict`)."""
 
 
 @lru_cache(maxsize=256)
@@ -179,6 +216,8 @@ def predict(row: Row, constants: CostConstants = DEFAULT_CONSTANTS, models: dict
     cluster = _cluster(row.cluster)
     plan = Plan(**row.plan)
     plan.validate(cluster.world_size)
+    if row.dtype == "float8" and row.float8_linear_speedup:
+        constants = replace(constants, float8_linear_speedup=row.float8_linear_speedup)
     est = estimate(plan, models[row.model], cluster, row.dtype, compiled=row.compiled, async_tp=row.async_tp,
                    selective=row.selective, constants=constants)
     return est.tokens_per_s_per_gpu, est

@@ -53,6 +53,10 @@ Units: seconds, bytes, FLOP/s. Each formula names its source:
   (Korthikanti Table 2 shapes), divided by tp with SP (10/34 stays replicated without SP) and by cp;
   micro-batches in flight: 1 without PP, min(p, m) for 1F1B/zero-bubble on the first stage,
   p (1 + (p-1)/(p v)) interleaved (Narayanan et al. 2021), m for GPipe.
+- Mixed clusters (docs/heterogeneous.md): every data-parallel rank's pipeline is costed on the node
+  groups its ranks land on (`hetero.cell_groups`: node-major ranks, groups in the cluster's order)
+  with its own micro-batch count (`dp_shares`); the step waits for the slowest; every rank's memory
+  is held against its own device's.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from dtorch.cluster.shape import shape_factor as _shape_factor
 from dtorch.cluster.spec import Cluster, NodeGroup
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
+from dtorch.plan import hetero
 from dtorch.plan.comm import _coll, axis_layout, collective_time, exposed, oversubscribed, p2p_time  # noqa: F401
 from dtorch.plan.plan import Plan
 from dtorch.plan.strategies import TIMED
@@ -182,7 +187,7 @@ class CostConstants:
 
 # Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
 # fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
-# H100 SXM 0.7148, H100 96GB/500 W 0.542 over its power-capped peak), so that `dtorch probe` measurements replace them.
+# H100 SXM 0.7148, H100 96GB/500 W 0.6173 over its power-capped peak), so that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=GEMM_WIDTH_HALF,  # the device-shape constants live below the planner (dtorch.cluster.shape),
     gemm_rows_half=GEMM_ROWS_HALF,  # where the probe and the CPU capability timing read them too
@@ -217,6 +222,10 @@ class Estimate:
     """Local-disk bytes of the rank's NVMe-tier files; `fits` requires the node's ranks to fit the
     node's declared or measured `disk_bytes` (when known)."""
     notes: list[str] = field(default_factory=list)
+    groups: list[dict] = field(default_factory=list)
+    """On a mixed cluster, one entry per node group: its ranks, the micro-batches per step and
+    blocks of its ranks, its busiest pipeline's seconds, its fullest rank's bytes and its capacity
+    (`hetero.group_summary`); empty on one kind of device."""
 
     def to_dict(self) -> dict:
         return {
@@ -229,6 +238,7 @@ class Estimate:
             "host_bytes_per_rank": self.host_bytes_per_rank,
             "fits": self.fits,
             **({"disk_bytes_per_rank": self.disk_bytes_per_rank} if self.disk_bytes_per_rank else {}),
+            **({"groups": [dict(g) for g in self.groups]} if self.groups else {}),
             "time_breakdown": dict(self.time_breakdown),
             "memory_breakdown": dict(self.memory_breakdown),
         }
@@ -376,7 +386,7 @@ _exposed = exposed  # the old private name
 
 # ---- the shared step shape --------------------------------------------------------------------
 class StepShape:
-    """What every term of one plan's step shares: the plan, the slowest node group, the constants
+    """What every term of one plan's step shares: the plan, the node group it runs on, the constants
     (CPU-adjusted), the compute dtype's peak and widths, a micro-batch's tokens and GEMM rows, the
     matmul speed, the element-wise cost per byte and the mesh strides. Strategies read it by name."""
 
@@ -438,9 +448,9 @@ class StepShape:
 
 def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str | None = None, *,
                compiled: bool = False, async_tp: bool = False, selective: str = "matmuls_saved",
-               constants: CostConstants = DEFAULT_CONSTANTS) -> StepShape:
-    """The step shape of `plan` on the cluster's slowest group; ConfigError if the degrees do not
-    make the world size or the device has no arithmetic in the compute dtype."""
+               constants: CostConstants = DEFAULT_CONSTANTS, group: NodeGroup | None = None) -> StepShape:
+    """The step shape of `plan` on `group` (default: the cluster's slowest); ConfigError if the
+    degrees do not make the world size or the device has no arithmetic in the compute dtype."""
     groups = cluster.groups
     one = len(groups) == 1  # (the common case, asked tens of thousands of times by the search)
     world = groups[0].num_devices if one else cluster.world_size
@@ -449,7 +459,7 @@ def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str |
             "degrees", plan.mesh_shape,
             f"pp*dp_replicate*dp_shard*cp*tp = {plan.world_size} but the cluster has {world} devices",
         )
-    g = groups[0] if one else cluster.slowest_group()
+    g = group or (groups[0] if one else cluster.slowest_group())
     dev = g.device
     c = constants
     if dev.kind == "cpu":
@@ -466,9 +476,8 @@ def step_shape(plan: Plan, profile: ModelProfile, cluster: Cluster, dtype: str |
                           f"{{{', '.join(sorted(dev.peak_flops))}}}") from None
     if dtype == "float8" and not dev.supports("float8"):
         raise ConfigError("dtype", dtype, f"{dev.name} has no float8 tensor cores; use bfloat16")
-    step = StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled or plan.compile,
-                     async_tp, selective)
-    step.world = world
+    step = StepShape(plan, profile, g, c, dtype, peak, dev.elementwise(compute_dtype), compiled, async_tp, selective)
+    step.world, step.cluster = world, cluster  # (strategies read measured gains from cluster.calibration)
     return step
 
 
@@ -573,27 +582,27 @@ def estimate(
     """Predict step time, throughput, MFU and per-rank memory of `plan` (see module doc).
 
     The compute dtype is the plan's `param_dtype`: that is what the executor runs. `dtype`,
-    `compiled` and `async_tp` describe runs this executor does not make (float8 linear layers,
+    `compiled` and `async_tp` describe published runs (float8 linear layers, their whole-model
     torch.compile, async TP): the calibration uses them for published measurements; the search
-    never does. `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
+    never does (a plan's own fields, `compile` among them, are priced by their strategies).
+    `selective` says what `ac='selective'` recomputes: 'matmuls_saved' (DTorch's own
     policy, the default: the element-wise forward, see `matmuls_saved_act_bytes`), 'attention_core'
     (the attention scores and their softmax, Korthikanti et al. 2022) or 'every_second_mm'
     (torchtitan's op-level policy, see `every_second_matmul_params`). The plan's degrees must
     multiply to the cluster's world size."""
     if selective not in SELECTIVE_POLICIES:
         raise ConfigError("selective", selective, f"one of {{{', '.join(SELECTIVE_POLICIES)}}}")
+    if not cluster.homogeneous:  # every group at its own speed and memory
+        return _estimate_mixed(plan, profile, cluster, dict(dtype=dtype, compiled=compiled, async_tp=async_tp,
+                                                            selective=selective, constants=constants))
     step = step_shape(plan, profile, cluster, dtype, compiled=compiled, async_tp=async_tp, selective=selective,
                       constants=constants)
     timed = [s for s in TIMED if s.prepare(step)]
     m = plan.num_microbatches
     # ranks with the same blocks, embedding and head take the same time: cost one of each
     shares = [rank_share(step, ld, timed) for ld in distinct_loads(plan, profile.num_layers)]
-    if len(shares) == 1:
-        worst = pace = fullest = shares[0]
-    else:
-        worst = max(shares, key=lambda r: m * r.per_microbatch + r.fsdp + r.dp + r.optimizer + r.offload + r.tp_step)
-        pace = max(shares, key=lambda r: r.per_microbatch)  # the pipeline runs at its slowest stage's pace
-        fullest = max(shares, key=lambda r: sum(r.memory.values()))
+    pace, worst = _pace(shares, m)
+    fullest = shares[0] if len(shares) == 1 else max(shares, key=lambda r: sum(r.memory.values()))
     t_p2p, t_bubble = PIPELINE.step_time(step, pace.per_microbatch)
     # the slowest stage sets the micro-batch pace; the busiest rank adds its own per-step work
     step_s = m * pace.per_microbatch + t_bubble + t_p2p + worst.per_step
@@ -615,6 +624,70 @@ def estimate(
         disk_bytes_per_rank=int(max(r.disk_bytes for r in shares)),
         notes=notes,
     )
+
+
+def _pace(shares: list[RankShare], m: int) -> tuple[RankShare, RankShare]:
+    """(pace, worst) of a pipeline's ranks: the slowest stage per micro-batch, which the pipeline
+    runs at, and the busiest rank over the whole step (its per-step work included)."""
+    if len(shares) == 1:
+        return shares[0], shares[0]
+    worst = max(shares, key=lambda r: m * r.per_microbatch + r.fsdp + r.dp + r.optimizer + r.offload + r.tp_step)
+    return max(shares, key=lambda r: r.per_microbatch), worst
+
+
+def _estimate_mixed(plan: Plan, profile: ModelProfile, cluster: Cluster, kw: dict) -> Estimate:
+    """`estimate` on a mixed cluster (docs/heterogeneous.md). Every data-parallel rank runs its own
+    pipeline: its stages on the groups its cells land on (`hetero.column_groups`, the executor's
+    rank order), its own micro-batch count (`dp_shares`). The step waits for the slowest of them
+    (the gradient reduction is synchronous); every rank's memory is held against its own device's."""
+    counts = plan.dp_shares or [plan.num_microbatches] * plan.dp
+    columns: dict[tuple, tuple] = {}
+    for key in zip(hetero.column_groups(cluster, plan.pp, plan.dp, plan.cp, plan.tp), counts):
+        if key not in columns:
+            columns[key] = _column(plan, profile, cluster, *key, kw)
+    slowest = max(columns, key=lambda k: columns[k][0])
+    m, (step_s, pace, worst, t_p2p, t_bubble, _) = slowest[1], columns[slowest]
+    ranks = [(r, st) for col in columns.values() for _, r, st in col[5]]  # (share, its step shape)
+    tight, tst = max(ranks, key=lambda rs: sum(rs[0].memory.values()) / rs[1].dev.memory_bytes)
+    notes, host_ok = [], True
+    for g in cluster.groups:  # every node's ranks against its own host memory and disk
+        mine = [(r, st) for r, st in ranks if st.g is g]
+        if mine:
+            _, ok, n = _host_memory(mine[0][1], [r for r, _ in mine])
+            host_ok, notes = host_ok and ok, notes + [x for x in n if x not in notes]
+    tps = plan.dp * plan.microbatch_size * plan.num_microbatches * profile.seq_len / step_s  # sum(dp_shares) = dp m
+    return Estimate(
+        step_time_s=step_s, tokens_per_s=tps, tokens_per_s_per_gpu=tps / cluster.world_size,
+        mfu=mfu(tps, profile, cluster, tst.compute_dtype),
+        time_breakdown=_time_breakdown(m, pace, worst, t_p2p, t_bubble),
+        memory_bytes_per_rank=int(sum(tight.memory.values())), memory_breakdown=dict(tight.memory),
+        memory_capacity=int(tst.dev.memory_bytes),
+        fits=host_ok and all(sum(r.memory.values()) <= st.dev.memory_bytes for r, st in ranks),
+        efficiency=min(st.eff for _, st in ranks),
+        host_bytes_per_rank=int(max(r.host_bytes for r, _ in ranks)),
+        disk_bytes_per_rank=int(max(r.disk_bytes for r, _ in ranks)), notes=notes,
+        groups=hetero.group_summary(cluster, {key: (col[0], [(k, sum(r.memory.values()), b) for (k, b), r, _ in col[5]])
+                                              for key, col in columns.items()}),
+    )
+
+
+def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[int, ...], m: int, kw: dict):
+    """One data-parallel rank's pipeline on a mixed cluster: pipeline rank i on group `stages[i]`,
+    `m` micro-batches. Returns (step seconds, pace, worst, p2p, bubble, ranks), ranks the distinct
+    pipeline ranks as ((group, blocks), share, step shape): ranks of one group with the same load
+    take the same time, and the first of them holds the most micro-batches in flight."""
+    p = Plan.__new__(Plan)
+    p.__dict__ = {**plan.__dict__, "num_microbatches": m, "dp_shares": None}
+    steps = {k: step_shape(p, profile, cluster, group=cluster.groups[k], **kw) for k in dict.fromkeys(stages)}
+    timed = {k: [s for s in TIMED if s.prepare(st)] for k, st in steps.items()}
+    loads: dict[tuple, tuple] = {}
+    for ld in rank_loads(p, profile.num_layers):
+        loads.setdefault((stages[ld.pp_rank], ld.blocks, ld.embedding, ld.head), (stages[ld.pp_rank], ld))
+    ranks = [((k, ld.blocks), rank_share(steps[k], ld, timed[k]), steps[k]) for k, ld in loads.values()]
+    shares = [r for _, r, _ in ranks]
+    pace, worst = _pace(shares, m)
+    t_p2p, t_bubble = PIPELINE.step_time(ranks[shares.index(pace)][2], pace.per_microbatch)
+    return m * pace.per_microbatch + t_bubble + t_p2p + worst.per_step, pace, worst, t_p2p, t_bubble, ranks
 
 
 def mfu(tokens_per_s: float, profile: ModelProfile, cluster: Cluster, compute_dtype: str) -> float:

@@ -4,7 +4,10 @@ changes that would. Plain text (fast, greppable, the same in a log and a termina
 
 from __future__ import annotations
 
-from dtorch.plan.cost import Estimate
+from dataclasses import replace
+
+from dtorch.plan import strategies
+from dtorch.plan.cost import Estimate, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.search import SearchResult
 from dtorch.plan.strategies.expert import routing_traffic
@@ -23,13 +26,17 @@ def _gib(b: float) -> str:
 
 
 def table(result: SearchResult) -> str:
-    """The ranked plans as an aligned text table."""
-    rows = [("#", "plan", "family", "step s", "tok/s/GPU", "MFU", "GiB/rank")]
+    """The ranked plans as an aligned text table (with the amortised step time they were ranked by,
+    when the run's length was given and a plan pays one-off seconds)."""
+    amortise = bool(result.steps) and any(strategies.once_s(p, result.cluster) for p, _ in result.ranked)
+    rows = [("#", "plan", "family", "step s", *(("amortised s",) if amortise else ()), "tok/s/GPU", "MFU",
+             "GiB/rank")]
     for i, (plan, est) in enumerate(result.ranked, 1):
-        rows.append((str(i), plan.describe(), plan.family(), f"{est.step_time_s:.2f}",
+        am = (f"{strategies.amortised_s(est.step_time_s, plan, result.cluster, result.steps):.2f}",) if amortise else ()
+        rows.append((str(i), plan.describe(), plan.family(), f"{est.step_time_s:.2f}", *am,
                      f"{est.tokens_per_s_per_gpu:,.0f}", f"{est.mfu:.1%}", _gib(est.memory_bytes_per_rank)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    right = {0, 3, 4, 5, 6}
+    right = {0, *range(3, len(rows[0]))}
     lines = []
     for j, r in enumerate(rows):
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
@@ -57,6 +64,20 @@ def why_slower(plan: Plan, est: Estimate, best: Estimate) -> str:
     return ", ".join(parts) or "slightly more of everything"
 
 
+def one_off(result: SearchResult, plan: Plan, est: Estimate) -> str | None:
+    """The chosen plan's one-off seconds (compilation) and how the ranking counted them."""
+    once = strategies.once_s(plan, result.cluster)
+    if not once:
+        return None
+    if not result.steps:
+        return (f"{once:,.0f} s once (compilation, calibrated), not in the step time: no run length given, so the "
+                f"ranking is by step time alone (dtorch plan --steps N, or the trainer's steps, amortises it)")
+    am = strategies.amortised_s(est.step_time_s, plan, result.cluster, result.steps)
+    return (f"{once:,.0f} s once (compilation, calibrated) over {result.steps:,} steps: "
+            f"({est.step_time_s:.3f} x {result.steps:,} + {once:,.0f}) / {result.steps:,} = {am:.3f} s/step "
+            f"amortised, what the ranking used")
+
+
 def precision_reason(result: SearchResult, plan: Plan, est: Estimate) -> str:
     """Why the chosen plan computes in its param_dtype and reduces in its reduce_dtype: the best plan
     of every other precision searched, and how much slower it is."""
@@ -72,6 +93,39 @@ def precision_reason(result: SearchResult, plan: Plan, est: Estimate) -> str:
     if not others and not prec_notes:
         return head + (" (fixed)" if "param_dtype" in result.fixed else "")
     return head + "; " + "; ".join(others + prec_notes)
+
+
+def uniform(plan: Plan) -> Plan | None:
+    """`plan` with its work split evenly (no dp_shares, even stages), or None if it already is."""
+    if plan.dp_shares is None and plan.layer_partition is None:
+        return None
+    return replace(plan, dp_shares=None, layer_partition=None)
+
+
+def apportioned(result: SearchResult, plan: Plan, est: Estimate) -> list[str]:
+    """On a mixed cluster: how the chosen plan apportions work over the node groups (ranks in the
+    executor's order: node-major, groups in the cluster's order), and what the even split of the
+    same plan would cost."""
+    out = ["  work per node group (ranks node-major, groups in the cluster's order):"]
+    for g in est.groups:
+        mbs = "/".join(map(str, g["microbatches"]))
+        blocks = "/".join(f"{b:g}" for b in g["blocks"])
+        out.append(f"    group {g['group']} {g['device']} ranks {g['ranks']}: {blocks} blocks, {mbs} micro-batches "
+                   f"per step per rank; {_gib(g['memory_bytes'])} of {_gib(g['memory_capacity'])} GiB; "
+                   f"its slowest pipeline {g['step_s']:.2f} s")
+    even = uniform(plan)
+    if even is None:
+        out.append("    split evenly: the even split is the fastest the search found for this cluster")
+        return out
+    e = estimate(even, result.profile, result.cluster)
+    if not e.fits:
+        worst = max(e.groups, key=lambda g: g["memory_bytes"] / g["memory_capacity"])
+        out.append(f"    the even split ({even.describe()}) does not fit: {_gib(worst['memory_bytes'])} GiB per rank "
+                   f"on group {worst['group']} ({worst['device']}), {_gib(worst['memory_capacity'])} GiB available")
+    else:
+        out.append(f"    the even split ({even.describe()}) would take {e.step_time_s:.2f} s per step "
+                   f"({e.step_time_s / est.step_time_s - 1.0:+.0%}), every rank at the slowest group's pace")
+    return out
 
 
 def explain(result: SearchResult, *, show_families: bool = True) -> str:
@@ -112,9 +166,14 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         from dtorch.plan.strategies.memory import MEMORY
 
         out.append(f"  offload: {MEMORY.offload_summary(plan, est, result.cluster.slowest_group(), DEFAULT_CONSTANTS)}")
+    if est.groups:
+        out += apportioned(result, plan, est)
     routing = routing_traffic(plan, prof, cl.devices_per_node)
     if routing:
         out.append(f"  {routing}")
+    once = one_off(result, plan, est)
+    if once:
+        out.append(f"  one-off: {once}")
     why_prec = precision_reason(result, plan, est)
     if why_prec:
         out.append(f"  precision: {why_prec}")

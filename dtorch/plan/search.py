@@ -28,7 +28,7 @@ from typing import Any
 from dtorch.cluster.spec import Cluster, NodeGroup
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
-from dtorch.plan import strategies
+from dtorch.plan import hetero, strategies
 from dtorch.plan.cost import (
     DEFAULT_CONSTANTS,
     DTYPE_BYTES,
@@ -89,6 +89,9 @@ class SearchResult:
     """Caveats about the whole result (e.g. fixed fields this DTorch cannot execute)."""
     best_by_precision: dict[str, tuple[Plan, Estimate]] = field(default_factory=dict)
     """The fastest fitting plan of every precision searched ('param_dtype/reduce_dtype')."""
+    steps: int | None = None
+    """The run's length the ranking amortised one-off seconds (compilation) over; None: unknown,
+    ranked by step time alone (`strategies.amortised_s`)."""
 
     @property
     def best(self) -> tuple[Plan, Estimate] | None:
@@ -133,6 +136,7 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
         for v in s.rules(partial, dims(profile, W)):
             if v.field in mesh:
                 raise v.error()
+    _check_groups(cluster, 1, fixed.get("cp", 1), fixed.get("tp", 1))
     prod = math.prod(fixed.get(a, 1) for a in MESH_AXES)
     if W % prod:
         fixed_axes = {a: fixed[a] for a in MESH_AXES if a in fixed}
@@ -170,12 +174,25 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
                           f"not divisible by the fixed data-parallel degree {dp_fixed}; use a multiple of it")
 
 
+def _check_groups(cluster: Cluster, pp: int, cp: int, tp: int) -> None:
+    """On a mixed cluster, ConfigError naming the node group that cannot hold the tensor- and
+    context-parallel groups of `cp` x `tp` (more tp than its node has, or a group spanning two kinds
+    of device: `hetero.span_violation`)."""
+    if cluster.homogeneous:
+        return  # (one kind of device: the strategies' rules say it all)
+    # (a product not dividing the world is reported after, without naming a group)
+    bad = hetero.span_violation(cluster, cp, tp, cells=cluster.world_size % (pp * cp * tp) == 0)
+    if bad:
+        raise ConfigError(*bad)
+
+
 def check(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
     """Reject a plan that cannot run this model on this cluster (ConfigError naming the field, the
     value and the valid choices): every strategy's rules (`dtorch.plan.strategies.check`), the
-    same the executor runs. Returns the plan."""
+    same the executor runs, and on a mixed cluster the node groups' (`_check_groups`). Returns the plan."""
     plan.validate()  # the document's version, then the rules over the plan alone
     strategies.check(plan, dims(profile, cluster.world_size, plan.seq_len))
+    _check_groups(cluster, plan.pp, plan.cp, plan.tp)
     return plan
 
 
@@ -205,6 +222,8 @@ class _Mesh:
     cp: int
     tp: int
     bound: float = 0.0
+    stage_weights: tuple = ()
+    """On a mixed cluster, the (speed, memory) of every pipeline rank (`hetero.stage_weights`)."""
 
     @property
     def family(self) -> str:
@@ -235,6 +254,11 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
                 if rest % pp or global_batch % (rest // pp):
                     continue
                 out += [_Mesh(pp, dpr, dps, cp, tp) for dpr, dps in _dp_splits(rest // pp, fixed)]
+    if not cluster.homogeneous:
+        # tensor- and context-parallel groups stay on one kind of device (docs/heterogeneous.md)
+        out = [m for m in out if not hetero.span_violation(cluster, m.cp, m.tp)]
+        for m in out:
+            m.stage_weights = hetero.stage_weights(cluster, m.pp, m.dp_replicate * m.dp_shard, m.cp, m.tp)
     if not out:
         raise ConfigError(
             "global_batch", global_batch,
@@ -318,7 +342,7 @@ def search(
     suggest: bool = True,
     executable_only: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
-    families: bool = True,
+    families: bool = True, steps: int | None = None,
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len`
     tokens (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp,
@@ -327,7 +351,8 @@ def search(
     plan of each family, why other families were rejected, and when nothing fits, suggestions.
     `progress(meshes_done, meshes_total, plans_estimated)`, when given, is called once per mesh
     (`dtorch.progress.search_progress` prints it). `families=False` skips the search for each
-    family's best plan (sizing needs only the top k: the bound prunes far more)."""
+    family's best plan (sizing needs only the top k: the bound prunes far more). `steps`, the run's
+    length when known, ranks by (step time x steps + one-off seconds) / steps (compilation)."""
     t0 = time.perf_counter()
     profile, fixed = _inputs(profile, cluster, global_batch, seq_len, fixed, dtype)
     notes: list[str] = []
@@ -338,11 +363,12 @@ def search(
     group = cluster.slowest_group()
     precs = _precisions(group, fixed, notes)
     meshes = _meshes(profile, cluster, global_batch, fixed)
+    bgroup = group if cluster.homogeneous else hetero.bound_group(cluster)  # a mixed cluster: its mean speed
     for m in meshes:
-        m.bound = _bound(m, 0, profile, group, global_batch, precs, constants)
+        m.bound = _bound(m, 0, profile, bgroup, global_batch, precs, constants)
     meshes.sort(key=lambda m: m.bound)
     book = _Book(lambda plan: estimate(plan, profile, cluster, constants=constants), top_k, executable_only,
-                 families)
+                 families, _ranking_time(cluster, steps))
     lean_dtype = min((p for p, _ in precs), key=lambda d: DTYPE_BYTES[d])
     for i, mesh in enumerate(meshes):
         if progress is not None:
@@ -350,17 +376,17 @@ def search(
         if not book.worth(mesh.bound, mesh.family):
             book.pruned += 1
             continue
-        _search_mesh(mesh, book, profile, group, global_batch, fixed, precs, lean_dtype, constants)
+        _search_mesh(mesh, book, profile, bgroup, global_batch, fixed, precs, lean_dtype, constants)
     _variants(book, fixed, cluster, notes)
     closest, suggestions = _when_nothing_fits(book, profile, cluster, global_batch, fixed, constants, suggest)
     return SearchResult(
         ranked=[(p, e) for _, _, p, e in book.ranked],
         best_by_family=dict(sorted(book.best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
-        rejected=book.rejected(group.device.memory_bytes), suggestions=suggestions, profile=profile,
+        rejected=book.rejected(), suggestions=suggestions, profile=profile,
         cluster=cluster, global_batch=global_batch, seq_len=profile.seq_len, fixed=fixed,
         evaluated=book.evaluated, meshes=len(meshes), meshes_pruned=book.pruned,
         seconds=time.perf_counter() - t0, closest=closest, notes=notes,
-        best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)),
+        best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)), steps=steps,
     )
 
 
@@ -413,6 +439,14 @@ def _inputs(profile: ModelProfile, cluster: Cluster, global_batch: int, seq_len:
     return profile, fixed
 
 
+def _ranking_time(cluster: Cluster, steps: int | None) -> Callable[[Plan, Estimate], float]:
+    """What the search ranks a plan by: its step time, or with the run's length `steps` known the
+    amortised (step time x steps + one-off seconds) / steps (`strategies.amortised_s`)."""
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise ConfigError("steps", steps, "the run's length in optimizer steps: a positive integer, or None if unknown")
+    return lambda plan, est: strategies.amortised_s(est.step_time_s, plan, cluster, steps)
+
+
 def _precisions(group: NodeGroup, fixed: dict[str, Any], notes: list[str]) -> list[tuple[str, str]]:
     """The precisions to search on the group's device (notes say why others were left out)."""
     dev = group.device
@@ -433,8 +467,10 @@ class _Book:
     best plan of each family and precision, the leanest plan of families with none fitting, and the
     families whose fitting plans this executor cannot run."""
 
-    def __init__(self, estimate_fn, top_k: int, executable_only: bool, families: bool = True):
+    def __init__(self, estimate_fn, top_k: int, executable_only: bool, families: bool = True, time_fn=None):
         self.estimate_fn, self.top_k, self.executable_only = estimate_fn, top_k, executable_only
+        self.time_fn = time_fn or (lambda plan, est: est.step_time_s)
+        """What a plan is ranked by before its handicap: the step time, amortised where the run's length is known."""
         self.families = families
         self.ranked: list[tuple[float, int, Plan, Estimate]] = []
         self.best_family: dict[str, tuple[Plan, Estimate]] = {}
@@ -459,7 +495,7 @@ class _Book:
         key = (plan.pp, plan.ep, plan.dp_replicate, plan.dp_shard, plan.cp, plan.tp, plan.sp, plan.microbatch_size,
                plan.schedule, plan.virtual_stages, plan.ac, plan.offload, plan.reshard_after_forward,
                plan.param_dtype, plan.reduce_dtype, tuple(plan.layer_partition or ()),
-               *(getattr(plan, n) for n in DECLARED_NAMES))
+               *(_hashable(getattr(plan, n)) for n in DECLARED_NAMES))
         if key in self.seen:
             return self.seen[key]
         self.evaluated += 1
@@ -475,13 +511,13 @@ class _Book:
 
     def _rank(self, plan: Plan, est: Estimate, fam: str) -> None:
         self.counter += 1
-        score = est.step_time_s * _precision_penalty(plan)
+        score = self.score(plan, est)
         if len(self.ranked) < self.top_k or score < self.ranked[-1][0]:
             self.ranked.append((score, self.counter, plan, est))
             self.ranked.sort(key=lambda r: (r[0], r[1]))
             del self.ranked[self.top_k:]
         best = self.best_family.get(fam)
-        if best is None or score < best[1].step_time_s * _precision_penalty(best[0]):
+        if best is None or score < self.score(*best):
             self.best_family[fam] = (plan, est)
         if plan.ep > 1 and (plan.ep not in self.best_ep or est.step_time_s < self.best_ep[plan.ep][1].step_time_s):
             self.best_ep[plan.ep] = (plan, est)
@@ -489,7 +525,10 @@ class _Book:
         if prec not in self.best_precision or est.step_time_s < self.best_precision[prec][1].step_time_s:
             self.best_precision[prec] = (plan, est)
 
-    def rejected(self, capacity: int) -> dict[str, str]:
+    def score(self, plan: Plan, est: Estimate) -> float:
+        return self.time_fn(plan, est) * _precision_penalty(plan)
+
+    def rejected(self) -> dict[str, str]:
         """Families with no fitting plan -> why (cannot run here, or the least memory one needed)."""
         out = {fam: f"fits, but cannot run here: {why}" for fam, why in sorted(self.not_runnable.items())
                if fam not in self.best_family}
@@ -497,9 +536,13 @@ class _Book:
             if fam in self.best_family or fam in out:
                 continue
             out[fam] = (f"does not fit: its leanest plan tried needs {est.memory_bytes_per_rank / GiB:.1f} GiB "
-                        f"per rank ({plan.describe()}), {capacity / GiB:.0f} GiB available"
+                        f"per rank ({plan.describe()}), {est.memory_capacity / GiB:.0f} GiB available"
                         + "".join(f"; {n}" for n in est.notes))
         return out
+
+
+def _hashable(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v  # (dp_shares)
 
 
 def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGroup, global_batch: int,
@@ -541,8 +584,9 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
                 if lean is None or not book.consider(lean).fits:
                     continue  # activations grow with the micro-batch: try a smaller one
             for sched, v in _schedules(mesh.pp, nmb, L, fixed, profile):
-                for (pdt, rdt), part, ep in itertools.product(precs, PIPELINE.partitions(mesh.pp, v, L, head_blocks),
-                                                              eps):
+                parts = PIPELINE.partitions(mesh.pp, v, L, head_blocks) + hetero.stage_partitions(
+                    mesh.pp, v, L, head_blocks, mesh.stage_weights)  # (uneven stages on a mixed cluster)
+                for (pdt, rdt), part, ep in itertools.product(precs, parts, eps):
                     base = Plan(
                         ep=ep, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
                         tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1, microbatch_size=mbs,

@@ -409,7 +409,7 @@ class Trainer:
             raise ConfigError("cluster", self.cluster_spec,
                               f"it has {cluster.world_size} devices but {world} processes were launched")
         result = search(profile, cluster, global_batch=self.global_batch, seq_len=self.seq_len,
-                        fixed=fixed or None, top_k=3)
+                        fixed=fixed or None, top_k=3, steps=getattr(self, "_fit_steps", None))  # (compile amortised)
         if result.best is None:
             raise ConfigError("plan", "auto", "no plan fits this model on this machine: "
                               + "; ".join(result.suggestions or ["use a smaller model or more devices"]))
@@ -436,6 +436,7 @@ class Trainer:
         from dtorch.parallel.parallelize import parallelize  # (the submodule may already shadow the name)
 
         self.rank, self.world, self.device = self._join()
+        self._fit_steps = total_steps  # the run's length: the search amortises one-off compile seconds over it
         self.ckpt = None
         if self.checkpoint_dir is not None:
             from dtorch.checkpoint import CheckpointManager

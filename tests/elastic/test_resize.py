@@ -88,7 +88,11 @@ def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path
     steps = _steps(out)
     worlds = [x["world"] for x in steps]
     assert [x["step"] for x in steps] == list(range(80))
-    assert worlds[0] == 4 and 2 in worlds and worlds[-1] == 4
+    # the phases, in order: 4 workers, 2 after the kill, 4 again. Node A may also start alone (a
+    # world-2 phase before B joins: --nnodes 1:2 waits 1 s for more nodes, and B's start-up can take
+    # longer on a loaded machine), which is correct elastic behaviour.
+    phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
+    assert phases[-3:] == [4, 2, 4] and phases in ([4, 2, 4], [2, 4, 2, 4]), worlds
     # the global sample sequence does not depend on the world size
     assert all(x["samples"] == list(range(8 * x["step"], 8 * x["step"] + 8)) for x in steps)
     print(f"world 4 after {t_up:.1f} s; 4->2 after agent kill: {t_down:.1f} s; 2->4 after restart: {t_grow:.1f} s")

@@ -49,8 +49,26 @@ def test_leave_one_source_out_error_is_reported_for_every_source():
             # every device of the source was measured by another source: the held-out error is small
             assert h.mean_abs <= 0.10, (h.source, h.mean_abs)
         # a device only this source measured borrows its generation's efficiency; the target is 10 %
-        # for every source, torchtitan-2024-12 (H100 96GB at 500 W) is at 17 % (docs/benchmarks.md)
-        assert h.mean_abs <= 0.20, (h.source, h.mean_abs)
+        # for every source, torchtitan-2024-12 (H100 96GB at 500 W) is at 13 % (docs/benchmarks.md)
+        assert h.mean_abs <= 0.15, (h.source, h.mean_abs)
+
+
+def test_the_float8_recipe_makes_a_table_agree_with_itself():
+    """torchtitan-2024-12's bf16 and float8 rows, fitted apart, give the 500 W device one efficiency
+    once float8 is priced at what torchao's tensor-wise recipe realises (FLOAT8_RECIPES); at the
+    tensor cores' 2x the float8 rows need a fifth less. About 1 s."""
+    from dataclasses import replace
+
+    tt = [r for r in C.ROWS if r.source == "torchtitan-2024-12"]
+    f8 = [r for r in tt if r.dtype == "float8"]
+    assert f8 and all(r.float8_linear_speedup == C.FLOAT8_RECIPES["torchao_tensorwise"] for r in f8)
+    dev = "H100-96GB-500W"
+    bf16 = C.fit(rows=[r for r in tt if r.dtype != "float8"]).efficiencies[dev]
+    recipe = C.fit(rows=f8).efficiencies[dev]
+    spec = C.fit(rows=[replace(r, float8_linear_speedup=0.0) for r in f8]).efficiencies[dev]
+    assert abs(recipe / bf16 - 1) < 0.03 and spec / bf16 < 0.85, (bf16, recipe, spec)
+    # Megatron's Transformer Engine rows stay at the spec ratio
+    assert all(r.float8_linear_speedup == 0.0 for r in C.ROWS if r.source == "megatron-bridge-25.11")
 
 
 def test_ratios_within_one_published_table_hold_whatever_the_efficiency():

@@ -41,6 +41,7 @@ def test_json_is_the_plan_document_with_predictions(capsys, tmp_path):
         (["--fix", "tp=8,pp=2,dp_shard=2,cp=1,dp_replicate=1"], "world size is 64"),
         (["--cluster", "v100:8x8"], "unknown device preset"),
         (["--global-batch", "0"], "global-batch=0"),
+        (["--steps", "0"], "steps=0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, extra, needle):

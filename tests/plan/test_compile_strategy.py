@@ -1,7 +1,8 @@
 """The planner's half of torch.compile (dtorch/plan/strategies/compile.py): the `compile` Plan
 field declared by the strategy, rules and limits that mirror the executor's refusals, candidates
 only where the cluster's calibration measured a gain, and the search choosing it there and only
-there. Fast (about 2 s: tiny models, a 2-device CPU cluster)."""
+there, priced by the measured speed-up and its compile seconds amortised over a given run length.
+Fast (about 3 s: tiny models, a 2-device CPU cluster)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,46 @@ def test_the_step_shape_prices_a_compiled_plan():
     compiled = estimate(Plan(dp_shard=2, compile=True), profile, cluster)
     assert compiled.step_time_s < eager.step_time_s
     assert compiled.step_time_s == pytest.approx(estimate(Plan(dp_shard=2), profile, cluster, compiled=True).step_time_s)
+
+
+def test_a_measured_speedup_prices_the_compiled_plan_where_one_exists():
+    profile, cluster = get_profile(MODEL, SEQ), parse_shorthand("cpu:1x2")
+    eager = estimate(Plan(dp_shard=2), profile, cluster)
+    for speedup in (1.5, 0.8):  # a measured slow-down prices the plan slower
+        cal = dataclasses.replace(cluster, calibration=_calibration("FSDP", speedup))
+        on = estimate(Plan(dp_shard=2, compile=True), profile, cal)
+        for k in ("compute", "recompute", "host"):  # what compile changes, divided by the measured ratio
+            assert on.time_breakdown[k] == pytest.approx(eager.time_breakdown[k] / speedup)
+        for k in ("fsdp", "dp", "optimizer"):  # what it does not, as eager
+            assert on.time_breakdown[k] == pytest.approx(eager.time_breakdown[k])
+        assert (on.step_time_s < eager.step_time_s) == (speedup > 1)
+    # another family's measurement is not this one's: the cost model's own element-wise guess
+    other = dataclasses.replace(cluster, calibration=_calibration("TP+SP", 3.0))
+    assert estimate(Plan(dp_shard=2, compile=True), profile, other).step_time_s == pytest.approx(
+        estimate(Plan(dp_shard=2), profile, cluster, compiled=True).step_time_s)
+
+
+def test_compile_seconds_are_amortised_over_the_run_length_when_given():
+    from dtorch.plan.explain import explain
+
+    cluster = parse_shorthand("cpu:1x2")
+    best, best_est = _search(cluster).best
+    fam = best.family()
+    cal = dataclasses.replace(cluster, calibration=_calibration(fam, 1.5, compile_s=60.0))
+    on = estimate(dataclasses.replace(best, compile=True), get_profile(MODEL, SEQ), cal)
+    gain = best_est.step_time_s - on.step_time_s
+    assert gain > 0
+    even = 60.0 / gain  # the run length at which compiling breaks even
+    unknown = _search(cal)  # today's behaviour: ranked by step time, the seconds only noted
+    assert unknown.best[0].compile and unknown.steps is None
+    assert "no run length given" in explain(unknown)
+    short, long_ = _search(cal, steps=max(1, int(even / 2))), _search(cal, steps=int(even * 2) + 1)
+    assert not short.best[0].compile and long_.best[0].compile
+    text = explain(long_)
+    assert "amortised s" in text and f"over {long_.steps:,} steps" in text and "what the ranking used" in text
+    with pytest.raises(ConfigError) as e:
+        _search(cal, steps=0)
+    assert e.value.field == "steps"
 
 
 def test_the_search_chooses_compile_where_calibrated_and_only_there():

@@ -60,11 +60,13 @@ DECLARED: tuple[Field, ...] = tuple(f for f in FIELDS.values() if f.plan_type is
 DECLARED_NAMES: tuple[str, ...] = tuple(f.name for f in DECLARED)
 _VARIANTS = tuple(s for s in REGISTRY if type(s).variants is not Strategy.variants)
 _NOTES = tuple(s for s in REGISTRY if type(s).notes is not Strategy.notes)
+_ONCE = tuple(s for s in REGISTRY if type(s).once_s is not Strategy.once_s)
 
 __all__ = ["REGISTRY", "FIELDS", "MESH_AXES", "FIXABLE", "FIX_ALIASES", "Dims", "Field", "Limit", "RankLoad",
            "RankShare", "Strategy", "Violation", "AC_POLICIES", "OFFLOAD_POLICIES", "SCHEDULES", "DTYPES",
            "validate", "check", "limits", "unsupported", "check_executable", "family", "describe",
-           "normalize_fixed", "penalty", "DECLARED", "declare_fields", "pinned", "variants", "notes"]
+           "normalize_fixed", "penalty", "DECLARED", "declare_fields", "pinned", "variants", "notes", "once_s",
+           "amortised_s"]
 
 
 def declare_fields(cls: type) -> type:
@@ -100,6 +102,17 @@ def variants(plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
 def notes(plan: Any, cluster: Any) -> list[str]:
     """What the strategies say `plan` costs beyond its step time."""
     return [n for s in _NOTES for n in s.notes(plan, cluster)]
+
+
+def once_s(plan: Any, cluster: Any) -> float:
+    """Seconds `plan` costs once per run beyond its steps (compilation), summed over the strategies."""
+    return sum(s.once_s(plan, cluster) for s in _ONCE)
+
+
+def amortised_s(step_time_s: float, plan: Any, cluster: Any, steps: int | None) -> float:
+    """Seconds per step over a run of `steps` steps, the one-off seconds included:
+    (step_time x steps + once_s) / steps; the step time itself when the run length is unknown."""
+    return step_time_s + once_s(plan, cluster) / steps if steps else step_time_s
 
 
 def world_size(plan: Any) -> int:

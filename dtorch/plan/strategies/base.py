@@ -184,6 +184,11 @@ class Strategy:
         """What a ranked plan costs beyond its step time (start-up seconds), for the search's notes."""
         return ()
 
+    def once_s(self, plan: Any, cluster: Any) -> float:
+        """Seconds the plan's choice costs once per run, not per step (compilation); the search
+        amortises them over the run's length when it is given."""
+        return 0.0
+
     def penalty(self, plan: Any) -> float:
         """The ranking handicap of the plan's choice (1: none); a plan departing from the plain
         choice (reduced precision, an uneven partition) must earn it."""

@@ -12,8 +12,10 @@ the global batch is the same formula: ``microbatch_size * sum(dp_shares)``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
+from dtorch.plan import hetero
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation, positive_int
 
 
@@ -55,7 +57,41 @@ class Batch(Strategy):
     def describe(self, plan: Any):
         yield 0, f"mb={plan.microbatch_size}x{plan.num_microbatches}"
         if plan.dp_shares is not None:
-            yield 1, "shares=" + "/".join(str(n) for n in plan.dp_shares)
+            yield 1, "shares=" + _runs(plan.dp_shares)
+
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+        """On a mixed cluster, `plan` with each data-parallel rank's micro-batches in proportion to
+        its speed (`hetero.dp_shares`), at its micro-batch size and at 2, 4 and 8 times smaller ones
+        (more micro-batches of the same global batch apportion more finely). Not where a
+        collective runs per micro-batch across data-parallel ranks, which would then not pair up:
+        FSDP sharding over dp_shard that gathers per micro-batch (no pipeline, or resharding), and
+        expert parallelism's all-to-all."""
+        if cluster is None or cluster.homogeneous or plan.dp_shares is not None or plan.dp < 2 or plan.ep > 1:
+            return []
+        if plan.dp_shard > 1 and (plan.pp == 1 or plan.reshard_after_forward):
+            return []
+        out = []
+        for k in (1, 2, 4, 8):
+            if plan.microbatch_size % k or (k > 1 and ("microbatch_size" in fixed or "num_microbatches" in fixed)):
+                continue
+            m = plan.num_microbatches * k
+            shares = hetero.dp_shares(cluster, plan.pp, plan.dp, plan.cp, plan.tp, m, plan.schedule, plan.param_dtype
+                                      if plan.param_dtype != "float8" else "bfloat16")
+            if shares:
+                out.append(replace(plan, microbatch_size=plan.microbatch_size // k, num_microbatches=m, dp_shares=shares))
+        return out
+
+
+def _runs(counts: list[int]) -> str:
+    """``[1, 1, 3, 3]`` -> ``1x2/3x2``: counts as runs of equal values."""
+    out, i = [], 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        out.append(str(counts[i]) + (f"x{j - i}" if j - i > 1 else ""))
+        i = j
+    return "/".join(out)
 
 
 BATCH = Batch()

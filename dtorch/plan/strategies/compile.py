@@ -10,11 +10,19 @@ the planner does not see: dropout > 0 in tensor-parallel blocks (the model profi
 dropout) and a missing compiler on the machine that runs (a C++ compiler on CPU, Triton on CUDA);
 a calibrated speed-up (below) was measured on a machine that had the compiler.
 
-Time: no term of its own. The step shape prices compiled element-wise work
-(`CostConstants.compile_elementwise_factor`) when `plan.compile` is set (`cost.step_shape` reads
-``compiled or plan.compile``). The compile seconds are paid once, at the first step; the planner
-does not know a run's length, so they are reported beside the estimate (`notes`) from the
-cluster's calibration, not put into the step time.
+Time: `prepare` and `rank_time` (cost.py reads no compile field). Where the cluster's calibration
+holds a measured speed-up for the plan's family (``calibration["compile"]["by_family"][family]``,
+any measured ratio, a slow-down too), the rank's per-micro-batch compute, recompute and host
+seconds are divided by it: the measurement is of whole steps whose communication and optimizer
+compile does not change, so the part compile does change sped up by at least that much (a
+conservative transfer to other models of the family). Where none was measured (only ``--fix
+compile=true`` sets it then, and published runs that compiled), the cost model's own guess prices
+it: the element-wise passes fused down to `CostConstants.compile_elementwise_factor` of eager.
+
+Compile seconds (`once_s`: the calibrated ``compile_s``, paid once at the first step) are not in
+the step time. With the run's length known (`dtorch plan --steps N`, the trainer's `fit(steps)`)
+the search ranks by the amortised time (step_time x steps + compile_s) / steps and the
+explanation shows it; without one they are only reported beside the estimate (`notes`).
 
 Candidates: `compile=True` is offered only where the cluster's calibration holds a measured
 speed-up above 1 for the plan's family (``calibration["compile"]["by_family"][family]``, written by
@@ -34,15 +42,22 @@ RECORD_KEY = "compile"
 """The calibration section `dtorch.parallel.compile.record_measurement` writes."""
 
 
-def measured(calibration: dict | None, family: str) -> dict | None:
-    """The calibrated compile record of plan family `family` ({speedup, compile_s, samples}) when
-    it holds a speed-up above 1, else None."""
+def measurement(calibration: dict | None, family: str) -> dict | None:
+    """The calibrated compile record of plan family `family` ({speedup, compile_s, samples}) when it
+    holds a measured speed-up (a positive eager / compiled ratio, a slow-down included), else None."""
     rec = ((calibration or {}).get(RECORD_KEY) or {}).get("by_family") or {}
     fam = rec.get(family)
     if not isinstance(fam, dict):
         return None
     speedup = fam.get("speedup")
-    return fam if isinstance(speedup, (int, float)) and speedup > 1.0 else None
+    ok = isinstance(speedup, (int, float)) and not isinstance(speedup, bool) and speedup > 0
+    return fam if ok else None
+
+
+def measured(calibration: dict | None, family: str) -> dict | None:
+    """The calibrated compile record of plan family `family` when it holds a speed-up above 1, else None."""
+    fam = measurement(calibration, family)
+    return fam if fam is not None and fam["speedup"] > 1.0 else None
 
 
 class Compile(Strategy):
@@ -64,6 +79,32 @@ class Compile(Strategy):
         if plan.compile:
             yield 65, "compile"
 
+    # ---- time ----------------------------------------------------------------------------------------
+    def prepare(self, step: Any) -> bool:
+        """A compiled plan's price (module doc): True where a measured speed-up for the plan's family
+        is in the cluster's calibration (`rank_time` applies it); otherwise the fused element-wise
+        passes of the cost model, and nothing for `rank_time`."""
+        if not step.plan.compile:
+            return False
+        rec = measurement(getattr(getattr(step, "cluster", None), "calibration", None), step.plan.family())
+        if rec is not None:
+            step.compile_speedup = float(rec["speedup"])
+            return True
+        if not step.compiled:  # (already priced so when the caller describes a published compiled run)
+            step.compiled = True
+            step.elem_s_per_byte *= step.c.compile_elementwise_factor
+        return False
+
+    def rank_time(self, step: Any, load: Any, r: Any, counts: Any) -> None:
+        """Divide the rank's compute, recompute and host seconds per micro-batch by the measured speed-up."""
+        s = step.compile_speedup
+        r.compute, r.recompute, r.host = r.compute / s, r.recompute / s, r.host / s
+
+    def once_s(self, plan: Any, cluster: Any) -> float:
+        """The calibrated compile seconds of `plan`'s family (0 when not compiled or not measured)."""
+        rec = measurement(getattr(cluster, "calibration", None), plan.family()) if plan.compile else None
+        return float(rec.get("compile_s") or 0.0) if rec is not None else 0.0
+
     # ---- search candidates -------------------------------------------------------------------------
     def candidates(self, plan: Any, fixed: dict[str, Any], calibration: dict | None) -> list[bool]:
         """The `compile` values the search tries for `plan`: the fixed one, else False, and True
@@ -83,15 +124,16 @@ class Compile(Strategy):
     def notes(self, plan: Any, cluster: Any) -> Iterator[str]:
         if not plan.compile:
             return
-        rec = measured(getattr(cluster, "calibration", None), plan.family())
+        rec = measurement(getattr(cluster, "calibration", None), plan.family())
         if rec is None:
             yield ("compile=true: no compile measurement in this cluster's calibration, so its gain is the cost "
-                   "model's and its compile seconds (paid at the first step) unknown; "
+                   "model's (fused element-wise work) and its compile seconds (paid at the first step) unknown; "
                    "measure with benchmarks/bench_compile.py")
         else:
-            yield (f"compile=true ({plan.family()}): about {rec.get('compile_s', 0.0):.0f} s of compilation at the "
-                   f"first step, not in the step time (calibrated, {rec.get('samples', 0)} measurement(s), "
-                   f"measured speed-up {rec['speedup']:.2f}x)")
+            yield (f"compile=true ({plan.family()}): priced by the measured speed-up {rec['speedup']:.2f}x "
+                   f"({rec.get('samples', 0)} measurement(s)); about {rec.get('compile_s', 0.0):.0f} s of "
+                   f"compilation at the first step, not in the step time (amortised in the ranking when the run "
+                   f"length is given: --steps N)")
 
 
 COMPILE = Compile()
