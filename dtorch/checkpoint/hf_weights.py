@@ -20,6 +20,15 @@ tensor by a transform:
   within each head;
 - ``conv``: GPT-2's Conv1D stores weights [in, out]; DTorch's nn.Linear [out, in] (transposed).
   The fused ``c_attn`` holds q, k and v side by side: `part` says which third.
+- ``stack``: mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) store one tensor per expert
+  (``...experts.{e}.w1.weight``); DTorch stacks them into [n_experts, ...] (dtorch.models.moe), and
+  a rank under expert parallelism reads only its experts;
+- ``rope_norm``: Qwen3's per-head q/k RMSNorm weight [head_dim], permuted like the rows of a head.
+
+    mixtral    MixtralForCausalLM      MoETransformer (softmax top-k, renormalised)
+    qwen2_moe  Qwen2MoeForCausalLM     MoETransformer with q/k/v biases and a gated shared expert
+    qwen3_moe  Qwen3MoeForCausalLM     MoETransformer with per-head q/k norms
+  (their Switch-style router loss is not DeepSeek's sequence-wise balance loss: aux_loss_coef = 0)
 
 `HFWeights(dir)` is what `parallelize(..., weights=)` / `Trainer(init_from=)` take: `fill_(name,
 param)` copies into a parameter (a DTensor or a tensor) the block this rank stores, reading from
@@ -46,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from dtorch.errors import ConfigError
-from dtorch.models.configs import GPTConfig, LlamaConfig, ModelConfig
+from dtorch.models.configs import GPTConfig, LlamaConfig, ModelConfig, MoEConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -61,7 +70,7 @@ class Rule:
     hf: str
     """Hugging Face tensor name."""
     kind: str = "copy"
-    """copy | rope_q | rope_k | conv (see the module docstring)."""
+    """copy | rope_q | rope_k | rope_norm | conv | stack (see the module docstring)."""
     part: tuple[int, int] = (0, 1)
     """(j, n): this tensor is the j-th of n equal pieces of the HF tensor's output dimension."""
 
@@ -102,12 +111,37 @@ _GPT2 = [
     Rule("norm.bias", "transformer.ln_f.bias"),
     Rule("output.weight", "lm_head.weight"),
 ]
-ADAPTERS: dict[str, list[Rule]] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2}
+_ATTENTION = [r for r in _LLAMA if ".feed_forward." not in r.dtorch]
+_DENSE_MLP = [r for r in _LLAMA if ".feed_forward." in r.dtorch]  # Qwen-MoE's mlp_only_layers
+
+
+def _experts(prefix: str, names: tuple[str, str, str]) -> list[Rule]:
+    """Routed experts: DTorch's stacked [n_experts, ...] weight from one HF tensor per expert."""
+    return [Rule(f"layers.{{i}}.feed_forward.experts.{w}", f"model.layers.{{i}}.{prefix}.experts.{{e}}.{n}.weight",
+                 "stack") for w, n in zip(("w1", "w2", "w3"), names)]
+
+
+_MIXTRAL = [*_ATTENTION, Rule("layers.{i}.feed_forward.router.weight", "model.layers.{i}.block_sparse_moe.gate.weight"),
+            *_experts("block_sparse_moe", ("w1", "w2", "w3"))]
+_QWEN_MOE = [*_ATTENTION, *_DENSE_MLP, Rule("layers.{i}.feed_forward.router.weight", "model.layers.{i}.mlp.gate.weight"),
+             *_experts("mlp", ("gate_proj", "down_proj", "up_proj"))]
+_QWEN3_MOE = [*_QWEN_MOE,
+              Rule("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight", "rope_norm"),
+              Rule("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", "rope_norm")]
+_QWEN2_MOE = [*_QWEN_MOE,
+              *(Rule(f"layers.{{i}}.feed_forward.shared_expert.{w}.weight", f"model.layers.{{i}}.mlp.shared_expert.{n}.weight")
+                for w, n in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))),
+              Rule("layers.{i}.feed_forward.shared_expert_gate.weight", "model.layers.{i}.mlp.shared_expert_gate.weight")]
+ADAPTERS: dict[str, list[Rule]] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2,
+                                   "mixtral": _MIXTRAL, "qwen2_moe": _QWEN2_MOE, "qwen3_moe": _QWEN3_MOE}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 """Per Hugging Face `model_type`: DTorch name <-> HF name, transform."""
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gpt2": "GPT2LMHeadModel"}
+                 "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 TIED_SOURCE = {"llama": "model.embed_tokens.weight", "mistral": "model.embed_tokens.weight",
-               "qwen2": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+               "qwen2": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight",
+               **{k: "model.embed_tokens.weight" for k in MOE_FAMILIES}}
 
 
 def _compile(rules: list[Rule]) -> list[tuple[re.Pattern, Rule]]:
@@ -164,6 +198,8 @@ def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelCo
                          ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
                          dropout=float(hf.get("resid_pdrop", 0.1)),
                          norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+    if kind in MOE_FAMILIES:
+        return _moe_config(hf, kind, refuse, max_seq_len)
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "DTorch's Llama uses SwiGLU with silu")
     if hf.get("mlp_bias"):
@@ -197,9 +233,68 @@ def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelCo
                        qkv_bias=kind == "qwen2", rope_scaling=scaling)
 
 
+def _rope_theta(hf: dict[str, Any], kind: str) -> float:
+    rope = hf.get("rope_scaling") or None
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    if rope is None and params.get("rope_type", "default") != "default":
+        rope = params
+    if rope is not None:
+        raise ConfigError("init_from", f"{kind} rope_scaling={rope}", "RoPE scaling of mixture-of-experts models is not "
+                          "supported; use a checkpoint with default RoPE")
+    theta = hf.get("rope_theta", params.get("rope_theta"))
+    return float(theta if theta is not None else 10000.0)
+
+
+def _moe_config(hf: dict[str, Any], kind: str, refuse, max_seq_len: int | None) -> MoEConfig:
+    """Mixtral, Qwen2-MoE and Qwen3-MoE config.json -> MoEConfig (dtorch.models.moe)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "DTorch's experts are SwiGLU with silu")
+    if hf.get("router_jitter_noise"):
+        refuse("router_jitter_noise", "DTorch's router adds no noise; use a config with router_jitter_noise=0")
+    if kind == "mixtral" and hf.get("sliding_window"):
+        refuse("sliding_window", "DTorch's MoE attends over the whole causal context; use sliding_window=null")
+    if kind != "mixtral" and hf.get("use_sliding_window"):
+        refuse("use_sliding_window", "DTorch's MoE attends over the whole causal context; use use_sliding_window=false")
+    if kind == "qwen3_moe" and hf.get("attention_bias"):
+        refuse("attention_bias", "DTorch's Qwen3-MoE attention has no biases")
+    heads = hf["num_attention_heads"]
+    common = dict(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+                  n_kv_heads=hf.get("num_key_value_heads") or heads,
+                  head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab_size=hf["vocab_size"],
+                  max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
+                  norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf, kind),
+                  top_k=hf["num_experts_per_tok"], score_func="softmax",
+                  aux_loss_coef=0.0)  # HF's Switch-style router loss is not DeepSeek's sequence-wise one: off
+    if kind == "mixtral":
+        return MoEConfig(**common, n_experts=hf["num_local_experts"], expert_hidden=hf["intermediate_size"],
+                         norm_topk_prob=True)
+    if hf.get("decoder_sparse_step", 1) != 1:
+        refuse("decoder_sparse_step", "DTorch's MoE puts experts in every block after the dense first ones; "
+               "use decoder_sparse_step=1")
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        refuse("mlp_only_layers", "DTorch's MoE supports dense blocks only as the first layers ([0, 1, ..., d-1])")
+    extra: dict[str, Any] = {}
+    if kind == "qwen2_moe":
+        shared, hidden = hf.get("shared_expert_intermediate_size") or 0, hf["moe_intermediate_size"]
+        if shared % hidden:
+            refuse("shared_expert_intermediate_size", f"DTorch's shared experts are n x moe_intermediate_size={hidden}")
+        extra = dict(n_shared_experts=shared // hidden, shared_expert_gate=bool(shared),
+                     qkv_bias=bool(hf.get("qkv_bias", True)))  # (older configs: always biased)
+    else:
+        extra = dict(qk_norm=True)
+    # (the Hub's Qwen configs say num_experts; transformers >= 5 writes num_local_experts)
+    return MoEConfig(**common, **extra, n_experts=hf.get("num_experts") or hf["num_local_experts"], expert_hidden=hf["moe_intermediate_size"],
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), n_dense_layers=len(dense),
+                     ffn_hidden=hf.get("intermediate_size") if dense else None)
+
+
 def hf_config(config: ModelConfig, family: str | None = None, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json for a DTorch config (`base`: the config.json it was loaded from, kept for the
     keys DTorch does not model, e.g. token ids)."""
+    if isinstance(config, MoEConfig):
+        raise ConfigError("export", "a mixture-of-experts model", "export to Hugging Face is not implemented for MoE "
+                          "models yet (loading Mixtral / Qwen-MoE checkpoints is); save DCP checkpoints instead")
     out = dict(base or {})
     for k in ("_name_or_path", "transformers_version", "auto_map"):
         out.pop(k, None)
@@ -298,6 +393,14 @@ def check_shapes(directory: str | os.PathLike, model_shapes: dict[str, tuple[int
     present = tensor_shapes(directory)
     for name, shape in model_shapes.items():
         rule, hf = _hf_name(family, name, present)
+        if rule.kind == "stack":  # one HF tensor per expert
+            for e in range(shape[0]):
+                one = hf.replace("{e}", str(e))
+                if one not in present or tuple(present[one][0]) != tuple(shape[1:]):
+                    got = list(present[one][0]) if one in present else "missing"
+                    raise ConfigError("init_from", f"{one}: {got}", f"the model's {name} needs {shape[0]} experts "
+                                      f"of shape {list(shape[1:])}; the checkpoint does not match the model")
+            continue
         if hf not in present:
             raise ConfigError("init_from", f"{directory}: no tensor {hf}",
                               f"the model's {name} needs it; is this a {family} checkpoint of this size?")
@@ -363,10 +466,22 @@ class HFWeights:
             rule, hf = Rule(name, name), name
         else:
             rule, hf = _hf_name(self.family, name, self.files)
+        box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        if rule.kind == "stack":  # experts offset[0] .. offset[0]+shape[0]-1, each its own HF tensor
+            import torch
+
+            parts = []
+            for e in range(offset[0], offset[0] + shape[0]):
+                one = hf.replace("{e}", str(e))
+                if one not in self.files:
+                    raise ConfigError("init_from", f"{self.directory}: no tensor {one}", f"the model's {name} needs it")
+                parts.append(self._slice(one)[box[1:]])
+            t = torch.stack(parts)
+            self.bytes_read += t.numel() * t.element_size()
+            return t
         if hf not in self.files:
             raise ConfigError("init_from", f"{self.directory}: no tensor {hf}", f"the model's {name} needs it")
         sl = self._slice(hf)
-        box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
         if rule.kind == "copy":
             t = sl[box] if box else sl[:]
         elif rule.kind == "conv":
@@ -379,6 +494,9 @@ class HFWeights:
             else:
                 lo = j * width + offset[0]
                 t = sl[lo:lo + shape[0]]
+        elif rule.kind == "rope_norm":  # a per-head q/k norm weight [head_dim]: its rotary pairs interleaved
+            hd = self.head_dims[2]
+            t = hf_to_interleaved(sl[:], 1, hd)[box]
         else:  # rope_q / rope_k: read the whole heads the block overlaps, un-rotate-half them
             hd = self.head_dims[2]
             r0, r1 = offset[0], offset[0] + shape[0]

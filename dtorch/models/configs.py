@@ -187,6 +187,10 @@ class MoEConfig:
     """None: dropless (every token reaches its top_k experts). A number c: each expert takes at
     most ceil(c * tokens * top_k / n_experts) assignments per forward, the later ones (in token
     order) are dropped: their gate contribution is zero and the token keeps its residual."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2-MoE)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(a learned dim -> 1 projection) (Qwen2-MoE)."""
     attention: str = "gqa"
     """'gqa' (grouped-query attention, Llama-style) or 'mla' (DeepSeek multi-head latent attention)."""
     q_lora_rank: int = 0

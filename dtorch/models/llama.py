@@ -167,17 +167,25 @@ class Llama(nn.Module):
         self.init_buffers()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        s = h.shape[1]
-        pos, seq_len = (None, s) if self.token_positions is None else self.token_positions(s, h.device)
-        if seq_len > self.config.max_seq_len:
-            raise ConfigError("seq_len", seq_len, f"at most max_seq_len={self.config.max_seq_len}; build the "
-                              "model with a larger max_seq_len (spec key seq=)")
-        if pos is None:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        else:
-            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return decoder_forward(self, tokens)
+
+
+def decoder_forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The forward of a RoPE decoder laid out as Llama (also dtorch.models.moe.MoETransformer):
+    embedding (absent on a later pipeline stage: `tokens` are then hidden states), the RoPE rows of
+    the positions (`token_positions` under context parallelism), the blocks, norm and head (absent
+    before the last stage)."""
+    h = model.tok_embeddings(tokens) if model.tok_embeddings is not None else tokens
+    s = h.shape[1]
+    pos, seq_len = (None, s) if model.token_positions is None else model.token_positions(s, h.device)
+    if seq_len > model.config.max_seq_len:
+        raise ConfigError("seq_len", seq_len, f"at most max_seq_len={model.config.max_seq_len}; build the "
+                          "model with a larger max_seq_len (spec key seq=)")
+    if pos is None:
+        cos, sin = model.rope_cos[:s], model.rope_sin[:s]
+    else:
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+    for layer in model.layers.values():
+        h = layer(h, cos, sin)
+    h = model.norm(h) if model.norm is not None else h
+    return model.output(h) if model.output is not None else h

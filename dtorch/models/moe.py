@@ -48,11 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtorch.errors import ConfigError
 from dtorch.models import init
 from dtorch.models.configs import MoEConfig
 from dtorch.models.llama import Attention as _LlamaAttention
-from dtorch.models.llama import apply_rope, rope_tables
+from dtorch.models.llama import apply_rope, decoder_forward, rope_tables
 
 __all__ = ["MoE", "MoEConfig", "MoETransformer", "GroupedExperts"]
 
@@ -216,6 +215,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config.n_experts, config.dim, config.expert_hidden)
         self.shared_expert = (SwiGLU(config.dim, config.n_shared_experts * config.expert_hidden)
                               if config.n_shared_experts else None)
+        self.shared_expert_gate = (nn.Linear(config.dim, 1, bias=False)
+                                   if config.n_shared_experts and config.shared_expert_gate else None)
         # Persistent: the auxiliary-loss-free bias is training state (checkpointed).
         self.register_buffer("expert_bias", torch.zeros(config.n_experts), persistent=True)
         # int64: exact counts, and left alone by model.to(bfloat16)
@@ -262,7 +263,10 @@ class MoE(nn.Module):
         # (under autocast the experts' matmuls return bfloat16: sum into the residual stream's dtype)
         out = torch.zeros_like(xt).index_add_(0, token, y.to(xt.dtype))
         if self.shared_expert is not None:
-            out = out + self.shared_expert(xt)
+            shared = self.shared_expert(xt)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(xt)) * shared
+            out = out + shared
         out = out.view(b, s, h)
         if self.training and c.bias_update_speed > 0:
             with torch.no_grad():
@@ -358,7 +362,9 @@ class MoETransformer(nn.Module):
         seed = 0 if seed is None else seed
         std, resid_std = 0.02, 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("bias"):  # q/k/v biases (qkv_bias), as Llama
+                init.constant_(param, 0.0)
+            elif name.endswith("norm.weight"):
                 init.constant_(param, 1.0)
             elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 init.normal_(param, resid_std, seed, name)
@@ -387,17 +393,4 @@ class MoETransformer(nn.Module):
             m.update_bias()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        s = h.shape[1]
-        pos, seq_len = (None, s) if self.token_positions is None else self.token_positions(s, h.device)
-        if seq_len > self.config.max_seq_len:
-            raise ConfigError("seq_len", seq_len, f"at most max_seq_len={self.config.max_seq_len}; build the "
-                              "model with a larger max_seq_len (spec key seq=)")
-        if pos is None:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        else:
-            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return decoder_forward(self, tokens)

@@ -55,14 +55,23 @@ __all__ = ["apply_expert_parallel", "expert_mesh", "expert_parameters", "all_red
            "apply_fsdp_with_experts", "dispatch_bytes"]
 
 
-def expert_mesh(ep: int, device_type: str = "cpu", world_size: int | None = None) -> DeviceMesh:
-    """The ``(edp, ep)`` mesh over `world_size` data-parallel ranks (default: the whole world), ep
-    innermost, with the flattened ``dp`` axis registered. Raises ConfigError if ep does not divide it."""
+def expert_mesh(ep: int, device_type: str = "cpu", world_size: int | None = None, *, tp: int = 1,
+                pp: int = 1) -> DeviceMesh:
+    """The ``([pp,] edp, ep[, tp])`` mesh over `world_size` ranks (default: the whole world): the
+    D = world/(pp*tp) data-parallel ranks split into ``(edp, ep)``, ep innermost of them, with the
+    flattened ``dp`` axis (edp x ep) registered. Axes in the order of `dtorch.parallel.mesh`
+    (pp outermost, tp innermost), so rank r has the same pp/dp/tp coordinates in both meshes, and
+    with tp > 1 the ``tp`` axis of this mesh is the one tensor parallelism must use (FSDP needs the
+    data- and tensor-parallel meshes of one parameter to share a root). Raises ConfigError if ep
+    does not divide D."""
     world = dist.get_world_size() if world_size is None else world_size
-    if not isinstance(ep, int) or ep < 1 or world % ep:
-        ok = [d for d in range(1, world + 1) if world % d == 0]
-        raise ConfigError("ep", ep, f"must divide the {world} data-parallel ranks; use ep in {ok}")
-    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    data = world // (tp * pp)
+    if not isinstance(ep, int) or ep < 1 or data % ep:
+        ok = [d for d in range(1, data + 1) if data % d == 0]
+        raise ConfigError("ep", ep, f"must divide the {data} data-parallel ranks; use ep in {ok}")
+    names = (("pp",) if pp > 1 else ()) + ("edp", "ep") + (("tp",) if tp > 1 else ())
+    shape = ((pp,) if pp > 1 else ()) + (data // ep, ep) + ((tp,) if tp > 1 else ())
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     mesh[("edp", "ep")]._flatten("dp")
     return mesh
 
@@ -77,32 +86,85 @@ def expert_parameters(model: nn.Module) -> set[int]:
     return {id(p) for m in _expert_modules(model) for p in m.parameters()}
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Keep on this rank only its 1/ep of every MoE block's experts, as DTensors Shard(0) over
-    ``mesh["ep"]``, and install the all-to-all dispatcher. `mesh`: from `expert_mesh` (axes
-    ``edp``, ``ep``; its ``dp`` axis sums the expert loads for the bias update). Works on a model on
-    the meta device too (then `init_weights` fills each rank's shard with the single-process values).
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> None:
+    """Keep on this rank only its part of every MoE block's routed experts and install the dispatcher.
 
-    Raises ConfigError when ep does not divide a block's number of experts."""
+    `mesh`: from `expert_mesh` (axes ``edp``, ``ep``; its ``dp`` axis sums the expert loads for the
+    bias update), or None without EP. `tp_mesh` (tensor parallelism, the ``tp`` axis of the same
+    root mesh): each expert is also split Megatron-style over the tp ranks, w1/w3 by rows (hidden
+    units) and w2 by columns, so that a tp rank computes a partial sum of every expert's output;
+    the dispatcher all-reduces the routed output over tp (`_ReduceFromTP`) and the gradient of its
+    input (`_CopyToTP`). TP ranks see the same tokens and route identically, so each ep group (the
+    ranks of one tp coordinate) exchanges the same rows. Expert weights become DTensors ``Shard(0)``
+    over ep and ``Shard(1)``/``Shard(2)`` over tp. Works on a meta-device model too (then
+    `init_weights` fills each rank's shard with the single-process values).
+
+    Raises ConfigError when ep does not divide a block's number of experts, or tp its expert hidden size."""
     from torch.distributed.tensor import DTensor, Shard
 
-    ep_mesh = mesh["ep"]
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    group = ep_mesh.get_group()
+    ep_mesh = mesh["ep"] if mesh is not None else None
+    ep, rank = (ep_mesh.size(), ep_mesh.get_local_rank()) if ep_mesh is not None else (1, 0)
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    if ep_mesh is not None and tp > 1:
+        place_mesh = mesh[("ep", "tp")]
+    else:
+        place_mesh = ep_mesh if ep_mesh is not None else tp_mesh
+    if place_mesh is None:
+        return
     for experts in _expert_modules(model):
-        n = experts.w1.shape[0]
+        n, hidden = experts.w1.shape[0], experts.w1.shape[1]
         if n % ep:
             ok = [d for d in range(1, n + 1) if n % d == 0]
             raise ConfigError("ep", ep, f"must divide n_experts={n}; use ep in {ok}")
-        local = n // ep
+        if hidden % tp:
+            ok = [d for d in range(1, hidden + 1) if hidden % d == 0]
+            raise ConfigError("tp", tp, f"must divide the expert hidden size {hidden} of a MoE model; use tp in {ok}")
+        local, t_rank = n // ep, (tp_mesh.get_local_rank() if tp > 1 else 0)
         for name, p in list(experts.named_parameters(recurse=False)):
-            shard = p.detach()[rank * local:(rank + 1) * local].clone()
-            dt = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
+            shard = p.detach()[rank * local:(rank + 1) * local]
+            placements = [Shard(0)] if ep_mesh is not None else []
+            if tp > 1:  # w1, w3 [E, hidden, dim]: rows; w2 [E, dim, hidden]: columns
+                hdim = 2 if name == "w2" else 1
+                shard = shard.narrow(hdim, t_rank * (hidden // tp), hidden // tp)
+                placements.append(Shard(hdim))
+            dt = DTensor.from_local(shard.clone(), place_mesh, placements, run_check=False)
             setattr(experts, name, nn.Parameter(dt, requires_grad=p.requires_grad))
-        experts.dispatcher = partial(_dispatch, group=group, ep=ep)
-    if hasattr(type(model), "load_all_reduce"):
+        experts.dispatcher = partial(_dispatch, group=ep_mesh.get_group() if ep_mesh is not None else None, ep=ep,
+                                     tp_group=tp_mesh.get_group() if tp > 1 else None)
+    if hasattr(type(model), "load_all_reduce") and mesh is not None:
         dp_group = mesh["dp"].get_group()
         model.load_all_reduce = partial(dist.all_reduce, group=dp_group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over tp (each tp rank's experts hold a
+    slice of the hidden units, so each contributes a partial gradient of their common input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce (sum) of the tp ranks' partial expert outputs; backward passes the (replicated)
+    gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -133,20 +195,27 @@ def _expert_major(recv: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _dispatch(experts: nn.Module, x: torch.Tensor, counts: list[int], *, group, ep: int) -> torch.Tensor:
-    """The GroupedExperts.dispatcher of expert parallelism (see the module docstring, steps 2-5)."""
-    local = len(counts) // ep
-    send = torch.tensor(counts, dtype=torch.int64, device=x.device)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    send_m, recv_m = send.view(ep, local).cpu(), recv.view(ep, local).cpu()
-    in_splits, out_splits = send_m.sum(1).tolist(), recv_m.sum(1).tolist()
-    received = _AllToAll.apply(x, out_splits, in_splits, group)
-    order = _expert_major(recv_m).to(x.device)
-    y = experts.compute(received[order], recv_m.sum(0).tolist())
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=x.device)
-    return _AllToAll.apply(y[back], in_splits, out_splits, group)
+def _dispatch(experts: nn.Module, x: torch.Tensor, counts: list[int], *, group, ep: int, tp_group=None) -> torch.Tensor:
+    """The GroupedExperts.dispatcher of expert (and expert-tensor) parallelism (see the module
+    docstring, steps 2-5; with `tp_group`, the tp reductions of `apply_expert_parallel`)."""
+    if tp_group is not None:
+        x = _CopyToTP.apply(x, tp_group)
+    if ep == 1:
+        y = experts.compute(x, counts)
+    else:
+        local = len(counts) // ep
+        send = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send_m, recv_m = send.view(ep, local).cpu(), recv.view(ep, local).cpu()
+        in_splits, out_splits = send_m.sum(1).tolist(), recv_m.sum(1).tolist()
+        received = _AllToAll.apply(x, out_splits, in_splits, group)
+        order = _expert_major(recv_m).to(x.device)
+        y = experts.compute(received[order], recv_m.sum(0).tolist())
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=x.device)
+        y = _AllToAll.apply(y[back], in_splits, out_splits, group)
+    return _ReduceFromTP.apply(y, tp_group) if tp_group is not None else y
 
 
 def dispatch_bytes(counts_sent: list[int], hidden: int, element_bytes: int, rank: int, ep: int) -> int:

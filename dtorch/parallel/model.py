@@ -160,6 +160,20 @@ class ParallelModel:
         dist.all_reduce(buf)
         return (buf / (dist.get_world_size() // self.plan.pp)).cpu()
 
+    @torch.no_grad()
+    def update_expert_bias(self) -> bool:
+        """After an optimizer step: the auxiliary-loss-free expert bias update of a MoE model
+        (`dtorch.models.moe.MoETransformer.update_expert_bias`, on every pipeline stage this rank
+        holds; loads summed over the ranks that route different tokens, installed by `parallelize`).
+        True if the model has such a bias (False: nothing to do)."""
+        found = False
+        for part in self.model_parts:
+            part = getattr(part, "module", part)  # a DDP wrapper
+            if getattr(getattr(part, "config", None), "bias_update_speed", 0) > 0 and hasattr(part, "update_expert_bias"):
+                part.update_expert_bias()
+                found = True
+        return found
+
     # ---- parameters ----------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
         for part in self.model_parts:

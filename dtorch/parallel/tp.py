@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 from functools import partial
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -37,6 +39,12 @@ ROLE_BY_NAME = {
     # DTorch reference models (torchtitan names)
     "wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise",
     "w1": "colwise", "w3": "colwise", "w2": "rowwise",
+    # mixtures of experts (dtorch.models.moe): the router is small and must see whole tokens; the
+    # routed experts are not Linear layers and are split by dtorch.parallel.expert instead
+    "router": "replicate", "shared_expert_gate": "replicate",
+    # DeepSeek's latent attention: the low-rank down-projections stay whole (their output is the
+    # shared latent every head reads), the up-projections split by heads
+    "wq_a": "replicate", "wkv_a": "replicate", "wq_b": "colwise", "wkv_b": "colwise",
     # Hugging Face Llama
     "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
     "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise",
@@ -123,6 +131,37 @@ def _gather_first_input(module: nn.Module, args: tuple, kwargs: dict, *, mesh: D
     return args, {**kwargs, name: gather(kwargs[name])}
 
 
+class _AllReduceGradTail(torch.autograd.Function):
+    """Identity forward; backward all-reduces the last `width` features of the gradient over `group`."""
+
+    @staticmethod
+    def forward(ctx, x, width: int, group):
+        ctx.width, ctx.group = width, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        tail = grad[..., -ctx.width:].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.width:] = tail
+        return grad, None, None
+
+
+def _shared_rope_key_hook(module: nn.Module, args: tuple, output, *, width: int, group):
+    return _AllReduceGradTail.apply(output, width, group)
+
+
+def fix_latent_attention(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """DeepSeek's latent attention (dtorch.models.moe.MLAttention) under TP: the one RoPE key that all
+    heads share is the last qk_rope_head_dim outputs of the replicated `wkv_a`; each tp rank's heads
+    give only their part of its gradient, which is summed over tp here (the latent's part is summed
+    already where the column-wise `wkv_b` takes its input)."""
+    for mod in block.modules():
+        if hasattr(mod, "wkv_a") and isinstance(getattr(mod, "rope", None), int):
+            mod.wkv_a.register_forward_hook(partial(_shared_rope_key_hook, width=mod.rope, group=tp_mesh.get_group()))
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: bool, last_stage: bool = True) -> None:
     """Parallelise `model` (one pipeline stage or the whole model) in place over `tp_mesh`.
 
@@ -162,6 +201,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
     for name, block in items:
         bplan = block_plan(block, f"{path}.{name}", sp)
         parallelize_module(block, tp_mesh, bplan)
+        fix_latent_attention(block, tp_mesh)
         if sp:
             gather_sequence_on_entry(block, bplan, tp_mesh)
     if sp:

@@ -661,6 +661,8 @@ class Trainer:
                     for o in self.optimizers:
                         o.step()
                         o.zero_grad(set_to_none=True)
+                    # a MoE with auxiliary-loss-free balancing moves its expert biases toward even load
+                    self.parallel.update_expert_bias()
                     lr = self.schedulers[0].get_last_lr()[0]
                     for s in self.schedulers:
                         s.step()

@@ -2,11 +2,14 @@
 
 The plans are `dtorch.plan.search.search`'s for `moe-tiny` on `cpu:1x4` (the ranked top plans and
 the best plan of every family, expert parallelism among them), plus the best plan with ep fixed to
-each value the planner allows (`--fix ep=2`, `--fix ep=4`), so that `parallelize()` is seen to
+each value the planner allows (`--fix ep=2`, `--fix ep=4`) and the plans of `--fix tp=2`, so that `parallelize()` is seen to
 honour `plan.ep`. Each runs one forward/backward through `parallelize()` in one group of 4 gloo
 processes; the loss must be finite and within 2% of the float32 single-process loss (bfloat16
 rounding). Then, through the same `parallelize()` path in float32, 5 AdamW steps of EP (ep=2, ep=4,
-ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks give per-step losses within 1e-5 relative, and
+ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks, and EP x TP
+(dp_shard=2 x tp=2, ep=2) on moe-tiny and deepseek-tiny (its latent attention split by heads), and
+EP x PP (pp=2 x dp_shard=2, ep=2, 1F1B; interleaved with 2 stages per rank), give
+per-step losses within 1e-5 relative, and
 gradient norms (`clip_grad_norm_` over the EP-sharded DTensors) within 1e-4, of one process on the
 global batch. About 45 s wall on the shared 2-core machine (one group of 4 processes for all cases).
 """
@@ -39,6 +42,8 @@ def _planner_plans() -> dict[str, dict]:
     results = [search(prof, cluster, global_batch=GLOBAL_BATCH, seq_len=_training.SEQ)]
     results += [search(prof, cluster, global_batch=GLOBAL_BATCH, seq_len=_training.SEQ, fixed={"ep": ep}, top_k=1)
                 for ep in (2, 4)]
+    # tensor parallelism of a MoE is searched when tp is fixed (expert-tensor parallelism)
+    results += [search(prof, cluster, global_batch=GLOBAL_BATCH, seq_len=_training.SEQ, fixed={"tp": 2})]
     for res in results:
         for plan, _ in [*res.ranked, *res.best_by_family.values()]:
             d = {k: v for k, v in plan.to_dict().items() if k not in ("predicted", "version")}
@@ -54,13 +59,22 @@ EXACT = {
     "fsdp4_ep2_ac_full": dict(dp_shard=4, ep=2, ac="full", microbatch_size=2),
     # gradient accumulation: the balance loss's gradient is divided by m like the LM loss's
     "fsdp4_ep2_2mb": dict(dp_shard=4, ep=2, microbatch_size=1, num_microbatches=2),
+    # EP x TP: experts split over ep=2 data-parallel ranks and their hidden units over tp=2, the
+    # rest FSDP over dp=2 x TP (dtorch.parallel.expert, "expert-tensor parallelism")
+    "fsdp2_tp2_ep2": dict(dp_shard=2, tp=2, ep=2, microbatch_size=4),
+    "fsdp2_tp2_ep2_deepseek": dict(model="deepseek-tiny", dp_shard=2, tp=2, ep=2, microbatch_size=4),
+    "fsdp2_tp2_deepseek": dict(model="deepseek-tiny", dp_shard=2, tp=2, microbatch_size=4),
+    # EP x PP: each pipeline stage's experts over its own 2 data-parallel ranks
+    "pp2_fsdp2_ep2_1f1b": dict(pp=2, dp_shard=2, ep=2, microbatch_size=2, num_microbatches=2, schedule="1f1b"),
+    "pp2v2_fsdp2_ep2_interleaved": dict(model="moe-tiny:layers=4", pp=2, dp_shard=2, ep=2, microbatch_size=2,
+                                        num_microbatches=2, schedule="interleaved_1f1b", virtual_stages=2),
 }
 
 
 def _worker(case: tuple[str, dict], rank: int) -> dict:
     kind, fields = case
     if kind == "exact":
-        return _training.parallel({"model": MODEL, **fields}, rank)
+        return _training.parallel({"model": MODEL} | fields, rank)
     return _one_step(fields)
 
 
@@ -78,7 +92,9 @@ def _one_step(fields: dict) -> dict:
     rows = slice(pm.dp_rank * local, (pm.dp_rank + 1) * local)
     experts = [m for part in pm.model_parts for m in part.modules() if hasattr(type(m), "dispatcher")]
     return {"loss": float(pm.forward_backward(x[rows], y[rows])),
-            "ep_dispatch": any(m.dispatcher is not None for m in experts)}
+            "ep_dispatch": max([m.dispatcher.keywords["ep"] for m in experts if m.dispatcher is not None] or [1]),
+            "tp_experts": any(m.dispatcher is not None and m.dispatcher.keywords["tp_group"] is not None
+                              for m in experts)}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +103,8 @@ def results() -> list:
 
 
 @cache
-def _reference() -> dict:
-    return _training.single_process(GLOBAL_BATCH, MODEL)
+def _reference(model: str = MODEL) -> dict:
+    return _training.single_process(GLOBAL_BATCH, model)
 
 
 def _reference_first_loss() -> float:
@@ -105,14 +121,15 @@ def test_moe_planner_plan_runs_one_training_step(results: list, index: int) -> N
     fields = PLANS[index]
     for r, res in enumerate(results[index]):
         assert "error" not in res, f"rank {r} {fields}:\n{res['error']}"
-        assert res["ep_dispatch"] == (fields["ep"] > 1)  # plan.ep honoured: the all-to-all dispatcher
+        assert res["ep_dispatch"] == fields["ep"]  # plan.ep honoured: the all-to-all dispatcher over ep ranks
+        assert res["tp_experts"] == (fields["tp"] > 1)  # and plan.tp: the experts' hidden units split
         assert math.isfinite(res["loss"])
         assert res["loss"] == pytest.approx(_reference_first_loss(), rel=2e-2)
 
 
 @pytest.mark.parametrize("name", list(EXACT))
 def test_expert_parallel_plans_match_one_process_in_float32(results: list, name: str) -> None:
-    ref = _reference()
+    ref = _reference(EXACT[name].get("model", MODEL))
     for r, res in enumerate(results[len(PLANS) + list(EXACT).index(name)]):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
         assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5)

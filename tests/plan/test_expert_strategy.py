@@ -36,12 +36,17 @@ def test_ep_must_divide_the_data_parallel_ranks_and_the_experts():
 def test_limits_mirror_the_executor_wiring():
     assert unsupported(Plan(dp_shard=4, ep=2)) is None
     assert unsupported(Plan(dp_shard=4, ep=2, ac="full")) is None
-    for plan in (Plan(dp_shard=2, tp=2, ep=2), Plan(pp=2, dp_shard=2, ep=2), Plan(dp_shard=2, cp=2, ep=2),
+    assert unsupported(Plan(dp_shard=2, tp=2, ep=2)) is None  # EP x TP (expert-tensor parallelism)
+    assert unsupported(Plan(pp=2, dp_shard=2, ep=2)) is None  # EP x PP
+    for plan in (Plan(dp_shard=2, cp=2, ep=2),
                  Plan(dp_replicate=4, ep=2), Plan(dp_shard=4, ep=2, ac="selective"),
                  Plan(dp_shard=4, ep=2, offload="params")):
         with pytest.raises(ConfigError) as e:
             check_executable(plan)
         assert e.value.field == "ep"
+    with pytest.raises(ConfigError) as e:  # MoE blocks do not route sequence shards
+        check_executable(Plan(dp_shard=2, tp=2, ep=2, sp=True))
+    assert e.value.field == "sp"
 
 
 def test_fix_ep():
@@ -119,4 +124,21 @@ def test_deepseek_v3_on_256_h100s_gets_a_fitting_expert_parallel_plan():
     assert res.ranked
     plan, est = res.best
     assert est.fits and plan.ep > 1 and unsupported(plan) is None
-    assert all(p.tp == 1 for p, _ in res.ranked)  # no TP roles for routers/experts in the executor
+    assert not any(p.sp for p, _ in res.ranked)  # TP of a MoE runs without sequence parallelism
+
+
+def test_zero_bubble_is_refused_for_a_moe_before_any_process_group():
+    """Zero-bubble's split backward loses part of a MoE block's gradients (torch 2.13): parallelize
+    refuses it, and the search never offers it for a MoE model."""
+    from functools import partial
+
+    from dtorch.models import build_model
+    from dtorch.parallel import parallelize
+    from dtorch.train.losses import next_token
+
+    plan = Plan(pp=2, dp_shard=2, microbatch_size=1, num_microbatches=2, schedule="zero_bubble")
+    with pytest.raises(ConfigError) as e:
+        parallelize(partial(build_model, "moe-tiny"), plan, loss_fn=next_token, seq_len=16)
+    assert e.value.field == "schedule"
+    res = search(get_profile("moe-tiny", 16), parse_shorthand("cpu:1x4"), global_batch=8, seq_len=16)
+    assert not any(p.schedule == "zero_bubble" for p, _ in [*res.ranked, *res.best_by_family.values()])

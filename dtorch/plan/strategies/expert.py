@@ -7,8 +7,12 @@ Executor half: `dtorch.parallel.expert` (applied by `dtorch.parallel.parallelize
 Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replicate*dp_shard*cp
 (what `expert_mesh` requires). `ep` is not a mesh axis of its own: the world is unchanged.
 
-Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the world's ranks
-(dp_shard = world: no TP, PP, CP, DDP/HSDP replicas, parameter offload, selective AC or compile).
+Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the data-parallel ranks
+(dp_shard = world / (pp*tp)), optionally with TP (sp=false: the routed experts' hidden units split
+over tp, expert-tensor parallelism) and PP (each stage's ep groups are its own data-parallel ranks;
+zero-bubble is refused for MoE models by parallelize and skipped by the search); no CP, DDP/HSDP replicas, parameter offload, selective AC or
+compile. With TP each MoE block all-reduces its routed output (top_k rows per token) over tp
+forward and the input gradient backward, priced here on top of the TP strategy's collectives.
 
 Time, per MoE block per micro-batch on the rank with the most traffic: the count exchange (latency)
 plus dispatch and combine all-to-alls forward, the same two in backward (autograd's reverse
@@ -28,6 +32,8 @@ reduce-scattered over edp only).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
@@ -57,7 +63,7 @@ def expert_params_per_block(profile: Any) -> float:
 
 def mean_block_params(profile: Any) -> float:
     """Parameters of an average block: a MoE model's dense first blocks are smaller (the even
-    pipeline split the executor runs with ep > 1 is pp = 1, so the mean is exact there)."""
+    mean is exact without PP; a pipeline stage holding the dense blocks is approximated by it)."""
     if not profile.num_dense_layers:
         return float(profile.params_per_block)
     L, d = profile.num_layers, profile.num_dense_layers
@@ -71,23 +77,60 @@ def mean_block_flops(profile: Any) -> float:
     return ((L - d) * profile.flops_per_token_block + d * profile.flops_per_token_dense_block) / L
 
 
-def all_to_all_time(nbytes: float, ep: int, stride: int, group: Any) -> float:
+def all_to_all_time(nbytes: float, ep: int, stride: int, group: Any, *, node_limit: int | None = None,
+                    top_k: int = 1) -> float:
     """Seconds of one all-to-all where every rank of an `ep`-rank group at rank stride `stride`
     holds `nbytes` to scatter evenly over the group (its own 1/ep stays). Pairwise exchange:
     intra-node share (k-1)/ep at NVLink bandwidth with a latency per peer, the off-node share
-    (ep-k)/ep through the rank's own NIC with a latency per remote node."""
+    (ep-k)/ep through the rank's own NIC with a latency per remote node.
+
+    `node_limit` (a what-if of DeepSeek-V3's dispatch kernels, not what dtorch.parallel.expert does):
+    node-limited routing with one copy per destination node. `nbytes` holds `top_k` copies of every
+    token; each token reaches min(node_limit, nodes, top_k) nodes, so only that many copies, times
+    the remote share (nodes-1)/nodes, cross the NICs, and NVLink fans them out to the experts."""
     if ep <= 1 or nbytes <= 0:
         return 0.0
     dpn = group.devices_per_node
     k = 1 if stride >= dpn else min(ep, max(1, dpn // stride))
     m = -(-ep // k)
     intra, inter = group.intra, group.inter
+    intra_bytes, inter_bytes = nbytes * (k - 1) / ep, nbytes * (ep - k) / ep
+    if node_limit is not None and m > 1:
+        inter_bytes = nbytes / top_k * min(node_limit, m, top_k) * (m - 1) / m
+        intra_bytes = nbytes * (k - 1) / k
     t = 0.0
     if k > 1:
-        t += nbytes * (k - 1) / ep / (intra.bandwidth * intra.efficiency) + (k - 1) * intra.latency
+        t += intra_bytes / (intra.bandwidth * intra.efficiency) + (k - 1) * intra.latency
     if m > 1:
-        t += nbytes * (ep - k) / ep / (inter.bandwidth * inter.efficiency) + (m - 1) * inter.latency
+        t += inter_bytes / (inter.bandwidth * inter.efficiency) + (m - 1) * inter.latency
     return t
+
+
+@dataclass(frozen=True)
+class Dispatcher:
+    """How the executor moves tokens, as the cost model prices it. The default is what
+    dtorch.parallel.expert does; the other settings describe DeepSeek-V3's own system (report
+    arXiv:2412.19437 sec. 3.2) for what-if estimates only: `Expert.limits` is unchanged, so the
+    planner never ranks a DTorch plan by them."""
+
+    overlap: bool = False
+    """False: every all-to-all is waited for (exposed). True: hidden under the compute of another
+    micro-batch (DualPipe): exposed only beyond the rank's compute, and the overlapped compute runs
+    on the SMs the communication kernels leave free (`comm_sm_share`)."""
+    comm_sm_share: float = 20 / 132
+    """Share of an H800/H100's 132 SMs the overlapped communication kernels occupy (DeepSeek: 20)."""
+    node_limit: int | None = None
+    """Node-limited routing deduplicated on the NIC (DeepSeek-V3: at most 4 nodes per token); None:
+    top_k copies per token, as the executor sends."""
+    dispatch_bytes: float | None = None
+    """Bytes per element of the dispatch-direction all-to-alls (forward dispatch, backward gradient
+    dispatch; DeepSeek: FP8, 1); None: the activation width. Combines stay at the activation width."""
+
+
+EXECUTOR_DISPATCH = Dispatcher()
+DEEPSEEK_V3_DISPATCH = Dispatcher(overlap=True, node_limit=4, dispatch_bytes=1.0)
+"""DeepSeek-V3's training system (report sec. 3.2.2 and 3.3): DualPipe overlap, node-limited
+routing over at most 4 nodes, FP8 dispatch and BF16 combine, 20 SMs for communication."""
 
 
 class Expert(Strategy):
@@ -96,6 +139,19 @@ class Expert(Strategy):
     fields = (Field("ep", "int", aliases=("expert_parallel",)),)
     family_fields = ("ep",)
     load_imbalance: float = LOAD_IMBALANCE
+    dispatcher: Dispatcher = EXECUTOR_DISPATCH
+    """What the all-to-alls cost (see Dispatcher); replaced only inside `what_if`."""
+
+    @contextmanager
+    def what_if(self, dispatcher: Dispatcher):
+        """Estimates inside this block price the all-to-alls as `dispatcher` moves them (another
+        system's executor, e.g. DEEPSEEK_V3_DISPATCH): for comparisons with published figures, never
+        for ranking DTorch's plans."""
+        saved, self.dispatcher = self.dispatcher, dispatcher
+        try:
+            yield
+        finally:
+            self.dispatcher = saved
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
         ep = plan.ep
@@ -119,10 +175,13 @@ class Expert(Strategy):
     def limits(self, plan: Any) -> Iterator[Limit]:
         if plan.ep == 1:
             return
-        if plan.tp > 1 or plan.pp > 1 or plan.cp > 1 or plan.dp_replicate > 1:
-            yield Limit("expert parallelism is wired into parallelize() only with FSDP over all ranks "
-                        "(no tp, pp, cp or dp_replicate)", "ep", plan.ep,
-                        "use ep=1, or dp_shard = the world size with tp=pp=cp=dp_replicate=1")
+        if plan.cp > 1 or plan.dp_replicate > 1:
+            yield Limit("expert parallelism is wired into parallelize() only with FSDP over all data-parallel ranks "
+                        "(no cp or dp_replicate)", "ep", plan.ep,
+                        "use ep=1, or dp_shard = world size / tp with cp=dp_replicate=1")
+        elif plan.tp > 1 and plan.sp:
+            yield Limit("expert parallelism with sequence parallelism is not implemented (the MoE blocks would "
+                        "route sequence shards)", "sp", plan.sp, "use sp=false with ep and tp")
         elif plan.offload == "params":
             yield Limit("expert parallelism with FSDP parameter offload is not implemented", "ep", plan.ep,
                         "use ep=1 or offload=none")
@@ -155,11 +214,15 @@ class Expert(Strategy):
         plan, prof = step.plan, step.profile
         if plan.ep == 1 or not prof.num_experts:
             return False
-        ep = plan.ep
+        ep, d = plan.ep, self.dispatcher
         # each rank's assignments of one micro-batch (its tokens / cp, top_k each), hidden wide
-        nbytes = step.tokens_mb / plan.cp * prof.experts_per_token * step.h * step.act_b * self.load_imbalance
+        rows = step.tokens_mb / plan.cp * prof.experts_per_token * step.h * self.load_imbalance
+        nbytes = rows * step.act_b
         st = step.st_fs  # ep is the innermost part of the FSDP (dp_shard x cp) group
-        step.ep_a2a = all_to_all_time(nbytes, ep, st, step.g)
+        kw = dict(node_limit=d.node_limit, top_k=prof.experts_per_token)
+        step.ep_a2a = all_to_all_time(nbytes, ep, st, step.g, **kw)  # a combine
+        step.ep_a2a_dispatch = (all_to_all_time(rows * d.dispatch_bytes, ep, st, step.g, **kw)
+                                if d.dispatch_bytes else step.ep_a2a)
         step.ep_counts = all_to_all_time(8.0 * prof.num_experts, ep, st, step.g)  # the count exchange
         step.ep_bytes = nbytes * (ep - 1) / ep
         return True
@@ -167,9 +230,19 @@ class Expert(Strategy):
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         plan, prof = step.plan, step.profile
         moe_blocks = load.blocks * moe_fraction(prof)
-        n_a2a = 4 + (2 if plan.ac == "full" else 0)  # dispatch + combine, forward and backward (+ recompute)
+        n_pairs = 2 + (1 if plan.ac == "full" else 0)  # (dispatch, combine) forward, backward (+ recompute)
         n_counts = 1 + (1 if plan.ac == "full" else 0)
-        r.ep = moe_blocks * (n_a2a * step.ep_a2a + n_counts * step.ep_counts)
+        r.ep = moe_blocks * (n_pairs * (step.ep_a2a + step.ep_a2a_dispatch) + n_counts * step.ep_counts)
+        if self.dispatcher.overlap:  # hidden under the rank's compute, which loses the SMs that communicate
+            busy, f = r.compute + r.recompute, self.dispatcher.comm_sm_share
+            r.ep = max(0.0, r.ep - busy) + min(r.ep, busy) * f / (1.0 - f)
+        if plan.tp > 1 and getattr(step, "tp_act", 0.0):
+            # expert-tensor parallelism (dtorch.parallel.expert): the routed output, one row per
+            # assignment, is all-reduced over tp forward and its input gradient backward (+ recompute);
+            # without shared experts that replaces the dense MLP's all-reduce the TP strategy counts
+            rows = prof.experts_per_token - (0 if prof.num_shared_experts else 1)
+            n_ar = 2 + (1 if plan.ac == "full" else 0)
+            r.ep += moe_blocks * n_ar * 2.0 * step.tp_act * rows * step.c.tp_exposed
         if self.load_imbalance > 1.0:  # the hottest rank's routed experts compute more than the mean
             routed = 6.0 * prof.experts_per_token * prof.params_per_expert * (1 + (plan.ac == "full") / 3.0)
             r.ep += (self.load_imbalance - 1.0) * step.tokens_mb / plan.cp * moe_blocks * routed / step.speed
@@ -200,12 +273,13 @@ def routing_traffic(plan: Any, profile: Any, devices_per_node: int) -> str | Non
     act_b = 4 if plan.param_dtype == "float32" else (1 if plan.param_dtype == "float8" else 2)
     tokens = plan.microbatch_size * profile.seq_len / plan.cp
     nbytes = tokens * profile.experts_per_token * profile.hidden * act_b * (plan.ep - 1) / plan.ep
-    blocks = profile.num_layers - profile.num_dense_layers
+    blocks = (profile.num_layers - profile.num_dense_layers) / plan.pp  # a pipeline rank routes its stage's
     stride = plan.tp
     k = 1 if stride >= devices_per_node else min(plan.ep, devices_per_node // stride)
     where = "inside one node (NVLink)" if k >= plan.ep else \
         f"over {-(-plan.ep // k)} nodes ({(plan.ep - k) / plan.ep:.0%} of it through the NICs)"
     per_step = nbytes * 4 * blocks * plan.num_microbatches
+    stage = " per pipeline stage" if plan.pp > 1 else ""
     return (f"routing: ep={plan.ep} all-to-all {where}; {nbytes / 2**20:,.1f} MiB per rank per MoE block per "
             f"micro-batch each way (dispatch, combine, x2 in backward: {per_step / 2**30:,.1f} GiB per rank per step "
-            f"over {blocks} MoE blocks, load imbalance {EXPERT.load_imbalance:g})")
+            f"over {blocks:.3g} MoE blocks{stage}, load imbalance {EXPERT.load_imbalance:g})")
