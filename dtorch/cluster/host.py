@@ -16,22 +16,17 @@ the copy bandwidth", the rule the cost model used before.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 
-def _rate(fn, work: float, min_time: float, reps: int = 3) -> float:
-    """`work` / the best seconds of one call of `fn` (after a warm-up), repeated for `min_time`."""
-    fn()
-    best = float("inf")
-    t_end = time.perf_counter() + min_time
-    n = 0
-    while n < reps or time.perf_counter() < t_end:
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-        n += 1
-    return work / best
+def _rate(fn, work: float, min_time: float, device: Any = None) -> float:
+    """`work` per second of `fn`: the probe's timing (the median of three blocks of back-to-back
+    calls, each at least `min_time`; the throughput a rank gets, descheduled time included)."""
+    import torch
+
+    from dtorch.cluster.probe import _timeit
+
+    return work / _timeit(fn, device if device is not None else torch.device("cpu"), min_time=min_time)
 
 
 def measure_host_optimizer(numel: int = 4 * 2**20, min_time: float = 0.1, device: Any = None) -> dict:
@@ -48,23 +43,14 @@ def measure_host_optimizer(numel: int = 4 * 2**20, min_time: float = 0.1, device
             p.grad = torch.randn(n)
         kw = {"fused": True} if fused else {}
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **kw)
-        # the loop kernel is ~10x slower: one timed step after the warm-up
-        out[name] = _rate(opt.step, 4.0 * n, min_time if fused else 0.0, 3 if fused else 1)
+        out[name] = _rate(opt.step, 4.0 * n, min_time if fused else min_time / 4)  # (the loop: ~10x slower)
     if device is not None and getattr(device, "type", str(device)) == "cuda":
         host = torch.empty(4 * n, dtype=torch.float32, pin_memory=True)
         dev = torch.empty(4 * n, dtype=torch.float32, device=device)
         nbytes = 4.0 * 4 * n
 
-        def h2d():
-            dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(device)
-
-        def d2h():
-            host.copy_(dev, non_blocking=True)
-            torch.cuda.synchronize(device)
-
-        out["h2d_bytes_per_s"] = _rate(h2d, nbytes, min_time)
-        out["d2h_bytes_per_s"] = _rate(d2h, nbytes, min_time)
+        out["h2d_bytes_per_s"] = _rate(lambda: dev.copy_(host, non_blocking=True), nbytes, min_time, device)
+        out["d2h_bytes_per_s"] = _rate(lambda: host.copy_(dev, non_blocking=True), nbytes, min_time, device)
     return out
 
 
