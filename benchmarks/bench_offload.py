@@ -3,7 +3,7 @@ Llama trained in memory, with the host tier and with the NVMe tier (state and fp
 files), each tier with its step after the backward and overlapped with it, against the planner's
 prediction; plus the disk bandwidth the NVMe tier reached and the disk probe's figures.
 
-    .venv/bin/python -m benchmarks.bench_offload [--steps 3] [--dir /local/nvme/tmp] [--quick]
+    .venv/bin/python -m benchmarks.bench_offload [--steps 7] [--dir /local/nvme/tmp] [--quick]
 
 Each run is its own process (its peak RSS is its own), one after the other, with the same optimizer
 kernel (torch's fused CPU AdamW) and no gradient clipping (so the overlap applies) so the step
@@ -30,8 +30,10 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = dict(dim=1024, n_layers=26, n_heads=16, n_kv_heads=4, vocab_size=8192, max_seq_len=256)
 SEQ = 32
-RUNS = ("none", "host", "host_overlap", "nvme", "nvme_overlap")
-"""In-memory; each tier with its step after the backward and overlapped with the backward."""
+RUNS = ("none", "host", "nvme")
+"""In-memory, the host tier, the NVMe tier. A tier's run alternates its steps between the step after
+the backward (odd steps, the first one a warm-up) and the step overlapped with it (even steps), so
+the two are compared under the same load."""
 
 
 def _probe(directory: str, quick: bool) -> dict:
@@ -100,33 +102,48 @@ def _child(run: str, steps: int, directory: str, log_dir: str, quick: bool) -> d
     from dtorch.train.trainer import Trainer
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    tier, overlap = run.split("_")[0], run.endswith("_overlap")
-    offload = {"none": None, "host": OptimizerOffload("host", overlap=overlap),
-               "nvme": OptimizerOffload("nvme", directory=directory, params_on_disk=True, overlap=overlap)}[tier]
+    tier = run
+    offload = {"none": None, "host": OptimizerOffload("host"),
+               "nvme": OptimizerOffload("nvme", directory=directory, params_on_disk=True)}[tier]
     probe = _probe(directory, quick) if offload is not None else None
     cfg = LlamaConfig(**MODEL)
     tr = Trainer(model=lambda: Llama(cfg), plan=Plan(microbatch_size=1), global_batch=1, seq_len=SEQ,
                  optimizer=AdamW(lr=1e-4, fused=True), offload=offload or "none", console=False, straggler_every=0,
                  metrics_every=0, log_dir=log_dir, max_grad_norm=None)
-    fb_times: list[float] = []
-    opt_times: list[float] = []
-
-    def timed(fn, into):
-        def call(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            into.append(time.perf_counter() - t)
-            return out
-        return call
-
+    per_step: list[dict] = []
     build = tr._build_optimizers
 
-    def build_timed():  # (fit() builds the model and optimizer: their phases are timed from here)
+    def build_timed():  # (fit() builds the model and the optimizer: their phases are timed from here)
         opts = build()
-        tr.parallel.forward_backward = timed(tr.parallel.forward_backward, fb_times)
-        t0 = []
-        opts[0].register_step_pre_hook(lambda *a: t0.append(time.perf_counter()))
-        opts[0].register_step_post_hook(lambda *a: opt_times.append(time.perf_counter() - t0.pop()))
+        opt, fb = opts[0], tr.parallel.forward_backward
+        ov = getattr(opt, "_overlap", None)
+        if ov is not None:
+            ov.enabled = False  # step 1 after the backward; then on, off, on, ...
+        last = dict(getattr(opt, "stats", {}))
+
+        def timed_fb(*a, **k):
+            t = time.perf_counter()
+            out = fb(*a, **k)
+            per_step.append({"fb_s": time.perf_counter() - t, "overlap": bool(ov is not None and ov.enabled)})
+            return out
+
+        def pre(*a):
+            per_step[-1]["t_opt"] = time.perf_counter()
+
+        def post(*a):
+            rec = per_step[-1]
+            rec["opt_s"] = time.perf_counter() - rec.pop("t_opt")
+            stats = getattr(opt, "stats", {})
+            for key in ("copy_s", "kernel_s", "in_backward"):
+                if key in stats:
+                    rec[key] = stats[key] - last.get(key, 0)
+            last.update(stats)
+            if ov is not None:
+                ov.enabled = len(per_step) % 2 == 1  # the next step's mode
+
+        tr.parallel.forward_backward = timed_fb
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
         return opts
 
     tr._build_optimizers = build_timed
@@ -139,18 +156,29 @@ def _child(run: str, steps: int, directory: str, log_dir: str, quick: bool) -> d
         rec = json.loads(line)
         if "step_time_s" in rec and rec.get("step") is not None:
             times.append(rec["step_time_s"])
-    out = {"run": run, "tier": tier, "overlap": overlap, "params": sum(p.numel() for p in tr.parallel.parameters()),
+    for rec, t in zip(per_step, times):
+        rec["step_s"] = t
+    out = {"run": run, "tier": tier, "params": sum(p.numel() for p in tr.parallel.parameters()),
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "step_times_s": times, "fb_times_s": fb_times, "opt_times_s": opt_times,
-           "losses": [res.losses[s] for s in sorted(res.losses)], "probe": probe}
+           "steps": per_step, "losses": [res.losses[s] for s in sorted(res.losses)], "probe": probe}
     opt0 = tr.optimizers[0]
     if hasattr(opt0, "io_stats"):
-        out["io"] = {**opt0.io_stats(), **{k: opt0.stats[k] for k in ("copy_s", "kernel_s", "in_backward")}}
+        out["io"] = opt0.io_stats()
         out["memory"] = opt0.memory()
         out["blocks"] = len(opt0.blocks)
         opt0.close()
-        out["predicted"] = predict(tier, probe["mean"], overlap, params_on_disk=tier == "nvme")
+        out["predicted"] = {mode: predict(tier, probe["mean"], mode == "on", params_on_disk=tier == "nvme")
+                            for mode in ("off", "on")}
     return out
+
+
+def _median(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2] if v else float("nan")
+
+
+def _mode(r: dict, overlap: bool | None, key: str) -> float:
+    """The median of `key` over the steps after the first (warm-up) in one mode (None: all)."""
+    return _median([s[key] for s in r["steps"][1:] if key in s and (overlap is None or s["overlap"] == overlap)])
 
 
 def _median(v: list[float]) -> float:
@@ -158,10 +186,10 @@ def _median(v: list[float]) -> float:
     return sorted(v)[len(v) // 2]
 
 
-def run(steps: int = 3, directory: str | None = None, quick: bool = False, log=print) -> dict:
+def run(steps: int = 7, directory: str | None = None, quick: bool = False, log=print) -> dict:
     from dtorch.cluster.disk import measure_disk
 
-    steps = 2 if quick else steps
+    steps = 3 if quick else steps
     base = Path(directory or tempfile.gettempdir())
     out: dict = {"model": MODEL, "steps": steps, "directory": str(base), "cpu_count": os.cpu_count(),
                  "load_average": os.getloadavg(),
@@ -186,32 +214,35 @@ def run(steps: int = 3, directory: str | None = None, quick: bool = False, log=p
     states = 8 * n  # AdamW: exp_avg + exp_avg_sq in float32
     buf = runs["nvme"]["memory"]["buffer_bytes"]
     drop = runs["none"]["peak_rss_bytes"] - runs["nvme"]["peak_rss_bytes"]
-    med = {t: _median(r["step_times_s"]) for t, r in runs.items()}
     io = runs["nvme"]["io"]
     tiers = {}
     for name, r in runs.items():
         if "io" not in r:
             continue
-        k = max(1, r["io"]["steps"])
-        measured = _median(r["opt_times_s"])
-        pred = r["predicted"]["offload_s"]
-        tiers[name] = {
-            "measured_optimizer_s": measured, "predicted_optimizer_s": pred,
-            "ratio": measured / pred if pred else None, "within_25pct": abs(measured / pred - 1) <= 0.25 if pred else None,
-            "measured_copy_s": r["io"]["copy_s"] / k, "predicted_copy_s": r["predicted"]["terms"]["copies_s"],
-            "measured_kernel_s": r["io"]["kernel_s"] / k, "predicted_kernel_s": r["predicted"]["terms"]["kernel_s"],
-            "predicted_disk_s": r["predicted"]["terms"]["disk_s"],
-            "blocks_stepped_in_backward": r["io"]["in_backward"] / k, "blocks": r["blocks"],
-            "median_fb_s": _median(r["fb_times_s"]),
-            "adam_fused_params_per_s": r["probe"]["mean"]["host_optimizer"]["adam_fused_params_per_s"],
-            "memory_bandwidth": r["probe"]["mean"]["memory_bandwidth"],
-        }
+        for mode, ov in (("off", False), ("on", True)):
+            pred = r["predicted"][mode]
+            measured = _mode(r, ov, "opt_s")
+            tiers[f"{name}_{mode}"] = {
+                "measured_optimizer_s": measured, "predicted_optimizer_s": pred["offload_s"],
+                "ratio": measured / pred["offload_s"],
+                "within_25pct": abs(measured / pred["offload_s"] - 1) <= 0.25,
+                "measured_copy_s": _mode(r, ov, "copy_s"), "predicted_copy_s": pred["terms"]["copies_s"],
+                "measured_kernel_s": _mode(r, ov, "kernel_s"), "predicted_kernel_s": pred["terms"]["kernel_s"],
+                "predicted_disk_s": pred["terms"]["disk_s"],
+                "blocks_stepped_in_backward": _mode(r, ov, "in_backward"), "blocks": r["blocks"],
+                "median_fb_s": _mode(r, ov, "fb_s"), "median_step_s": _mode(r, ov, "step_s"),
+            }
+    host = runs["host"]["probe"]["mean"]
     out["summary"] = {
         "params": n, "optimizer_state_bytes": states, "prefetch_buffer_bytes": buf,
         "rss_drop_bytes": drop, "rss_drop_target_bytes": states - buf, "rss_drop_met": drop >= states - buf,
-        "median_step_s": med, "step_cost_vs_memory": {t: med[t] / med["none"] for t in med},
+        "median_step_s": {"none": _mode(runs["none"], None, "step_s"),
+                          **{t: x["median_step_s"] for t, x in tiers.items()}},
         "tiers": tiers,
-        "overlap_gain": {t: med[t] / med[f"{t}_overlap"] for t in ("host", "nvme")},
+        "overlap_gain": {t: tiers[f"{t}_off"]["median_step_s"] / tiers[f"{t}_on"]["median_step_s"]
+                         for t in ("host", "nvme")},
+        "probe_host": {"adam_fused_params_per_s": host["host_optimizer"]["adam_fused_params_per_s"],
+                       "copy_bytes_per_s": host["host_optimizer"]["copy_bytes_per_s"]},
         "losses_identical": len({json.dumps(r["losses"]) for r in runs.values()}) == 1,
         "nvme_read_bytes_per_s": io["bytes_read"] / io["read_s"] if io["read_s"] else None,
         "nvme_write_bytes_per_s": io["bytes_written"] / io["write_s"] if io["write_s"] else None,
@@ -226,27 +257,28 @@ def markdown(r: dict) -> str:
     lines = [f"## Optimizer offload tiers ({s['params'] / 1e6:.0f}M-parameter Llama, fp32, one CPU process, "
              "fused CPU AdamW, no clipping)", "",
              r["note"] + f"; load average {r['load_average'][0]:.1f} before, {r['load_average_after'][0]:.1f} after.", "",
-             "| run | peak RSS (GiB) | median step (s) | x in-memory | forward+backward (s) |", "|---|---|---|---|---|"]
+             "| run | overlap | peak RSS (GiB) | median step (s) | forward+backward (s) |", "|---|---|---|---|---|"]
     for t, run in r["runs"].items():
-        lines.append(f"| {t} | {run['peak_rss_bytes'] / g:.2f} | {s['median_step_s'][t]:.2f} | "
-                     f"{s['step_cost_vs_memory'][t]:.2f} | {_median(run['fb_times_s']):.2f} |")
+        for mode, ov in ((None, None),) if t == "none" else (("off", False), ("on", True)):
+            lines.append(f"| {t} | {mode or '-'} | {run['peak_rss_bytes'] / g:.2f} | {_mode(run, ov, 'step_s'):.2f} | "
+                         f"{_mode(run, ov, 'fb_s'):.2f} |")
     lines += ["", "Optimizer phase (the time `step()` takes after the backward), measured against the planner's "
               "prediction from the figures the child probed before and after training (their mean):", "",
               "| run | measured (s) | predicted (s) | measured / predicted | copies meas. / pred. (s) | "
               "CPU AdamW meas. / pred. (s) | disk pred. (s) | blocks stepped in backward |", "|---|---|---|---|---|---|---|---|"]
     for t, x in s["tiers"].items():
-        ok = "" if x["within_25pct"] is None else (" (within 25 %)" if x["within_25pct"] else " (**outside 25 %**)")
+        ok = " (within 25 %)" if x["within_25pct"] else " (**outside 25 %**)"
         lines.append(f"| {t} | {x['measured_optimizer_s']:.2f} | {x['predicted_optimizer_s']:.2f} | "
                      f"{x['ratio']:.2f}{ok} | {x['measured_copy_s']:.2f} / {x['predicted_copy_s']:.2f} | "
                      f"{x['measured_kernel_s']:.2f} / {x['predicted_kernel_s']:.2f} | {x['predicted_disk_s']:.2f} | "
                      f"{x['blocks_stepped_in_backward']:.0f} of {x['blocks']} |")
     d = r["disk_probe"]
-    h = s["tiers"].get("host", {})
-    lines += ["", f"- probed in the host run: fused CPU AdamW {h.get('adam_fused_params_per_s', 0) / 1e6:,.0f} M "
-              f"params/s, copy bandwidth {h.get('memory_bandwidth', 0) / 1e9:.1f} GB/s (read + write)",
-              "- overlap (step of each block during the backward), whole step off / on: " + ", ".join(
-                  f"{t} {v:.2f}x" for t, v in s["overlap_gain"].items()) + " (on a CPU the worker thread shares "
-              "the backward's cores; the planner prices no gain there)",
+    h = s["probe_host"]
+    lines += ["", f"- probed in the host run: fused CPU AdamW {h['adam_fused_params_per_s'] / 1e6:,.0f} M "
+              f"params/s, host copies {h['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write)",
+              "- overlap (step of each block during the backward), whole step off / on, alternate steps of one "
+              "process: " + ", ".join(f"{t} {v:.2f}x" for t, v in s["overlap_gain"].items())
+              + " (on a CPU the worker thread shares the backward's cores; the planner prices no gain there)",
               f"- optimizer state {s['optimizer_state_bytes'] / g:.2f} GiB, prefetch buffers "
               f"{s['prefetch_buffer_bytes'] / g:.2f} GiB: RSS drop with the NVMe tier {s['rss_drop_bytes'] / g:.2f} GiB "
               f"(target >= {s['rss_drop_target_bytes'] / g:.2f} GiB: {'met' if s['rss_drop_met'] else 'NOT met'})",
@@ -263,7 +295,7 @@ def markdown(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=7, help="1 warm-up, then overlap on and off in turn")
     ap.add_argument("--dir", default=None, help="directory of the NVMe tier (default: the temp dir)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -193,6 +193,8 @@ def _host_fields(g, host: dict) -> dict:
     """The node group's host-optimizer figures from `dtorch probe` (`dtorch.cluster.host`), unless
     the cluster file gives them."""
     link = min((float(host[k]) for k in ("h2d_bytes_per_s", "d2h_bytes_per_s") if k in host), default=0.0)
+    if not link and g.device.kind == "cpu" and "copy_bytes_per_s" in host:
+        link = float(host["copy_bytes_per_s"]) / 2  # a CPU's "host link" is a copy: bytes moved per second
     return {"host_adam_params_per_s": g.host_adam_params_per_s or float(host.get("adam_fused_params_per_s", 0.0)),
             "host_adam_loop_params_per_s": g.host_adam_loop_params_per_s
             or float(host.get("adam_loop_params_per_s", 0.0)),

@@ -31,8 +31,9 @@ def _rate(fn, work: float, min_time: float, device: Any = None) -> float:
 
 def measure_host_optimizer(numel: int = 4 * 2**20, min_time: float = 0.1, device: Any = None) -> dict:
     """Parameters per second of torch's CPU AdamW over `numel` float32 parameters (in four
-    tensors, fused kernel and the default per-tensor loop), and on CUDA the bytes per second of
-    pinned host <-> device copies (`device`: the rank's accelerator; None = none)."""
+    tensors, fused kernel and the default per-tensor loop), the bytes per second (read + written) of
+    copying them between host tensors, and on CUDA of pinned host <-> device copies (`device`: the
+    rank's accelerator; None = none)."""
     import torch
 
     n = max(4, int(numel)) // 4
@@ -44,6 +45,17 @@ def measure_host_optimizer(numel: int = 4 * 2**20, min_time: float = 0.1, device
         kw = {"fused": True} if fused else {}
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **kw)
         out[name] = _rate(opt.step, 4.0 * n, min_time if fused else min_time / 4)  # (the loop: ~10x slower)
+    # the tier's copies on a CPU: parameter-sized tensors into other tensors, a model's worth at a
+    # time (more than a cache holds), each byte read and written (the probe's memory-bandwidth unit)
+    m = max(n, 4 * 2**20)  # 4 x 16 MiB at least: twice the development machine's 32 MiB L3
+    src = [torch.randn(m) for _ in range(4)]
+    dst = [torch.empty(m) for _ in range(4)]
+
+    def copy_all():
+        for a, b in zip(src, dst):
+            b.copy_(a)
+
+    out["copy_bytes_per_s"] = _rate(copy_all, 2.0 * 4 * 4 * m, min_time)
     if device is not None and getattr(device, "type", str(device)) == "cuda":
         host = torch.empty(4 * n, dtype=torch.float32, pin_memory=True)
         dev = torch.empty(4 * n, dtype=torch.float32, device=device)
@@ -57,6 +69,8 @@ def measure_host_optimizer(numel: int = 4 * 2**20, min_time: float = 0.1, device
 def summary(doc: dict) -> str:
     line = (f"host optimizer: AdamW {doc['adam_fused_params_per_s'] / 1e6:,.0f} M params/s fused, "
             f"{doc['adam_loop_params_per_s'] / 1e6:,.0f} M params/s default kernel")
+    if "copy_bytes_per_s" in doc:
+        line += f"; host copies {doc['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write)"
     if "h2d_bytes_per_s" in doc:
         line += (f"; pinned copies {doc['h2d_bytes_per_s'] / 1e9:.1f} GB/s host->device, "
                  f"{doc['d2h_bytes_per_s'] / 1e9:.1f} GB/s device->host")

@@ -103,8 +103,9 @@ class NodeGroup:
     host_adam_loop_params_per_s: float = 0.0
     """torch's default CPU AdamW kernel (the per-tensor loop), parameters/s per rank; 0 = unknown."""
     host_link_bytes_per_s: float = 0.0
-    """Pinned host <-> device copies, bytes/s per device one way (the slower of the two); 0 =
-    unknown (the cost model's nominal PCIe figure). Measured by `dtorch probe` on CUDA."""
+    """Pinned host <-> device copies, bytes/s per device one way (the slower of the two); on a CPU
+    the bytes a host tensor copy moves per second; 0 = unknown (the nominal PCIe figure, on a CPU
+    the device's memory bandwidth). Measured by `dtorch probe`."""
 
     @property
     def num_devices(self) -> int:

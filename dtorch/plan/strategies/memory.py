@@ -224,16 +224,16 @@ class Memory(Strategy):
                    disk_bytes_per_param: float = STATE_BYTES) -> dict[str, float]:
         """Seconds per step of an optimizer tier's parts, not overlapped with the backward:
         `copies_s` float32 gradients down and float32 weights up (8 B/param over the host link,
-        measured pinned copies by `dtorch probe` else nominal; a CPU cluster copies at its measured
-        memory bandwidth, each byte read and written: 16 B); `kernel_s` torch's CPU AdamW at the
+        measured pinned copies by `dtorch probe` else nominal; a CPU cluster makes two host copies of
+        4N bytes at the probe's copy rate, else at its memory bandwidth, each byte read and written); `kernel_s` torch's CPU AdamW at the
         probe's measured parameters/s (`host_adam_rate`); for the NVMe tier `disk_s`, the state
         (`disk_bytes_per_param`, 8 B, 12 with the masters on disk) read and written on the node's
         disk, shared by its ranks and overlapped with the kernel, plus one block read before the
         first step. `total_s` = copies + max(kernel, disk) + first read."""
         c, dev, g = step.c, step.dev, step.g
         kernel = p_local / host_adam_rate(step)
-        if step.cpu:
-            copies = p_local * 2.0 * (4.0 + 4.0) / dev.memory_bandwidth
+        if step.cpu:  # two host copies of 4N bytes, at the probe's tensor-copy rate
+            copies = p_local * 2.0 * 4.0 / (g.host_link_bytes_per_s or dev.memory_bandwidth / 2.0)
         else:
             copies = p_local * (4.0 + 4.0) / (g.host_link_bytes_per_s or c.host_link_bandwidth)
         out = {"copies_s": copies, "kernel_s": kernel, "disk_s": 0.0, "first_read_s": 0.0}

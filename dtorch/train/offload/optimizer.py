@@ -131,7 +131,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        if self._overlap is not None:
+        if self._overlap is not None and self._overlap.enabled:
             self._overlap.finish()  # the blocks the backward has not released yet: stepped now
         else:
             self._run_blocks(list(range(len(self.blocks))), None)
@@ -467,6 +467,9 @@ class _Overlap:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dtorch-offload-step")
         self.lock = threading.Lock()
         self.handles = [p.register_post_accumulate_grad_hook(self._landed) for p in opt.device_params]
+        self.enabled = True
+        """False: the hooks do nothing and step() steps after the backward (switch between steps only;
+        the benchmark alternates it to compare the two under the same load)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -476,6 +479,8 @@ class _Overlap:
         self.future = None
 
     def _landed(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
         i = self.index[p]
         with self.lock:
             self.counts[i] += 1
