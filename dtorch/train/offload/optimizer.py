@@ -13,7 +13,9 @@ differs is where the numbers are and who computes:
       write its state back (NVMe tier, in the background)
 
 Each block's CPU kernel is a torch optimizer built by the same spec (`spec.build`), so on a CPU
-run the arithmetic is the in-memory optimizer's, bit for bit.
+run the arithmetic is the in-memory optimizer's, bit for bit. With `overlap_backward` the same
+loop runs on a worker thread during the backward, last block first, each block as soon as the
+gradient hooks say its gradients are final.
 """
 
 from __future__ import annotations
@@ -186,8 +188,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         Only for runs whose gradients are final when they land: no clipping (the step would need
         the norm of them all), no DDP (its all-reduce lands later), no pipeline, no tensor
-        parallelism (Partial gradients are reduced after the backward). The trainer checks that
-        (`overlap_applies`). Each block's arithmetic is the same kernel on the same numbers, so the
+        parallelism (Partial gradients are reduced after the backward). The trainer asks
+        `dtorch.plan.strategies.memory.step_overlaps_backward`, the planner's rule. Each block's arithmetic is the same kernel on the same numbers, so the
         losses stay bit-identical."""
         if self._overlap is None and self.blocks:
             self._overlap = _Overlap(self, int(microbatches))
