@@ -7,8 +7,8 @@ prediction; plus the disk bandwidth the NVMe tier reached and the disk probe's f
 
 Each run is its own process (its peak RSS is its own), one after the other, with the same optimizer
 kernel (torch's fused CPU AdamW) and no gradient clipping (so the overlap applies) so the step
-times compare tiers, not kernels. Each child measures what the planner prices the tier with just
-before and after it trains (the mean is priced) (`dtorch.cluster.host`: CPU AdamW parameters/s; the copy bandwidth; the disk
+times compare tiers, not kernels. Before and after each tier's child trains, the parent measures what the planner prices the
+tier with (the mean is priced) (`dtorch.cluster.host`: CPU AdamW parameters/s; the copy bandwidth; the disk
 probe), under the same load, and reports the planner's prediction from those figures beside its
 own. On a CPU machine "device" and "host" are the same memory: the host tier *adds* its fp32
 masters there, the NVMe tier removes the optimizer state. Writes benchmarks/results/offload.json
@@ -105,7 +105,6 @@ def _child(run: str, steps: int, directory: str, log_dir: str, quick: bool) -> d
     tier = run
     offload = {"none": None, "host": OptimizerOffload("host"),
                "nvme": OptimizerOffload("nvme", directory=directory, params_on_disk=True)}[tier]
-    probe = _probe(directory, quick) if offload is not None else None
     cfg = LlamaConfig(**MODEL)
     tr = Trainer(model=lambda: Llama(cfg), plan=Plan(microbatch_size=1), global_batch=1, seq_len=SEQ,
                  optimizer=AdamW(lr=1e-4, fused=True), offload=offload or "none", console=False, straggler_every=0,
@@ -148,9 +147,6 @@ def _child(run: str, steps: int, directory: str, log_dir: str, quick: bool) -> d
 
     tr._build_optimizers = build_timed
     res = tr.fit(steps)
-    if probe is not None:
-        probe = {"before": probe, "after": _probe(directory, quick)}
-        probe["mean"] = _mean_probe(probe["before"], probe["after"])
     times = []
     for line in Path(log_dir, "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -160,15 +156,13 @@ def _child(run: str, steps: int, directory: str, log_dir: str, quick: bool) -> d
         rec["step_s"] = t
     out = {"run": run, "tier": tier, "params": sum(p.numel() for p in tr.parallel.parameters()),
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "steps": per_step, "losses": [res.losses[s] for s in sorted(res.losses)], "probe": probe}
+           "steps": per_step, "losses": [res.losses[s] for s in sorted(res.losses)]}
     opt0 = tr.optimizers[0]
     if hasattr(opt0, "io_stats"):
         out["io"] = opt0.io_stats()
         out["memory"] = opt0.memory()
         out["blocks"] = len(opt0.blocks)
         opt0.close()
-        out["predicted"] = {mode: predict(tier, probe["mean"], mode == "on", params_on_disk=tier == "nvme")
-                            for mode in ("off", "on")}
     return out
 
 
@@ -202,10 +196,19 @@ def run(steps: int = 7, directory: str | None = None, quick: bool = False, log=p
             t = time.perf_counter()
             cmd = [sys.executable, "-m", "benchmarks.bench_offload", "--child", name, "--steps", str(steps),
                    "--dir", work] + (["--quick"] if quick else [])
+            # the planner's figures, probed here (not in the child: its peak RSS stays its own), just
+            # before and just after the child trains, under the load it trained under
+            before = _probe(work, quick) if name != "none" else None
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
             if proc.returncode:
                 raise RuntimeError(f"{name} run failed:\n{proc.stderr[-3000:]}")
             runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+            if before is not None:
+                probe = {"before": before, "after": _probe(work, quick)}
+                probe["mean"] = _mean_probe(probe["before"], probe["after"])
+                runs[name]["probe"] = probe
+                runs[name]["predicted"] = {mode: predict(name, probe["mean"], mode == "on", params_on_disk=name == "nvme")
+                                           for mode in ("off", "on")}
             log(f"offload {name}: peak RSS {runs[name]['peak_rss_bytes'] / 2**30:.2f} GiB, "
                 f"{time.perf_counter() - t:.0f} s")
     out["runs"] = runs

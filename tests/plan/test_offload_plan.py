@@ -128,10 +128,10 @@ def test_host_tier_is_priced_from_the_probed_cpu_adam_and_copy_bandwidth():
                - n * (c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s + 8 / c.host_link_bandwidth)) < 1e-3
 
 
-def test_overlap_rule_is_the_executors_and_hides_only_behind_an_accelerators_backward():
+def test_overlap_rule_is_the_executors_and_hides_the_tier_behind_the_last_backward():
     """Without clipping the executor steps blocks during the backward (`step_overlaps_backward`,
     asked by the trainer too): the planner then takes the last micro-batch's backward off the
-    tier's time, down to the block released last; never on a CPU, whose cores the two share."""
+    tier's time, down to the block released last (on a CPU too, as the benchmark measured)."""
     from dtorch.cluster.local import local_cluster
     from dtorch.plan.cost import with_constants
     from dtorch.plan.strategies.memory import step_overlaps_backward
@@ -149,8 +149,7 @@ def test_overlap_rule_is_the_executors_and_hides_only_behind_an_accelerators_bac
     free = estimate(host, P8B, cl, constants=with_constants(grad_clipping=False)).time_breakdown
     assert free["offload"] < clip["offload"] and free["offload"] >= clip["offload"] * 0.01
     cpu = local_cluster(1, calibrated=False)
-    tiny = analytic_profile("t", "llama", layers=4, hidden=256, heads=4, kv_heads=4, ffn=512, vocab=1000, seq_len=64)
-    p1 = Plan(microbatch_size=1, offload="optimizer")
-    a = estimate(p1, tiny, cpu).time_breakdown["offload"]
-    b = estimate(p1, tiny, cpu, constants=with_constants(grad_clipping=False)).time_breakdown["offload"]
-    assert a == b
+    p1 = Plan(microbatch_size=1, offload="optimizer")  # many blocks: the last is a small share
+    a = estimate(p1, P8B, cpu).time_breakdown["offload"]
+    b = estimate(p1, P8B, cpu, constants=with_constants(grad_clipping=False)).time_breakdown["offload"]
+    assert b < a and b >= a * 0.01
