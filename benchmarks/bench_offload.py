@@ -46,7 +46,7 @@ def _probe(directory: str, quick: bool) -> dict:
     from dtorch.cluster.probe import measure_memory_bandwidth
 
     t = 0.1 if quick else 0.5
-    return {"host_optimizer": measure_host_optimizer(min_time=t),
+    return {"host_optimizer": measure_host_optimizer(min_time=t),  # 16M params: 256 MiB of state, beyond the L3
             "memory_bandwidth": measure_memory_bandwidth(torch.device("cpu"), min_time=t)["bytes_per_s"],
             "disk": measure_disk(directory, nbytes=(64 if quick else 256) * 2**20)}
 

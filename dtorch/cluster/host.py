@@ -29,7 +29,7 @@ def _rate(fn, work: float, min_time: float, device: Any = None) -> float:
     return work / _timeit(fn, device if device is not None else torch.device("cpu"), min_time=min_time)
 
 
-def measure_host_optimizer(numel: int = 4 * 2**20, min_time: float = 0.1, device: Any = None) -> dict:
+def measure_host_optimizer(numel: int = 16 * 2**20, min_time: float = 0.1, device: Any = None) -> dict:
     """Parameters per second of torch's CPU AdamW over `numel` float32 parameters (in four
     tensors, fused kernel and the default per-tensor loop), the bytes per second (read + written) of
     copying them between host tensors, and on CUDA of pinned host <-> device copies (`device`: the

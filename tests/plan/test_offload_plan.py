@@ -128,10 +128,11 @@ def test_host_tier_is_priced_from_the_probed_cpu_adam_and_copy_bandwidth():
                - n * (c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s + 8 / c.host_link_bandwidth)) < 1e-3
 
 
-def test_overlap_rule_is_the_executors_and_hides_the_tier_behind_the_last_backward():
+def test_overlap_rule_is_the_executors_and_hides_only_behind_an_accelerators_backward():
     """Without clipping the executor steps blocks during the backward (`step_overlaps_backward`,
     asked by the trainer too): the planner then takes the last micro-batch's backward off the
-    tier's time, down to the block released last (on a CPU too, as the benchmark measured)."""
+    tier's time, down to the block released last; not on a CPU, whose cores the two share (the
+    benchmark measured the backward growing by what the worker did)."""
     from dtorch.cluster.local import local_cluster
     from dtorch.plan.cost import with_constants
     from dtorch.plan.strategies.memory import step_overlaps_backward
@@ -152,4 +153,4 @@ def test_overlap_rule_is_the_executors_and_hides_the_tier_behind_the_last_backwa
     p1 = Plan(microbatch_size=1, offload="optimizer")  # many blocks: the last is a small share
     a = estimate(p1, P8B, cpu).time_breakdown["offload"]
     b = estimate(p1, P8B, cpu, constants=with_constants(grad_clipping=False)).time_breakdown["offload"]
-    assert b < a and b >= a * 0.01
+    assert a == b
