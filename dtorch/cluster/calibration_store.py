@@ -63,6 +63,13 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
             v = link.get(key)
             if not (isinstance(v, (int, float)) and v >= 0 and (key == "latency" or v > 0)):
                 raise ConfigError(f"{source}.links.{cls}.{key}", v, "must be a positive number")
+    host = doc.get("host_optimizer")
+    if host is not None:
+        if not isinstance(host, dict):
+            raise ConfigError(f"{source}.host_optimizer", host, "a mapping written by `dtorch probe`")
+        for key, v in host.items():
+            if key.endswith("_per_s") and not (isinstance(v, (int, float)) and v > 0):
+                raise ConfigError(f"{source}.host_optimizer.{key}", v, "must be positive per second")
     disk = doc.get("disk")
     if disk is not None:
         if not isinstance(disk, dict):
@@ -135,7 +142,8 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
     (times a runtime-feedback correction if one is stored), memory bandwidth; memory capacity is
     lowered when feedback found memory above prediction (the planner then keeps that headroom).
     Links: the measured alpha-beta per link class. Disk (`dtorch probe --disk`): read and write
-    bandwidth (cache dropped) and free bytes per node, unless the cluster file gives them. The device name gets a ``*`` so that the cost
+    bandwidth (cache dropped) and free bytes per node, unless the cluster file gives them. Host
+    optimizer (`dtorch.cluster.host`): CPU AdamW parameters/s and pinned copy bandwidth, likewise. The device name gets a ``*`` so that the cost
     model's per-name efficiency table no longer overrides the measured efficiency. The whole
     document is kept in `cluster.calibration`."""
     dev_doc = doc.get("device") or {}
@@ -176,8 +184,21 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
             g, device=dev, intra=intra, inter=inter,
             disk_bytes=g.disk_bytes or int(disk.get("free_bytes", 0)),
             disk_read_bytes_per_s=g.disk_read_bytes_per_s or float(disk.get("read_bytes_per_s", 0.0)),
-            disk_write_bytes_per_s=g.disk_write_bytes_per_s or float(disk.get("write_bytes_per_s", 0.0))))
+            disk_write_bytes_per_s=g.disk_write_bytes_per_s or float(disk.get("write_bytes_per_s", 0.0)),
+            **_host_fields(g, doc.get("host_optimizer") or {})))
     return Cluster(groups=groups, name=cluster.name, calibration={**cluster.calibration, **doc})
+
+
+def _host_fields(g, host: dict) -> dict:
+    """The node group's host-optimizer figures from `dtorch probe` (`dtorch.cluster.host`), unless
+    the cluster file gives them."""
+    link = min((float(host[k]) for k in ("h2d_bytes_per_s", "d2h_bytes_per_s") if k in host), default=0.0)
+    if not link and g.device.kind == "cpu" and "copy_bytes_per_s" in host:
+        link = float(host["copy_bytes_per_s"]) / 2  # a CPU's "host link" is a copy: bytes moved per second
+    return {"host_adam_params_per_s": g.host_adam_params_per_s or float(host.get("adam_fused_params_per_s", 0.0)),
+            "host_adam_loop_params_per_s": g.host_adam_loop_params_per_s
+            or float(host.get("adam_loop_params_per_s", 0.0)),
+            "host_link_bytes_per_s": g.host_link_bytes_per_s or link}
 
 
 def _link(d: dict, base: Link) -> Link:

@@ -16,6 +16,8 @@ File format (YAML or JSON; `save_cluster` writes it, `load_cluster` reads it bac
         disk_bytes: 3.0e+12           # optional: local disk the NVMe optimizer tier may fill, per node
         disk_read_bytes_per_s: 3.0e+9 # optional (else `dtorch probe --disk`'s, else a nominal figure)
         disk_write_bytes_per_s: 1.5e+9
+        host_adam_params_per_s: 2.0e+9  # optional (else `dtorch probe`'s): fused CPU AdamW per rank
+        host_link_bytes_per_s: 2.5e+10  # optional: pinned host <-> device copies per device
     calibration: {}             # written by `dtorch probe`
 
 Every malformed value raises ConfigError naming the field path (``groups[0].num_nodes``).
@@ -39,6 +41,9 @@ _SHORT = re.compile(r"^\s*([A-Za-z0-9_\-]+)\s*(?::\s*(\d+)\s*(?:[xX*]\s*(\d+))?)
 INTRA_KINDS = ("nvlink", "xgmi", "pcie", "shm")
 INTER_KINDS = ("ib", "roce", "ethernet")
 
+
+HOST_OPTIMIZER_FIELDS = ("host_adam_params_per_s", "host_adam_loop_params_per_s", "host_link_bytes_per_s")
+"""Optional node-group figures of the host optimizer tier (else `dtorch probe`'s, else nominal)."""
 
 def _preset_device(name: str, field: str) -> str:
     key = canonical(name)
@@ -193,7 +198,7 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
         path = f"groups[{i}]"
         g = _mapping(g, path)
         allowed = {"device", "num_nodes", "devices_per_node", "intra", "inter", "host_memory_bytes", "host_cores",
-                   "disk_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s"}
+                   "disk_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s", *HOST_OPTIMIZER_FIELDS}
         unknown = sorted(set(g) - allowed)
         if unknown:
             raise ConfigError(f"{path}.{unknown[0]}", g[unknown[0]], f"unknown node-group field; {choices(sorted(allowed))}")
@@ -214,6 +219,7 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
             disk_bytes=_num(g, "disk_bytes", path, integer=True, positive=False, default=0),
             disk_read_bytes_per_s=_num(g, "disk_read_bytes_per_s", path, positive=False, default=0.0),
             disk_write_bytes_per_s=_num(g, "disk_write_bytes_per_s", path, positive=False, default=0.0),
+            **{k: _num(g, k, path, positive=False, default=0.0) for k in HOST_OPTIMIZER_FIELDS},
         ))
     name = d.get("name", "cluster")
     calib = d.get("calibration") or {}
@@ -237,6 +243,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                 "disk_bytes": g.disk_bytes,
                 "disk_read_bytes_per_s": g.disk_read_bytes_per_s,
                 "disk_write_bytes_per_s": g.disk_write_bytes_per_s,
+                **{k: getattr(g, k) for k in HOST_OPTIMIZER_FIELDS},
             }
             for g in cluster.groups
         ],

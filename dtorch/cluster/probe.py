@@ -427,6 +427,11 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     membw["dispatch_s"] = measure_dispatch_overhead(device, 0.01 if quick else 0.03)
     membw["op_s"] = measure_op_overhead(device, 0.03 if quick else 0.1)
     membw["dtensor_s"] = measure_dtensor_overhead(device, 0.02 if quick else 0.05)
+    from dtorch.cluster.host import measure_host_optimizer
+
+    p.note = "host optimizer (CPU AdamW, host copies)"
+    host_opt = measure_host_optimizer((1 if quick else 4) * 2**20, 0.03 if quick else 0.1,
+                                      device if cuda else None)
     p.note = "collectives"
 
     colls: dict[str, dict] = {}
@@ -452,7 +457,7 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
             links["inter"] = _link_fit(colls["inter"], nodes, "ib" if backend == "nccl" else "ethernet")
 
     p.stop()
-    mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links}
+    mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt}
     gathered = [None] * world
     if distributed and world > 1:
         dist.all_gather_object(gathered, mine)
@@ -515,6 +520,9 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         "op_overhead_s": statistics.median(res["membw"]["op_s"] for res in gathered),
         "dtensor_op_overhead_s": statistics.median(res["membw"]["dtensor_s"] for res in gathered),
         "collectives": gathered[0]["colls"],
+        # every rank stepped its AdamW at once (the node's ranks share its cores): the median rank
+        "host_optimizer": {k: statistics.median(res["host_opt"][k] for res in gathered)
+                           for k in gathered[0]["host_opt"]},
     })
 
 
@@ -610,6 +618,10 @@ def summary(doc: dict) -> str:
     lines.append(f"  memory bandwidth {dev['memory_bandwidth'] / 1e9:.2f} GB/s per rank")
     if "dispatch_overhead_s" in doc:
         lines.append(f"  dispatch overhead {doc['dispatch_overhead_s'] * 1e6:.1f} us per op")
+    if "host_optimizer" in doc:
+        from dtorch.cluster.host import summary as host_summary
+
+        lines.append("  " + host_summary(doc["host_optimizer"]) + " per rank")
     if "op_overhead_s" in doc:
         lines.append(f"  eager step {doc['op_overhead_s'] * 1e6:.1f} us per op, DTensor surcharge "
                      f"{doc.get('dtensor_op_overhead_s', 0.0) * 1e6:.1f} us per op")

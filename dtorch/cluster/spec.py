@@ -96,6 +96,16 @@ class NodeGroup:
     conservative nominal figure). `dtorch probe --disk DIR` measures it into the calibration."""
     disk_write_bytes_per_s: float = 0.0
     """Local disk write bandwidth per node (to fdatasync), bytes/s; 0 = unknown (nominal)."""
+    host_adam_params_per_s: float = 0.0
+    """torch's fused CPU AdamW, parameters per second per rank with every rank of the node stepping
+    at once (the host optimizer tier's kernel beside an accelerator); 0 = unknown (a nominal
+    figure). Measured by `dtorch probe` (`dtorch.cluster.host`)."""
+    host_adam_loop_params_per_s: float = 0.0
+    """torch's default CPU AdamW kernel (the per-tensor loop), parameters/s per rank; 0 = unknown."""
+    host_link_bytes_per_s: float = 0.0
+    """Pinned host <-> device copies, bytes/s per device one way (the slower of the two); on a CPU
+    the bytes a host tensor copy moves per second; 0 = unknown (the nominal PCIe figure, on a CPU
+    the device's memory bandwidth). Measured by `dtorch probe`."""
 
     @property
     def num_devices(self) -> int:

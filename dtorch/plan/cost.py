@@ -136,6 +136,13 @@ class CostConstants:
     """CPU Adam throughput per device share of a host, bytes of optimizer traffic per second (a
     nominal figure: not measured on a GPU host yet; the offload benchmark's host tier on the shared
     2-core development machine reached about 6.8e9, benchmarks/results/offload.md)."""
+    grad_clipping: bool = True
+    """The run clips gradients (the trainer's default, max_grad_norm=1.0): the optimizer tiers then
+    step after the backward; without clipping they step during it where the executor can
+    (`strategies.memory.step_overlaps_backward`). The trainer sets it from its max_grad_norm."""
+    cpu_adam_fused: bool = False
+    """The run's AdamW uses torch's fused kernel (AdamW(fused=True)): what a CPU cluster's optimizer
+    tier runs (beside an accelerator the tier always runs it). The trainer sets it from its spec."""
     disk_read_bytes_per_s: float = 1.0e9
     """Local disk read bandwidth per node when the cluster gives none (`dtorch probe --disk`): a
     conservative nominal figure, a SATA-class SSD (a datacenter NVMe drive reads 3-7 GB/s)."""

@@ -411,7 +411,8 @@ class Trainer:
                               f"it has {cluster.world_size} devices but {world} processes were launched")
         result = search(profile, cluster, global_batch=self.global_batch, seq_len=self.seq_len,
                         fixed=fixed or None, top_k=3, steps=getattr(self, "_fit_steps", None),  # (compile amortised)
-                        memory_correction=replan.correct if replan else None, suggest=replan is None)
+                        memory_correction=replan.correct if replan else None, suggest=replan is None,
+                        constants=self._cost_constants())
         if result.best is None and replan is not None:
             raise ConfigError("plan", "auto", replan.nothing_fits(result.closest))
         if result.best is None:
@@ -420,6 +421,17 @@ class Trainer:
         plan, estimate = result.best
         plan.predicted = estimate.to_dict()
         return plan
+
+    def _cost_constants(self):
+        """The cost model's constants with what this run decides beside the plan: whether it clips
+        gradients (the optimizer tiers' overlap) and whether its AdamW is torch's fused kernel."""
+        from dtorch.plan.cost import DEFAULT_CONSTANTS, with_constants
+
+        clip = bool(self.max_grad_norm)
+        fused = getattr(self.optimizer_spec, "fused", None) is True
+        if (clip, fused) == (DEFAULT_CONSTANTS.grad_clipping, DEFAULT_CONSTANTS.cpu_adam_fused):
+            return DEFAULT_CONSTANTS
+        return with_constants(grad_clipping=clip, cpu_adam_fused=fused)
 
     def _checkpointed_plan(self, world: int) -> Plan | None:
         """The plan of the newest checkpoint when it was made for this world size and batch: an
@@ -521,8 +533,16 @@ class Trainer:
                 log.info("NVMe optimizer tier: checkpoints are written synchronously, straight from its files")
         opts = [tiers.build(self.optimizer_spec, p.parameters(), self.offload, tag=f"r{self.rank}p{i}")
                 for i, p in enumerate(parts)]
+        from dtorch.plan.strategies.memory import step_overlaps_backward
+
+        tier = "optimizer" if self.offload.tier == "host" else "optimizer_nvme"
+        overlap = self.offload.overlap is not False and step_overlaps_backward(
+            self.plan, bool(self.max_grad_norm), tier)
+        if overlap:  # the CPU step of each block runs while the backward of the earlier ones does
+            for o in opts:
+                o.overlap_backward(self.plan.num_microbatches)
         mem = [o.memory() for o in opts]
-        self.metrics.event("offload", tier=self.offload.tier, directory=self.offload.directory,
+        self.metrics.event("offload", tier=self.offload.tier, directory=self.offload.directory, overlap=overlap,
                            host_bytes=sum(m["host_bytes"] for m in mem), disk_bytes=sum(m["disk_bytes"] for m in mem),
                            buffer_bytes=sum(m["buffer_bytes"] for m in mem))
         return opts

@@ -1,6 +1,7 @@
 """The planner's memory tiers (offload=optimizer, optimizer_nvme): offered only where the cheaper
 levels fit nothing, priced with the cluster's disk, bounded by its host memory and disk, explained,
-and suggested when nothing fits. Analytic profiles only: about 5 s."""
+and suggested when nothing fits; priced from the probed host figures, overlapped by the executor's rule.
+Analytic profiles only: about 5 s."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import dataclasses
 import json
 
 from dtorch.cluster import load_cluster
-from dtorch.cluster.calibration_store import apply_calibration, read_calibration, record_disk
+from dtorch.cluster.calibration_store import (
+    CALIBRATION_VERSION,
+    apply_calibration,
+    read_calibration,
+    record_disk,
+)
 from dtorch.plan.cost import DEFAULT_CONSTANTS, estimate
 from dtorch.plan.explain import explain
 from dtorch.plan.plan import Plan
@@ -98,3 +104,53 @@ def test_cluster_file_declares_the_disk(tmp_path):
     g = load_cluster(str(f)).groups[0]
     assert (g.disk_bytes, g.disk_read_bytes_per_s, g.disk_write_bytes_per_s) == (5 * 10**11, 3e9, 1.5e9)
     assert Plan(offload="optimizer_nvme").describe().endswith("offload=optimizer_nvme")
+
+
+def test_host_tier_is_priced_from_the_probed_cpu_adam_and_copy_bandwidth():
+    """`dtorch probe`'s host figures (calibration `host_optimizer`) set the kernel and copy terms:
+    the kernel at the measured parameters/s, the copies at the slower pinned direction."""
+    plan = Plan(microbatch_size=1, num_microbatches=8, ac="full", offload="optimizer")
+    cl = _one_gpu(host_memory_bytes=2048 * GiB)
+    doc = {"version": CALIBRATION_VERSION, "device_kind": "cuda",
+           "host_optimizer": {"adam_fused_params_per_s": 2e9, "adam_loop_params_per_s": 1e8,
+                              "h2d_bytes_per_s": 20e9, "d2h_bytes_per_s": 16e9}}
+    measured = apply_calibration(cl, doc)
+    g = measured.groups[0]
+    assert (g.host_adam_params_per_s, g.host_link_bytes_per_s) == (2e9, 16e9)
+    t = estimate(plan, P8B, measured).time_breakdown["offload"]
+    n = P8B.params_total
+    assert abs(t - (n / 2e9 + 8 * n / 16e9)) < 1e-6 * t
+    faster = apply_calibration(cl, {**doc, "host_optimizer": {**doc["host_optimizer"], "adam_fused_params_per_s": 4e9}})
+    assert estimate(plan, P8B, faster).time_breakdown["offload"] < t - n / 4e9 * 0.99
+    # unmeasured: the nominal figures (unchanged from before the probe measured them)
+    c = DEFAULT_CONSTANTS
+    assert abs(estimate(plan, P8B, cl).time_breakdown["offload"]
+               - n * (c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s + 8 / c.host_link_bandwidth)) < 1e-3
+
+
+def test_overlap_rule_is_the_executors_and_hides_only_behind_an_accelerators_backward():
+    """Without clipping the executor steps blocks during the backward (`step_overlaps_backward`,
+    asked by the trainer too): the planner then takes the last micro-batch's backward off the
+    tier's time, down to the block released last; not on a CPU, whose cores the two share (the
+    benchmark measured the backward growing by what the worker did)."""
+    from dtorch.cluster.local import local_cluster
+    from dtorch.plan.cost import with_constants
+    from dtorch.plan.strategies.memory import step_overlaps_backward
+
+    host = Plan(microbatch_size=1, num_microbatches=8, ac="full", offload="optimizer")
+    assert step_overlaps_backward(host, grad_clipping=False)
+    assert not step_overlaps_backward(host, grad_clipping=True)
+    for other in (dict(dp_replicate=2), dict(tp=2), dict(pp=2), dict(cp=2), dict(offload="none"),
+                  dict(offload="params", dp_shard=2)):
+        assert not step_overlaps_backward(dataclasses.replace(host, **other), grad_clipping=False), other
+    assert step_overlaps_backward(dataclasses.replace(host, dp_shard=2), grad_clipping=False)  # FSDP
+    assert step_overlaps_backward(dataclasses.replace(host, dp_replicate=2, dp_shard=2), grad_clipping=False)
+    cl = _one_gpu(host_memory_bytes=2048 * GiB)
+    clip = estimate(host, P8B, cl).time_breakdown
+    free = estimate(host, P8B, cl, constants=with_constants(grad_clipping=False)).time_breakdown
+    assert free["offload"] < clip["offload"] and free["offload"] >= clip["offload"] * 0.01
+    cpu = local_cluster(1, calibrated=False)
+    p1 = Plan(microbatch_size=1, offload="optimizer")  # many blocks: the last is a small share
+    a = estimate(p1, P8B, cpu).time_breakdown["offload"]
+    b = estimate(p1, P8B, cpu, constants=with_constants(grad_clipping=False)).time_breakdown["offload"]
+    assert a == b

@@ -53,6 +53,11 @@ def test_single_process_probe_writes_calibration_that_detect_reads_back_and_chan
 
     cal = local_cluster(1)
     assert cal.groups[0].device.op_overhead_s == pytest.approx(back["op_overhead_s"])
+    # the host optimizer tier's figures: torch's CPU AdamW (both kernels), read back into the group
+    host = back["host_optimizer"]
+    assert host["adam_fused_params_per_s"] > 0 and host["adam_loop_params_per_s"] > 0
+    assert cal.groups[0].host_adam_params_per_s == pytest.approx(host["adam_fused_params_per_s"])
+    assert cal.groups[0].host_link_bytes_per_s == pytest.approx(host["copy_bytes_per_s"] / 2)  # a CPU's copies
     monkeypatch.setenv("DTORCH_NO_CALIBRATION", "1")
     nominal = local_cluster(1)
     dev = cal.groups[0].device

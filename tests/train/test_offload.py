@@ -2,7 +2,8 @@
 optimizer computes, keep their files private and tidy, refuse a bad directory before training, and
 checkpoint in the in-memory optimizer's shape (a run resumes across tiers).
 
-Cost: about 60 s on 2 shared cores (three gloo groups: world 1, world 2 losses, world 2 resume).
+Cost: about 60 s on 2 shared cores (three gloo groups: world 1, world 2 losses, world 2 resume); the
+overlap cases (no clipping, 8 steps) add about 10 s of CPU.
 """
 
 from __future__ import annotations
@@ -35,16 +36,20 @@ def _trainer(case: dict, **kw):
     if offload == "nvme":
         offload = OptimizerOffload("nvme", directory=case["dir"], block_bytes=40_000, buffers=3,
                                    params_on_disk=case.get("params_on_disk", False))
+    elif offload == "host_blocks":  # small blocks: the backward releases them one by one
+        offload = OptimizerOffload("host", block_bytes=40_000)
     return Trainer(model=lambda: build_model("llama-tiny"), plan=Plan(**case["plan"]), global_batch=4, seq_len=32,
                    optimizer=AdamW(lr=3e-3), offload=offload, console=False, straggler_every=0, metrics_every=0,
-                   seed=1, **kw)
+                   seed=1, max_grad_norm=case.get("clip", 1.0), **kw)
 
 
 def _losses_worker(case: dict, rank: int) -> dict:
     tr = _trainer(case)
-    res = tr.fit(STEPS)
-    out = {"losses": [res.losses[s] for s in range(1, STEPS + 1)],
+    steps = case.get("steps", STEPS)
+    res = tr.fit(steps)
+    out = {"losses": [res.losses[s] for s in range(1, steps + 1)],
            "kind": [type(o).__name__ for o in tr.optimizers]}
+    out["in_backward"] = sum(getattr(o, "stats", {}).get("in_backward", 0) for o in tr.optimizers)
     if case.get("offload") == "nvme":
         store = tr.optimizers[0].store
         out["files"] = [oct(stat.S_IMODE(os.stat(p).st_mode)) for p in store.paths]
@@ -78,11 +83,24 @@ def _check_same_losses(results: list[list[dict]]) -> None:
 
 
 def test_offload_tiers_match_in_memory_losses_at_world_1(tmp_path):
+    """Also without clipping, where the blocks are stepped during the backward (the overlap:
+    post-accumulate-grad hooks, a worker thread; each parameter's hook counts to the last of two
+    micro-batches). The overlap cases add about 5 s."""
     plan = {"microbatch_size": 2, "num_microbatches": 2}
     by_plan = {"plan": {**plan, "offload": "optimizer"}}  # the Plan's field selects the host tier
-    results = run_group(1, _cases(plan, str(tmp_path)) + [by_plan], _losses_worker)
-    _check_same_losses(results)
+    results = run_group(1, _cases(plan, str(tmp_path)) + [by_plan] + _no_clip_cases(plan, str(tmp_path)),
+                        _losses_worker)
+    _check_same_losses(results[:3])
     assert results[3][0]["kind"] == ["OffloadedOptimizer"]
+    assert results[1][0]["in_backward"] == 0  # clipping: the step waits for every gradient
+    _check_same_losses(results[4:])
+    assert results[5][0]["in_backward"] > 5 and results[6][0]["in_backward"] > 5  # it did overlap
+
+
+def _no_clip_cases(plan: dict, tmp: str) -> list[dict]:
+    """Without gradient clipping the tiers step each block during the backward (the overlap)."""
+    return [{"plan": plan, "clip": None, "steps": 8}, {"plan": plan, "clip": None, "steps": 8, "offload": "host_blocks"},
+            {"plan": plan, "clip": None, "steps": 8, "offload": "nvme", "dir": tmp}]
 
 
 def test_offload_tiers_match_in_memory_losses_under_fsdp_and_ddp_at_world_2(tmp_path):
@@ -90,9 +108,18 @@ def test_offload_tiers_match_in_memory_losses_under_fsdp_and_ddp_at_world_2(tmp_
     ddp = _cases({"dp_replicate": 2, "microbatch_size": 1, "num_microbatches": 2}, str(tmp_path / "d"))
     (tmp_path / "f").mkdir()
     (tmp_path / "d").mkdir()
-    results = run_group(2, fsdp + ddp, _losses_worker)
+    # without clipping: FSDP steps blocks during the backward; DDP, whose gradients are all-reduced
+    # after they land, steps after it (about 8 s more)
+    fsdp_overlap = _no_clip_cases({"dp_shard": 2, "microbatch_size": 2}, str(tmp_path / "f"))[:2]
+    ddp_no_clip = [{"plan": {"dp_replicate": 2, "microbatch_size": 2}, "clip": None, "steps": 8,
+                    "offload": "host_blocks"}]
+    results = run_group(2, fsdp + ddp + fsdp_overlap + ddp_no_clip, _losses_worker)
     _check_same_losses(results[:3])
-    _check_same_losses(results[3:])
+    _check_same_losses(results[3:6])
+    ref = results[6][0]["losses"]
+    assert len(set(ref)) > 5 and [r["losses"] for r in results[7]] == [ref, ref]
+    assert all(r["in_backward"] > 5 for r in results[7])
+    assert [r["losses"] for r in results[8]] == [ref, ref] and [r["in_backward"] for r in results[8]] == [0, 0]
 
 
 def _resume_worker(case: dict, rank: int) -> dict:

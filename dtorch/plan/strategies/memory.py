@@ -10,11 +10,13 @@ Time: full AC repeats each block's forward, 1/3 of its training FLOPs (Korthikan
 selective AC (DTorch's own policy, `dtorch.parallel.ac`) keeps the outputs of matmuls and of the
 attention kernel and re-runs the block's element-wise forward; the published runs' policies
 (Korthikanti's attention core, 4 h s per token per block; torchtitan's every second matmul) are
-priced when the calibration names them (`StepShape.selective`). The optimizer tiers (`offload_time`)
-run the step on the CPU (`cpu_adam_bytes_per_s`; a CPU cluster's own memory bandwidth, the kernel being
-the in-memory one) after copying the float32 gradients down and the float32 weights back up the host
-link, not overlapped with the backward; the NVMe tier also reads and writes the states on the node's
-disk (shared by its ranks), overlapped with the CPU step. With parameters offloaded every gather and
+priced when the calibration names them (`StepShape.selective`). The optimizer tiers (`tier_terms`)
+copy the float32 gradients down and the float32 weights back up the host link and run torch's CPU
+AdamW at the rate `dtorch probe` measured (`host_adam_rate`); the NVMe tier also reads and writes
+the states on the node's disk (shared by its ranks), overlapped with the CPU step. Where the
+executor steps blocks during the backward (`step_overlaps_backward`: no gradient clipping, FSDP or
+one rank) an accelerator's backward of the last micro-batch hides that work up to the last block;
+a CPU's does not (the same cores: measured, the backward grows by what the worker does). With parameters offloaded every gather and
 reduction crosses the host link too. Memory: activations per block by policy from
 the profile (Korthikanti Table 2 shapes); full AC re-materialises one block during its backward.
 """
@@ -193,7 +195,7 @@ class Memory(Strategy):
         p_local = r.p_stage / step.fs
         m, pb, rb = plan.num_microbatches, step.param_b, step.red_b
         if plan.offload in OPTIMIZER_TIERS:
-            r.offload = self.offload_time(step, load, p_local)
+            r.offload = self.offload_time(step, load, p_local, r)
             return
         r.offload = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
         r.offload += p_local * (rb + pb) / c.host_link_bandwidth  # grads down, params up
@@ -202,25 +204,47 @@ class Memory(Strategy):
             r.offload += n_ag * p_local * pb / c.host_link_bandwidth
             r.offload += m * p_local * rb / c.host_link_bandwidth
 
-    def offload_time(self, step: Any, load: RankLoad, p_local: float) -> float:
-        """Seconds per step of an optimizer tier (`dtorch.train.offload`): float32 gradients down and
-        float32 weights up the host link (the device parameters are the float32 ones; a CPU cluster
-        copies them at its memory bandwidth, read and write), the AdamW step on the CPU (28 B of traffic
-        per parameter), and for the NVMe tier the state read and written on the node's disk, shared by
-        its ranks and overlapped with the step, plus one block's read before the first step."""
-        c, dev = step.c, step.dev
-        if step.cpu:
-            cpu_step = p_local * c.optimizer_bytes_per_param / (dev.memory_bandwidth * 0.8)
-            copies = p_local * 2.0 * (4.0 + 4.0) / dev.memory_bandwidth
+    def offload_time(self, step: Any, load: RankLoad, p_local: float, r: RankShare | None = None,
+                     disk_bytes_per_param: float = STATE_BYTES) -> float:
+        """Exposed seconds per step of an optimizer tier (`dtorch.train.offload`), from measured rates:
+        `tier_terms` (copies, the CPU kernel, the disk), then what the backward hides of them where
+        the executor steps blocks during the backward (`step_overlaps_backward`)."""
+        t = self.tier_terms(step, load, p_local, disk_bytes_per_param)
+        total = t["total_s"]
+        if r is None or not step_overlaps_backward(step.plan, step.c.grad_clipping) or step.cpu:
+            # a CPU rank's backward and the worker share the cores: measured on the quiet 2-core
+            # development machine, the backward grew by what the worker did (whole step 1.02x)
+            return total
+        # the blocks are stepped as the backward of the last micro-batch releases them; the block
+        # released last (the embedding's) is stepped after it, whatever the backward's length
+        window = r.compute * 2.0 / 3.0 + r.recompute
+        last = total * min(1.0, self.block_bytes(step, load) / max(1.0, STATE_BYTES * p_local))
+        return max(last, total - window)
+
+    def tier_terms(self, step: Any, load: RankLoad, p_local: float,
+                   disk_bytes_per_param: float = STATE_BYTES) -> dict[str, float]:
+        """Seconds per step of an optimizer tier's parts, not overlapped with the backward:
+        `copies_s` float32 gradients down and float32 weights up (8 B/param over the host link,
+        measured pinned copies by `dtorch probe` else nominal; a CPU cluster makes two host copies of
+        4N bytes at the probe's copy rate, else at its memory bandwidth, each byte read and written); `kernel_s` torch's CPU AdamW at the
+        probe's measured parameters/s (`host_adam_rate`); for the NVMe tier `disk_s`, the state
+        (`disk_bytes_per_param`, 8 B, 12 with the masters on disk) read and written on the node's
+        disk, shared by its ranks and overlapped with the kernel, plus one block read before the
+        first step. `total_s` = copies + max(kernel, disk) + first read."""
+        c, dev, g = step.c, step.dev, step.g
+        kernel = p_local / host_adam_rate(step)
+        if step.cpu:  # two host copies of 4N bytes, at the probe's tensor-copy rate
+            copies = p_local * 2.0 * 4.0 / (g.host_link_bytes_per_s or dev.memory_bandwidth / 2.0)
         else:
-            cpu_step = p_local * c.optimizer_bytes_per_param / c.cpu_adam_bytes_per_s
-            copies = p_local * (4.0 + 4.0) / c.host_link_bandwidth
-        if step.plan.offload != "optimizer_nvme":
-            return cpu_step + copies
-        read_bw, write_bw = disk_bandwidth(step.g, c)
-        ranks = step.g.devices_per_node
-        disk = ranks * p_local * STATE_BYTES * (1.0 / read_bw + 1.0 / write_bw)
-        return max(cpu_step, disk) + copies + self.block_bytes(step, load) / read_bw
+            copies = p_local * (4.0 + 4.0) / (g.host_link_bytes_per_s or c.host_link_bandwidth)
+        out = {"copies_s": copies, "kernel_s": kernel, "disk_s": 0.0, "first_read_s": 0.0}
+        if step.plan.offload == "optimizer_nvme":
+            read_bw, write_bw = disk_bandwidth(g, c)
+            ranks = g.devices_per_node
+            out["disk_s"] = ranks * p_local * disk_bytes_per_param * (1.0 / read_bw + 1.0 / write_bw)
+            out["first_read_s"] = self.block_bytes(step, load) / read_bw
+        out["total_s"] = copies + max(kernel, out["disk_s"]) + out["first_read_s"]
+        return out
 
     def block_bytes(self, step: Any, load: RankLoad) -> float:
         """State bytes of the tiers' largest block: `offload_block_bytes`, or the largest parameter
@@ -253,7 +277,9 @@ class Memory(Strategy):
     def offload_summary(self, plan: Any, est: Any, group: Any, c: Any) -> str:
         """What the plan moved where and what it costs (for `dtorch.plan.explain`)."""
         t = est.time_breakdown.get("offload", 0.0)
-        cost = f"{t:.2f} s per step ({t / est.step_time_s:.0%}), not overlapped with compute"
+        hidden = ("partly hidden behind the backward" if step_overlaps_backward(plan, c.grad_clipping)
+                  and group.device.kind != "cpu" else "not overlapped with compute")
+        cost = f"{t:.2f} s per step ({t / est.step_time_s:.0%}), {hidden}"
         host = f"{est.host_bytes_per_rank / 2**30:.1f} GiB of host memory per rank"
         if plan.offload == "params":
             return (f"parameters, gradients and optimizer states in host memory (FSDP CPU offload), {host}; "
@@ -267,6 +293,31 @@ class Memory(Strategy):
             line += (f", {est.disk_bytes_per_rank / 2**30:.1f} GiB on disk per rank read and written each step at "
                      f"{read_bw / 1e9:.2f} / {write_bw / 1e9:.2f} GB/s ({src})")
         return line + f"; costs {cost}"
+
+
+def host_adam_rate(step: Any) -> float:
+    """Parameters per second per rank of the CPU AdamW the optimizer tiers run: torch's fused
+    kernel beside an accelerator (and on a CPU with `CostConstants.cpu_adam_fused`, i.e.
+    AdamW(fused=True)), else torch's default CPU kernel, the per-tensor loop (the in-memory
+    optimizer's on a CPU: the tier keeps its arithmetic). Measured by `dtorch probe`
+    (`NodeGroup.host_adam_*`); unmeasured: the nominal `cpu_adam_bytes_per_s`, and on a CPU the
+    old rule, 28 B/param at 80 % of the memory bandwidth."""
+    g, c = step.g, step.c
+    if step.cpu and not c.cpu_adam_fused:
+        return g.host_adam_loop_params_per_s or step.dev.memory_bandwidth * 0.8 / c.optimizer_bytes_per_param
+    return g.host_adam_params_per_s or c.cpu_adam_bytes_per_s / c.optimizer_bytes_per_param
+
+
+def step_overlaps_backward(plan: Any, grad_clipping: bool, tier: str | None = None) -> bool:
+    """Whether `dtorch.train.offload` steps the optimizer tier's blocks during the backward (on a
+    worker thread, as the gradient hooks release them): only where each gradient is final when it
+    lands. Not with gradient clipping (the step needs the norm of all of them), DDP (its all-reduce
+    lands after), a pipeline, tensor or context parallelism (Partial gradients reduced after the
+    backward), expert parallelism or torch.compile (not verified). The executor asks this too, with
+    `tier` the one it applies (a Trainer's `offload=` may choose one the plan does not say)."""
+    ddp = plan.dp_replicate > 1 and plan.dp_shard == 1
+    return ((tier or plan.offload) in OPTIMIZER_TIERS and not grad_clipping and not ddp and plan.pp == 1
+            and plan.tp == 1 and plan.cp == 1 and getattr(plan, "ep", 1) == 1 and not getattr(plan, "compile", False))
 
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20

@@ -41,6 +41,10 @@ class OptimizerOffload:
     buffers: int = 3
     """Block buffers in host memory (one being read ahead, one stepped, one written back): the
     host memory the NVMe tier holds is buffers x the largest block."""
+    overlap: bool | None = None
+    """Step each block on a worker thread during the backward, as its gradients land (None: wherever
+    the run allows it, `dtorch.plan.strategies.memory.step_overlaps_backward`: no gradient clipping,
+    one rank or FSDP; False: after the backward, always)."""
     fused: bool | None = None
     """The CPU kernel: None = the optimizer spec's own choice when the model lives on the CPU (so a
     CPU run is bit-identical to the in-memory one), torch's fused CPU kernel when it lives on an

@@ -13,13 +13,17 @@ differs is where the numbers are and who computes:
       write its state back (NVMe tier, in the background)
 
 Each block's CPU kernel is a torch optimizer built by the same spec (`spec.build`), so on a CPU
-run the arithmetic is the in-memory optimizer's, bit for bit.
+run the arithmetic is the in-memory optimizer's, bit for bit. With `overlap_backward` the same
+loop runs on a worker thread during the backward, last block first, each block as soon as the
+gradient hooks say its gradients are final.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -106,7 +110,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self.masters_on_disk:
             self._write_masters(locals_)
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if pin else None
-        self.stats = {"steps": 0, "step_s": 0.0}
+        self.stats = {"steps": 0, "step_s": 0.0, "copy_s": 0.0, "kernel_s": 0.0, "in_backward": 0}
+        """step_s: seconds in step() (with the overlap, what was left after the backward); copy_s and
+        kernel_s: host seconds of the copies and of the CPU kernel (on CUDA the copies are only
+        issued); in_backward: blocks stepped before step() was called."""
+        self._overlap: _Overlap | None = None
 
     @staticmethod
     def _build(spec: Any, params: list[torch.Tensor], fused: bool | None) -> torch.optim.Optimizer:
@@ -124,20 +132,34 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        import time
-
         t0 = time.perf_counter()
+        if self._overlap is not None and self._overlap.enabled:
+            self._overlap.finish()  # the blocks the backward has not released yet: stepped now
+        else:
+            self._run_blocks(list(range(len(self.blocks))), None)
+        if self._streams is not None:
+            torch.cuda.current_stream().wait_stream(self._streams[1])  # the next forward sees new weights
+        self.stats["steps"] += 1
+        self.stats["step_s"] += time.perf_counter() - t0
+        return loss
+
+    def _run_blocks(self, order: list[int], ready: Any) -> None:
+        """Step the blocks in `order`. `ready` (None: every gradient is final) is the overlap's
+        `_Ready`: a block is stepped only once its gradients are final."""
         hyper = {k: v for k, v in self.param_groups[0].items() if k not in _IMPL_FLAGS}
-        n = len(self.blocks)
+        n = len(order)
         # slots: one stepped, one read ahead (and its gradients copied), one being written back
         ahead = max(1, self.io.num_slots - 2)
-        pending = [self._begin(k) for k in range(min(n, ahead))]
+        pending = [self._begin(k, ready) for k in order[:ahead]]
         issued = len(pending)
-        for k in range(n):
+        for k in order:
             slot, fut = pending.pop(0)
             if issued < n:
-                pending.append(self._begin(issued))
+                pending.append(self._begin(order[issued], ready))
                 issued += 1
+            if ready is not None and not slot.grads_copied:
+                ready.wait(k)
+                self._grads_to_host(k, slot, ready.event(k))
             if fut is not None:
                 fut.result()
             if slot.grad_event is not None:
@@ -145,27 +167,49 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 slot.grad_event = None
             self._step_block(k, slot, hyper)
             self.io.finish(k, slot)
+            if ready is not None:
+                ready.done += 1
         self.io.drain()
-        if self._streams is not None:
-            torch.cuda.current_stream().wait_stream(self._streams[1])  # the next forward sees new weights
-        self.stats["steps"] += 1
-        self.stats["step_s"] += time.perf_counter() - t0
-        return loss
 
-    def _begin(self, k: int):
-        """Block k into a free slot: its state read from disk (in the background) and its
-        gradients copied to host (asynchronously on CUDA)."""
+    def _begin(self, k: int, ready: Any = None):
+        """Block k into a free slot: its state read from disk (in the background) and, when they
+        are final, its gradients copied to host (asynchronously on CUDA)."""
         slot, fut = self.io.start(k)
-        self._grads_to_host(k, slot)
+        slot.grads_copied = ready is None or ready.is_set(k)
+        if slot.grads_copied:
+            self._grads_to_host(k, slot, ready.event(k) if ready is not None else None)
         return slot, fut
 
-    def _grads_to_host(self, k: int, slot) -> None:
-        """Copy block k's device gradients into the slot's staging (async on CUDA)."""
+    # ---- overlap with the backward ---------------------------------------------------------------
+    def overlap_backward(self, microbatches: int = 1) -> None:
+        """Step each block on a worker thread as soon as its gradients are final, while the
+        backward of the earlier blocks runs: post-accumulate-grad hooks count each parameter's
+        gradients (`microbatches` per step) and release its block when the last one lands.
+
+        Only for runs whose gradients are final when they land: no clipping (the step would need
+        the norm of them all), no DDP (its all-reduce lands later), no pipeline, no tensor
+        parallelism (Partial gradients are reduced after the backward). The trainer asks
+        `dtorch.plan.strategies.memory.step_overlaps_backward`, the planner's rule. Each block's arithmetic is the same kernel on the same numbers, so the
+        losses stay bit-identical."""
+        if self._overlap is None and self.blocks:
+            self._overlap = _Overlap(self, int(microbatches))
+
+    def _grads_to_host(self, k: int, slot, ready_event=None) -> None:
+        """Copy block k's device gradients into the slot's staging (async on CUDA, after
+        `ready_event`, recorded where the gradients were produced, else after the current stream)."""
+        t = time.perf_counter()
+        self._copy_grads(k, slot, ready_event)
+        self.stats["copy_s"] += time.perf_counter() - t
+
+    def _copy_grads(self, k: int, slot, ready_event) -> None:
         b = self.blocks[k]
         off = 0
         stream = self._streams[0] if self._streams is not None else None
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
+            if ready_event is not None:
+                stream.wait_event(ready_event)
+            else:
+                stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             for j, i in enumerate(b.params):
                 g = self.device_params[i].grad
@@ -205,7 +249,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             st.update(self._scalars[i])
             kernel.state[holder] = st
             stepped.append(i)
+        t = time.perf_counter()
         kernel.step()
+        self.stats["kernel_s"] += time.perf_counter() - t
         for i in stepped:  # the kernel may have replaced scalars (e.g. a new step tensor)
             st = kernel.state[self._holders[i]]
             self._scalars[i] = {s: st[s] for s in self.scalar_keys if s in st}
@@ -224,6 +270,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return out
 
     def _masters_to_device(self, k: int, slot) -> None:
+        t = time.perf_counter()
+        self._copy_masters(k, slot)
+        self.stats["copy_s"] += time.perf_counter() - t
+
+    def _copy_masters(self, k: int, slot) -> None:
         b = self.blocks[k]
         buf = self.store.buffer(k, slot)
         stream = self._streams[1] if self._streams is not None else None
@@ -344,6 +395,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the I/O threads and remove the NVMe tier's files (also done at exit)."""
+        if self._overlap is not None:
+            self._overlap.close()
         self.io.close()
         self.store.close()
 
@@ -361,6 +414,112 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class _Ready:
+    """Which blocks' gradients are final in the current step (set from the autograd hooks)."""
+
+    def __init__(self, num_blocks: int, cuda: bool):
+        self.flags = [threading.Event() for _ in range(num_blocks)]
+        self.events: list[Any] = [None] * num_blocks
+        self.cuda = cuda
+        self.done = 0  # blocks stepped
+        self.aborted = False
+
+    def set(self, k: int) -> None:
+        if self.cuda:  # the gradients were produced on the stream current in the hook
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream())
+            self.events[k] = ev
+        self.flags[k].set()
+
+    def set_all(self) -> None:
+        for k, f in enumerate(self.flags):
+            if not f.is_set():
+                self.set(k)
+
+    def is_set(self, k: int) -> bool:
+        return self.flags[k].is_set()
+
+    def wait(self, k: int) -> None:
+        self.flags[k].wait()
+        if self.aborted:
+            raise RuntimeError("the offloaded optimizer's step was abandoned (the optimizer closed mid-backward)")
+
+    def abort(self) -> None:
+        self.aborted = True
+        for f in self.flags:
+            f.set()
+
+    def event(self, k: int):
+        return self.events[k]
+
+
+class _Overlap:
+    """The optimizer step run on a worker thread during the backward (`overlap_backward`). Blocks
+    are stepped last first, the order in which the backward finishes them; step() releases the
+    blocks whose gradients never came (unused parameters) and waits for the worker."""
+
+    def __init__(self, opt: OffloadedOptimizer, microbatches: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.opt, self.microbatches = opt, microbatches
+        self.order = list(range(len(opt.blocks)))[::-1]
+        self.index = {p: i for i, p in enumerate(opt.device_params)}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="dtorch-offload-step")
+        self.lock = threading.Lock()
+        self.handles = [p.register_post_accumulate_grad_hook(self._landed) for p in opt.device_params]
+        self.enabled = True
+        """False: the hooks do nothing and step() steps after the backward (switch between steps only;
+        the benchmark alternates it to compare the two under the same load)."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.counts = [0] * len(self.opt.device_params)
+        self.left = [len(b.params) for b in self.opt.blocks]
+        self.ready = _Ready(len(self.opt.blocks), self.opt._streams is not None)
+        self.future = None
+
+    def _landed(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        i = self.index[p]
+        with self.lock:
+            self.counts[i] += 1
+            if self.counts[i] != self.microbatches:
+                return
+            k = self.opt._block_of[i][0]
+            self.left[k] -= 1
+            if self.left[k]:
+                return
+            self.ready.set(k)
+            if self.future is None:
+                self.future = self.pool.submit(self._work, self.ready)
+
+    def _work(self, ready: _Ready) -> None:
+        with torch.no_grad():
+            self.opt._run_blocks(self.order, ready)
+
+    def finish(self) -> None:
+        """The backward is over: release every block and wait for the worker (its error, if any,
+        is raised here); without a worker (no gradient landed) the blocks are stepped here."""
+        with self.lock:
+            ready, fut = self.ready, self.future
+            self.opt.stats["in_backward"] += ready.done
+            ready.set_all()
+        try:
+            if fut is None:
+                self.opt._run_blocks(self.order, ready)
+            else:
+                fut.result()
+        finally:
+            self._reset()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.ready.abort()
+        self.pool.shutdown(wait=True)
 
 
 class _nothing:
