@@ -595,6 +595,9 @@ class Trainer:
         from dtorch.train.data import batch_for
 
         tokens_per_step = self.global_batch * self.seq_len
+        # uneven work (plan.dp_shares): each data-parallel rank's slice of the global batch, in samples
+        sample_shares = ([self.plan.microbatch_size * n for n in self.plan.dp_shares]
+                         if self.parallel.uneven else None)
         # MFU denominator: the spec-sheet peak on GPUs; on CPU the GEMM peak measured now, with all
         # ranks measuring at once (they share the cores).
         peak = self._device_peak() or measured_gemm_peak(self.device, cache_dir=os.environ.get("DTORCH_RUN_DIR") or None)
@@ -634,7 +637,8 @@ class Trainer:
                 hooks.before_step(self.step + 1)
                 if self.ckpt is not None:
                     self.ckpt.raise_if_failed()  # a failed async save stops the run at the next step
-                idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size)
+                idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size,
+                                                 shares=sample_shares)
                 if samples_log is not None:
                     samples_log.write(json.dumps({"step": self.step + 1, "dp_rank": self.parallel.dp_rank,
                                                   "indices": idx}) + "\n")
