@@ -96,6 +96,14 @@ class ParallelModel:
         """Micro-batches this rank runs per step (its `dp_shares` entry, or `num_microbatches`)."""
         self.local_batch = plan.microbatch_size * self.num_local_microbatches
         """Samples this rank takes per step (its contiguous slice of the global batch)."""
+        if self.uneven and uses_fsdp(plan):
+            # Uneven shares: ranks with different micro-batch counts must issue the same collectives, so
+            # FSDP gathers the parameters once per step and keeps them until the step's last backward
+            # (`_hold_unsharded`; under PP the schedule already defers the reduction and the reshard
+            # after backward to the end of the step, `perform_reduce_grad`).
+            for part in model_parts:
+                if isinstance(part, FSDPModule):
+                    part.set_reshard_after_forward(False)
         if (schedule is None or self.uneven) and plan.num_microbatches > 1:
             # each micro-batch's loss is divided by m (the mean share): so must the MoE balance loss's
             # injected gradient be (under PP with even shares the schedule's scale_grads divides all
@@ -181,8 +189,7 @@ class ParallelModel:
         once per step, holding unsharded parameters and gradients during the step (DDP's memory),
         as a pipeline stage under FSDP does for its gradients."""
         model.set_requires_gradient_sync(last)
-        if uses_fsdp(self.plan):
-            model.set_reshard_after_forward(False)
+        if uses_fsdp(self.plan):  # (no reshard after forward: set once, in __init__)
             model.set_reshard_after_backward(last)
             model.set_is_last_backward(last)
 

@@ -72,15 +72,12 @@ CASES_4 = {
 # (dp_shares) and pipeline stages of uneven size (layer_partition); held to UNEVEN_REL.
 UNEVEN_4 = {
     "uneven_fsdp_shares": dict(dp_shard=4, num_microbatches=2, dp_shares=[3, 1, 2, 2]),
-    "uneven_ddp_shares": dict(dp_replicate=4, num_microbatches=2, dp_shares=[1, 4, 2, 1]),
     "uneven_hsdp_shares": dict(dp_replicate=2, dp_shard=2, num_microbatches=2, dp_shares=[1, 2, 3, 2]),
     "uneven_fsdp_x_tp_shares": dict(dp_shard=2, tp=2, num_microbatches=2, dp_shares=[3, 1]),
     "uneven_ddp_x_pp_shares_partition": dict(dp_replicate=2, pp=2, schedule="1f1b", num_microbatches=3,
                                              dp_shares=[4, 2], layer_partition=[3, 1]),
     "uneven_fsdp_x_pp_shares_partition": dict(dp_shard=2, pp=2, schedule="1f1b", num_microbatches=3,
                                               dp_shares=[2, 4], layer_partition=[1, 3]),
-    "uneven_pp_partition": dict(model="llama-tiny:layers=6", pp=4, schedule="1f1b", num_microbatches=4,
-                                layer_partition=[1, 2, 2, 1]),
 }
 UNEVEN_2 = {
     "uneven_ddp_shares": dict(dp_replicate=2, num_microbatches=2, dp_shares=[3, 1]),
