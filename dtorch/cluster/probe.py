@@ -540,7 +540,6 @@ def _usable_memory(device, local: int) -> int:
 def measured_groups(doc: dict, threshold: float | None = None):
     """The probed cluster with one node group per class of ranks that measured alike
     (`dtorch.cluster.hetero`); a calibration without per-rank figures gives one group."""
-    from dtorch.cluster.calibration_store import apply_calibration
     from dtorch.cluster.hetero import SPEED_THRESHOLD, measured_cluster
     from dtorch.cluster.local import local_cluster
 

@@ -113,6 +113,33 @@ class ParallelModel:
                     if hasattr(type(m), "aux_grad_scale"):
                         m.aux_grad_scale = 1.0 / plan.num_microbatches
 
+    def set_dp_shares(self, shares: list[int] | None) -> None:
+        """Change the data-parallel shares between two steps (the straggler response re-plans with
+        measured speeds, docs/monitoring.md): the same global batch, cut by `shares`. Every rank
+        must call it with the same shares. Pipeline plans keep theirs: their schedules are built
+        for one micro-batch count (ConfigError)."""
+        import dataclasses
+
+        from dtorch.errors import ConfigError
+
+        if self.schedule is not None:
+            raise ConfigError("dp_shares", shares, "a pipeline's shares are set when it is built; restart the job "
+                              "with the new plan (the checkpoint resumes under it)")
+        plan = dataclasses.replace(self.plan, dp_shares=list(shares) if shares is not None else None)
+        plan.validate()
+        from dtorch.plan.strategies.batch import BATCH
+
+        for limit in BATCH.limits(plan):
+            raise limit.error()
+        self.plan = plan
+        self.uneven = uneven_shares(plan)
+        self.num_local_microbatches = local_microbatches(plan, self.dp_rank)
+        self.local_batch = plan.microbatch_size * self.num_local_microbatches
+        if self.uneven and uses_fsdp(plan):
+            for part in self.model_parts:
+                if isinstance(part, FSDPModule):
+                    part.set_reshard_after_forward(False)
+
     def blocks(self) -> list[nn.Module]:
         """This rank's blocks, over all its model parts (what the monitor times per block)."""
         return blocks_of(self.model_parts, self.structure)
