@@ -83,8 +83,9 @@ def _write_cluster(doc: dict, out: str, threshold: float | None) -> None:
 
     cluster = measured_groups(doc, threshold)
     save_cluster(cluster, out)
-    kinds = ", ".join(f"{g.num_devices} x {g.device.name} ({max(g.device.peak_flops.values()) / 1e9:.1f} GFLOP/s)"
-                      for g in cluster.groups)
+    main = "float32" if cluster.groups[0].device.kind == "cpu" else "bfloat16"
+    kinds = ", ".join(f"{g.num_devices} x {g.device.name} ({g.device.peak_flops.get(main, 0.0) / 1e9:.1f} GFLOP/s "
+                      f"{main})" for g in cluster.groups)
     print(f"wrote {out}: {len(cluster.groups)} group{'s' if len(cluster.groups) > 1 else ''}: {kinds}")
 
 

@@ -12,6 +12,7 @@ others: distinct device types, the existing cluster-file format. Pure functions;
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Sequence
 
 from dtorch.cluster.spec import Cluster, NodeGroup
@@ -56,8 +57,8 @@ def measured_cluster(base: Cluster, speeds: Sequence[float], memory_bytes: Seque
     """`base` (a one-group cluster of len(speeds) ranks, already calibrated) split into groups by
     measured speed. `speeds`: each rank's measured FLOP/s (any unit: only ratios matter);
     `memory_bytes`: each rank's usable memory (None: the base device's). A class's peak FLOP/s is
-    the base device's scaled by the class's mean speed over the fastest class's mean speed (the base
-    calibration is the median rank's). One class: `base` unchanged but for the memory."""
+    the base device's scaled by the class's mean speed over the median speed of all ranks (the
+    probe's calibrated GEMM curve is the median over ranks). One class: `base` unchanged but for the memory."""
     if len(base.groups) != 1:
         raise ConfigError("cluster", base.describe(), "measured groups are made from one probed group")
     g0 = base.groups[0]
@@ -65,7 +66,7 @@ def measured_cluster(base: Cluster, speeds: Sequence[float], memory_bytes: Seque
         raise ConfigError("speeds", list(speeds), f"give {g0.num_devices} speeds, one per rank")
     classes = speed_classes(speeds, threshold)
     mean = {c: sum(s for s, k in zip(speeds, classes) if k == c) / classes.count(c) for c in set(classes)}
-    median = sorted(speeds)[len(speeds) // 2]
+    median = statistics.median(speeds)  # as the probe's calibrated curve: the median over ranks per shape
     groups: list[NodeGroup] = []
     for c, first, count in class_runs(classes, g0.devices_per_node):
         scale = mean[c] / median  # the calibrated peak is the median rank's

@@ -58,3 +58,51 @@ def test_uneven_shares_run_except_where_the_executor_cannot_and_it_says_why():
     (lim,) = BATCH.limits(Plan(dp_replicate=2, pp=2, schedule="1f1b", num_microbatches=2, dp_shares=[3, 1]))
     assert "share >= 2" in lim.fix
     assert list(BATCH.limits(Plan(dp_replicate=2, pp=2, schedule="gpipe", num_microbatches=2, dp_shares=[3, 1]))) == []
+
+
+def _slow_rank_worker(case, rank):
+    import time
+
+    from dtorch.models import build_model
+    from dtorch.train.trainer import Trainer
+
+    tr = Trainer(model=lambda: build_model("llama-tiny"), plan=Plan(dp_replicate=2, microbatch_size=1,
+                 num_microbatches=4), global_batch=8, seq_len=16, checkpoint_dir=case, checkpoint_every=4,
+                 straggler_every=1, rebalance=True, console=False, async_checkpoint=False, metrics_every=0)
+    setup = tr._setup
+
+    def slowed(steps):  # the test's slow device: rank 1's blocks take 10 ms longer (test code, not DTorch's)
+        setup(steps)
+        if rank == 1:
+            for m in tr.parallel.blocks():
+                m.register_forward_hook(lambda *a: time.sleep(0.01))
+
+    tr._setup = slowed
+    res = tr.fit(6)
+    return {"steps": sorted(res.losses), "shares": tr.plan.dp_shares}
+
+
+@pytest.mark.slow
+def test_a_persistently_slow_rank_gets_fewer_micro_batches_from_the_next_checkpoint(tmp_path):
+    """2 gloo ranks, 6 steps (about 6 s on a quiet machine): the straggler check names rank 1 by step 3, the shares are
+    re-cut by measured speed at the step-4 checkpoint (logged), and the run finishes under them;
+    the checkpoint records the plan the run goes on with."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+    from _harness import run_group
+
+    (r0, r1), = run_group(2, [str(tmp_path)], _slow_rank_worker)
+    assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
+    assert r0["steps"] == list(range(1, 7)) and r0["shares"] == r1["shares"]
+    fast, slow = r0["shares"]
+    assert fast + slow == 8 and fast > slow
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    applied = [e for e in events if e.get("event") == "rebalance" and "applied" in e]
+    assert [(e["step"], e["applied"]) for e in applied] == [(4, [fast, slow])]
+    from dtorch.checkpoint import CheckpointManager
+
+    plans = {i.step: i.plan.get("dp_shares") for i in CheckpointManager(tmp_path).list() if i.plan}
+    assert plans[6] == [fast, slow]
