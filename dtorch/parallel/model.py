@@ -96,14 +96,6 @@ class ParallelModel:
         """Micro-batches this rank runs per step (its `dp_shares` entry, or `num_microbatches`)."""
         self.local_batch = plan.microbatch_size * self.num_local_microbatches
         """Samples this rank takes per step (its contiguous slice of the global batch)."""
-        if self.uneven and uses_fsdp(plan):
-            # Uneven shares: ranks with different micro-batch counts must issue the same collectives, so
-            # FSDP gathers the parameters once per step and keeps them until the step's last backward
-            # (`_hold_unsharded`; under PP the schedule already defers the reduction and the reshard
-            # after backward to the end of the step, `perform_reduce_grad`).
-            for part in model_parts:
-                if isinstance(part, FSDPModule):
-                    part.set_reshard_after_forward(False)
         if (schedule is None or self.uneven) and plan.num_microbatches > 1:
             # each micro-batch's loss is divided by m (the mean share): so must the MoE balance loss's
             # injected gradient be (under PP with even shares the schedule's scale_grads divides all
@@ -135,10 +127,6 @@ class ParallelModel:
         self.uneven = uneven_shares(plan)
         self.num_local_microbatches = local_microbatches(plan, self.dp_rank)
         self.local_batch = plan.microbatch_size * self.num_local_microbatches
-        if self.uneven and uses_fsdp(plan):
-            for part in self.model_parts:
-                if isinstance(part, FSDPModule):
-                    part.set_reshard_after_forward(False)
 
     def blocks(self) -> list[nn.Module]:
         """This rank's blocks, over all its model parts (what the monitor times per block)."""
@@ -211,12 +199,14 @@ class ParallelModel:
     def _hold_unsharded(self, model: FSDPModule, last: bool) -> None:
         """Uneven shares under FSDP2 / replicate: ranks with different micro-batch counts must still
         issue the same collectives. Parameters are gathered once, at a rank's first forward, and
-        stay gathered (no reshard after forward, none after backward but the last); gradients are
-        reduced once, after its last micro-batch. So every rank all-gathers and reduces exactly
-        once per step, holding unsharded parameters and gradients during the step (DDP's memory),
-        as a pipeline stage under FSDP does for its gradients."""
+        stay gathered (the plan has reshard_after_forward=false: a Limit of the batch strategy;
+        no reshard after backward but the last); gradients are reduced once, after its last
+        micro-batch. So every rank all-gathers and reduces exactly once per step, holding
+        unsharded parameters and gradients during the step (DDP's memory), as a pipeline stage
+        under FSDP does for its gradients. (Under PP the schedule defers the reduction and the
+        reshard after backward to the end of the step itself: `perform_reduce_grad`.)"""
         model.set_requires_gradient_sync(last)
-        if uses_fsdp(self.plan):  # (no reshard after forward: set once, in __init__)
+        if uses_fsdp(self.plan):
             model.set_reshard_after_backward(last)
             model.set_is_last_backward(last)
 

@@ -71,17 +71,19 @@ CASES_4 = {
 # Uneven work (docs/heterogeneous.md): data-parallel ranks with their own micro-batch counts
 # (dp_shares) and pipeline stages of uneven size (layer_partition); held to UNEVEN_REL.
 UNEVEN_4 = {
-    "uneven_fsdp_shares": dict(dp_shard=4, num_microbatches=2, dp_shares=[3, 1, 2, 2]),
-    "uneven_hsdp_shares": dict(dp_replicate=2, dp_shard=2, num_microbatches=2, dp_shares=[1, 2, 3, 2]),
-    "uneven_fsdp_x_tp_shares": dict(dp_shard=2, tp=2, num_microbatches=2, dp_shares=[3, 1]),
+    "uneven_fsdp_shares": dict(dp_shard=4, num_microbatches=2, dp_shares=[3, 1, 2, 2], reshard_after_forward=False),
+    "uneven_hsdp_shares": dict(dp_replicate=2, dp_shard=2, num_microbatches=2, dp_shares=[1, 2, 3, 2],
+                               reshard_after_forward=False),
+    "uneven_fsdp_x_tp_shares": dict(dp_shard=2, tp=2, num_microbatches=2, dp_shares=[3, 1],
+                                    reshard_after_forward=False),
     "uneven_ddp_x_pp_shares_partition": dict(dp_replicate=2, pp=2, schedule="1f1b", num_microbatches=3,
                                              dp_shares=[4, 2], layer_partition=[3, 1]),
     "uneven_fsdp_x_pp_shares_partition": dict(dp_shard=2, pp=2, schedule="1f1b", num_microbatches=3,
-                                              dp_shares=[2, 4], layer_partition=[1, 3]),
+                                              dp_shares=[2, 4], layer_partition=[1, 3], reshard_after_forward=False),
 }
 UNEVEN_2 = {
     "uneven_ddp_shares": dict(dp_replicate=2, num_microbatches=2, dp_shares=[3, 1]),
-    "uneven_fsdp_shares": dict(dp_shard=2, num_microbatches=3, dp_shares=[1, 5]),
+    "uneven_fsdp_shares": dict(dp_shard=2, num_microbatches=3, dp_shares=[1, 5], reshard_after_forward=False),
     "uneven_pp_partition_1_3": dict(pp=2, schedule="1f1b", num_microbatches=2, layer_partition=[1, 3]),
 }
 UNEVEN_REL = 1e-5

@@ -51,9 +51,11 @@ def test_rebalance_takes_each_data_parallel_group_at_its_slowest_rank():
 def test_uneven_shares_run_except_where_the_executor_cannot_and_it_says_why():
     from dtorch.plan.strategies.batch import BATCH
 
-    assert list(BATCH.limits(Plan(dp_shard=2, num_microbatches=2, dp_shares=[3, 1]))) == []
+    assert list(BATCH.limits(Plan(dp_shard=2, num_microbatches=2, dp_shares=[3, 1], reshard_after_forward=False))) == []
+    (lim,) = BATCH.limits(Plan(dp_shard=2, num_microbatches=2, dp_shares=[3, 1]))  # FSDP must keep them gathered
+    assert lim.field == "reshard_after_forward" and "reshard_after_forward=false" in lim.fix
     assert list(BATCH.limits(Plan(dp_replicate=2, pp=2, num_microbatches=3, dp_shares=[4, 2]))) == []
-    (lim,) = BATCH.limits(Plan(dp_shard=2, num_microbatches=2, dp_shares=[3, 1], ep=2))
+    (lim,) = BATCH.limits(Plan(dp_shard=2, num_microbatches=2, dp_shares=[3, 1], ep=2, reshard_after_forward=False))
     assert "expert" in lim.why
     (lim,) = BATCH.limits(Plan(dp_replicate=2, pp=2, schedule="1f1b", num_microbatches=2, dp_shares=[3, 1]))
     assert "share >= 2" in lim.fix

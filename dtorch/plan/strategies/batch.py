@@ -55,6 +55,10 @@ class Batch(Strategy):
             yield Limit("uneven data-parallel shares cannot run with expert parallelism (the expert all-to-all "
                         "needs every rank of the group at every micro-batch)", "dp_shares", shares,
                         "leave dp_shares unset (even shares) or use ep=1")
+        if (plan.dp_shard > 1 or plan.cp > 1) and plan.reshard_after_forward:
+            yield Limit("uneven data-parallel shares under FSDP keep the gathered parameters for the whole step "
+                        "(ranks with different micro-batch counts must issue the same collectives)",
+                        "reshard_after_forward", True, "set reshard_after_forward=false with uneven dp_shares")
         if plan.pp > 1 and plan.schedule != "gpipe" and min(shares) < plan.pp:
             yield Limit(f"schedule {plan.schedule} with pp={plan.pp} needs at least {plan.pp} micro-batches on "
                         "every data-parallel rank", "dp_shares", shares,
