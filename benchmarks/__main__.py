@@ -4,7 +4,7 @@
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
                                               # d planner, e checkpoint, f recovery, g mainjob, h compile,
-                                              # i offload, j failure_cost, k hetero_plan)
+                                              # i offload, j failure_cost, k hetero_plan, l hetero)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
 Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
@@ -29,9 +29,9 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "failure_cost", "mainjob",
-         "compile", "offload", "hetero_plan")
+         "compile", "offload", "hetero_plan", "hetero")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
-           "g": "mainjob", "h": "compile", "i": "offload", "j": "failure_cost", "k": "hetero_plan"}
+           "g": "mainjob", "h": "compile", "i": "offload", "j": "failure_cost", "k": "hetero_plan", "l": "hetero"}
 OWN_FILES = ("planner", "checkpoint", "hetero_plan")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
 TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0, "recovery_s": 1.5,
@@ -163,6 +163,13 @@ def section_hetero_plan(quick: bool) -> dict:
     return bench_hetero_plan.run(log=log)
 
 
+def section_hetero(quick: bool) -> dict:
+    """Uneven work: one of 2 workers slowed to half speed; uniform vs uneven shares vs ideal (bench_hetero)."""
+    from benchmarks import bench_hetero
+
+    return bench_hetero.run(quick=quick, log=log)
+
+
 SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}
 
 
@@ -173,6 +180,10 @@ def _markdown(name: str, result: dict) -> str:
         return f"## {name}\n\nskipped: {result['skipped']}\n"
     if name == "probe":
         return md_probe(result)
+    if name == "hetero":
+        from benchmarks import bench_hetero
+
+        return bench_hetero.markdown(result)
     if name == "mainjob":
         from benchmarks import bench_mainjob
 

@@ -33,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--disk", default=None, metavar="DIR",
                    help="measure the disk holding DIR (write to fdatasync, read with the cache dropped), record it "
                         "in the calibration (--out FILE, else every calibration stored for this host) and stop")
+    p.add_argument("--cluster-out", default=None, metavar="FILE",
+                   help="also write the measured cluster (YAML/JSON by suffix) for --cluster: ranks whose measured "
+                        "speed differs by more than --speed-threshold become node groups of their own, each with "
+                        "its measured peak and memory (docs/heterogeneous.md)")
+    p.add_argument("--speed-threshold", type=float, default=None,
+                   help="fraction of speed that separates two groups (default 0.15)")
     p.add_argument("--disk-bytes", type=int, default=256 * 2**20, help="bytes written and read by --disk")
     p.set_defaults(func=run)
 
@@ -70,6 +76,19 @@ def _record_disk(doc: dict, out: str | None) -> list:
     return paths
 
 
+def _write_cluster(doc: dict, out: str, threshold: float | None) -> None:
+    """The measured cluster file: one node group per class of ranks that measured alike."""
+    from dtorch.cluster.load import save_cluster
+    from dtorch.cluster.probe import measured_groups
+
+    cluster = measured_groups(doc, threshold)
+    save_cluster(cluster, out)
+    main = "float32" if cluster.groups[0].device.kind == "cpu" else "bfloat16"
+    kinds = ", ".join(f"{g.num_devices} x {g.device.name} ({g.device.peak_flops.get(main, 0.0) / 1e9:.1f} GFLOP/s "
+                      f"{main})" for g in cluster.groups)
+    print(f"wrote {out}: {len(cluster.groups)} group{'s' if len(cluster.groups) > 1 else ''}: {kinds}")
+
+
 def run(args: argparse.Namespace) -> int:
     from dtorch.cluster.probe import run_probe, summary
 
@@ -85,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     nprocs = _nprocs(args.nproc)
     if args.out and len(nprocs) > 1:
         raise ConfigError("out", args.out, "one --out file holds one calibration; give a single --nproc")
+    if getattr(args, "cluster_out", None) and len(nprocs) > 1:
+        raise ConfigError("cluster-out", args.cluster_out, "one cluster file holds one job size; give a single --nproc")
+    if args.speed_threshold is not None and not 0 < args.speed_threshold < 1:
+        raise ConfigError("speed-threshold", args.speed_threshold, "a fraction in (0, 1), e.g. 0.15")
     dtypes = [d.strip() for d in args.dtypes.split(",")] if args.dtypes else None
     for d in dtypes or []:
         if d not in ("float32", "bfloat16", "float16"):
@@ -98,5 +121,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(summary(doc))
             print(f"wrote {path}")
+        if getattr(args, "cluster_out", None):
+            _write_cluster(doc, args.cluster_out, args.speed_threshold)
         sys.stdout.flush()
     return 0

@@ -223,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         forwarded.append("--no-progress")
     if getattr(args, "trace_comms", False):
         forwarded.append("--trace-comms")
+    if getattr(args, "rebalance", False):
+        forwarded.append("--rebalance")
     spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos,
                       heartbeat_timeout=args.heartbeat_timeout, snapshot_every=args.snapshot_every,
                       run_dir=args.run_dir, preload=TRAINER_PRELOAD)

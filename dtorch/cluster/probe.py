@@ -457,7 +457,8 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
             links["inter"] = _link_fit(colls["inter"], nodes, "ib" if backend == "nccl" else "ethernet")
 
     p.stop()
-    mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt}
+    mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt,
+            "memory_bytes": _usable_memory(device, local)}
     gathered = [None] * world
     if distributed and world > 1:
         dist.all_gather_object(gathered, mine)
@@ -523,7 +524,41 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         # every rank stepped its AdamW at once (the node's ranks share its cores): the median rank
         "host_optimizer": {k: statistics.median(res["host_opt"][k] for res in gathered)
                            for k in gathered[0]["host_opt"]},
+        # each rank's own speed (its median GEMM FLOP/s in the main dtype) and usable memory: ranks
+        # of one device name that run at different speeds become groups of their own (hetero.py)
+        "ranks": [{"rank": r, "speed_flops": statistics.median(x["flops"] for x in res["gemm"] if x["dtype"] == main),
+                   "memory_bytes": res["memory_bytes"]} for r, res in enumerate(gathered)],
     })
+
+
+def _usable_memory(device, local: int) -> int:
+    """Bytes this rank may use: its GPU's total memory, or on a CPU its share of the host's
+    available memory (MemAvailable / ranks on the node)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // max(1, local)
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // max(1, local)
+
+
+def measured_groups(doc: dict, threshold: float | None = None):
+    """The probed cluster with one node group per class of ranks that measured alike
+    (`dtorch.cluster.hetero`); a calibration without per-rank figures gives one group."""
+    from dtorch.cluster.hetero import SPEED_THRESHOLD, measured_cluster
+    from dtorch.cluster.local import local_cluster
+
+    base = apply_calibration(local_cluster(doc["world_size"], doc["local_world_size"], calibrated=False), doc)
+    ranks = doc.get("ranks") or []
+    if len(ranks) != base.world_size:
+        return base
+    return measured_cluster(base, [r["speed_flops"] for r in ranks], [r["memory_bytes"] for r in ranks],
+                            threshold=SPEED_THRESHOLD if threshold is None else threshold)
 
 
 def _threads_per_rank(local: int) -> int:
@@ -629,6 +664,10 @@ def summary(doc: dict) -> str:
         p2p = f", point-to-point {link['p2p_latency'] * 1e6:.1f} us" if link.get("p2p_latency") else ""
         lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us "
                      f"per step{p2p}")
+    if len(doc.get("ranks") or []) > 1:
+        speeds = [r["speed_flops"] for r in doc["ranks"]]
+        lines.append("  per rank GEMM " + ", ".join(f"{s / 1e9:.1f}" for s in speeds) + " GFLOP/s (slowest/fastest "
+                     f"{min(speeds) / max(speeds):.2f})")
     for cls, colls in doc.get("collectives", {}).items():
         for op, rows in colls.items():
             ok = [r for r in rows if "seconds" in r]

@@ -36,6 +36,7 @@ from dtorch.parallel.check import check_executable, check_plan, model_dims
 from dtorch.parallel.compile import check_compile
 from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, uses_fsdp
 from dtorch.parallel.mesh import build_mesh, fsdp_mesh, sub_mesh
+from dtorch.parallel.model import uneven_shares
 from dtorch.parallel.pipeline import apply_pipeline_split, stage_ids
 from dtorch.parallel.tp import apply_tp
 from dtorch.plan.plan import Plan
@@ -116,7 +117,16 @@ def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int,
             "optimizer": 0 if plan.offload in ("optimizer", "params") else _nbytes(moments),
             "num_params_local": sum(_local(p).numel() for p in params),
         }
-        if plan.pp > 1 and uses_fsdp(plan) and plan.num_microbatches > 1 and plan.offload != "params":
+        if uneven_shares(plan) and plan.pp == 1 and uses_fsdp(plan) and plan.offload != "params":
+            # Uneven shares: FSDP keeps the parameters gathered and the gradients unsharded for the
+            # whole step, so that every rank issues the same collectives (model.py, `_hold_unsharded`).
+            param_b = torch.empty((), dtype=getattr(torch, plan.param_dtype)).element_size()
+            full = out["num_params_local"] * plan.dp_shard * plan.cp * param_b
+            out["grads_unsharded_accumulation"] = full
+            out["params_unsharded_step"] = full
+            out["grads"] += full
+            out["params"] += full
+        elif plan.pp > 1 and uses_fsdp(plan) and plan.num_microbatches > 1 and plan.offload != "params":
             # A pipeline stage under FSDP2 turns off gradient reduce-scatter until the last
             # micro-batch (torch.distributed.pipelining stage.py: set_requires_gradient_sync(False)),
             # so the stage holds unsharded gradients in the compute dtype during the step.

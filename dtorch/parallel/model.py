@@ -3,9 +3,11 @@
 - `model_parts`: this rank's modules (one, or `virtual_stages` pipeline stages), already sharded;
   call them only through `forward_backward`.
 - `dp_rank`, `dp_size`: this rank's data shard. Feed every step a local batch of
-  `plan.microbatch_size * plan.num_microbatches` samples (``[local_batch, seq]`` token ids and
-  labels, same shape): TP, CP and PP ranks of one data-parallel group get the SAME local batch
-  (whole sequences: with context parallelism each rank keeps its own sequence shard of it).
+  `local_batch` samples (``[local_batch, seq]`` token ids and labels, same shape): TP, CP and PP
+  ranks of one data-parallel group get the SAME local batch (whole sequences: with context
+  parallelism each rank keeps its own sequence shard of it). `local_batch` is
+  ``plan.microbatch_size * num_local_microbatches``: `plan.num_microbatches`, or this data-parallel
+  rank's entry of `plan.dp_shares` (uneven work on mixed devices, docs/heterogeneous.md).
 - `forward_backward(inputs, labels) -> loss`: runs all micro-batches (the pipeline schedule when
   pp > 1, gradient accumulation when pp == 1), leaves in `.grad` the gradients of the mean loss
   over the GLOBAL batch (all data-parallel ranks, all micro-batches), and returns that mean loss
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
@@ -41,6 +44,17 @@ from dtorch.plan.plan import Plan
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def uneven_shares(plan: Plan) -> bool:
+    """The plan gives its data-parallel ranks different numbers of micro-batches per step."""
+    return plan.dp_shares is not None and len(set(plan.dp_shares)) > 1
+
+
+def local_microbatches(plan: Plan, dp_rank: int) -> int:
+    """Micro-batches per step of data-parallel rank `dp_rank`: its `dp_shares` entry, else
+    `num_microbatches` (then every rank runs the same number)."""
+    return int(plan.dp_shares[dp_rank]) if uneven_shares(plan) else plan.num_microbatches
 
 
 class ParallelModel:
@@ -77,13 +91,42 @@ class ParallelModel:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.distributed = mesh is not None and dist.is_initialized()
-        if schedule is None and plan.num_microbatches > 1:
-            # gradient accumulation divides each micro-batch's loss by m: so must the MoE balance loss's
-            # injected gradient (under PP the schedule's scale_grads divides all gradients alike)
+        self.uneven = uneven_shares(plan)
+        self.num_local_microbatches = local_microbatches(plan, dp_rank)
+        """Micro-batches this rank runs per step (its `dp_shares` entry, or `num_microbatches`)."""
+        self.local_batch = plan.microbatch_size * self.num_local_microbatches
+        """Samples this rank takes per step (its contiguous slice of the global batch)."""
+        if (schedule is None or self.uneven) and plan.num_microbatches > 1:
+            # each micro-batch's loss is divided by m (the mean share): so must the MoE balance loss's
+            # injected gradient be (under PP with even shares the schedule's scale_grads divides all
+            # gradients alike; with uneven shares the schedule's loss is divided instead, see pipeline.py)
             for part in model_parts:
                 for m in part.modules():
                     if hasattr(type(m), "aux_grad_scale"):
                         m.aux_grad_scale = 1.0 / plan.num_microbatches
+
+    def set_dp_shares(self, shares: list[int] | None) -> None:
+        """Change the data-parallel shares between two steps (the straggler response re-plans with
+        measured speeds, docs/monitoring.md): the same global batch, cut by `shares`. Every rank
+        must call it with the same shares. Pipeline plans keep theirs: their schedules are built
+        for one micro-batch count (ConfigError)."""
+        import dataclasses
+
+        from dtorch.errors import ConfigError
+
+        if self.schedule is not None:
+            raise ConfigError("dp_shares", shares, "a pipeline's shares are set when it is built; restart the job "
+                              "with the new plan (the checkpoint resumes under it)")
+        plan = dataclasses.replace(self.plan, dp_shares=list(shares) if shares is not None else None)
+        plan.validate()
+        from dtorch.plan.strategies.batch import BATCH
+
+        for limit in BATCH.limits(plan):
+            raise limit.error()
+        self.plan = plan
+        self.uneven = uneven_shares(plan)
+        self.num_local_microbatches = local_microbatches(plan, self.dp_rank)
+        self.local_batch = plan.microbatch_size * self.num_local_microbatches
 
     def blocks(self) -> list[nn.Module]:
         """This rank's blocks, over all its model parts (what the monitor times per block)."""
@@ -102,6 +145,13 @@ class ParallelModel:
         return stack
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.uneven and inputs.shape[0] != self.local_batch:
+            from dtorch.errors import ConfigError
+
+            raise ConfigError("local batch", f"{inputs.shape[0]} samples on data-parallel rank {self.dp_rank}",
+                              f"this rank runs {self.num_local_microbatches} micro-batches of "
+                              f"{self.plan.microbatch_size}: feed ParallelModel.local_batch = {self.local_batch} "
+                              "samples (GlobalSampler.local_indices with the plan's shares)")
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         if self.context is not None:
             inputs, labels = self.context.shard(inputs), self.context.shard(labels)
@@ -125,19 +175,40 @@ class ParallelModel:
 
     def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         (model,) = self.model_parts
-        n = self.plan.num_microbatches
+        n = self.num_local_microbatches
+        # Every micro-batch's mean loss is divided by the MEAN share m = num_microbatches: after the
+        # data-parallel average (/ dp) each weighs 1 / (dp * m) = 1 / (all micro-batches of the global
+        # batch), whichever rank ran it, so uneven shares give the gradient of the global-batch mean.
+        m = self.plan.num_microbatches
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), labels.chunk(n))):
+            last = i == n - 1
             # FSDP2 reduce-scatters every micro-batch's gradients into the sharded ones (as torchtitan
             # does): deferring it to the last would hold a full unsharded gradient copy per rank
             sync = contextlib.nullcontext()
-            if isinstance(model, DistributedDataParallel) and i < n - 1:
+            if isinstance(model, DistributedDataParallel) and not last:
                 sync = model.no_sync()  # likewise for DDP
+            elif self.uneven and isinstance(model, FSDPModule):
+                self._hold_unsharded(model, last)
             with sync:
-                loss = self.loss_fn(model(x), y) / n
+                loss = self.loss_fn(model(x), y) / m
                 loss.backward()
             total += _local(loss.detach()).float()
         return total
+
+    def _hold_unsharded(self, model: FSDPModule, last: bool) -> None:
+        """Uneven shares under FSDP2 / replicate: ranks with different micro-batch counts must still
+        issue the same collectives. Parameters are gathered once, at a rank's first forward, and
+        stay gathered (the plan has reshard_after_forward=false: a Limit of the batch strategy;
+        no reshard after backward but the last); gradients are reduced once, after its last
+        micro-batch. So every rank all-gathers and reduces exactly once per step, holding
+        unsharded parameters and gradients during the step (DDP's memory), as a pipeline stage
+        under FSDP does for its gradients. (Under PP the schedule defers the reduction and the
+        reshard after backward to the end of the step itself: `perform_reduce_grad`.)"""
+        model.set_requires_gradient_sync(last)
+        if uses_fsdp(self.plan):
+            model.set_reshard_after_backward(last)
+            model.set_is_last_backward(last)
 
     def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -148,7 +219,9 @@ class ParallelModel:
             self.schedule.step(target=target, losses=losses)
         if not self.has_last_stage:
             return torch.zeros((), device=self.device)
-        return torch.stack([_local(x.detach()).float() for x in losses]).mean()
+        stacked = torch.stack([_local(x.detach()).float() for x in losses])
+        # uneven shares: the schedule's losses are already divided by the mean share (pipeline.py)
+        return stacked.sum() if self.uneven else stacked.mean()
 
     def _global_mean(self, local: torch.Tensor) -> torch.Tensor:
         """Mean over data-parallel and context-parallel ranks (each holds the mean over its tokens)

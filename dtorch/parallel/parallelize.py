@@ -30,7 +30,7 @@ from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, mp_policy, 
 from dtorch.parallel.hf import adapt
 from dtorch.parallel.materialize import Startup, materialize
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
-from dtorch.parallel.model import ParallelModel
+from dtorch.parallel.model import ParallelModel, local_microbatches, uneven_shares
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
 from dtorch.parallel.rng import seed_rank_streams, shard_attention_streams
 from dtorch.parallel.tp import apply_tp, check_roles
@@ -154,8 +154,11 @@ def parallelize(
         part.train()
 
     stage_ids = [s for s, _ in parts]
-    schedule = build_schedule(parts, plan, sub_mesh(mesh, "pp"), device, loss_fn) if plan.pp > 1 else None
     dp_mesh = sub_mesh(mesh, "dp")
+    dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+    # uneven shares (dp_shares): this data-parallel rank's pipeline runs its own micro-batch count
+    own = local_microbatches(plan, dp_rank) if uneven_shares(plan) else None
+    schedule = build_schedule(parts, plan, sub_mesh(mesh, "pp"), device, loss_fn, own) if plan.pp > 1 else None
     parallel = ParallelModel(
         plan, mesh, [m for _, m in parts], loss_fn, device,
         schedule=schedule,
@@ -163,7 +166,7 @@ def parallelize(
         has_last_stage=plan.num_stages - 1 in stage_ids,
         loss_parallel=loss_par,
         context=context,
-        dp_rank=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
+        dp_rank=dp_rank,
         dp_size=dp_mesh.size() if dp_mesh is not None else 1,
         structure=structure,
     )

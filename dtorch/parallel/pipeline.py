@@ -77,20 +77,28 @@ def build_schedule(
     pp_mesh: DeviceMesh,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    num_microbatches: int | None = None,
 ) -> _PipelineSchedule:
     """The schedule over this rank's stages. Stage shapes are inferred at the first step.
 
     `loss_fn` returns the mean loss of one micro-batch; the schedule's `scale_grads` divides the
     accumulated gradients by the number of micro-batches, so they equal those of the batch mean.
+    `num_microbatches`: this data-parallel rank's count when it differs from the plan's mean
+    (`dp_shares`): then the loss is divided by the mean share instead and the gradients are not
+    scaled, so after the data-parallel average every micro-batch of the global batch weighs alike.
     """
     group = pp_mesh.get_group()
     stages = [PipelineStage(m, s, plan.num_stages, device, group=group) for s, m in parts]
-    n = plan.num_microbatches
+    n = plan.num_microbatches if num_microbatches is None else int(num_microbatches)
+    kw: dict = dict(loss_fn=loss_fn)
+    if num_microbatches is not None:
+        mean = plan.num_microbatches
+        kw = dict(loss_fn=lambda out, target: loss_fn(out, target) / mean, scale_grads=False)
     if plan.schedule == "gpipe":
-        return ScheduleGPipe(stages[0], n, loss_fn=loss_fn)
+        return ScheduleGPipe(stages[0], n, **kw)
     if plan.schedule == "1f1b":
-        return Schedule1F1B(stages[0], n, loss_fn=loss_fn)
+        return Schedule1F1B(stages[0], n, **kw)
     if plan.schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(stages, n, **kw)
     assert plan.schedule == "zero_bubble", plan.schedule
-    return ScheduleInterleavedZeroBubble(stages, n, loss_fn=loss_fn)
+    return ScheduleInterleavedZeroBubble(stages, n, **kw)

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimizer state and fp32 masters in host memory (optimizer) or in files in --offload-dir "
                         "(optimizer_nvme), the step on the CPU; default: what the plan says (docs/memory-tiers.md)")
     p.add_argument("--offload-dir", default=None, help="directory on a local disk for --offload optimizer_nvme")
+    p.add_argument("--rebalance", action="store_true",
+                   help="straggler response: when a rank is persistently slow, re-cut the data-parallel shares by "
+                        "measured speed at the next checkpoint (docs/monitoring.md)")
     p.add_argument("--metrics-every", type=int, default=None,
                    help="gather every rank's step-time terms and memory every N steps (default 10; 0 = off)")
 
@@ -113,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         trace_comms=True if getattr(args, "trace_comms", False) else None,
         offload=getattr(args, "offload", None),
         offload_dir=getattr(args, "offload_dir", None),
+        rebalance=getattr(args, "rebalance", False),
     )
     result = trainer.fit(steps=args.steps)
     full = trainer.full_state_dict() if args.sample_tokens > 0 else None

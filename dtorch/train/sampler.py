@@ -4,7 +4,9 @@ The sample stream is infinite: position ``p`` (a count of samples consumed since
 epoch ``p // num_samples`` at offset ``p % num_samples``, and maps to
 ``permutation(seed, epoch)[offset]``. Step ``s`` consumes positions ``[s * global_batch,
 (s + 1) * global_batch)``. Data-parallel rank ``r`` of ``d`` takes the contiguous slice
-``[r * b, (r + 1) * b)`` of the step's global batch, ``b = global_batch // d``.
+``[r * b, (r + 1) * b)`` of the step's global batch, ``b = global_batch // d``; with uneven
+shares (a plan's `dp_shares`, mixed devices) rank ``r`` takes ``[s_0 + ... + s_{r-1}, s_0 + ... +
+s_r)`` samples, ``s_i`` being rank i's share in samples: the same global batch, cut elsewhere.
 
 Because nothing but the step is state, a run resumed at another data-parallel size consumes
 exactly the same global sequence of samples (torchtitan's per-rank loader state cannot do this).
@@ -97,13 +99,23 @@ class GlobalSampler:
             )
         return self.global_batch // int(dp_size)
 
-    def local_indices(self, step: int, dp_rank: int, dp_size: int) -> list[int]:
-        """Rank `dp_rank`'s contiguous slice of `step`'s global batch."""
-        b = self.local_batch(dp_size)
+    def local_indices(self, step: int, dp_rank: int, dp_size: int,
+                      shares: list[int] | None = None) -> list[int]:
+        """Rank `dp_rank`'s contiguous slice of `step`'s global batch: an even slice, or with
+        `shares` (samples per data-parallel rank, `dp_size` of them summing to global_batch) the
+        slice its share gives."""
         if not 0 <= int(dp_rank) < int(dp_size):
             raise ConfigError("dp_rank", dp_rank, f"use a rank in [0, {dp_size})")
         g = self.global_indices(step)
-        return g[int(dp_rank) * b : (int(dp_rank) + 1) * b]
+        if shares is None:
+            b = self.local_batch(dp_size)
+            return g[int(dp_rank) * b : (int(dp_rank) + 1) * b]
+        shares = [int(n) for n in shares]
+        if len(shares) != int(dp_size) or sum(shares) != self.global_batch or min(shares) < 1:
+            raise ConfigError("shares", shares, f"give {dp_size} positive sample counts (one per data-parallel "
+                              f"rank) that sum to global_batch={self.global_batch}")
+        start = sum(shares[: int(dp_rank)])
+        return g[start : start + shares[int(dp_rank)]]
 
     # ---- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

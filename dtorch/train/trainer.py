@@ -90,6 +90,9 @@ class Trainer:
       straggler_every: every N steps all ranks compare their mean block-forward time; a rank at
         least 1.5x slower than the fastest (or suddenly slow against its own history) for two
         checks in a row is named once on the console and as a `straggler` event (0 = off).
+      rebalance: the straggler response (docs/monitoring.md): when the straggler check names a
+        persistently slow rank, re-cut the data-parallel shares (plan.dp_shares) by the measured
+        speeds at the next checkpoint, logged as a `rebalance` event (pp=1 plans; off by default).
       metrics_every: every N steps all ranks gather their step-time terms, memory and GPU readings
         into a ``ranks`` record of metrics.jsonl (0 = off; default $DTORCH_METRICS_EVERY or 10).
       monitor_port / monitor_host / monitor_token: serve Prometheus /metrics and the live page on
@@ -127,6 +130,7 @@ class Trainer:
         keep_last: int = 3,
         console: bool = True,
         straggler_every: int = 10,
+        rebalance: bool = False,
         metrics_every: int | None = None,
         monitor_port: int | None = None,
         monitor_host: str | None = None,
@@ -161,6 +165,10 @@ class Trainer:
         if int(straggler_every) < 0:
             raise ConfigError("straggler_every", straggler_every, "check every N >= 1 steps, or 0 for never")
         self.straggler_every = int(straggler_every)
+        self.rebalance = bool(rebalance)
+        if self.rebalance and not self.straggler_every:
+            raise ConfigError("rebalance", True, "the straggler response needs the straggler check; "
+                              "set straggler_every >= 1 or rebalance=False")
         from dtorch.monitor.live import MonitorConfig
 
         self.monitor_config = MonitorConfig.resolve(metrics_every, monitor_port, monitor_host, monitor_token,
@@ -621,6 +629,9 @@ class Trainer:
         from dtorch.train.data import batch_for
 
         tokens_per_step = self.global_batch * self.seq_len
+        # uneven work (plan.dp_shares): each data-parallel rank's slice of the global batch, in samples
+        sample_shares = ([self.plan.microbatch_size * n for n in self.plan.dp_shares]
+                         if self.parallel.uneven else None)
         # MFU denominator: the spec-sheet peak on GPUs; on CPU the GEMM peak measured now, with all
         # ranks measuring at once (they share the cores).
         peak = self._device_peak() or measured_gemm_peak(self.device, cache_dir=os.environ.get("DTORCH_RUN_DIR") or None)
@@ -633,6 +644,11 @@ class Trainer:
             samples_log = open(self.log_dir / f"samples-rank{self.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
         hooks.started(self)
         watch = None
+        pending_shares = None  # the straggler response's shares, applied at the next checkpoint
+        dp_of_rank = None
+        if self.rebalance and self.world > 1:
+            dp_of_rank = [None] * self.world
+            dist.all_gather_object(dp_of_rank, self.parallel.dp_rank)
         if self.world > 1 and self.straggler_every:
             from dtorch.monitor.straggler import StragglerWatch
 
@@ -660,7 +676,8 @@ class Trainer:
                 hooks.before_step(self.step + 1)
                 if self.ckpt is not None:
                     self.ckpt.raise_if_failed()  # a failed async save stops the run at the next step
-                idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size)
+                idx = self.sampler.local_indices(self.step, self.parallel.dp_rank, self.parallel.dp_size,
+                                                 shares=sample_shares)
                 if samples_log is not None:
                     samples_log.write(json.dumps({"step": self.step + 1, "dp_rank": self.parallel.dp_rank,
                                                   "indices": idx}) + "\n")
@@ -714,6 +731,12 @@ class Trainer:
                     if self.rank == 0:
                         print(report.warning(), file=sys.stderr, flush=True)
                         hooks.notice("straggler", step=self.step, ranks=report.new, ratio=ratio)
+                    if dp_of_rank is not None:
+                        pending_shares = self._plan_rebalance(report, dp_of_rank)
+                if pending_shares is not None and self.step % self.checkpoint_every == 0 and self.step < steps:
+                    # at the checkpoint, before it is written: it records the plan the run goes on with
+                    sample_shares = self._apply_rebalance(pending_shares)
+                    pending_shares = None
                 if result.steps_run == 1 and self.ckpt is not None and self.async_checkpoint:
                     # Allocate the async save's CPU buffers now, between steps, not inside the first
                     # save's stall. Not before the first step: reading an optimizer's state dict
@@ -760,6 +783,38 @@ class Trainer:
         result.final_step = self.step
         result.wall_s = time.perf_counter() - t_start
         return result
+
+    def _plan_rebalance(self, report, dp_of_rank: list[int]) -> list[int] | None:
+        """The shares the straggler report's measured speeds call for (same on every rank: the
+        report is gathered), or None; logged as a `rebalance` event with `applied_at` to come."""
+        from dtorch.train.rebalance import rebalanced_shares
+
+        if self.plan.pp > 1 or self.plan.ep > 1:
+            self.metrics.event("rebalance", step=self.step, skipped="pipeline and expert-parallel plans keep their "
+                               "shares while running; restart with a plan that sets dp_shares")
+            return None
+        shares = rebalanced_shares(self.plan.dp_shares, self.plan.num_microbatches, report.ratio, dp_of_rank,
+                                   self.parallel.dp_size)
+        if shares is not None:
+            self.metrics.event("rebalance", step=self.step, planned=shares, current=self.plan.dp_shares,
+                               ratio=[round(x, 3) for x in report.ratio])
+        return shares
+
+    def _apply_rebalance(self, shares: list[int]) -> list[int] | None:
+        """Cut the global batch by `shares` from the next step on; returns the sampler's shares."""
+        old = self.plan.dp_shares
+        try:
+            self.parallel.set_dp_shares(shares)
+        except ConfigError as e:
+            self.metrics.event("rebalance", step=self.step, skipped=str(e))
+            return [self.plan.microbatch_size * n for n in old] if self.parallel.uneven else None
+        self.plan = self.parallel.plan
+        self.metrics.event("rebalance", step=self.step, applied=shares, previous=old)
+        if self.rank == 0 and self.console:
+            print(f"dtorch: rebalanced at step {self.step} by measured speed: data-parallel shares "
+                  f"{'/'.join(map(str, shares))} micro-batches (were {'/'.join(map(str, old)) if old else 'even'})",
+                  flush=True)
+        return [self.plan.microbatch_size * n for n in shares] if self.parallel.uneven else None
 
     def _name_oom(self, exc: BaseException, phase: str, mem_base: int, cap) -> None:
         """Write the OOM's record (rank, phase, stage, memory vs estimate; see dtorch.monitor.oom)."""

@@ -81,11 +81,12 @@ def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
     pm = parallelize(partial(factory, model_name), plan, loss_fn=next_token, seed=seed, seq_len=SEQ)
     masks = record_masks(pm.model_parts)
     opt = torch.optim.AdamW(list(pm.parameters()), lr=LR, foreach=False)
-    local = plan.local_batch()
+    local = pm.local_batch  # this rank's share (plan.dp_shares) or the even local batch
+    start = plan.microbatch_size * sum(plan.dp_shares[:pm.dp_rank]) if plan.dp_shares else pm.dp_rank * local
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = batch(step, plan.dp * local)
-        rows = slice(pm.dp_rank * local, (pm.dp_rank + 1) * local)
+        x, y = batch(step, plan.dp * plan.local_batch())
+        rows = slice(start, start + local)
         loss = pm.forward_backward(x[rows], y[rows])
         norms.append(float(pm.clip_grad_norm_(1e9)))
         opt.step()

@@ -68,6 +68,25 @@ CASES_4 = {
     "fsdp_x_cp_accumulation": dict(dp_shard=2, cp=2, microbatch_size=1, num_microbatches=2),
     "cp_x_tp_sp": dict(cp=2, tp=2, sp=True, microbatch_size=4),
 }
+# Uneven work (docs/heterogeneous.md): data-parallel ranks with their own micro-batch counts
+# (dp_shares) and pipeline stages of uneven size (layer_partition); held to UNEVEN_REL.
+UNEVEN_4 = {
+    "uneven_fsdp_shares": dict(dp_shard=4, num_microbatches=2, dp_shares=[3, 1, 2, 2], reshard_after_forward=False),
+    "uneven_hsdp_shares": dict(dp_replicate=2, dp_shard=2, num_microbatches=2, dp_shares=[1, 2, 3, 2],
+                               reshard_after_forward=False),
+    "uneven_fsdp_x_tp_shares": dict(dp_shard=2, tp=2, num_microbatches=2, dp_shares=[3, 1],
+                                    reshard_after_forward=False),
+    "uneven_ddp_x_pp_shares_partition": dict(dp_replicate=2, pp=2, schedule="1f1b", num_microbatches=3,
+                                             dp_shares=[4, 2], layer_partition=[3, 1]),
+    "uneven_fsdp_x_pp_shares_partition": dict(dp_shard=2, pp=2, schedule="1f1b", num_microbatches=3,
+                                              dp_shares=[2, 4], layer_partition=[1, 3], reshard_after_forward=False),
+}
+UNEVEN_2 = {
+    "uneven_ddp_shares": dict(dp_replicate=2, num_microbatches=2, dp_shares=[3, 1]),
+    "uneven_fsdp_shares": dict(dp_shard=2, num_microbatches=3, dp_shares=[1, 5], reshard_after_forward=False),
+    "uneven_pp_partition_1_3": dict(pp=2, schedule="1f1b", num_microbatches=2, layer_partition=[1, 3]),
+}
+UNEVEN_REL = 1e-5
 CASES_2 = {
     "ddp": dict(dp_replicate=2, microbatch_size=2),
     "fsdp": dict(dp_shard=2, microbatch_size=2),
@@ -119,23 +138,26 @@ def _reference(global_batch: int, model_name: str) -> dict:
     return _training.single_process(global_batch, model_name)
 
 
-def _run(world: int, cases: dict, dropout_cases: dict) -> dict:
-    """Every case of one world size in ONE process group; dropout cases keyed ("dropout", name)."""
-    keyed = {**cases, **{("dropout", k): v for k, v in dropout_cases.items()}}
+def _run(world: int, cases: dict, dropout_cases: dict, uneven_cases: dict) -> dict:
+    """Every case of one world size in ONE process group; dropout cases keyed ("dropout", name),
+    uneven ones ("uneven", name)."""
+    keyed = {**cases, **{("dropout", k): v for k, v in dropout_cases.items()},
+             **{("uneven", k): v for k, v in uneven_cases.items()}}
     return dict(zip(keyed, run_group(world, list(keyed.items()), _worker)))
 
 
 @pytest.fixture(scope="module")
 def world4() -> dict:
-    return _run(4, CASES_4, DROPOUT_CASES_4)
+    return _run(4, CASES_4, DROPOUT_CASES_4, UNEVEN_4)
 
 
 @pytest.fixture(scope="module")
 def world2() -> dict:
-    return _run(2, CASES_2, DROPOUT_CASES_2)
+    return _run(2, CASES_2, DROPOUT_CASES_2, UNEVEN_2)
 
 
-def _assert_matches_single_process(plan_kwargs: dict, per_rank: list[dict]) -> None:
+def _assert_matches_single_process(plan_kwargs: dict, per_rank: list[dict], rel: float = REL,
+                                   rel_norm: float = REL_NORM) -> None:
     for r, res in enumerate(per_rank):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
     kwargs = dict(plan_kwargs)
@@ -143,8 +165,8 @@ def _assert_matches_single_process(plan_kwargs: dict, per_rank: list[dict]) -> N
     plan = Plan(**kwargs)
     ref = _reference(plan.dp * plan.local_batch(), model_name)
     for r, res in enumerate(per_rank):
-        for key, rel in (("losses", REL), ("norms", REL_NORM)):
-            assert res[key] == pytest.approx(ref[key], rel=rel), f"rank {r} {key}"
+        for key, tol in (("losses", rel), ("norms", rel_norm)):
+            assert res[key] == pytest.approx(ref[key], rel=tol), f"rank {r} {key}"
     # the checkpoint state has the unsplit model's names whatever the plan (pipeline stages: union)
     assert set().union(*(res["keys"] for res in per_rank)) == set(ref["keys"])
 
@@ -159,6 +181,16 @@ def test_world_size_4_matches_single_process_losses(world4: dict, name: str) -> 
 @pytest.mark.parametrize("name", list(CASES_2))
 def test_world_size_2_matches_single_process_losses(world2: dict, name: str) -> None:
     _assert_matches_single_process(CASES_2[name], world2[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,name", [(2, n) for n in UNEVEN_2] + [(4, n) for n in UNEVEN_4])
+def test_uneven_shares_and_partitions_match_single_process_within_1e_5(world2: dict, world4: dict, world: int,
+                                                                     name: str) -> None:
+    """Each data-parallel rank runs its own micro-batch count (dp_shares) and/or pipeline stages hold
+    different block counts: the same global batch, so the same losses as one process."""
+    cases, results = (UNEVEN_2, world2) if world == 2 else (UNEVEN_4, world4)
+    _assert_matches_single_process(cases[name], results[("uneven", name)], rel=UNEVEN_REL, rel_norm=REL_NORM)
 
 
 def _ok(per_rank: list[dict]) -> list[dict]:

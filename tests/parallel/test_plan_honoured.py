@@ -90,6 +90,11 @@ HAND_MADE = {
     # compile=true is only emitted by the search with a calibrated gain: one applied, one refused
     "single compile": ("llama-tiny", Plan(compile=True)),
     "tp full ac compile refused": ("gpt-tiny", Plan(tp=2, ac="full", compile=True)),
+    # uneven data-parallel shares (mixed devices): data-parallel rank 0 runs 3 micro-batches, rank 1 one
+    "fsdp uneven shares [3,1]": ("llama-tiny", Plan(dp_shard=2, num_microbatches=2, dp_shares=[3, 1],
+                                                                    reshard_after_forward=False)),
+    "ddp x pp uneven shares [3,1] gpipe": ("gpt-tiny", Plan(dp_replicate=2, pp=2, schedule="gpipe", num_microbatches=2,
+                                                            dp_shares=[3, 1])),
 }
 PLANS = {**_emitted(), **HAND_MADE}
 
@@ -139,7 +144,7 @@ def _run_step(pm, plan: Plan, model_name: str) -> dict:
     root = pm.model_parts[0].module if isinstance(pm.model_parts[0], DistributedDataParallel) else pm.model_parts[0]
     root.register_forward_pre_hook(lambda m, args: rec["forward_batches"].append(args[0].shape[0]))
     mode = _MatmulDtypes()
-    x, y = _training.batch(0, plan.local_batch())
+    x, y = _training.batch(0, pm.local_batch)  # this rank's share (plan.dp_shares) of the global batch
     # torch.compile cannot trace under the dispatch mode that records the matmuls' dtypes: a compiled
     # plan's step runs its compiled blocks eagerly here (the same ops); `check_compile` inspects the
     # blocks themselves, and tests/parallel/test_compile.py runs compiled steps against eager ones
@@ -280,18 +285,33 @@ def check_sp(plan: Plan, pm, rec: dict) -> None:
             assert (shard_stream_rank(inner.attention) is not None) == (plan.tp > 1 and not plan.sp)
 
 
+def _own_microbatches(plan: Plan, pm) -> int:
+    """Micro-batches this rank must run: its dp_shares entry, or num_microbatches."""
+    return plan.dp_shares[pm.dp_rank] if plan.dp_shares else plan.num_microbatches
+
+
 def check_microbatch_size(plan: Plan, pm, rec: dict) -> None:
     if pm.schedule is None:
-        assert rec["forward_batches"] == [plan.microbatch_size] * plan.num_microbatches, rec["forward_batches"]
-    else:  # the schedule cuts the local batch (microbatch_size x num_microbatches) into its micro-batches
-        assert pm.schedule._n_microbatches * plan.microbatch_size == plan.local_batch()
+        assert rec["forward_batches"] == [plan.microbatch_size] * _own_microbatches(plan, pm), rec["forward_batches"]
+    else:  # the schedule cuts the local batch (microbatch_size x micro-batches) into its micro-batches
+        assert pm.schedule._n_microbatches * plan.microbatch_size == pm.local_batch
 
 
 def check_num_microbatches(plan: Plan, pm, rec: dict) -> None:
     if pm.schedule is None:
-        assert len(rec["forward_batches"]) == plan.num_microbatches
+        assert len(rec["forward_batches"]) == _own_microbatches(plan, pm)
     else:
-        assert pm.schedule._n_microbatches == plan.num_microbatches
+        assert pm.schedule._n_microbatches == _own_microbatches(plan, pm)
+
+
+def check_dp_shares(plan: Plan, pm, rec: dict) -> None:
+    # this rank runs its own share (forward count / schedule length: check_num_microbatches) of
+    # the global batch, whose size the shares do not change
+    assert pm.num_local_microbatches == _own_microbatches(plan, pm)
+    assert pm.local_batch == plan.microbatch_size * _own_microbatches(plan, pm)
+    if plan.dp_shares is not None:
+        assert sum(plan.dp_shares) * plan.microbatch_size == plan.dp * plan.local_batch()
+        assert pm.uneven == (len(set(plan.dp_shares)) > 1)
 
 
 _SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -407,7 +427,7 @@ CHECKS = {
     "ep": check_ep,
     "dp_replicate": check_dp_replicate, "dp_shard": check_dp_shard, "cp": check_cp, "tp": check_tp,
     "pp": check_pp, "sp": check_sp, "microbatch_size": check_microbatch_size,
-    "num_microbatches": check_num_microbatches, "schedule": check_schedule,
+    "num_microbatches": check_num_microbatches, "dp_shares": check_dp_shares, "schedule": check_schedule,
     "virtual_stages": check_virtual_stages, "layer_partition": check_layer_partition, "ac": check_ac,
     "offload": check_offload, "reshard_after_forward": check_reshard_after_forward,
     "param_dtype": check_param_dtype, "reduce_dtype": check_reduce_dtype,

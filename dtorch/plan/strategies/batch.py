@@ -50,9 +50,24 @@ class Batch(Strategy):
                             f"num_microbatches({plan.num_microbatches}) = {dp * plan.num_microbatches}")
 
     def limits(self, plan: Any) -> Iterator[Limit]:
-        if plan.dp_shares is not None and len(set(plan.dp_shares)) > 1:
-            yield Limit("uneven data-parallel shares are not applied by this executor yet", "dp_shares",
-                        plan.dp_shares, "leave dp_shares unset (even shares)")
+        shares = plan.dp_shares
+        if shares is None or len(set(shares)) <= 1:
+            return
+        if plan.ep > 1:
+            yield Limit("uneven data-parallel shares cannot run with expert parallelism (the expert all-to-all "
+                        "needs every rank of the group at every micro-batch)", "dp_shares", shares,
+                        "leave dp_shares unset (even shares) or use ep=1")
+        if (plan.dp_shard > 1 or plan.cp > 1) and plan.reshard_after_forward:
+            yield Limit("uneven data-parallel shares under FSDP keep the gathered parameters for the whole step "
+                        "(ranks with different micro-batch counts must issue the same collectives)",
+                        "reshard_after_forward", True, "set reshard_after_forward=false with uneven dp_shares")
+        if plan.pp > 1 and plan.schedule != "gpipe" and min(shares) < plan.pp:
+            yield Limit(f"schedule {plan.schedule} with pp={plan.pp} needs at least {plan.pp} micro-batches on "
+                        "every data-parallel rank", "dp_shares", shares,
+                        f"give every rank a share >= {plan.pp} or use schedule=gpipe")
+        if plan.pp > 1 and plan.schedule in ("interleaved_1f1b", "zero_bubble") and any(n % plan.pp for n in shares):
+            yield Limit(f"schedule {plan.schedule} runs micro-batches in rounds of pp={plan.pp} on every "
+                        "data-parallel rank", "dp_shares", shares, f"give every rank a multiple of {plan.pp}")
 
     def describe(self, plan: Any):
         yield 0, f"mb={plan.microbatch_size}x{plan.num_microbatches}"
