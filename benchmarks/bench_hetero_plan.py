@@ -7,10 +7,8 @@ group's memory, and its predicted throughput against the uniform split and the f
 For each preset (`a100:2x8+h100:2x8`, `mi300x:1x8+h100:1x8`, `h100:4x8+h200:4x8`) and model
 (llama3-8b at batch 128, llama3-70b at batch 64; seq 4096), all predictions of the cost model:
 
-- auto: the search as it runs today (`dtorch plan`): every rank costed on its own group's speed and
-  memory, uneven pipeline stages by group speed and memory searched;
-- auto + dp_shares: the same once the executor applies uneven data-parallel shares (the search with
-  Batch's executor Limit lifted in this process: exactly what the executor half changes);
+- auto: the search as it runs (`dtorch plan`): every rank costed on its own group's speed and
+  memory, uneven pipeline stages and uneven data-parallel shares by group speed and memory searched;
 - uniform: the best plan in which every rank does the same work (no uneven stages apportioned by
   group, no dp_shares), costed per group like the others (the honest even baseline);
 - old planner: what the planner chose before issue 14 (the slowest group's speed, its memory for
@@ -38,19 +36,6 @@ EXTRA = (("a100:1x8+h100:1x8", "gpt2-small", 64, 1024, None),
          ("a100:1x8+h100:1x8", "gpt2-small", 64, 1024, "pp=1,tp=1,dp_shard=1"))
 """A model small enough for plain data parallelism: free, the search pipelines it (the head on the
 H100 stage balances it); with data parallelism fixed, uneven dp_shares are what helps."""
-
-
-@contextlib.contextmanager
-def _dp_shares_applied():
-    """The executor half removes Batch's Limit on uneven shares; this lifts it in this process only."""
-    from dtorch.plan.strategies.batch import Batch
-
-    saved = Batch.limits
-    Batch.limits = lambda self, plan: iter(())
-    try:
-        yield
-    finally:
-        Batch.limits = saved
 
 
 @contextlib.contextmanager
@@ -96,8 +81,6 @@ def case(preset: str, model: str, gb: int, seq: int, fix: str | None = None) -> 
     t0 = time.perf_counter()
     auto = _best(prof, cl, gb, fix)
     wall = time.perf_counter() - t0
-    with _dp_shares_applied():
-        shares = _best(prof, cl, gb, fix)
     with _uniform_only():
         uniform = _best(prof, cl, gb, fix)
     slow = cl.slowest_group()
@@ -106,14 +89,13 @@ def case(preset: str, model: str, gb: int, seq: int, fix: str | None = None) -> 
     fast = max(cl.groups, key=hetero.group_speed)
     fast_only = _best(prof, Cluster([fast], name="fastest"), gb, fix)
     out = {"preset": preset, "model": model, "global_batch": gb, "seq_len": seq, "fixed": fix, "search_wall_s": wall,
-           "auto": _row(*auto), "auto_dp_shares": _row(*shares), "uniform": _row(*uniform) if uniform else None,
+           "auto": _row(*auto), "uniform": _row(*uniform) if uniform else None,
            "fastest_group": f"{fast.num_devices} x {fast.device.name}",
            "fastest_only": _row(*fast_only) if fast_only else None}
     if old is not None:
         out["old_planner"] = _row(old[0], estimate(old[0], prof, cl)) | {"old_claimed_gib": old[1].memory_bytes_per_rank / 2**30}
-    best = max(out["auto"]["tokens_per_s"], out["auto_dp_shares"]["tokens_per_s"])
-    out["all_fit"] = all(g["fits"] for k in ("auto", "auto_dp_shares") for g in out[k]["groups"]) and \
-        out["auto"]["fits"] and out["auto_dp_shares"]["fits"]
+    best = out["auto"]["tokens_per_s"]
+    out["all_fit"] = all(g["fits"] for g in out["auto"]["groups"]) and out["auto"]["fits"]
     out["auto_over_uniform"] = out["auto"]["tokens_per_s"] / out["uniform"]["tokens_per_s"] if uniform else None
     out["best_over_uniform"] = best / out["uniform"]["tokens_per_s"] if uniform else None
     out["best_over_fastest_only"] = best / out["fastest_only"]["tokens_per_s"] if fast_only else None
@@ -127,7 +109,7 @@ def run(log=None) -> dict:
         if log:
             log(f"hetero_plan {preset} {model}: {rows[-1]['auto']['plan']}")
     doc = {"cases": rows, "all_fit": all(r["all_fit"] for r in rows),
-           "note": "cost-model predictions (no hardware); auto_dp_shares lifts Batch's executor Limit in-process"}
+           "note": "cost-model predictions (no hardware)"}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "hetero_plan.json").write_text(json.dumps(doc, indent=1) + "\n")
     (RESULTS / "hetero_plan.md").write_text(markdown(doc))
@@ -143,28 +125,28 @@ def _tps(row: dict | None) -> str:
 def markdown(doc: dict) -> str:
     lines = ["# Planning mixed clusters (issue 14)", "",
              "`python -m benchmarks.bench_hetero_plan`. Predicted by the cost model (no hardware). Tokens/s of",
-             "the whole cluster; *auto* is what `dtorch plan` chooses today, *+dp_shares* once the executor",
-             "applies uneven data-parallel shares, *uniform* the best plan giving every rank the same work,",
+             "the whole cluster; *auto* is what `dtorch plan` chooses (uneven stages and data-parallel shares",
+             "searched), *uniform* the best plan giving every rank the same work,",
              "*old* what the planner chose before (slowest group's speed and memory for every rank) costed on",
              "the real cluster, *fastest only* the fastest group alone at the same batch.", "",
              f"Every chosen plan fits every group's memory: **{doc['all_fit']}**.", "",
              "The ranking keeps a 3 % margin for float32 gradient reduction and 1 % for uneven stages, so a",
              "plan a few per cent faster in raw step time (e.g. the old planner's bf16-reduced one) can rank",
              "below the chosen one.", "",
-             "| cluster | model (batch x seq) | auto | +dp_shares | uniform | old planner | fastest only | best/uniform "
+             "| cluster | model (batch x seq) | auto | uniform | old planner | fastest only | best/uniform "
              "| best/fastest |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in doc["cases"]:
         old = r.get("old_planner")
         old_s = "none" if old is None else (_tps(old) if old["fits"] else
                                             f"needs {max(g['memory_gib'] for g in old['groups']):.0f} GiB/rank: does not fit")
-        lines.append(f"| {r['preset']} | {r['model']} ({r['global_batch']} x {r['seq_len']}{', ' + r['fixed'] if r['fixed'] else ''}) | {_tps(r['auto'])} | {_tps(r['auto_dp_shares'])} | "
+        lines.append(f"| {r['preset']} | {r['model']} ({r['global_batch']} x {r['seq_len']}{', ' + r['fixed'] if r['fixed'] else ''}) | {_tps(r['auto'])} | "
                      f"{_tps(r['uniform'])} | {old_s} | {_tps(r['fastest_only'])} ({r['fastest_group']}) | "
                      f"{r['best_over_uniform'] or 0:.2f}x | {r['best_over_fastest_only'] or 0:.2f}x |")
     lines += ["", "## Chosen plans and how work was apportioned", ""]
     for r in doc["cases"]:
         lines.append(f"- **{r['preset']}, {r['model']}** (search {r['search_wall_s']:.1f} s): auto `{r['auto']['plan']}`; "
-                     f"+dp_shares `{r['auto_dp_shares']['plan']}`; uniform `{r['uniform']['plan'] if r['uniform'] else '-'}`")
+                     f"uniform `{r['uniform']['plan'] if r['uniform'] else '-'}`")
         for g in r["auto"]["groups"]:
             lines.append(f"  - group {g['group']} {g['device']} ranks {g['ranks']}: blocks {g['blocks']}, "
                          f"micro-batches {g['microbatches']}, {g['memory_gib']:.1f} of {g['capacity_gib']:.1f} GiB")

@@ -13,21 +13,14 @@ from dtorch.cli import main
 from dtorch.cluster.load import cluster_from_dict, load_cluster
 from dtorch.cluster.spec import Cluster
 from dtorch.errors import ConfigError
-from dtorch.plan import hetero
+from dtorch.plan import hetero, strategies
 from dtorch.plan.cost import DEFAULT_CONSTANTS, estimate
 from dtorch.plan.explain import explain
 from dtorch.plan.plan import Plan
 from dtorch.plan.profiles import get_profile
 from dtorch.plan.search import _bound, _Mesh, check, precisions, search
-from dtorch.plan.strategies.batch import Batch
 
 GiB = 2**30
-
-
-@pytest.fixture
-def shares_applied(monkeypatch):
-    """What the search does once the executor applies uneven dp_shares (it removes Batch's Limit)."""
-    monkeypatch.setattr(Batch, "limits", lambda self, plan: iter(()))
 
 
 def _renamed(cluster: Cluster, k: int, **device) -> Cluster:
@@ -94,9 +87,8 @@ def test_dp_shares_follow_the_speed_of_each_data_parallel_rank():
     assert hetero.apportion(10, [1, 1, 8], 1, 2) == [2, 2, 6]
 
 
-def test_the_search_chooses_uneven_shares_once_the_executor_applies_them(shares_applied):
-    """DDP of a small model over A100 + H100: ranking uneven shares is all the executor half has
-    to allow (removing Batch's Limit); the even plan runs every rank at the A100's pace."""
+def test_the_search_chooses_uneven_shares_the_executor_applies():
+    """DDP of a small model over A100 + H100: the even plan runs every rank at the A100's pace."""
     prof = get_profile("gpt2-small", 1024)
     cl = load_cluster("a100:1x8+h100:1x8")
     res = search(prof, cl, global_batch=64, fixed={"pp": 1, "tp": 1, "dp_shard": 1}, top_k=1)
@@ -106,13 +98,18 @@ def test_the_search_chooses_uneven_shares_once_the_executor_applies_them(shares_
     even = estimate(dataclasses.replace(plan, dp_shares=None), prof, cl)
     assert est.step_time_s < 0.8 * even.step_time_s
     assert "even split" in explain(res) and "micro-batches per step per rank" in explain(res)
+    assert not list(strategies.limits(plan))  # the executor runs it as written
 
 
-def test_without_the_executor_the_search_never_ranks_uneven_shares():
+def test_the_search_never_ranks_uneven_shares_the_executor_refuses():
+    """Uneven shares with expert parallelism are refused by the executor: never ranked."""
     prof = get_profile("gpt2-small", 1024)
     res = search(prof, load_cluster("a100:1x8+h100:1x8"), global_batch=64,
                  fixed={"pp": 1, "tp": 1, "dp_shard": 1}, top_k=3)
-    assert res.ranked and all(p.dp_shares is None for p, _ in res.ranked)
+    for plan, _ in res.ranked:
+        assert not list(strategies.limits(plan)), plan.describe()
+    refused = dataclasses.replace(res.best[0], ep=2)
+    assert any(lim.field == "dp_shares" for lim in strategies.limits(refused))
 
 
 def test_tensor_and_context_parallel_groups_never_span_device_types():
@@ -142,7 +139,7 @@ def test_groups_that_cannot_form_the_plan_are_one_line_exit_2(capsys, tmp_path, 
     assert needle in err and len(err.splitlines()) == 1 and "use " in err
 
 
-def test_the_lower_bound_holds_on_a_mixed_cluster(shares_applied):
+def test_the_lower_bound_holds_on_a_mixed_cluster():
     """Pruning by the bound must never drop a mesh whose uneven plans beat it: the bound runs at the
     cluster's mean speed, which no apportioning can beat."""
     prof = get_profile("gpt2-small", 1024)
