@@ -102,6 +102,9 @@ def preflight(args: argparse.Namespace, nproc: int) -> None:
             raise ConfigError(name, value, f"use a positive {flag}")
     if args.max_restarts < 0:
         raise ConfigError("max_restarts", args.max_restarts, "use 0 or more")
+    from dtorch.train.job import _grad_norm
+
+    _grad_norm(args.max_grad_norm)
     if args.snapshot_every < 0:
         raise ConfigError("snapshot_every", args.snapshot_every, "use steps >= 1, or 0 for no snapshots")
     if args.heartbeat_timeout < 0:

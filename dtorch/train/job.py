@@ -14,6 +14,14 @@ import sys
 DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256"
 
 
+def _grad_norm(value: float) -> float | None:
+    from dtorch.errors import ConfigError
+
+    if value < 0 or value != value:
+        raise ConfigError("max_grad_norm", value, "use a positive norm, or 0 for no clipping")
+    return value or None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Training flags shared by `dtorch train` and the worker entry point."""
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -23,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the gradient norm to this (default 1.0; 0 = no clipping, which lets an offloaded "
+                        "optimizer step each block during the backward: docs/memory-tiers.md)")
     p.add_argument("--checkpoint-dir", default="runs/train", help="checkpoints; the run resumes from here")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
     p.add_argument("--plan", default="auto",
@@ -117,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         offload=getattr(args, "offload", None),
         offload_dir=getattr(args, "offload_dir", None),
         rebalance=getattr(args, "rebalance", False),
+        max_grad_norm=_grad_norm(getattr(args, "max_grad_norm", 1.0)),
     )
     result = trainer.fit(steps=args.steps)
     full = trainer.full_state_dict() if args.sample_tokens > 0 else None

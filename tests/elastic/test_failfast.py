@@ -55,6 +55,7 @@ CASES = {
     "checkpoint_of_another_model": (_other_models_checkpoint, "a checkpoint of another model"),
     "nproc_zero": (lambda t: ["--nproc", "0"], "nproc=0"),
     "negative_hang_timeout": (lambda t: ["--heartbeat-timeout", "-1"], "heartbeat_timeout=-1.0"),
+    "negative_grad_norm": (lambda t: ["--max-grad-norm", "-1"], "max_grad_norm=-1.0"),
 }
 
 
