@@ -199,8 +199,10 @@ def planner_shares(speeds: list[float]) -> tuple[dict | None, str]:
         cluster = measured_cluster(local_cluster(2, calibrated=False), speeds)
         cfg = LlamaConfig(**MODEL)
         profile = profile_module(lambda: Llama(cfg), SEQ)
-        res = search(profile, cluster, global_batch=MICROBATCHES, seq_len=SEQ, fixed={"microbatch_size": 1},
-                     top_k=1, suggest=False)
+        # every run here is fp32: the comparison is of how work is apportioned, not of precision
+        # (on a CPU with native bf16 the planner would also pick bf16, and beat the fp32 ideal)
+        res = search(profile, cluster, global_batch=MICROBATCHES, seq_len=SEQ, dtype="float32",
+                     fixed={"microbatch_size": 1, "reduce_dtype": "float32"}, top_k=1, suggest=False)
     except Exception as e:  # noqa: BLE001 - the fallback is recorded, with why
         return None, f"planner failed: {type(e).__name__}: {e}"[:300]
     if res.best is None:
