@@ -203,7 +203,10 @@ def _host_fields(g, host: dict) -> dict:
 
 def _link(d: dict, base: Link) -> Link:
     return Link(kind=d.get("kind", base.kind), bandwidth=float(d["bandwidth"]), latency=float(d["latency"]),
-                efficiency=float(d.get("efficiency", 1.0)), p2p_latency=float(d.get("p2p_latency", 0.0)))
+                efficiency=float(d.get("efficiency", 1.0)), p2p_latency=float(d.get("p2p_latency", 0.0)),
+                unit_gather_s=float(d.get("unit_gather_s", 0.0)), unit_reduce_s=float(d.get("unit_reduce_s", 0.0)),
+                func_latency_s=float(d.get("func_latency_s", 0.0)),
+                dtensor_latency_s=float(d.get("dtensor_latency_s", 0.0)))
 
 
 def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:

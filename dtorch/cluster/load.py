@@ -115,10 +115,11 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
     if v is None:
         return default
     d = _mapping(v, path)
-    unknown = sorted(set(d) - {"kind", "bandwidth", "latency", "efficiency", "p2p_latency"})
+    fields = ("kind", "bandwidth", "latency", "efficiency", "p2p_latency", "unit_gather_s", "unit_reduce_s",
+              "func_latency_s", "dtensor_latency_s")
+    unknown = sorted(set(d) - set(fields))
     if unknown:
-        raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]],
-                          "unknown link field; use kind, bandwidth, latency, p2p_latency, efficiency")
+        raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]], f"unknown link field; use {', '.join(fields)}")
     kind = d.get("kind", default.kind)
     if kind not in kinds:
         raise ConfigError(f"{path}.kind", kind, choices(kinds))
@@ -131,6 +132,10 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
         latency=_num(d, "latency", path, positive=False, default=default.latency),
         efficiency=eff,
         p2p_latency=_num(d, "p2p_latency", path, positive=False, default=default.p2p_latency),
+        unit_gather_s=_num(d, "unit_gather_s", path, positive=False, default=default.unit_gather_s),
+        unit_reduce_s=_num(d, "unit_reduce_s", path, positive=False, default=default.unit_reduce_s),
+        func_latency_s=_num(d, "func_latency_s", path, positive=False, default=default.func_latency_s),
+        dtensor_latency_s=_num(d, "dtensor_latency_s", path, positive=False, default=default.dtensor_latency_s),
     )
 
 

@@ -17,7 +17,10 @@ The calibration document (JSON; written atomically; one per cluster name)::
     device:                       # replaces the preset's numbers (per rank)
       name, peak_flops: {float32: ..., bfloat16: ...}, matmul_efficiency, memory_bandwidth
     links:                        # per link class present, the alpha-beta fit of all collectives
-      intra: {kind, bandwidth (bytes/s), latency (s per ring step), p2p_latency (s), efficiency: 1.0}
+      intra: {kind, bandwidth (bytes/s), latency (s per ring step), p2p_latency (s), efficiency: 1.0,
+              unit_gather_s, unit_reduce_s (fixed s per FSDP unit, `measure_fsdp_units`),
+              func_latency_s, dtensor_latency_s (fixed s of a functional collective / a DTensor
+              redistribution per ring step, `measure_functional_latency`)}
       inter: {...}
     gemm: [{dtype, rows, width, k, flops}]       # the raw curve
     memory_bandwidth: {per_rank_bytes_per_s}
@@ -317,6 +320,128 @@ def measure_dtensor_overhead(device, min_time: float = 0.05) -> float:
     return max(0.0, dt - plain)
 
 
+def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
+    """Fixed seconds FSDP2 spends per unit and micro-batch over the process group `group`, beyond
+    the bytes it moves: the parameter all-gather (copy-in, collective, copy-out, the pre-forward
+    hook) and the gradient reduce-scatter (the post-backward hook, copies, collective), as
+    `fully_shard` issues them on this backend. Units of eight tiny bias-free linear layers (a
+    transformer block's tensor count; the payload is a few KiB, so what is timed is latency and host
+    work), 2 and 6 of them, the difference over the 4 extra units less the same difference unsharded:
+    the all-gather from a forward under no_grad (one gather per unit), the reduce-scatter from a
+    forward and backward without resharding (one gather and one reduce per unit) less the gather.
+
+    On a CPU this cost is paid on the thread that computes (the collective's wait included); the
+    cost model adds it where FSDP's ring latencies would be, for an FSDP axis of any size inside the
+    node: it is mostly host work (measured on a 4-rank, 2-core node: a 2-rank axis costs what the
+    4-rank one does), which the ring's step count does not scale."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    x = torch.randn(4, 32, device=device)
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        reps = []
+        for _ in range(5 if quick else 11):
+            dist.barrier(group=group)
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            reps.append(time.perf_counter() - t)
+        return sorted(reps)[len(reps) // 4]  # a low quantile: other load only adds time
+
+    def build(k: int, reshard: bool | None) -> nn.Module:
+        model = nn.Sequential(*[nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(8)])
+                                for _ in range(k)]).to(device)
+        if reshard is not None:
+            for block in model:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        return model
+
+    times: dict[tuple[int, str], float] = {}
+    for k in (2, 6):
+        for sharded in (False, True):
+            stepped = build(k, False if sharded else None)  # parameters stay gathered into the backward
+            forwarded = build(k, True if sharded else None)  # each unit gathers and reshards
+
+            def step(model=stepped):
+                model(x).sum().backward()
+
+            def forward(model=forwarded):
+                with torch.no_grad():
+                    model(x)
+
+            times[(k, f"step{sharded}")] = timed(step)
+            times[(k, f"fwd{sharded}")] = timed(forward)
+
+    def per_unit(what: str) -> float:
+        return ((times[(6, f"{what}True")] - times[(2, f"{what}True")])
+                - (times[(6, f"{what}False")] - times[(2, f"{what}False")])) / 4
+
+    gather = max(0.0, per_unit("fwd"))
+    return {"unit_gather_s": gather, "unit_reduce_s": max(0.0, per_unit("step") - gather)}
+
+
+def measure_functional_latency(group, device, quick: bool = False) -> dict[str, float]:
+    """Fixed seconds of one functional collective and its wait (`torch.distributed._functional_collectives`,
+    what context parallelism's K/V exchange issues): the mean of an all-gather, a reduce-scatter and
+    an all-reduce of 4 KiB over `group`, each timed to its `wait_tensor` (`func_latency_s`); and the
+    same three issued as DTensor redistributions, as TP issues them (`dtensor_latency_s`). The cost
+    model uses them as the latency of CP's and TP's collectives on this link in place of the ring
+    fit's alpha of the synchronous ones. Returned per ring step (divided by n - 1 for a group of n
+    ranks): an axis of another size scales as a ring does."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import (
+        all_gather_tensor,
+        all_reduce,
+        reduce_scatter_tensor,
+        wait_tensor,
+    )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    n = mesh.size()
+    x = torch.ones(1024 // n * n, device=device)
+    shard = DTensor.from_local(x[: x.numel() // n], mesh, [Shard(0)], run_check=False)
+    partial = DTensor.from_local(x, mesh, [Partial()], run_check=False)
+    raw = (lambda: wait_tensor(all_gather_tensor(x[: x.numel() // n], 0, mesh)),
+           lambda: wait_tensor(reduce_scatter_tensor(x, "sum", 0, mesh)),
+           lambda: wait_tensor(all_reduce(x, "sum", mesh)))
+    # the same three as DTensor redistributions (TP's sequence-parallel gathers and scatters, the
+    # row-parallel reductions), Python placement logic included
+    redistributed = (lambda: shard.redistribute(mesh, [Replicate()]).to_local().sum(),
+                     lambda: partial.redistribute(mesh, [Shard(0)]).to_local().sum(),
+                     lambda: partial.redistribute(mesh, [Replicate()]).to_local().sum())
+
+    def mean_time(fns) -> float:
+        out = []
+        for fn in fns:
+            for _ in range(3):
+                fn()
+            reps = []
+            for _ in range(5 if quick else 15):
+                dist.barrier(group=group)
+                t = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                reps.append(time.perf_counter() - t)
+            out.append(sorted(reps)[len(reps) // 4])
+        return sum(out) / len(out) / max(1, n - 1)  # per ring step
+
+    return {"func_latency_s": mean_time(raw), "dtensor_latency_s": mean_time(redistributed)}
+
+
 def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = COLL_SIZES,
                         ops: Sequence[str] = COLL_OPS, min_time: float = 0.05) -> dict[str, list[dict]]:
     """Seconds per collective by message size over the process group `group` (global `ranks`).
@@ -451,6 +576,9 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
             colls["intra"] = measure_collectives(pg_intra[node], intra_groups[node], device, sizes,
                                                  min_time=0.01 if quick else 0.03)
             links["intra"] = _link_fit(colls["intra"], local, intra_kind)
+            p.note = "FSDP units"
+            links["intra"].update(measure_fsdp_units(pg_intra[node], device, quick))
+            links["intra"].update(measure_functional_latency(pg_intra[node], device, quick))
         if nodes > 1:
             colls["inter"] = measure_collectives(pg_inter[lr], inter_groups[lr], device, sizes,
                                                  min_time=0.01 if quick else 0.03)
@@ -664,6 +792,12 @@ def summary(doc: dict) -> str:
         p2p = f", point-to-point {link['p2p_latency'] * 1e6:.1f} us" if link.get("p2p_latency") else ""
         lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us "
                      f"per step{p2p}")
+        if link.get("unit_gather_s") or link.get("unit_reduce_s"):
+            lines.append(f"  {cls:5s} FSDP unit: all-gather {link.get('unit_gather_s', 0.0) * 1e6:.0f} us, "
+                         f"reduce-scatter {link.get('unit_reduce_s', 0.0) * 1e6:.0f} us (fixed, per unit)")
+        if link.get("func_latency_s"):
+            lines.append(f"  {cls:5s} functional collective (CP) {link['func_latency_s'] * 1e6:.0f} us, DTensor "
+                         f"redistribution (TP) {link.get('dtensor_latency_s', 0.0) * 1e6:.0f} us, fixed per ring step")
     if len(doc.get("ranks") or []) > 1:
         speeds = [r["speed_flops"] for r in doc["ranks"]]
         lines.append("  per rank GEMM " + ", ".join(f"{s / 1e9:.1f}" for s in speeds) + " GFLOP/s (slowest/fastest "

@@ -73,6 +73,19 @@ class Link:
     p2p_latency: float = 0.0
     """Seconds per point-to-point message when it differs from a collective's ring step (a send
     waits for one peer, a ring step for all of them); 0 = `latency`. Measured by the probe."""
+    unit_gather_s: float = 0.0
+    """Fixed seconds of one FSDP unit's parameter all-gather as FSDP2 issues it over this link
+    (hooks, copy-in and copy-out, the collective's latency and wait), for an FSDP axis of any size
+    inside the node (mostly host work); 0 = unmeasured (the ring latency). Measured by the probe
+    (`dtorch.cluster.probe.measure_fsdp_units`)."""
+    unit_reduce_s: float = 0.0
+    """The same for one FSDP unit's gradient reduce-scatter (the post-backward hook included)."""
+    func_latency_s: float = 0.0
+    """Fixed seconds of one functional collective to its wait over this link (CP's K/V exchange),
+    per ring step; 0 = unmeasured (the ring latency). Measured by the probe
+    (`dtorch.cluster.probe.measure_functional_latency`)."""
+    dtensor_latency_s: float = 0.0
+    """The same issued as a DTensor redistribution (TP's collectives), placement logic included."""
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,30 @@ def collective_time(kind: str, nbytes: float, size: int, stride: int, group: Nod
                  inter.bandwidth * inter.efficiency, inter.latency)
 
 
+def unit_fixed(size: int, stride: int, group: NodeGroup) -> tuple[float, float] | None:
+    """(all-gather, reduce-scatter) fixed seconds of one FSDP unit over a mesh axis of `size` ranks
+    at `stride`, as the probe measured them on this node's link (`Link.unit_gather_s`: mostly host
+    work, so the same for any axis inside the node), or None where unmeasured or where the axis
+    leaves the node (the ring latencies then price it)."""
+    link = group.intra
+    if size <= 1 or stride * size > group.devices_per_node or not (link.unit_gather_s or link.unit_reduce_s):
+        return None
+    return link.unit_gather_s, link.unit_reduce_s
+
+
+def functional_time(kind: str, nbytes: float, size: int, stride: int, group: NodeGroup,
+                    dtensor: bool = False) -> float:
+    """`collective_time` of a functional collective (CP's K/V exchange; `dtensor`: a DTensor
+    redistribution, TP's): where the probe timed one to its wait on this node's link
+    (`Link.func_latency_s`, `Link.dtensor_latency_s`, per ring step) and the axis stays in the node,
+    that fixed cost replaces the ring fit's latency; the bytes cost what they cost."""
+    step = group.intra.dtensor_latency_s if dtensor else group.intra.func_latency_s
+    if size <= 1 or nbytes <= 0 or not step or stride * size > group.devices_per_node:
+        return collective_time(kind, nbytes, size, stride, group)
+    fixed = (size - 1) * step * (2 if kind == "all_reduce" else 1)
+    return collective_time(kind, nbytes, size, stride, group) - collective_time(kind, 1.0, size, stride, group) + fixed
+
+
 def oversubscribed(group: NodeGroup) -> bool:
     """A CPU node running more ranks than it has cores: the ranks time-share the cores."""
     return group.device.kind == "cpu" and 0 < group.host_cores < group.devices_per_node

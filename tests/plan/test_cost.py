@@ -368,3 +368,43 @@ def test_float8_runs_cast_operands_keep_the_head_in_bf16_and_need_fp8_hardware()
     assert float8_cast_bytes_per_token_block(prof, compiled=False) > float8_cast_bytes_per_token_block(prof, True)
     with pytest.raises(ConfigError, match="float8"):
         estimate(plan, prof, load_cluster("a100:1"), "float8")
+
+
+def _with_link(cluster, **fields):
+    g = cluster.groups[0]
+    return dataclasses.replace(cluster, groups=(dataclasses.replace(g, intra=dataclasses.replace(g.intra, **fields)),))
+
+
+def test_measured_fsdp_unit_cost_is_paid_per_unit_and_microbatch_on_a_cpu():
+    prof = llama(layers=4, hidden=256, heads=8, kv=4, ffn=1024, seq=128, vocab=1000)
+    cpu = local_cluster(2, calibrated=False)
+    measured = _with_link(cpu, unit_gather_s=1e-3, unit_reduce_s=3e-3)
+    for plan, gathers in ((Plan(dp_shard=2, microbatch_size=1, num_microbatches=2, reshard_after_forward=False), 1),
+                          (Plan(dp_shard=2, microbatch_size=1, num_microbatches=2), 2)):
+        ring = estimate(plan, prof, cpu, "float32").time_breakdown["fsdp"]
+        fixed = estimate(plan, prof, measured, "float32").time_breakdown["fsdp"]
+        # 2 micro-batches x (4 blocks + the root) x (gathers x 1 ms + 3 ms), in place of the ring latencies
+        ag, rs = (collective_time(k, 1.0, 2, 1, cpu.groups[0]) for k in ("all_gather", "reduce_scatter"))
+        assert fixed - 2 * 5 * (gathers * 1e-3 + 3e-3) == pytest.approx(
+            ring - 2 * 4 * (gathers * ag + rs), rel=0.05, abs=2e-4)
+    # plain DDP has no FSDP unit to pay for
+    ddp = Plan(dp_replicate=2)
+    assert estimate(ddp, prof, measured, "float32").step_time_s == estimate(ddp, prof, cpu, "float32").step_time_s
+
+
+def test_measured_functional_latency_replaces_the_ring_latency_of_tp_and_cp_collectives():
+    from dtorch.plan.comm import functional_time
+
+    g = local_cluster(4, calibrated=False).groups[0]
+    m = dataclasses.replace(g, intra=dataclasses.replace(g.intra, func_latency_s=2e-3, dtensor_latency_s=5e-3))
+    nbytes = 1e6
+    bytes_part = collective_time("all_gather", nbytes, 2, 1, g) - collective_time("all_gather", 1.0, 2, 1, g)
+    assert functional_time("all_gather", nbytes, 2, 1, m) == pytest.approx(bytes_part + 2e-3)
+    assert functional_time("all_gather", nbytes, 2, 1, m, dtensor=True) == pytest.approx(bytes_part + 5e-3)
+    # per ring step: an axis of 4 pays three, an all-reduce twice as many
+    assert functional_time("all_gather", 64.0, 4, 1, m) == pytest.approx(
+        collective_time("all_gather", 64.0, 4, 1, g) - collective_time("all_gather", 1.0, 4, 1, g) + 3 * 2e-3)
+    assert functional_time("all_reduce", 64.0, 2, 1, m) == pytest.approx(
+        collective_time("all_reduce", 64.0, 2, 1, g) - collective_time("all_reduce", 1.0, 2, 1, g) + 2 * 2e-3)
+    # unmeasured: the ring fit as before
+    assert functional_time("all_gather", nbytes, 2, 1, g) == collective_time("all_gather", nbytes, 2, 1, g)

@@ -3,8 +3,8 @@ form: K and V all-gathered before attention, load-balanced into 2*cp chunks).
 
 Executor half: `dtorch.parallel.cp`.
 
-Time: K and V all-gathered forward, again in backward with a reduce-scatter of their gradients
-(once more under full AC); issued before attention, so exposed. The GEMM rows of a rank are the
+Time: K and V all-gathered forward (again when full AC recomputes), their gradients reduce-scattered
+in backward; issued before attention, so exposed; latency as the probe timed a functional collective. The GEMM rows of a rank are the
 micro-batch's tokens / cp (the step shape's `rows`); FSDP shards over dp_shard x cp.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from dtorch.plan.comm import collective_time
+from dtorch.plan.comm import functional_time
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 from dtorch.plan.strategies.memory import recompute_reruns_collectives
 
@@ -54,15 +54,16 @@ class Context(Strategy):
         if plan.cp == 1:
             return False
         kv_dim = step.h * step.profile.num_kv_heads / step.profile.num_heads
-        step.cp_kv = collective_time("all_gather", 2.0 * step.tokens_mb * kv_dim * step.act_b / plan.tp, plan.cp,
+        step.cp_kv = functional_time("all_gather", 2.0 * step.tokens_mb * kv_dim * step.act_b / plan.tp, plan.cp,
                                      step.st_cp, step.g)
         return True
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         plan = step.plan
-        # K and V all-gathered forward, again in backward with a reduce-scatter of their gradients;
-        # the executor issues them before attention, so nothing hides them (dtorch/parallel/cp.py)
-        n_ops = 3 + (1 if recompute_reruns_collectives(plan.ac, step.selective) else 0)
+        # K and V all-gathered forward (once more when full AC recomputes the block), their gradients
+        # reduce-scattered in backward (the gathered K/V are saved for it); the executor issues them
+        # before attention, so nothing hides them (dtorch/parallel/cp.py)
+        n_ops = 2 + (1 if recompute_reruns_collectives(plan.ac, step.selective) else 0)
         r.cp = load.blocks * n_ops * step.cp_kv
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtorch.plan.comm import collective_time, exposed
+from dtorch.plan.comm import collective_time, exposed, unit_fixed
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
 from dtorch.plan.strategies.expert import EXPERT, gathered_block_params
 
@@ -43,8 +43,15 @@ class Sharded(Strategy):
         fs, st, g = step.fs, step.st_fs, step.g
         if fs == 1:
             return False
-        step.ag_unit = collective_time("all_gather", 1.0, fs, st, g)
-        step.rs_unit = collective_time("reduce_scatter", 1.0, fs, st, g)
+        measured = unit_fixed(fs, st, g)
+        if measured:
+            # FSDP2's fixed cost per unit as the probe timed it (hooks, copies, the collective's wait);
+            # on a CPU it is paid by the thread that computes, so nothing hides it
+            step.ag_unit, step.rs_unit = measured
+        else:
+            step.ag_unit = collective_time("all_gather", 1.0, fs, st, g)
+            step.rs_unit = collective_time("reduce_scatter", 1.0, fs, st, g)
+        step.fsdp_fixed_apart = bool(measured) and step.cpu
         # one block's gather: the one nothing hides
         step.ag_block = collective_time("all_gather", gathered_block_params(step.profile, step.plan) * step.param_b,
                                         fs, st, g)
@@ -74,16 +81,23 @@ class Sharded(Strategy):
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         plan, c = step.plan, step.c
-        ag, rs = self.comm(step, load, r.p_stage)
+        apart = step.fsdp_fixed_apart
+        ag, rs = self.comm(step, load, r.p_stage, unit_latency=not apart)
         m, busy = plan.num_microbatches, r.compute + r.recompute
+        units = load.blocks + 1  # every block and the stage's root (embedding, final norm, head)
         if plan.pp == 1:
-            comm = m * (ag * (2 if plan.reshard_after_forward else 1) + rs)
+            gathers = 2 if plan.reshard_after_forward else 1
+            comm = m * (ag * gathers + rs)
             r.fsdp = exposed(comm, m * busy, c) + m * step.ag_block
+            if apart:
+                r.fsdp += m * units * (gathers * step.ag_unit + step.rs_unit)
         else:
             gathers = m * plan.virtual_stages * 2 if plan.reshard_after_forward else 1
             r.fsdp = exposed(ag * gathers, m * busy, c) + step.ag_block
             # gradients sync on the last micro-batch only: hidden behind its backward at best
             r.fsdp += exposed(rs, (2.0 / 3.0) * r.compute, c)
+            if apart:
+                r.fsdp += units * (gathers * step.ag_unit + step.rs_unit)
 
     def buffers(self, step: Any, p_stage: float) -> float:
         plan = step.plan
