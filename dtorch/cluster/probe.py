@@ -406,7 +406,6 @@ def measure_functional_latency(group, device, quick: bool = False) -> dict[str, 
         wait_tensor,
     )
     from torch.distributed.device_mesh import DeviceMesh
-
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     mesh = DeviceMesh.from_group(group, device.type)

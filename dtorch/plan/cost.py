@@ -82,6 +82,7 @@ from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC 
     SELECTIVE_POLICIES,
     act_bytes_per_token_block,
     every_second_matmul_params,
+    host_adam_rate,
     matmuls_saved_act_bytes,
     recompute_reruns_collectives,
 )
@@ -527,11 +528,16 @@ def host_time(step: StepShape, counts: StepCounts, r: RankShare) -> float:
 
 
 def optimizer_time(step: StepShape, load: RankLoad, r: RankShare, host_opt: float) -> None:
-    """The optimizer step on the device (28 bytes of Adam traffic per parameter at 80% of HBM
-    bandwidth) unless offloaded, plus its host overhead."""
+    """The optimizer step on the device unless offloaded, plus its host overhead: on a GPU 28 bytes
+    of Adam traffic per parameter at 80% of HBM bandwidth; on a CPU torch's CPU AdamW at the rate
+    the probe measured for the kernel the executor runs (`host_adam_rate`: the per-tensor loop by
+    default, several times slower than the bandwidth rule, which stays where unmeasured)."""
     if step.plan.offload == "none":
         p_local = r.p_stage / step.fs
-        r.optimizer = p_local * step.c.optimizer_bytes_per_param / (step.dev.memory_bandwidth * 0.8)
+        if step.cpu:
+            r.optimizer = p_local / host_adam_rate(step)
+        else:
+            r.optimizer = p_local * step.c.optimizer_bytes_per_param / (step.dev.memory_bandwidth * 0.8)
     r.optimizer += host_opt if step.cpu else max(0.0, host_opt - r.optimizer)
 
 

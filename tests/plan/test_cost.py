@@ -408,3 +408,14 @@ def test_measured_functional_latency_replaces_the_ring_latency_of_tp_and_cp_coll
         collective_time("all_reduce", 64.0, 2, 1, g) - collective_time("all_reduce", 1.0, 2, 1, g) + 2 * 2e-3)
     # unmeasured: the ring fit as before
     assert functional_time("all_gather", nbytes, 2, 1, g) == collective_time("all_gather", nbytes, 2, 1, g)
+
+
+def test_cpu_optimizer_step_runs_at_the_probed_adamw_rate_of_the_executors_kernel():
+    prof = llama(layers=4, hidden=256, heads=8, kv=4, ffn=1024, seq=128, vocab=1000)
+    cpu = local_cluster(1, calibrated=False)
+    g = cpu.groups[0]
+    measured = dataclasses.replace(cpu, groups=(dataclasses.replace(g, host_adam_loop_params_per_s=1e8),))
+    plan = Plan()
+    base, slow = (estimate(plan, prof, c, "float32").time_breakdown["optimizer"] for c in (cpu, measured))
+    host = base - prof.params_total * DEFAULT_CONSTANTS.optimizer_bytes_per_param / (g.device.memory_bandwidth * 0.8)
+    assert slow == pytest.approx(prof.params_total / 1e8 + host, rel=1e-6)
