@@ -75,7 +75,7 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.strategies import TIMED
 from dtorch.plan.strategies.base import RankLoad, RankShare
 from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import mean_block_flops, mean_block_params
+from dtorch.plan.strategies.expert import EXPERT, mean_block_flops, mean_block_params
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     MEMORY,
@@ -284,15 +284,16 @@ def model_state_bytes(plan: Plan, profile: ModelProfile) -> dict[str, int]:
     return max(states, key=lambda s: sum(s.values()))
 
 
-def _states(plan: Plan, p_stage: float) -> dict[str, int]:
-    """Model-state bytes of a rank holding `p_stage` parameters per TP rank."""
+def _states(plan: Plan, p_stage: float, p_gathered: float | None = None) -> dict[str, int]:
+    """Model-state bytes of a rank holding `p_stage` parameters per TP rank (`p_gathered` of them
+    unsharded when gathered: fewer with EP, `Expert.gathered_stage_params`)."""
     shard = plan.dp_shard * plan.cp  # FSDP shards over dp_shard x cp (context-parallel ranks hold the same weights)
     grad_bytes = 4  # FSDP2/DDP keep gradients in the float32 master parameters' dtype (reduce_dtype is the wire)
     params = 0.0 if plan.offload == "params" else 4.0 * p_stage / shard
     grads = 0.0 if plan.offload == "params" else grad_bytes * p_stage / shard
     if plan.pp > 1 and shard > 1 and plan.num_microbatches > 1 and plan.offload != "params":
         # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter before)
-        grads += DTYPE_BYTES[plan.param_dtype] * p_stage
+        grads += DTYPE_BYTES[plan.param_dtype] * (p_stage if p_gathered is None else p_gathered)
     optim = 0.0 if plan.offload in ("optimizer", "optimizer_nvme", "params") else 8.0 * p_stage / shard
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}
 
@@ -540,7 +541,8 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
     the host bytes of offloaded states."""
     plan, prof, c = step.plan, step.profile, step.c
     p_stage = r.p_stage
-    states = _states(plan, p_stage)
+    p_gathered = EXPERT.gathered_stage_params(step, load, p_stage)  # with EP: 1/ep of the routed experts
+    states = _states(plan, p_stage, p_gathered)
     a_none, shard_act = step.a_none, step.shard_act
     a_pol = act_bytes_per_token_block(prof, plan.ac, step.selective) * step.act_scale
     in_flight = activation_in_flight(plan, load.pp_rank)
@@ -549,7 +551,7 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
         acts += a_none * step.act_scale * step.rows * shard_act  # one block re-materialised during its backward
     if load.head:  # logits of every micro-batch the last stage holds (one under 1F1B, m under GPipe)
         acts += prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp * in_flight
-    buffers = FSDP.buffers(step, p_stage) if step.fs > 1 else DATA.buffers(plan)
+    buffers = FSDP.buffers(step, p_gathered) if step.fs > 1 else DATA.buffers(plan)
     sub = sum(states.values()) + acts + buffers
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
     r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}

@@ -101,6 +101,20 @@ def test_ep_term_in_the_estimate_and_load_imbalance():
     assert e8b.time_breakdown["ep"] > 1.4 * e8.time_breakdown["ep"]
 
 
+def test_a_pipelined_or_unresharded_ep_rank_holds_only_its_own_experts_gathered():
+    """Without resharding a rank keeps its stage gathered, and pipelining accumulates unsharded
+    gradients until the last micro-batch: of the routed experts, only the rank's own 1/ep."""
+    prof, cl = get_profile("mixtral-8x7b", 4096), parse_shorthand("h100:4x8")
+    base = dict(pp=2, dp_shard=16, microbatch_size=1, num_microbatches=4, ac="full", param_dtype="bfloat16",
+                reshard_after_forward=False)
+    e1, e8 = estimate(Plan(**base), prof, cl), estimate(Plan(**base, ep=8), prof, cl)
+    pe = 16 * prof.num_experts * prof.params_per_expert  # a stage's routed experts (16 of 32 blocks)
+    saved = 2 * pe * (1 - 1 / 8)  # bf16 bytes of the other ep ranks' experts
+    assert e1.memory_breakdown["grads"] - e8.memory_breakdown["grads"] == pytest.approx(saved, rel=1e-6)
+    assert e1.memory_breakdown["buffers"] - e8.memory_breakdown["buffers"] >= saved
+    assert e8.memory_breakdown["optimizer"] == e1.memory_breakdown["optimizer"]  # sharded over all 16 either way
+
+
 def test_moe_sizes_count_dense_first_blocks_at_their_own_size():
     prof = get_profile("deepseek-v3", 4096)
     whole = RankLoad(0, prof.num_layers, 1.0, 1.0)

@@ -125,12 +125,23 @@ class Dispatcher:
     dispatch_bytes: float | None = None
     """Bytes per element of the dispatch-direction all-to-alls (forward dispatch, backward gradient
     dispatch; DeepSeek: FP8, 1); None: the activation width. Combines stay at the activation width."""
+    ep_borrows_tp: bool = False
+    """With TP: False, DTorch's expert-tensor parallelism (every TP rank routes all of the micro-batch's
+    tokens over `ep` data-parallel ranks at stride tp, the experts' hidden units split over tp, their
+    output all-reduced). True, torchtitan's expert_tensor_parallel_degree=1: the ep group takes in the
+    TP ranks (ep consecutive ranks), each TP rank routes 1/tp of the tokens (its sequence-parallel share)
+    to whole experts, and the block's input all-gather and output reduce-scatter over tp are sequence
+    parallelism's (priced by the TP strategy with sp=true)."""
 
 
 EXECUTOR_DISPATCH = Dispatcher()
 DEEPSEEK_V3_DISPATCH = Dispatcher(overlap=True, node_limit=4, dispatch_bytes=1.0)
 """DeepSeek-V3's training system (report sec. 3.2.2 and 3.3): DualPipe overlap, node-limited
 routing over at most 4 nodes, FP8 dispatch and BF16 combine, 20 SMs for communication."""
+TORCHTITAN_ETP1_DISPATCH = Dispatcher(ep_borrows_tp=True)
+"""torchtitan's default EP with TP and expert_tensor_parallel_degree=1 (torchtitan
+`ParallelDims`: efsdp = dp_shard*cp*tp / ep; llama4 `apply_moe_ep_tp` with `ReordererSequenceParallel`):
+all_to_all_single dispatch and combine, exposed, bf16, top_k copies per token."""
 
 
 class Expert(Strategy):
@@ -217,8 +228,10 @@ class Expert(Strategy):
         ep, d = plan.ep, self.dispatcher
         # each rank's assignments of one micro-batch (its tokens / cp, top_k each), hidden wide
         rows = step.tokens_mb / plan.cp * prof.experts_per_token * step.h * self.load_imbalance
-        nbytes = rows * step.act_b
         st = step.st_fs  # ep is the innermost part of the FSDP (dp_shard x cp) group
+        if d.ep_borrows_tp and plan.tp > 1:  # torchtitan's ETP=1: 1/tp of the tokens, ep ranks consecutive
+            rows, st = rows / plan.tp, 1
+        nbytes = rows * step.act_b
         kw = dict(node_limit=d.node_limit, top_k=prof.experts_per_token)
         step.ep_a2a = all_to_all_time(nbytes, ep, st, step.g, **kw)  # a combine
         step.ep_a2a_dispatch = (all_to_all_time(rows * d.dispatch_bytes, ep, st, step.g, **kw)
@@ -236,7 +249,7 @@ class Expert(Strategy):
         if self.dispatcher.overlap:  # hidden under the rank's compute, which loses the SMs that communicate
             busy, f = r.compute + r.recompute, self.dispatcher.comm_sm_share
             r.ep = max(0.0, r.ep - busy) + min(r.ep, busy) * f / (1.0 - f)
-        if plan.tp > 1 and getattr(step, "tp_act", 0.0):
+        if plan.tp > 1 and getattr(step, "tp_act", 0.0) and not self.dispatcher.ep_borrows_tp:
             # expert-tensor parallelism (dtorch.parallel.expert): the routed output, one row per
             # assignment, is all-reduced over tp forward and its input gradient backward (+ recompute);
             # without shared experts that replaces the dense MLP's all-reduce the TP strategy counts
@@ -252,6 +265,17 @@ class Expert(Strategy):
         """Routed-expert parameters on pipeline rank `load` before EP (per TP rank)."""
         prof = step.profile
         return load.blocks * moe_fraction(prof) * expert_params_per_block(prof) / step.plan.tp
+
+    def gathered_stage_params(self, step: Any, load: RankLoad, p_stage: float) -> float:
+        """Of the `p_stage` parameters of pipeline rank `load` (per TP rank), those a rank holds
+        unsharded when FSDP gathers the whole stage: its own routed experts only, 1/ep of them (each
+        rank all-gathers its experts over edp, never the other ep ranks'). What stays gathered without
+        resharding, and the unsharded gradients pipelining accumulates until the last micro-batch."""
+        ep = step.plan.ep
+        if ep == 1 or not step.profile.num_experts:
+            return p_stage
+        pe = min(p_stage, self.expert_stage_params(step, load))
+        return p_stage - pe * (1.0 - 1.0 / ep)
 
 
 def gathered_block_params(profile: Any, plan: Any) -> float:

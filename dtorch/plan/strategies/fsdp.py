@@ -86,6 +86,8 @@ class Sharded(Strategy):
             r.fsdp += exposed(rs, (2.0 / 3.0) * r.compute, c)
 
     def buffers(self, step: Any, p_stage: float) -> float:
+        """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a
+        rank gathers them (with EP its own routed experts only, `Expert.gathered_stage_params`)."""
         plan = step.plan
         if step.fs == 1:
             return 0.0
