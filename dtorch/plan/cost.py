@@ -270,9 +270,18 @@ def bubble_fraction_of_microbatch(plan: Plan) -> float:
     return bubble_fraction(plan.pp, plan.virtual_stages, plan.schedule)
 
 
+def _block_params(load: RankLoad, profile: ModelProfile) -> float:
+    """Parameters of the blocks of pipeline rank `load`: a MoE model's dense first blocks at their own
+    size (`RankLoad.dense_blocks`), the others at a MoE block's."""
+    if not profile.num_dense_layers:
+        return load.blocks * mean_block_params(profile)
+    return (load.dense_blocks * profile.params_per_dense_block
+            + (load.blocks - load.dense_blocks) * profile.params_per_block)
+
+
 def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
     """Parameters of one pipeline rank per TP rank."""
-    p = load.blocks * mean_block_params(profile)  # (a MoE model's dense first blocks are smaller)
+    p = _block_params(load, profile)  # (a MoE model's dense first blocks are smaller)
     p += profile.params_embedding * load.embedding
     p += profile.params_head * load.head
     return p / tp
@@ -280,7 +289,8 @@ def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
 
 def model_state_bytes(plan: Plan, profile: ModelProfile) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes on the fullest rank (mixed-precision Adam)."""
-    states = [_states(plan, _rank_params(ld, profile, plan.tp)) for ld in rank_loads(plan, profile.num_layers)]
+    states = [_states(plan, _rank_params(ld, profile, plan.tp))
+              for ld in rank_loads(plan, profile.num_layers, profile.num_dense_layers)]
     return max(states, key=lambda s: sum(s.values()))
 
 
@@ -339,7 +349,7 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     the operators outside the blocks. Under autocast every matmul casts its input and weight
     (`autocast_ops_per_weight` per weight tensor per micro-batch)."""
     if load is None:
-        loads = rank_loads(plan, profile.num_layers)
+        loads = rank_loads(plan, profile.num_layers, profile.num_dense_layers)
         counts = [step_counts(plan, profile, device_kind, c, ld, selective) for ld in loads]
         return max(counts, key=lambda n: n.ops_per_microbatch + n.optimizer_ops)
     blocks = load.blocks
@@ -450,7 +460,7 @@ class StepShape:
     def p_stage(self, load: RankLoad) -> float:
         """Parameters of pipeline rank `load` per TP rank (`_rank_params`)."""
         prof = self.profile
-        return (load.blocks * self.block_params + prof.params_embedding * load.embedding
+        return (_block_params(load, prof) + prof.params_embedding * load.embedding
                 + prof.params_head * load.head) / self.plan.tp
 
 
@@ -609,7 +619,7 @@ def estimate(
     timed = [s for s in TIMED if s.prepare(step)]
     m = plan.num_microbatches
     # ranks with the same blocks, embedding and head take the same time: cost one of each
-    shares = [rank_share(step, ld, timed) for ld in distinct_loads(plan, profile.num_layers)]
+    shares = [rank_share(step, ld, timed) for ld in distinct_loads(plan, profile.num_layers, profile.num_dense_layers)]
     pace, worst = _pace(shares, m)
     fullest = shares[0] if len(shares) == 1 else max(shares, key=lambda r: sum(r.memory.values()))
     t_p2p, t_bubble = PIPELINE.step_time(step, pace.per_microbatch)
@@ -690,8 +700,9 @@ def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[i
     steps = {k: step_shape(p, profile, cluster, group=cluster.groups[k], **kw) for k in dict.fromkeys(stages)}
     timed = {k: [s for s in TIMED if s.prepare(st)] for k, st in steps.items()}
     loads: dict[tuple, tuple] = {}
-    for ld in rank_loads(p, profile.num_layers):
-        loads.setdefault((stages[ld.pp_rank], ld.blocks, ld.embedding, ld.head), (stages[ld.pp_rank], ld))
+    for ld in rank_loads(p, profile.num_layers, profile.num_dense_layers):
+        loads.setdefault((stages[ld.pp_rank], ld.blocks, ld.embedding, ld.head, ld.dense_blocks),
+                         (stages[ld.pp_rank], ld))
     ranks = [((k, ld.blocks), rank_share(steps[k], ld, timed[k]), steps[k]) for k, ld in loads.values()]
     shares = [r for _, r, _ in ranks]
     pace, worst = _pace(shares, m)

@@ -144,8 +144,15 @@ def test_routed_experts_run_at_the_speed_of_their_own_gemms():
 
 def test_moe_sizes_count_dense_first_blocks_at_their_own_size():
     prof = get_profile("deepseek-v3", 4096)
-    whole = RankLoad(0, prof.num_layers, 1.0, 1.0)
+    whole = RankLoad(0, prof.num_layers, 1.0, 1.0, prof.num_dense_layers)
     assert _rank_params(whole, prof, 1) == pytest.approx(prof.params_total, rel=1e-6)
+    # per pipeline rank: the dense blocks where they are (pp=32: ranks 0 and 1), MoE blocks elsewhere
+    from dtorch.plan.strategies.pipeline import rank_loads
+
+    loads = rank_loads(Plan(pp=32, dp_shard=8, num_microbatches=32), prof.num_layers, prof.num_dense_layers)
+    assert sum(ld.dense_blocks for ld in loads) == 3 and [ld.dense_blocks for ld in loads[:3]] == [2, 1, 0]
+    assert sum(_rank_params(ld, prof, 1) for ld in loads) == pytest.approx(prof.params_total, rel=1e-6)
+    assert _rank_params(loads[2], prof, 1) == pytest.approx(2 * prof.params_per_block, rel=1e-9)
 
 
 def test_the_bound_stays_below_ep_plans():

@@ -56,6 +56,18 @@ def moe_fraction(profile: Any) -> float:
     return (profile.num_layers - profile.num_dense_layers) / profile.num_layers
 
 
+def moe_blocks(load: Any, profile: Any) -> float:
+    """MoE blocks on pipeline rank `load` (its blocks less the dense first ones it holds)."""
+    if not profile.num_experts:
+        return 0.0
+    if not profile.num_dense_layers:
+        return float(load.blocks)
+    return float(load.blocks - load.dense_blocks)
+
+
+_moe_blocks = moe_blocks  # (rank_time has a local of that name)
+
+
 def expert_params_per_block(profile: Any) -> float:
     """Routed-expert parameters of one MoE block."""
     return float(profile.num_experts * profile.params_per_expert)
@@ -275,7 +287,7 @@ class Expert(Strategy):
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         plan, prof = step.plan, step.profile
-        moe_blocks = load.blocks * moe_fraction(prof)
+        moe_blocks = _moe_blocks(load, prof)
         # the routed experts' GEMMs at their own speed (the compute term priced them at the block's)
         routed_flops = step.tokens_mb / (plan.cp * plan.tp) * moe_blocks * 6.0 * prof.experts_per_token \
             * prof.params_per_expert
@@ -308,7 +320,7 @@ class Expert(Strategy):
     def expert_stage_params(self, step: Any, load: RankLoad) -> float:
         """Routed-expert parameters on pipeline rank `load` before EP (per TP rank)."""
         prof = step.profile
-        return load.blocks * moe_fraction(prof) * expert_params_per_block(prof) / step.plan.tp
+        return moe_blocks(load, prof) * expert_params_per_block(prof) / step.plan.tp
 
     def gathered_stage_params(self, step: Any, load: RankLoad, p_stage: float) -> float:
         """Of the `p_stage` parameters of pipeline rank `load` (per TP rank), those a rank holds
