@@ -75,7 +75,7 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.strategies import TIMED
 from dtorch.plan.strategies.base import RankLoad, RankShare
 from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import EXPERT, mean_block_flops, mean_block_params
+from dtorch.plan.strategies.expert import EXPERT, gathered_params, mean_block_flops, mean_block_params
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     MEMORY,
@@ -289,8 +289,9 @@ def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
 
 def model_state_bytes(plan: Plan, profile: ModelProfile) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes on the fullest rank (mixed-precision Adam)."""
-    states = [_states(plan, _rank_params(ld, profile, plan.tp))
-              for ld in rank_loads(plan, profile.num_layers, profile.num_dense_layers)]
+    states = [_states(plan, p, gathered_params(plan, profile, ld, p))
+              for ld in rank_loads(plan, profile.num_layers, profile.num_dense_layers)
+              for p in (_rank_params(ld, profile, plan.tp),)]
     return max(states, key=lambda s: sum(s.values()))
 
 

@@ -327,11 +327,16 @@ class Expert(Strategy):
         unsharded when FSDP gathers the whole stage: its own routed experts only, 1/ep of them (each
         rank all-gathers its experts over edp, never the other ep ranks'). What stays gathered without
         resharding, and the unsharded gradients pipelining accumulates until the last micro-batch."""
-        ep = step.plan.ep
-        if ep == 1 or not step.profile.num_experts:
-            return p_stage
-        pe = min(p_stage, self.expert_stage_params(step, load))
-        return p_stage - pe * (1.0 - 1.0 / ep)
+        return gathered_params(step.plan, step.profile, load, p_stage)
+
+
+def gathered_params(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> float:
+    """`Expert.gathered_stage_params` without a step shape (the dry run's model-state estimate)."""
+    ep = plan.ep
+    if ep == 1 or not profile.num_experts:
+        return p_stage
+    pe = min(p_stage, moe_blocks(load, profile) * expert_params_per_block(profile) / plan.tp)
+    return p_stage - pe * (1.0 - 1.0 / ep)
 
 
 def gathered_block_params(profile: Any, plan: Any) -> float:
