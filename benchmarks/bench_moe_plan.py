@@ -131,6 +131,21 @@ def torchtitan_comparison() -> dict:
         rows.append(entry("cost model, the published configuration (torchtitan's EP over TP, torch._grouped_mm)"
                           + (", compiled as published" if compiled else ", without the compile credit"),
                           plan, e, compiled=compiled))
+    # sensitivity: the B200's base efficiency as the dense calibration fits it (the preset ships 0.6)
+    import dataclasses as _dc
+
+    from dtorch.plan.calibration import fit
+    from dtorch.plan.cost import DEFAULT_CONSTANTS
+
+    device = cluster.slowest_group().device.name
+    fitted = fit().efficiencies.get(device)
+    if fitted:
+        c = _dc.replace(DEFAULT_CONSTANTS, device_efficiency=((device, fitted),))
+        with EXPERT.what_if(TORCHTITAN_ETP1_DISPATCH):
+            e = estimate(plan, prof, cluster, dtype=row["dtype"], compiled=row.get("compiled", False), constants=c)
+        rows.append(entry(f"sensitivity: the first row with the {device} efficiency the dense calibration fits "
+                          f"({fitted:.3f}; the preset ships {cluster.slowest_group().device.matmul_efficiency:g})",
+                          plan, e, compiled=row.get("compiled", False)))
     fix = {k: v for k, v in row["plan"].items() if k not in ("param_dtype", "reduce_dtype")}
     fix["sp"] = False  # DTorch's EP x TP runs without sequence parallelism (expert-tensor parallelism)
     fix_text = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fix.items())
