@@ -75,7 +75,7 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.strategies import TIMED
 from dtorch.plan.strategies.base import RankLoad, RankShare
 from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import mean_block_flops, mean_block_params
+from dtorch.plan.strategies.expert import EXPERT, gathered_params, mean_block_flops, mean_block_params
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     MEMORY,
@@ -271,9 +271,18 @@ def bubble_fraction_of_microbatch(plan: Plan) -> float:
     return bubble_fraction(plan.pp, plan.virtual_stages, plan.schedule)
 
 
+def _block_params(load: RankLoad, profile: ModelProfile) -> float:
+    """Parameters of the blocks of pipeline rank `load`: a MoE model's dense first blocks at their own
+    size (`RankLoad.dense_blocks`), the others at a MoE block's."""
+    if not profile.num_dense_layers:
+        return load.blocks * mean_block_params(profile)
+    return (load.dense_blocks * profile.params_per_dense_block
+            + (load.blocks - load.dense_blocks) * profile.params_per_block)
+
+
 def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
     """Parameters of one pipeline rank per TP rank."""
-    p = load.blocks * mean_block_params(profile)  # (a MoE model's dense first blocks are smaller)
+    p = _block_params(load, profile)  # (a MoE model's dense first blocks are smaller)
     p += profile.params_embedding * load.embedding
     p += profile.params_head * load.head
     return p / tp
@@ -281,19 +290,22 @@ def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
 
 def model_state_bytes(plan: Plan, profile: ModelProfile) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes on the fullest rank (mixed-precision Adam)."""
-    states = [_states(plan, _rank_params(ld, profile, plan.tp)) for ld in rank_loads(plan, profile.num_layers)]
+    states = [_states(plan, p, gathered_params(plan, profile, ld, p))
+              for ld in rank_loads(plan, profile.num_layers, profile.num_dense_layers)
+              for p in (_rank_params(ld, profile, plan.tp),)]
     return max(states, key=lambda s: sum(s.values()))
 
 
-def _states(plan: Plan, p_stage: float) -> dict[str, int]:
-    """Model-state bytes of a rank holding `p_stage` parameters per TP rank."""
+def _states(plan: Plan, p_stage: float, p_gathered: float | None = None) -> dict[str, int]:
+    """Model-state bytes of a rank holding `p_stage` parameters per TP rank (`p_gathered` of them
+    unsharded when gathered: fewer with EP, `Expert.gathered_stage_params`)."""
     shard = plan.dp_shard * plan.cp  # FSDP shards over dp_shard x cp (context-parallel ranks hold the same weights)
     grad_bytes = 4  # FSDP2/DDP keep gradients in the float32 master parameters' dtype (reduce_dtype is the wire)
     params = 0.0 if plan.offload == "params" else 4.0 * p_stage / shard
     grads = 0.0 if plan.offload == "params" else grad_bytes * p_stage / shard
     if plan.pp > 1 and shard > 1 and plan.num_microbatches > 1 and plan.offload != "params":
         # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter before)
-        grads += DTYPE_BYTES[plan.param_dtype] * p_stage
+        grads += DTYPE_BYTES[plan.param_dtype] * (p_stage if p_gathered is None else p_gathered)
     optim = 0.0 if plan.offload in ("optimizer", "optimizer_nvme", "params") else 8.0 * p_stage / shard
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}
 
@@ -339,7 +351,7 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
     the operators outside the blocks. Under autocast every matmul casts its input and weight
     (`autocast_ops_per_weight` per weight tensor per micro-batch)."""
     if load is None:
-        loads = rank_loads(plan, profile.num_layers)
+        loads = rank_loads(plan, profile.num_layers, profile.num_dense_layers)
         counts = [step_counts(plan, profile, device_kind, c, ld, selective) for ld in loads]
         return max(counts, key=lambda n: n.ops_per_microbatch + n.optimizer_ops)
     blocks = load.blocks
@@ -450,7 +462,7 @@ class StepShape:
     def p_stage(self, load: RankLoad) -> float:
         """Parameters of pipeline rank `load` per TP rank (`_rank_params`)."""
         prof = self.profile
-        return (load.blocks * self.block_params + prof.params_embedding * load.embedding
+        return (_block_params(load, prof) + prof.params_embedding * load.embedding
                 + prof.params_head * load.head) / self.plan.tp
 
 
@@ -546,7 +558,8 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
     the host bytes of offloaded states."""
     plan, prof, c = step.plan, step.profile, step.c
     p_stage = r.p_stage
-    states = _states(plan, p_stage)
+    p_gathered = EXPERT.gathered_stage_params(step, load, p_stage)  # with EP: 1/ep of the routed experts
+    states = _states(plan, p_stage, p_gathered)
     a_none, shard_act = step.a_none, step.shard_act
     a_pol = act_bytes_per_token_block(prof, plan.ac, step.selective) * step.act_scale
     in_flight = activation_in_flight(plan, load.pp_rank)
@@ -555,7 +568,7 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
         acts += a_none * step.act_scale * step.rows * shard_act  # one block re-materialised during its backward
     if load.head:  # logits of every micro-batch the last stage holds (one under 1F1B, m under GPipe)
         acts += prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp * in_flight
-    buffers = FSDP.buffers(step, p_stage) if step.fs > 1 else DATA.buffers(plan)
+    buffers = FSDP.buffers(step, p_gathered) if step.fs > 1 else DATA.buffers(plan)
     sub = sum(states.values()) + acts + buffers
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
     r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}
@@ -613,7 +626,7 @@ def estimate(
     timed = [s for s in TIMED if s.prepare(step)]
     m = plan.num_microbatches
     # ranks with the same blocks, embedding and head take the same time: cost one of each
-    shares = [rank_share(step, ld, timed) for ld in distinct_loads(plan, profile.num_layers)]
+    shares = [rank_share(step, ld, timed) for ld in distinct_loads(plan, profile.num_layers, profile.num_dense_layers)]
     pace, worst = _pace(shares, m)
     fullest = shares[0] if len(shares) == 1 else max(shares, key=lambda r: sum(r.memory.values()))
     t_p2p, t_bubble = PIPELINE.step_time(step, pace.per_microbatch)
@@ -694,8 +707,9 @@ def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[i
     steps = {k: step_shape(p, profile, cluster, group=cluster.groups[k], **kw) for k in dict.fromkeys(stages)}
     timed = {k: [s for s in TIMED if s.prepare(st)] for k, st in steps.items()}
     loads: dict[tuple, tuple] = {}
-    for ld in rank_loads(p, profile.num_layers):
-        loads.setdefault((stages[ld.pp_rank], ld.blocks, ld.embedding, ld.head), (stages[ld.pp_rank], ld))
+    for ld in rank_loads(p, profile.num_layers, profile.num_dense_layers):
+        loads.setdefault((stages[ld.pp_rank], ld.blocks, ld.embedding, ld.head, ld.dense_blocks),
+                         (stages[ld.pp_rank], ld))
     ranks = [((k, ld.blocks), rank_share(steps[k], ld, timed[k]), steps[k]) for k, ld in loads.values()]
     shares = [r for _, r, _ in ranks]
     pace, worst = _pace(shares, m)

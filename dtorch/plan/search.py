@@ -303,7 +303,7 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     elem = max(dev.elementwise(p) for p, _ in precisions)
     step = StepShape(plan, profile, group, c, "bfloat16", peak, elem, async_tp=True)
     step.fs, step.st_fs = m.dp_shard, m.tp * m.cp  # the shard group without its context-parallel ranks
-    load = ideal_load(m.pp, profile.num_layers)
+    load = ideal_load(m.pp, profile.num_layers, profile.num_dense_layers)
     r = RankShare(p_stage=step.p_stage(load))
     compute_time(step, load, r, head_elementwise=False)
     if TENSOR.prepare(step):

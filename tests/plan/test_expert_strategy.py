@@ -101,10 +101,58 @@ def test_ep_term_in_the_estimate_and_load_imbalance():
     assert e8b.time_breakdown["ep"] > 1.4 * e8.time_breakdown["ep"]
 
 
+def test_a_pipelined_or_unresharded_ep_rank_holds_only_its_own_experts_gathered():
+    """Without resharding a rank keeps its stage gathered, and pipelining accumulates unsharded
+    gradients until the last micro-batch: of the routed experts, only the rank's own 1/ep."""
+    prof, cl = get_profile("mixtral-8x7b", 4096), parse_shorthand("h100:4x8")
+    base = dict(pp=2, dp_shard=16, microbatch_size=1, num_microbatches=4, ac="full", param_dtype="bfloat16",
+                reshard_after_forward=False)
+    e1, e8 = estimate(Plan(**base), prof, cl), estimate(Plan(**base, ep=8), prof, cl)
+    pe = 16 * prof.num_experts * prof.params_per_expert  # a stage's routed experts (16 of 32 blocks)
+    saved = 2 * pe * (1 - 1 / 8)  # bf16 bytes of the other ep ranks' experts
+    assert e1.memory_breakdown["grads"] - e8.memory_breakdown["grads"] == pytest.approx(saved, rel=1e-6)
+    assert e1.memory_breakdown["buffers"] - e8.memory_breakdown["buffers"] >= saved
+    assert e8.memory_breakdown["optimizer"] == e1.memory_breakdown["optimizer"]  # sharded over all 16 either way
+
+
+def test_routed_experts_run_at_the_speed_of_their_own_gemms():
+    """The executor computes one GEMM chain per local expert: rows = tokens x top_k x ep / experts,
+    under the shape factor (fewer rows per expert at small ep: slower); a system with a measured expert
+    kernel (torchtitan's torch._grouped_mm on a B200) at that kernel's efficiency."""
+    from dtorch.cluster.shape import shape_factor
+    from dtorch.plan.cost import base_efficiency
+    from dtorch.plan.strategies.expert import TORCH_GROUPED_MM_BF16, TORCHTITAN_ETP1_DISPATCH
+
+    prof, cl = get_profile("deepseek-v3", 4096), parse_shorthand("h100:4x8")
+    g, c = cl.groups[0], DEFAULT_CONSTANTS
+    est = {ep: estimate(Plan(dp_shard=32, ep=ep, ac="none", param_dtype="bfloat16"), prof, cl) for ep in (8, 32)}
+    speed = {ep: g.device.peak("bfloat16") * base_efficiency(g, c)
+             * shape_factor(prof.hidden, 4096 * 8 * ep / 256, c.gemm_width_half, c.gemm_rows_half) for ep in (8, 32)}
+    routed = 4096 * prof.num_layers * (1 - 3 / 61) * 6 * 8 * prof.params_per_expert  # 58 MoE blocks of 61
+    assert est[8].time_breakdown["compute"] - est[32].time_breakdown["compute"] == pytest.approx(
+        routed * (1 / speed[8] - 1 / speed[32]), rel=1e-6)
+    # torchtitan with ETP=1 (a what-if): 1/tp of the tokens each, ep ranks consecutive, grouped_mm's speed
+    b200, plan = parse_shorthand("b200:4x8"), Plan(tp=2, sp=True, dp_shard=16, ep=16, ac="none", param_dtype="bfloat16")
+    with EXPERT.what_if(TORCHTITAN_ETP1_DISPATCH):
+        tt = estimate(plan, prof, b200)
+    assert EXPERT.dispatcher.ep_borrows_tp is False  # restored
+    nbytes = 4096 / 2 * 8 * prof.hidden * 2.0
+    pairs = 2 * (all_to_all_time(nbytes, 16, 1, b200.groups[0]) * 2) + all_to_all_time(8.0 * 256, 16, 1, b200.groups[0])
+    assert tt.time_breakdown["ep"] == pytest.approx(58 * pairs, rel=1e-6)
+    assert dict(TORCH_GROUPED_MM_BF16)["B200-180GB"] == pytest.approx(0.335, abs=0.001)
+
+
 def test_moe_sizes_count_dense_first_blocks_at_their_own_size():
     prof = get_profile("deepseek-v3", 4096)
-    whole = RankLoad(0, prof.num_layers, 1.0, 1.0)
+    whole = RankLoad(0, prof.num_layers, 1.0, 1.0, prof.num_dense_layers)
     assert _rank_params(whole, prof, 1) == pytest.approx(prof.params_total, rel=1e-6)
+    # per pipeline rank: the dense blocks where they are (pp=32: ranks 0 and 1), MoE blocks elsewhere
+    from dtorch.plan.strategies.pipeline import rank_loads
+
+    loads = rank_loads(Plan(pp=32, dp_shard=8, num_microbatches=32), prof.num_layers, prof.num_dense_layers)
+    assert sum(ld.dense_blocks for ld in loads) == 3 and [ld.dense_blocks for ld in loads[:3]] == [2, 1, 0]
+    assert sum(_rank_params(ld, prof, 1) for ld in loads) == pytest.approx(prof.params_total, rel=1e-6)
+    assert _rank_params(loads[2], prof, 1) == pytest.approx(2 * prof.params_per_block, rel=1e-9)
 
 
 def test_the_bound_stays_below_ep_plans():

@@ -109,6 +109,8 @@ class RankLoad:
     blocks: float
     embedding: float
     head: float
+    dense_blocks: float = 0.0
+    """Of `blocks`, a MoE model's dense first blocks on this rank (smaller: no routed experts)."""
 
 
 @dataclass(slots=True)

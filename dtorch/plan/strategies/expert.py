@@ -56,6 +56,18 @@ def moe_fraction(profile: Any) -> float:
     return (profile.num_layers - profile.num_dense_layers) / profile.num_layers
 
 
+def moe_blocks(load: Any, profile: Any) -> float:
+    """MoE blocks on pipeline rank `load` (its blocks less the dense first ones it holds)."""
+    if not profile.num_experts:
+        return 0.0
+    if not profile.num_dense_layers:
+        return float(load.blocks)
+    return float(load.blocks - load.dense_blocks)
+
+
+_moe_blocks = moe_blocks  # (rank_time has a local of that name)
+
+
 def expert_params_per_block(profile: Any) -> float:
     """Routed-expert parameters of one MoE block."""
     return float(profile.num_experts * profile.params_per_expert)
@@ -125,12 +137,34 @@ class Dispatcher:
     dispatch_bytes: float | None = None
     """Bytes per element of the dispatch-direction all-to-alls (forward dispatch, backward gradient
     dispatch; DeepSeek: FP8, 1); None: the activation width. Combines stay at the activation width."""
+    expert_gemm_efficiency: tuple[tuple[str, float], ...] = ()
+    """(device name, efficiency over the dtype's peak) of the routed experts' GEMMs forward + backward,
+    where the system computes them with a kernel measured apart from dense GEMMs; a device not listed:
+    the executor's per-expert dense GEMMs at the dense efficiency and the shape factor of their rows."""
+    ep_borrows_tp: bool = False
+    """With TP: False, DTorch's expert-tensor parallelism (every TP rank routes all of the micro-batch's
+    tokens over `ep` data-parallel ranks at stride tp, the experts' hidden units split over tp, their
+    output all-reduced). True, torchtitan's expert_tensor_parallel_degree=1: the ep group takes in the
+    TP ranks (ep consecutive ranks), each TP rank routes 1/tp of the tokens (its sequence-parallel share)
+    to whole experts, and the block's input all-gather and output reduce-scatter over tp are sequence
+    parallelism's (priced by the TP strategy with sp=true)."""
 
 
 EXECUTOR_DISPATCH = Dispatcher()
 DEEPSEEK_V3_DISPATCH = Dispatcher(overlap=True, node_limit=4, dispatch_bytes=1.0)
 """DeepSeek-V3's training system (report sec. 3.2.2 and 3.3): DualPipe overlap, node-limited
 routing over at most 4 nodes, FP8 dispatch and BF16 combine, 20 SMs for communication."""
+TORCH_GROUPED_MM_BF16 = (("B200-180GB", 11.27e12 / 14.9668e-3 / 2.25e15),)
+"""bf16 `torch._grouped_mm` forward + backward at DeepSeek-V3's expert shapes (M 128,000 rows, N 2048,
+K 7168, 8 local experts), as torchao measured it on a B200 (torchao
+prototype/moe_training/README.md, "Microbenchmarks", torch 2.10 nightly): 14,966.8 us for
+3 x 2 x 128000 x 2048 x 7168 FLOPs, 0.335 of the 2.25 PFLOP/s bf16 peak (dense GEMMs in the cost
+model: 0.6 x the shape factor). No such measurement for other devices: none assumed."""
+TORCHTITAN_ETP1_DISPATCH = Dispatcher(ep_borrows_tp=True, expert_gemm_efficiency=TORCH_GROUPED_MM_BF16)
+"""torchtitan's default EP with TP and expert_tensor_parallel_degree=1 (torchtitan
+`ParallelDims`: efsdp = dp_shard*cp*tp / ep; llama4 `apply_moe_ep_tp` with `ReordererSequenceParallel`):
+all_to_all_single dispatch and combine, exposed, bf16, top_k copies per token, the routed experts in
+`torch._grouped_mm` (`TORCH_GROUPED_MM_BF16`)."""
 
 
 class Expert(Strategy):
@@ -212,13 +246,19 @@ class Expert(Strategy):
     # ---- time --------------------------------------------------------------------------------
     def prepare(self, step: Any) -> bool:
         plan, prof = step.plan, step.profile
-        if plan.ep == 1 or not prof.num_experts:
+        if not prof.num_experts:
             return False
         ep, d = plan.ep, self.dispatcher
+        step.expert_speed = self._expert_speed(step)
+        if ep == 1:
+            step.ep_a2a = step.ep_a2a_dispatch = step.ep_counts = step.ep_bytes = 0.0
+            return True
         # each rank's assignments of one micro-batch (its tokens / cp, top_k each), hidden wide
         rows = step.tokens_mb / plan.cp * prof.experts_per_token * step.h * self.load_imbalance
-        nbytes = rows * step.act_b
         st = step.st_fs  # ep is the innermost part of the FSDP (dp_shard x cp) group
+        if d.ep_borrows_tp and plan.tp > 1:  # torchtitan's ETP=1: 1/tp of the tokens, ep ranks consecutive
+            rows, st = rows / plan.tp, 1
+        nbytes = rows * step.act_b
         kw = dict(node_limit=d.node_limit, top_k=prof.experts_per_token)
         step.ep_a2a = all_to_all_time(nbytes, ep, st, step.g, **kw)  # a combine
         step.ep_a2a_dispatch = (all_to_all_time(rows * d.dispatch_bytes, ep, st, step.g, **kw)
@@ -227,16 +267,44 @@ class Expert(Strategy):
         step.ep_bytes = nbytes * (ep - 1) / ep
         return True
 
+    def _expert_speed(self, step: Any) -> float:
+        """FLOP/s of the routed experts' GEMMs on one rank. The executor (`GroupedExperts.compute`)
+        runs one dense GEMM chain per local expert, so each GEMM has that expert's rows, not the
+        micro-batch's: tokens x top_k / (experts / ep) when balanced (1/tp of the tokens when the ep
+        group takes in the TP ranks), under the cost model's own shape factor; a system whose expert
+        kernel was measured (`Dispatcher.expert_gemm_efficiency`) at that efficiency."""
+        from dtorch.cluster.shape import shape_factor
+        from dtorch.plan.cost import base_efficiency
+
+        plan, prof, d, c = step.plan, step.profile, self.dispatcher, step.c
+        measured = dict(d.expert_gemm_efficiency).get(step.dev.name)
+        if measured:
+            return step.peak * measured
+        tokens = step.tokens_mb / plan.cp / (plan.tp if d.ep_borrows_tp else 1)
+        rows = tokens * prof.experts_per_token * plan.ep / prof.num_experts
+        width = step.h / (1 if d.ep_borrows_tp else plan.tp)
+        return step.peak * base_efficiency(step.g, c) * shape_factor(width, rows, c.gemm_width_half, c.gemm_rows_half)
+
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         plan, prof = step.plan, step.profile
-        moe_blocks = load.blocks * moe_fraction(prof)
+        moe_blocks = _moe_blocks(load, prof)
+        # the routed experts' GEMMs at their own speed (the compute term priced them at the block's)
+        routed_flops = step.tokens_mb / (plan.cp * plan.tp) * moe_blocks * 6.0 * prof.experts_per_token \
+            * prof.params_per_expert
+        if step.dtype != "float8" and step.expert_speed > 0:  # (float8 published runs: left as priced)
+            extra = routed_flops * (1.0 / step.expert_speed - 1.0 / step.speed)
+            r.compute += extra
+            if plan.ac == "full":
+                r.recompute += extra / 3.0
+        if plan.ep == 1:
+            return
         n_pairs = 2 + (1 if plan.ac == "full" else 0)  # (dispatch, combine) forward, backward (+ recompute)
         n_counts = 1 + (1 if plan.ac == "full" else 0)
         r.ep = moe_blocks * (n_pairs * (step.ep_a2a + step.ep_a2a_dispatch) + n_counts * step.ep_counts)
         if self.dispatcher.overlap:  # hidden under the rank's compute, which loses the SMs that communicate
             busy, f = r.compute + r.recompute, self.dispatcher.comm_sm_share
             r.ep = max(0.0, r.ep - busy) + min(r.ep, busy) * f / (1.0 - f)
-        if plan.tp > 1 and getattr(step, "tp_act", 0.0):
+        if plan.tp > 1 and getattr(step, "tp_act", 0.0) and not self.dispatcher.ep_borrows_tp:
             # expert-tensor parallelism (dtorch.parallel.expert): the routed output, one row per
             # assignment, is all-reduced over tp forward and its input gradient backward (+ recompute);
             # without shared experts that replaces the dense MLP's all-reduce the TP strategy counts
@@ -245,13 +313,30 @@ class Expert(Strategy):
             r.ep += moe_blocks * n_ar * 2.0 * step.tp_act * rows * step.c.tp_exposed
         if self.load_imbalance > 1.0:  # the hottest rank's routed experts compute more than the mean
             routed = 6.0 * prof.experts_per_token * prof.params_per_expert * (1 + (plan.ac == "full") / 3.0)
-            r.ep += (self.load_imbalance - 1.0) * step.tokens_mb / plan.cp * moe_blocks * routed / step.speed
+            r.ep += (self.load_imbalance - 1.0) * step.tokens_mb / (plan.cp * plan.tp) * moe_blocks * routed \
+                / step.expert_speed
 
     # ---- memory and FSDP -----------------------------------------------------------------------
     def expert_stage_params(self, step: Any, load: RankLoad) -> float:
         """Routed-expert parameters on pipeline rank `load` before EP (per TP rank)."""
         prof = step.profile
-        return load.blocks * moe_fraction(prof) * expert_params_per_block(prof) / step.plan.tp
+        return moe_blocks(load, prof) * expert_params_per_block(prof) / step.plan.tp
+
+    def gathered_stage_params(self, step: Any, load: RankLoad, p_stage: float) -> float:
+        """Of the `p_stage` parameters of pipeline rank `load` (per TP rank), those a rank holds
+        unsharded when FSDP gathers the whole stage: its own routed experts only, 1/ep of them (each
+        rank all-gathers its experts over edp, never the other ep ranks'). What stays gathered without
+        resharding, and the unsharded gradients pipelining accumulates until the last micro-batch."""
+        return gathered_params(step.plan, step.profile, load, p_stage)
+
+
+def gathered_params(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> float:
+    """`Expert.gathered_stage_params` without a step shape (the dry run's model-state estimate)."""
+    ep = plan.ep
+    if ep == 1 or not profile.num_experts:
+        return p_stage
+    pe = min(p_stage, moe_blocks(load, profile) * expert_params_per_block(profile) / plan.tp)
+    return p_stage - pe * (1.0 - 1.0 / ep)
 
 
 def gathered_block_params(profile: Any, plan: Any) -> float:

@@ -100,6 +100,8 @@ class Sharded(Strategy):
                 r.fsdp += units * (gathers * step.ag_unit + step.rs_unit)
 
     def buffers(self, step: Any, p_stage: float) -> float:
+        """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a
+        rank gathers them (with EP its own routed experts only, `Expert.gathered_stage_params`)."""
         plan = step.plan
         if step.fs == 1:
             return 0.0

@@ -207,48 +207,56 @@ def partition(plan: Any, num_layers: int) -> list[int]:
     return even_partition(plan.pp * plan.virtual_stages, num_layers)
 
 
-def rank_loads(plan: Any, num_layers: int) -> list[RankLoad]:
-    """One RankLoad per pipeline rank (looped placement: rank r runs stages r, r + pp, ...)."""
+def rank_loads(plan: Any, num_layers: int, num_dense: int = 0) -> list[RankLoad]:
+    """One RankLoad per pipeline rank (looped placement: rank r runs stages r, r + pp, ...);
+    `num_dense`: a MoE model's dense first blocks, counted per rank in `RankLoad.dense_blocks`."""
     return list(_rank_loads(plan.pp, plan.virtual_stages, num_layers,
-                            tuple(plan.layer_partition) if plan.layer_partition is not None else None))
+                            tuple(plan.layer_partition) if plan.layer_partition is not None else None, num_dense))
 
 
-def distinct_loads(plan: Any, num_layers: int) -> tuple[RankLoad, ...]:
+def distinct_loads(plan: Any, num_layers: int, num_dense: int = 0) -> tuple[RankLoad, ...]:
     """The ranks worth costing: ranks with the same blocks, embedding and head take the same time;
     of those, the first holds the most micro-batches in flight (activation_in_flight falls with the
-    rank), and a middle rank with no more blocks than the first is dominated by it."""
+    rank), and a middle rank with no more blocks than the first, and no more MoE blocks (a MoE
+    model's dense first blocks are smaller), is dominated by it."""
     return _distinct_loads(plan.pp, plan.virtual_stages, num_layers,
-                           tuple(plan.layer_partition) if plan.layer_partition else None)
+                           tuple(plan.layer_partition) if plan.layer_partition else None, num_dense)
 
 
 @lru_cache(maxsize=4096)
-def _distinct_loads(pp: int, v: int, num_layers: int, sizes: tuple[int, ...] | None) -> tuple[RankLoad, ...]:
-    loads = _rank_loads(pp, v, num_layers, sizes)
+def _distinct_loads(pp: int, v: int, num_layers: int, sizes: tuple[int, ...] | None,
+                    num_dense: int = 0) -> tuple[RankLoad, ...]:
+    loads = _rank_loads(pp, v, num_layers, sizes, num_dense)
+    first = loads[0]
     distinct: dict[tuple, RankLoad] = {}
     for ld in loads:
         # a middle rank with no more blocks than the first is dominated by it: no more time (the first
         # also runs the embedding) and no more memory (the first holds more micro-batches in flight)
-        if ld.pp_rank > 0 and not ld.head and ld.blocks <= loads[0].blocks:
+        if (ld.pp_rank > 0 and not ld.head and ld.blocks <= first.blocks
+                and ld.blocks - ld.dense_blocks <= first.blocks - first.dense_blocks):
             continue
-        distinct.setdefault((ld.blocks, ld.embedding, ld.head), ld)
+        distinct.setdefault((ld.blocks, ld.embedding, ld.head, ld.dense_blocks), ld)
     return tuple(distinct.values())
 
 
 @lru_cache(maxsize=4096)
-def _rank_loads(pp: int, v: int, num_layers: int, sizes: tuple[int, ...] | None) -> tuple[RankLoad, ...]:
+def _rank_loads(pp: int, v: int, num_layers: int, sizes: tuple[int, ...] | None,
+                num_dense: int = 0) -> tuple[RankLoad, ...]:
     sizes = list(sizes) if sizes is not None else even_partition(pp * v, num_layers)
     S = pp * v
+    starts = [sum(sizes[:s]) for s in range(S)]
     out = []
     for r in range(pp):
         stages = range(r, S, pp)
-        out.append(RankLoad(r, sum(sizes[s] for s in stages), 0 in stages, S - 1 in stages))
+        dense = sum(max(0, min(num_dense, starts[s] + sizes[s]) - starts[s]) for s in stages)
+        out.append(RankLoad(r, sum(sizes[s] for s in stages), 0 in stages, S - 1 in stages, dense))
     return tuple(out)
 
 
-def ideal_load(pp: int, num_layers: int) -> RankLoad:
-    """A perfectly balanced pipeline rank: 1/pp of the blocks, the embedding and the head (the
-    search's lower bound)."""
-    return RankLoad(0, num_layers / pp, 1.0 / pp, 1.0 / pp)
+def ideal_load(pp: int, num_layers: int, num_dense: int = 0) -> RankLoad:
+    """A perfectly balanced pipeline rank: 1/pp of the blocks (and of a MoE model's dense ones), the
+    embedding and the head (the search's lower bound)."""
+    return RankLoad(0, num_layers / pp, 1.0 / pp, 1.0 / pp, num_dense / pp)
 
 
 def balanced_partition(num_stages: int, num_layers: int, head_blocks: float, embed_blocks: float = 0.0) -> list[int]:
