@@ -84,11 +84,6 @@ def parallelize(
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     check_cp(plan, model)
-    if plan.pp > 1 and plan.schedule == "zero_bubble" and any(hasattr(type(m), "dispatcher") for m in model.modules()):
-        # measured: per-step losses and gradient norms off one process (norm 0.85 vs 1.18 on moe-tiny,
-        # with and without EP) while 1F1B, GPipe and interleaved match to 1e-7
-        raise ConfigError("schedule", plan.schedule, "zero-bubble pipelining loses part of a mixture-of-experts "
-                          "block's gradients (torch 2.13 split backward); use schedule=1f1b, gpipe or interleaved_1f1b")
     if plan.tp > 1:
         check_roles(model, plan.sp)
         if plan.sp and any(hasattr(type(m), "dispatcher") for m in model.modules()):

@@ -10,9 +10,10 @@ Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replic
 Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the data-parallel ranks
 (dp_shard = world / (pp*tp)), optionally with TP (sp=false: the routed experts' hidden units split
 over tp, expert-tensor parallelism) and PP (each stage's ep groups are its own data-parallel ranks;
-zero-bubble is refused for MoE models by parallelize and skipped by the search); no CP, DDP/HSDP replicas, parameter offload, selective AC or
-compile. With TP each MoE block all-reduces its routed output (top_k rows per token) over tp
-forward and the input gradient backward, priced here on top of the TP strategy's collectives.
+zero-bubble under FSDP only without resharding after forward, a limit of the pipeline strategy for
+every model); no CP, DDP/HSDP replicas, parameter offload, selective AC or compile. With TP each
+MoE block all-reduces its routed output (top_k rows per token) over tp forward and the input
+gradient backward, priced here on top of the TP strategy's collectives.
 
 Time, per MoE block per micro-batch on the rank with the most traffic: the count exchange (latency)
 plus dispatch and combine all-to-alls forward, the same two in backward (autograd's reverse
