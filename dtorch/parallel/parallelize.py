@@ -99,10 +99,11 @@ def parallelize(
     if plan.world_size > 1 or dist.is_initialized():
         ensure_process_group(device)
         mesh = build_mesh(plan, device.type)
-    # expert parallelism borrows ep of the data-parallel ranks; check_plan's limits keep it to FSDP
-    # over them (dp_shard = world / tp): the (edp, ep, tp) mesh spans every rank, and its tp axis is
+    # expert parallelism borrows ep of the data-parallel ranks (dp_replicate x dp_shard; no cp: the
+    # expert strategy's limits): the ([pp,] edp, ep[, tp]) mesh spans every rank, and its tp axis is
     # the one TP uses, so that FSDP finds the data- and tensor-parallel meshes under one root
-    emesh = expert_mesh(plan.ep, device.type, world, tp=plan.tp, pp=plan.pp) if plan.ep > 1 else None
+    emesh = (expert_mesh(plan.ep, device.type, world, tp=plan.tp, pp=plan.pp, dp_replicate=plan.dp_replicate)
+             if plan.ep > 1 else None)
     tp_mesh = (emesh["tp"] if emesh is not None else sub_mesh(mesh, "tp")) if plan.tp > 1 else None
     moe = any(hasattr(type(m), "dispatcher") for m in model.modules())
     # Dropout's rule (rng.py): one stream per (pp, dp, cp) position, shared by the TP ranks.
@@ -127,8 +128,9 @@ def parallelize(
         if compile_enabled(plan):  # after TP and AC, before FSDP: see compile.py
             apply_compile(part)
         if emesh is not None:  # experts FSDP'd over edp (gradients summed over ep), the rest over all ranks
+            # (a DDP plan's units shard over one rank: nothing to free, so they never reshard)
             apply_fsdp_with_experts(part, emesh, mp_policy=mp_policy(plan),
-                                    reshard_after_forward=plan.reshard_after_forward)
+                                    reshard_after_forward=plan.reshard_after_forward and plan.dp_shard > 1)
         elif uses_fsdp(plan):
             apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
         elif plan.dp_replicate > 1 and not classic_ddp(plan):
@@ -143,7 +145,7 @@ def parallelize(
                 part.load_all_reduce = partial(dist.all_reduce, group=group)
     init_device = torch.device("cpu") if plan.offload == "params" else device
     startup_stats = materialize([m for _, m in parts], startup, init_device)
-    if classic_ddp(plan):
+    if classic_ddp(plan) and emesh is None:  # (with EP, replicas are HSDP units: apply_fsdp_with_experts)
         parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan))]
     for _, part in parts:
         part.train()

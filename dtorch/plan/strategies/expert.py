@@ -134,6 +134,13 @@ DEEPSEEK_V3_DISPATCH = Dispatcher(overlap=True, node_limit=4, dispatch_bytes=1.0
 routing over at most 4 nodes, FP8 dispatch and BF16 combine, 20 SMs for communication."""
 
 
+def replicas_fit(plan: Any) -> bool:
+    """With data-parallel replicas: the ep consecutive ranks lie inside one replica's shard group or
+    over whole replicas (`dtorch.parallel.expert.replica_split`, what the executor's mesh can hold)."""
+    ep, r, s = plan.ep, plan.dp_replicate, plan.dp_shard
+    return s % ep == 0 or (ep % s == 0 and r % (ep // s) == 0)
+
+
 class Expert(Strategy):
     name = "expert"
     executor = "dtorch.parallel.expert"
@@ -176,10 +183,14 @@ class Expert(Strategy):
     def limits(self, plan: Any) -> Iterator[Limit]:
         if plan.ep == 1:
             return
-        if plan.cp > 1 or plan.dp_replicate > 1:
-            yield Limit("expert parallelism is wired into parallelize() only with FSDP over all data-parallel ranks "
-                        "(no cp or dp_replicate)", "ep", plan.ep,
-                        "use ep=1, or dp_shard = world size / tp with cp=dp_replicate=1")
+        if plan.cp > 1:
+            yield Limit("expert parallelism with context parallelism is not wired into parallelize()", "ep", plan.ep,
+                        "use ep=1, or cp=1")
+        elif plan.dp_replicate > 1 and not replicas_fit(plan):
+            yield Limit(f"with dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} the ep={plan.ep} ranks "
+                        "must lie inside one replica (ep divides dp_shard) or over whole replicas (ep = dp_shard "
+                        "times a divisor of dp_replicate)", "ep", plan.ep,
+                        "use an ep that divides dp_shard, or dp_shard times a divisor of dp_replicate")
         elif plan.tp > 1 and plan.sp:
             yield Limit("expert parallelism with sequence parallelism is not implemented (the MoE blocks would "
                         "route sequence shards)", "sp", plan.sp, "use sp=false with ep and tp")
