@@ -36,6 +36,10 @@ edp): `all_reduce_gradients` does this for replicated training, and `apply_fsdp_
 shards the expert weights over ``edp`` with gradient divide factor D (torch's FSDP2) and the other
 weights over ``dp``.
 
+With data-parallel replicas (dp_replicate > 1) both are HSDP (`expert_mesh(..., dp_replicate=R)`):
+an expert is replicated over the replicas its ep group does not span and sharded over the rest of
+its edp ranks; the gradient arithmetic is the same (sum over edp, divide by D).
+
 The auxiliary-loss-free bias update needs the expert loads of all D ranks: `apply_expert_parallel`
 installs `MoETransformer.load_all_reduce` summing them over ``dp``.
 """

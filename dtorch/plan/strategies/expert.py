@@ -7,13 +7,15 @@ Executor half: `dtorch.parallel.expert` (applied by `dtorch.parallel.parallelize
 Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replicate*dp_shard*cp
 (what `expert_mesh` requires). `ep` is not a mesh axis of its own: the world is unchanged.
 
-Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the data-parallel ranks
-(dp_shard = world / (pp*tp)), optionally with TP (sp=false: the routed experts' hidden units split
-over tp, expert-tensor parallelism) and PP (each stage's ep groups are its own data-parallel ranks;
-zero-bubble under FSDP only without resharding after forward, a limit of the pipeline strategy for
-every model); no CP, DDP/HSDP replicas, parameter offload, selective AC or compile. With TP each
-MoE block all-reduces its routed output (top_k rows per token) over tp forward and the input
-gradient backward, priced here on top of the TP strategy's collectives.
+Limits (what the executor wiring runs today): ep > 1 with FSDP, HSDP or DDP over the data-parallel
+ranks (with replicas, dp_replicate > 1, the ep ranks lie inside one replica, ep | dp_shard, or over
+whole replicas, ep = dp_shard * k with k | dp_replicate: `replicas_fit`), optionally with TP
+(sp=false: the routed experts' hidden units split over tp, expert-tensor parallelism) and PP (each
+stage's ep groups are its own data-parallel ranks; zero-bubble under FSDP only without resharding
+after forward, a limit of the pipeline strategy for every model); no CP, parameter offload,
+selective AC or compile. With TP each MoE block all-reduces its routed output (top_k rows per
+token) over tp forward and the input gradient backward, priced here on top of the TP strategy's
+collectives.
 
 Time, per MoE block per micro-batch on the rank with the most traffic: the count exchange (latency)
 plus dispatch and combine all-to-alls forward, the same two in backward (autograd's reverse
