@@ -38,13 +38,17 @@ Tied input/output embeddings (GPT-2, small Llama 3.2 / Qwen2) load into DTorch's
 a copy of the embedding; export then writes both and ``tie_word_embeddings: false``.
 
 `export_hf(checkpoint_dir, out, ...)` writes a DCP checkpoint as such a directory, streaming: it
-reads from the DCP checkpoint only the tensors of one output shard file at a time.
+reads from the DCP checkpoint only the tensors of one output shard file at a time. It is the exact
+inverse of loading: each transform is undone (a stacked expert weight becomes one tensor per
+expert again), and a MoE config is mapped back through `dtorch_config` and compared field by field
+before anything is written, so a model its family cannot express is refused, not mis-exported.
 `write_seed_checkpoint(model, out)` writes any module's weights under their own names once, for
 start-up on the `weights=` path when its initialisation cannot be rank-local.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -292,12 +296,11 @@ def _moe_config(hf: dict[str, Any], kind: str, refuse, max_seq_len: int | None) 
 def hf_config(config: ModelConfig, family: str | None = None, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json for a DTorch config (`base`: the config.json it was loaded from, kept for the
     keys DTorch does not model, e.g. token ids)."""
-    if isinstance(config, MoEConfig):
-        raise ConfigError("export", "a mixture-of-experts model", "export to Hugging Face is not implemented for MoE "
-                          "models yet (loading Mixtral / Qwen-MoE checkpoints is); save DCP checkpoints instead")
     out = dict(base or {})
     for k in ("_name_or_path", "transformers_version", "auto_map"):
         out.pop(k, None)
+    if isinstance(config, MoEConfig):
+        return _moe_hf_config(config, family or moe_family(config), out)
     if isinstance(config, GPTConfig):
         family = "gpt2"
         out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=config.dim, n_layer=config.n_layers,
@@ -320,7 +323,73 @@ def hf_config(config: ModelConfig, family: str | None = None, base: dict[str, An
             out["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
                                    "high_freq_factor": hi, "original_max_position_embeddings": orig}
     out["tie_word_embeddings"] = False  # DTorch's head is its own tensor
-    out.setdefault("torch_dtype", "float32")
+    if _dtype_key(out) not in out:
+        out["torch_dtype"] = "float32"
+    return out
+
+
+def _dtype_key(cfg: dict[str, Any]) -> str:
+    """The key a config.json names its dtype with ("dtype" since transformers 5, else "torch_dtype")."""
+    return "dtype" if "dtype" in cfg else "torch_dtype"
+
+
+TRAINING_ONLY = ("aux_loss_coef", "bias_update_speed", "capacity_factor")
+"""MoEConfig fields that shape training only, not the model a Hugging Face config describes:
+the balance loss, the bias update's speed (the bias itself is checked by `export_hf`: Hugging
+Face's Mixtral and Qwen-MoE route without one) and the capacity (their forward is dropless)."""
+
+
+def moe_family(config: MoEConfig) -> str:
+    """The Hugging Face family a MoEConfig exports as when none is given: Qwen3-MoE with per-head q/k
+    norms, Qwen2-MoE with shared experts or q/k/v biases, else Mixtral."""
+    if config.qk_norm:
+        return "qwen3_moe"
+    return "qwen2_moe" if config.n_shared_experts or config.qkv_bias else "mixtral"
+
+
+def _moe_hf_config(c: MoEConfig, family: str, out: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a MoE model: the inverse of `_moe_config` (keys it does not read kept from the
+    base config). Raises ConfigError naming the first field the family's config cannot express
+    (the config is mapped back and compared field by field)."""
+    if family not in MOE_FAMILIES:
+        raise ConfigError("family", family, f"a mixture-of-experts model exports as one of {', '.join(MOE_FAMILIES)}")
+    out.update(model_type=family, architectures=[ARCHITECTURES[family]], hidden_size=c.dim,
+               num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+               vocab_size=c.vocab_size, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
+               hidden_act="silu", num_experts_per_tok=c.top_k)
+    if out.get("head_dim") is not None or c.head_dim != c.dim // c.n_heads:
+        out["head_dim"] = c.head_dim
+    if isinstance(out.get("rope_parameters"), dict):  # transformers >= 5 spelling
+        out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": c.rope_theta}
+    else:
+        out["rope_theta"] = c.rope_theta
+    if family == "mixtral":
+        out.update(intermediate_size=c.expert_hidden, num_local_experts=c.n_experts)
+        out.setdefault("sliding_window", None)
+    else:
+        out["num_local_experts" if "num_local_experts" in out and "num_experts" not in out else "num_experts"] = \
+            c.n_experts
+        out.update(moe_intermediate_size=c.expert_hidden, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
+                   mlp_only_layers=list(range(c.n_dense_layers)))
+        if c.n_dense_layers or "intermediate_size" not in out:
+            out["intermediate_size"] = c.ffn_hidden
+        out.setdefault("use_sliding_window", False)
+        if family == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=c.n_shared_experts * c.expert_hidden, qkv_bias=c.qkv_bias)
+    out["tie_word_embeddings"] = False  # DTorch's head is its own tensor
+    if _dtype_key(out) not in out:
+        out["torch_dtype"] = "float32"
+    try:
+        back = dtorch_config(out)
+    except ConfigError as e:
+        raise ConfigError("export", f"{family} config", f"the model does not map onto a Hugging Face {family} config "
+                          f"({e})") from None
+    for f in dataclasses.fields(MoEConfig):
+        mine, theirs = getattr(c, f.name), getattr(back, f.name)
+        if f.name not in TRAINING_ONLY and mine != theirs:
+            raise ConfigError("export", f"{f.name}={mine!r}", f"a Hugging Face {family} config cannot express it "
+                              f"(it would load back as {theirs!r}); export a model of that family's shape, or keep "
+                              "DCP checkpoints")
     return out
 
 
@@ -580,6 +649,8 @@ def to_hf(rules: list[tuple[Rule, Any]], config: ModelConfig):
             t = interleaved_to_hf(t, config.n_heads, config.head_dim)
         elif rule.kind == "rope_k":
             t = interleaved_to_hf(t, config.n_kv_heads, config.head_dim)
+        elif rule.kind == "rope_norm":  # a per-head q/k norm weight [head_dim]
+            t = interleaved_to_hf(t, 1, config.head_dim)
         elif rule.kind == "conv" and t.dim() == 2:
             t = t.t()
         pieces.append(t)
@@ -607,27 +678,46 @@ def export_hf(
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    family = "gpt2" if isinstance(config, GPTConfig) else (family or ("qwen2" if config.qkv_bias else "llama"))
+    if isinstance(config, GPTConfig):
+        family = "gpt2"
+    elif isinstance(config, MoEConfig):
+        family = family or moe_family(config)
+    else:
+        family = family or ("qwen2" if config.qkv_bias else "llama")
     reader = FileSystemReader(str(checkpoint_dir))
     meta = reader.read_metadata().state_dict_metadata
     prefix = key + "."
     shapes = {k[len(prefix):]: tuple(v.size) for k, v in meta.items() if k.startswith(prefix) and hasattr(v, "size")}
     if not shapes:
         raise ConfigError("key", key, f"the checkpoint has no '{key}' entry with tensors")
+    cfg = hf_config(config, family, base_config)  # first: a model the family cannot express fails before any write
+    if isinstance(config, MoEConfig):
+        _check_no_routing_bias(reader, meta, prefix, [n for n in shapes if n.endswith(".expert_bias")])
+        shapes = {n: v for n, v in shapes.items() if not n.endswith((".expert_bias", ".expert_load"))}
     plan = hf_tensor_plan(family, {k: v for k, v in shapes.items()})
+    # one output tensor per entry: (HF name, its DTorch tensors' rules and names, the expert or None);
+    # a stacked expert weight [n_experts, ...] becomes one HF tensor per expert
+    entries: list[tuple[str, list[tuple[Rule, str]], int | None]] = []
+    for hf, rules in plan.items():
+        if rules[0][0].kind == "stack":
+            entries += [(hf.replace("{e}", str(e)), rules, e) for e in range(shapes[rules[0][1]][0])]
+        else:
+            entries.append((hf, rules, None))
     cast = getattr(torch, dtype) if dtype else None
 
-    def nbytes(hf: str) -> int:
-        return sum(math.prod(shapes[n]) for _, n in plan[hf]) * (cast.itemsize if cast else 4)
+    def nbytes(entry) -> int:
+        _, rules, e = entry
+        n = sum(math.prod(shapes[name][1:] if e is not None else shapes[name]) for _, name in rules)
+        return n * (cast.itemsize if cast else 4)
 
-    groups: list[list[str]] = [[]]
+    groups: list[list] = [[]]
     size = 0
-    for hf in plan:
-        if groups[-1] and size + nbytes(hf) > max_shard_bytes:
+    for entry in entries:
+        if groups[-1] and size + nbytes(entry) > max_shard_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(hf)
-        size += nbytes(hf)
+        groups[-1].append(entry)
+        size += nbytes(entry)
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -635,11 +725,11 @@ def export_hf(
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         wanted = {prefix + n: torch.empty(shapes[n], dtype=meta[prefix + n].properties.dtype)
-                  for hf in group for _, n in plan[hf]}
+                  for _, rules, _ in group for _, n in rules}
         dcp_load(wanted, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         tensors = {}
-        for hf in group:
-            t = to_hf([(rule, wanted[prefix + n]) for rule, n in plan[hf]], config)
+        for hf, rules, e in group:
+            t = to_hf([(rule, wanted[prefix + n] if e is None else wanted[prefix + n][e]) for rule, n in rules], config)
             tensors[hf] = t.to(cast) if cast else t
             weight_map[hf] = fname
             total += tensors[hf].numel() * tensors[hf].element_size()
@@ -649,11 +739,32 @@ def export_hf(
         os.replace(tmp, outdir / fname)
         del tensors
     _atomic_json(outdir / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    cfg = hf_config(config, family, base_config)
     if dtype:
-        cfg["torch_dtype"] = dtype
+        cfg[_dtype_key(cfg)] = dtype
     _atomic_json(outdir / "config.json", cfg)
     return outdir
+
+
+def _check_no_routing_bias(reader, meta, prefix: str, names: list[str]) -> None:
+    """ConfigError if an auxiliary-loss-free routing bias (`MoE.expert_bias`) in the checkpoint is not
+    zero: Hugging Face's Mixtral and Qwen-MoE select experts without one, so the export would route
+    differently from the trained model."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    if not names:
+        return
+    wanted = {prefix + n: torch.empty(tuple(meta[prefix + n].size), dtype=meta[prefix + n].properties.dtype)
+              for n in names}
+    dcp_load(wanted, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    for n in names:
+        b = wanted[prefix + n]
+        if bool(b.ne(0).any()):
+            raise ConfigError("export", f"{n} (max |bias| {float(b.abs().max()):.3g})",
+                              "the model routes with an auxiliary-loss-free bias that Hugging Face's Mixtral and "
+                              "Qwen-MoE do not have, so the export would choose other experts; train with "
+                              "bias_update_speed=0 to export, or keep DCP checkpoints")
 
 
 def write_seed_checkpoint(model, out: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:

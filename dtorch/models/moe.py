@@ -347,13 +347,18 @@ class MoETransformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def init_buffers(self) -> None:
-        """(Re)compute the RoPE tables on the buffers' current device (skipped on meta)."""
+        """(Re)compute the RoPE tables on the buffers' current device and start the balancing state
+        at zero (expert biases and loads: a model loaded from pretrained weights, which hold no such
+        buffers, would otherwise keep `to_empty`'s garbage in them). Skipped on meta."""
         if self.rope_cos.is_meta:
             return
         cos, sin = rope_tables(self.config.rope_dim, self.config.max_seq_len, self.config.rope_theta)
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+            for name, buf in self.named_buffers():
+                if name.endswith(("expert_bias", "expert_load")) and not buf.is_meta:
+                    buf.zero_()
 
     def init_weights(self, seed: int | None = None) -> None:
         """Deterministic (re)initialisation, as Llama.init_weights: N(0, 0.02) by (seed, name, index),

@@ -36,6 +36,10 @@ edp): `all_reduce_gradients` does this for replicated training, and `apply_fsdp_
 shards the expert weights over ``edp`` with gradient divide factor D (torch's FSDP2) and the other
 weights over ``dp``.
 
+With data-parallel replicas (dp_replicate > 1) both are HSDP (`expert_mesh(..., dp_replicate=R)`):
+an expert is replicated over the replicas its ep group does not span and sharded over the rest of
+its edp ranks; the gradient arithmetic is the same (sum over edp, divide by D).
+
 The auxiliary-loss-free bias update needs the expert loads of all D ranks: `apply_expert_parallel`
 installs `MoETransformer.load_all_reduce` summing them over ``dp``.
 """
@@ -52,28 +56,71 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from dtorch.errors import ConfigError
 
 __all__ = ["apply_expert_parallel", "expert_mesh", "expert_parameters", "all_reduce_gradients",
-           "apply_fsdp_with_experts", "dispatch_bytes"]
+           "apply_fsdp_with_experts", "dispatch_bytes", "replica_split"]
+
+
+def replica_split(ep: int, dp_replicate: int, dp_shard: int) -> tuple[int, int] | None:
+    """(k, m): how ep consecutive data-parallel ranks lie over (dp_replicate, dp_shard), ep = k*m
+    with k replicas of m shard ranks each: inside one replica's shard group (k = 1, m | dp_shard),
+    or over k whole replicas (m = dp_shard, k | dp_replicate). None if neither."""
+    if dp_shard % ep == 0:
+        return 1, ep
+    if ep % dp_shard == 0 and dp_replicate % (ep // dp_shard) == 0:
+        return ep // dp_shard, dp_shard
+    return None
 
 
 def expert_mesh(ep: int, device_type: str = "cpu", world_size: int | None = None, *, tp: int = 1,
-                pp: int = 1) -> DeviceMesh:
+                pp: int = 1, dp_replicate: int = 1) -> DeviceMesh:
     """The ``([pp,] edp, ep[, tp])`` mesh over `world_size` ranks (default: the whole world): the
     D = world/(pp*tp) data-parallel ranks split into ``(edp, ep)``, ep innermost of them, with the
     flattened ``dp`` axis (edp x ep) registered. Axes in the order of `dtorch.parallel.mesh`
     (pp outermost, tp innermost), so rank r has the same pp/dp/tp coordinates in both meshes, and
     with tp > 1 the ``tp`` axis of this mesh is the one tensor parallelism must use (FSDP needs the
     data- and tensor-parallel meshes of one parameter to share a root). Raises ConfigError if ep
-    does not divide D."""
+    does not divide D.
+
+    With replicas (`dp_replicate` = R > 1, D = R x dp_shard, replica-major as in the world mesh)
+    the data-parallel ranks are ``(edp_rep, edp_shard, ep_rep, ep_shard)`` = (R/k, S/m, k, m) for
+    ep = k*m (`replica_split`), flattened into ``ep`` (ep_rep, ep_shard), ``edp`` (edp_rep,
+    edp_shard), ``dp`` (all four) and the world mesh's own ``dp_replicate`` x ``dp_shard`` split
+    (the HSDP mesh of the non-expert weights). An expert is then held by the edp ranks, replicated
+    over edp_rep and sharded over edp_shard (`apply_fsdp_with_experts`)."""
     world = dist.get_world_size() if world_size is None else world_size
     data = world // (tp * pp)
     if not isinstance(ep, int) or ep < 1 or data % ep:
         ok = [d for d in range(1, data + 1) if data % d == 0]
         raise ConfigError("ep", ep, f"must divide the {data} data-parallel ranks; use ep in {ok}")
-    names = (("pp",) if pp > 1 else ()) + ("edp", "ep") + (("tp",) if tp > 1 else ())
-    shape = ((pp,) if pp > 1 else ()) + (data // ep, ep) + ((tp,) if tp > 1 else ())
+    outer, inner = (("pp",), (pp,)) if pp > 1 else ((), ())
+    last, last_n = (("tp",), (tp,)) if tp > 1 else ((), ())
+    if dp_replicate > 1:
+        shard = data // dp_replicate
+        split = replica_split(ep, dp_replicate, shard)
+        if split is None:
+            ok = [d for d in range(1, data + 1) if data % d == 0 and replica_split(d, dp_replicate, shard)]
+            raise ConfigError("ep", ep, f"with dp_replicate={dp_replicate} x dp_shard={shard}, ep ranks must lie "
+                              f"inside one replica or over whole replicas; use ep in {ok}")
+        k, m = split
+        names = outer + ("edp_rep", "edp_shard", "ep_rep", "ep_shard") + last
+        mesh = init_device_mesh(device_type, inner + (dp_replicate // k, shard // m, k, m) + last_n,
+                                mesh_dim_names=names)
+        mesh[("edp_rep", "edp_shard")]._flatten("edp")
+        mesh[("ep_rep", "ep_shard")]._flatten("ep")
+        mesh[("edp_rep", "edp_shard", "ep_rep", "ep_shard")]._flatten("dp")
+        rep = ("edp_rep",) if k == 1 else ("edp_rep", "edp_shard", "ep_rep")
+        mesh[rep]._flatten("dp_replicate")
+        mesh[("edp_shard", "ep_rep", "ep_shard") if k == 1 else ("ep_shard",)]._flatten("dp_shard")
+        return mesh
+    names = outer + ("edp", "ep") + last
+    shape = inner + (data // ep, ep) + last_n
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     mesh[("edp", "ep")]._flatten("dp")
     return mesh
+
+
+def _replicated(mesh: DeviceMesh) -> bool:
+    """Whether `mesh` (from `expert_mesh`) has data-parallel replicas (the HSDP layout)."""
+    return "edp_rep" in (mesh.mesh_dim_names or ())
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -249,16 +296,29 @@ def all_reduce_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
 def apply_fsdp_with_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:
     """FSDP2 with EP: every block's expert weights are one FSDP unit over ``edp`` (gradient divide
     factor = dp size, so that the sum over the ep group becomes the global mean), the rest of each
-    block one unit over ``dp``, the embedding/head the root unit. Call after apply_expert_parallel."""
+    block one unit over ``dp``, the embedding/head the root unit. Call after apply_expert_parallel.
+
+    With replicas (`expert_mesh(..., dp_replicate=R)`) both are HSDP: the non-expert weights over
+    the world mesh's (dp_replicate, dp_shard), the experts over (edp_rep, edp_shard), i.e. replicated
+    over the replicas the ep group does not span and sharded over the rest (a DDP plan, dp_shard=1,
+    shards over one rank: replicated, DDP's memory)."""
     from torch.distributed.fsdp import fully_shard
 
     world = mesh["dp"].size()
+    if _replicated(mesh):
+        expert_dp, rest = mesh[("edp_rep", "edp_shard")], mesh[("dp_replicate", "dp_shard")]
+    else:
+        expert_dp, rest = mesh["edp"], mesh["dp"]
+    # the ranks FSDP shards the experts over (the last axis of an HSDP mesh)
+    shard_group = (expert_dp[expert_dp.mesh_dim_names[-1]] if expert_dp.ndim > 1 else expert_dp).get_group()
     for experts in _expert_modules(model):
-        fully_shard(experts, mesh=mesh["edp"], **fsdp_kwargs)
+        fully_shard(experts, mesh=expert_dp, **fsdp_kwargs)
         experts.set_gradient_divide_factor(float(world))
-        if mesh["edp"].size() > 1 and dist.get_backend(mesh["edp"].get_group()) == "gloo":  # no PREMUL_SUM
+        # gloo has no PREMUL_SUM: sum, then divide. Not over one shard rank: torch 2.13 then divides by
+        # the factor when it copies the unreduced gradient and again after the (HSDP) all-reduce
+        if shard_group.size() > 1 and dist.get_backend(shard_group) == "gloo":
             experts.set_force_sum_reduction_for_comms(True)
     layers = getattr(model, "layers", None)
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers or []):
-        fully_shard(block, mesh=mesh["dp"], **fsdp_kwargs)
-    fully_shard(model, mesh=mesh["dp"], **fsdp_kwargs)
+        fully_shard(block, mesh=rest, **fsdp_kwargs)
+    fully_shard(model, mesh=rest, **fsdp_kwargs)

@@ -84,11 +84,6 @@ def parallelize(
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     check_cp(plan, model)
-    if plan.pp > 1 and plan.schedule == "zero_bubble" and any(hasattr(type(m), "dispatcher") for m in model.modules()):
-        # measured: per-step losses and gradient norms off one process (norm 0.85 vs 1.18 on moe-tiny,
-        # with and without EP) while 1F1B, GPipe and interleaved match to 1e-7
-        raise ConfigError("schedule", plan.schedule, "zero-bubble pipelining loses part of a mixture-of-experts "
-                          "block's gradients (torch 2.13 split backward); use schedule=1f1b, gpipe or interleaved_1f1b")
     if plan.tp > 1:
         check_roles(model, plan.sp)
         if plan.sp and any(hasattr(type(m), "dispatcher") for m in model.modules()):
@@ -104,10 +99,11 @@ def parallelize(
     if plan.world_size > 1 or dist.is_initialized():
         ensure_process_group(device)
         mesh = build_mesh(plan, device.type)
-    # expert parallelism borrows ep of the data-parallel ranks; check_plan's limits keep it to FSDP
-    # over them (dp_shard = world / tp): the (edp, ep, tp) mesh spans every rank, and its tp axis is
+    # expert parallelism borrows ep of the data-parallel ranks (dp_replicate x dp_shard; no cp: the
+    # expert strategy's limits): the ([pp,] edp, ep[, tp]) mesh spans every rank, and its tp axis is
     # the one TP uses, so that FSDP finds the data- and tensor-parallel meshes under one root
-    emesh = expert_mesh(plan.ep, device.type, world, tp=plan.tp, pp=plan.pp) if plan.ep > 1 else None
+    emesh = (expert_mesh(plan.ep, device.type, world, tp=plan.tp, pp=plan.pp, dp_replicate=plan.dp_replicate)
+             if plan.ep > 1 else None)
     tp_mesh = (emesh["tp"] if emesh is not None else sub_mesh(mesh, "tp")) if plan.tp > 1 else None
     moe = any(hasattr(type(m), "dispatcher") for m in model.modules())
     # Dropout's rule (rng.py): one stream per (pp, dp, cp) position, shared by the TP ranks.
@@ -132,8 +128,9 @@ def parallelize(
         if compile_enabled(plan):  # after TP and AC, before FSDP: see compile.py
             apply_compile(part)
         if emesh is not None:  # experts FSDP'd over edp (gradients summed over ep), the rest over all ranks
+            # (a DDP plan's units shard over one rank: nothing to free, so they never reshard)
             apply_fsdp_with_experts(part, emesh, mp_policy=mp_policy(plan),
-                                    reshard_after_forward=plan.reshard_after_forward)
+                                    reshard_after_forward=plan.reshard_after_forward and plan.dp_shard > 1)
         elif uses_fsdp(plan):
             apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
         elif plan.dp_replicate > 1 and not classic_ddp(plan):
@@ -148,7 +145,7 @@ def parallelize(
                 part.load_all_reduce = partial(dist.all_reduce, group=group)
     init_device = torch.device("cpu") if plan.offload == "params" else device
     startup_stats = materialize([m for _, m in parts], startup, init_device)
-    if classic_ddp(plan):
+    if classic_ddp(plan) and emesh is None:  # (with EP, replicas are HSDP units: apply_fsdp_with_experts)
         parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan))]
     for _, part in parts:
         part.train()

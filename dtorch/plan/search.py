@@ -622,10 +622,8 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
 
 
 def _schedules(pp: int, nmb: int, L: int, fixed: dict[str, Any], profile: ModelProfile) -> list[tuple[str, int]]:
-    """The pipeline strategy's schedules, less zero-bubble for a MoE model (parallelize refuses it:
-    its split weight-gradient pass loses part of a MoE block's gradients in torch 2.13)."""
-    out = PIPELINE.schedules(pp, nmb, L, fixed)
-    return [(s, v) for s, v in out if not (profile.num_experts and s == "zero_bubble")]
+    """The pipeline strategy's schedules (dense and MoE models alike)."""
+    return PIPELINE.schedules(pp, nmb, L, fixed)
 
 
 def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dict[str, Any], param_dtype: str,

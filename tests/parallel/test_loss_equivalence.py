@@ -52,6 +52,10 @@ CASES_4 = {
     "ddp_x_pp_interleaved": dict(dp_replicate=2, pp=2, virtual_stages=2, schedule="interleaved_1f1b",
                                  num_microbatches=2),
     "pp_zero_bubble": dict(pp=4, schedule="zero_bubble", num_microbatches=4),
+    # zero-bubble under FSDP: the stage stays gathered (resharded, torch's split backward loses the
+    # weight gradients of every stage but the first: the pipeline strategy's limit)
+    "fsdp_x_pp_zero_bubble": dict(dp_shard=2, pp=2, schedule="zero_bubble", num_microbatches=2,
+                                  reshard_after_forward=False),
     "fsdp_x_pp": dict(dp_shard=2, pp=2, schedule="1f1b", num_microbatches=2, layer_partition=[3, 1]),
     "tp_x_pp": dict(tp=2, pp=2, schedule="1f1b", num_microbatches=2, microbatch_size=2),
     "tp_sp_x_pp": dict(tp=2, sp=True, pp=2, schedule="gpipe", num_microbatches=2),

@@ -8,7 +8,9 @@ processes; the loss must be finite and within 2% of the float32 single-process l
 rounding). Then, through the same `parallelize()` path in float32, 5 AdamW steps of EP (ep=2, ep=4,
 ep=2 with full AC, ep=2 with 2 accumulated micro-batches) with FSDP over the 4 ranks, and EP x TP
 (dp_shard=2 x tp=2, ep=2) on moe-tiny and deepseek-tiny (its latent attention split by heads), and
-EP x PP (pp=2 x dp_shard=2, ep=2, 1F1B; interleaved with 2 stages per rank), give
+EP x PP (pp=2 x dp_shard=2, ep=2, 1F1B, zero-bubble; interleaved with 2 stages per rank), and EP
+with replicas (HSDP 2x2 with ep=2, DDP over 4 with ep=2 and 2 micro-batches, DDP x PP zero-bubble),
+give
 per-step losses within 1e-5 relative, and
 gradient norms (`clip_grad_norm_` over the EP-sharded DTensors) within 1e-4, of one process on the
 global batch. About 45 s wall on the shared 2-core machine (one group of 4 processes for all cases).
@@ -66,6 +68,15 @@ EXACT = {
     "fsdp2_tp2_deepseek": dict(model="deepseek-tiny", dp_shard=2, tp=2, microbatch_size=4),
     # EP x PP: each pipeline stage's experts over its own 2 data-parallel ranks
     "pp2_fsdp2_ep2_1f1b": dict(pp=2, dp_shard=2, ep=2, microbatch_size=2, num_microbatches=2, schedule="1f1b"),
+    # zero-bubble's split backward (input, then weight gradients): FSDP must keep the stage gathered
+    "pp2_fsdp2_ep2_zero_bubble": dict(pp=2, dp_shard=2, ep=2, microbatch_size=2, num_microbatches=2,
+                                      schedule="zero_bubble", reshard_after_forward=False),
+    # EP with replicas (dtorch.parallel.expert.expert_mesh): experts replicated over the replicas the
+    # ep group does not span, HSDP (HSDP's shard group of one rank: the DDP plans) for the rest
+    "hsdp2x2_ep2": dict(dp_replicate=2, dp_shard=2, ep=2, microbatch_size=2),  # ep inside a replica
+    "ddp4_ep2_2mb": dict(dp_replicate=4, ep=2, microbatch_size=1, num_microbatches=2),  # ep over 2 replicas
+    "pp2_ddp2_ep2_zero_bubble": dict(pp=2, dp_replicate=2, ep=2, microbatch_size=2, num_microbatches=2,
+                                     schedule="zero_bubble"),
     "pp2v2_fsdp2_ep2_interleaved": dict(model="moe-tiny:layers=4", pp=2, dp_shard=2, ep=2, microbatch_size=2,
                                         num_microbatches=2, schedule="interleaved_1f1b", virtual_stages=2),
 }

@@ -38,8 +38,14 @@ def test_limits_mirror_the_executor_wiring():
     assert unsupported(Plan(dp_shard=4, ep=2, ac="full")) is None
     assert unsupported(Plan(dp_shard=2, tp=2, ep=2)) is None  # EP x TP (expert-tensor parallelism)
     assert unsupported(Plan(pp=2, dp_shard=2, ep=2)) is None  # EP x PP
+    # replicas (DDP, HSDP): ep ranks inside one replica's shard group, or over whole replicas
+    for plan in (Plan(dp_replicate=4, ep=2), Plan(dp_replicate=4, ep=4), Plan(dp_replicate=2, dp_shard=2, ep=2),
+                 Plan(dp_replicate=2, dp_shard=2, ep=4), Plan(dp_replicate=2, dp_shard=4, ep=8)):
+        assert unsupported(plan) is None, plan
     for plan in (Plan(dp_shard=2, cp=2, ep=2),
-                 Plan(dp_replicate=4, ep=2), Plan(dp_shard=4, ep=2, ac="selective"),
+                 Plan(dp_replicate=2, dp_shard=3, ep=2),  # 2 of a replica's 3 shard ranks
+                 Plan(dp_replicate=3, dp_shard=2, ep=4),  # 2 of the 3 replicas
+                 Plan(dp_shard=4, ep=2, ac="selective"),
                  Plan(dp_shard=4, ep=2, offload="params")):
         with pytest.raises(ConfigError) as e:
             check_executable(plan)
@@ -175,9 +181,11 @@ def test_deepseek_v3_on_256_h100s_gets_a_fitting_expert_parallel_plan():
     assert not any(p.sp for p, _ in res.ranked)  # TP of a MoE runs without sequence parallelism
 
 
-def test_zero_bubble_is_refused_for_a_moe_before_any_process_group():
-    """Zero-bubble's split backward loses part of a MoE block's gradients (torch 2.13): parallelize
-    refuses it, and the search never offers it for a MoE model."""
+def test_zero_bubble_under_fsdp_must_keep_the_stage_gathered_and_is_offered_for_a_moe():
+    """Zero-bubble's split backward finds no weight of a resharded FSDP stage (torch 2.13, every
+    stage but the first ends without gradients): parallelize refuses reshard_after_forward with it
+    before any process group, dense or MoE, and the search offers zero-bubble for the MoE only
+    without resharding (tests/parallel/test_moe_planner_plans.py runs it against one process)."""
     from functools import partial
 
     from dtorch.models import build_model
@@ -185,8 +193,13 @@ def test_zero_bubble_is_refused_for_a_moe_before_any_process_group():
     from dtorch.train.losses import next_token
 
     plan = Plan(pp=2, dp_shard=2, microbatch_size=1, num_microbatches=2, schedule="zero_bubble")
-    with pytest.raises(ConfigError) as e:
-        parallelize(partial(build_model, "moe-tiny"), plan, loss_fn=next_token, seq_len=16)
-    assert e.value.field == "schedule"
-    res = search(get_profile("moe-tiny", 16), parse_shorthand("cpu:1x4"), global_batch=8, seq_len=16)
-    assert not any(p.schedule == "zero_bubble" for p, _ in [*res.ranked, *res.best_by_family.values()])
+    for name in ("moe-tiny", "llama-tiny"):
+        with pytest.raises(ConfigError) as e:
+            parallelize(partial(build_model, name), plan, loss_fn=next_token, seq_len=16)
+        assert e.value.field == "reshard_after_forward" and "reshard_after_forward=false" in str(e.value)
+    assert unsupported(Plan(pp=2, dp_shard=2, microbatch_size=1, num_microbatches=2, schedule="zero_bubble",
+                            reshard_after_forward=False)) is None
+    res = search(get_profile("moe-tiny", 16), parse_shorthand("cpu:1x4"), global_batch=8, seq_len=16,
+                 fixed={"schedule": "zero_bubble", "ep": 2})
+    plans = [p for p, _ in [*res.ranked, *res.best_by_family.values()]]
+    assert plans and all(p.schedule == "zero_bubble" and p.ep == 2 and not p.reshard_after_forward for p in plans)

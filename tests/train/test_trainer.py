@@ -235,7 +235,7 @@ def torch_cpu():
 
 @pytest.mark.slow
 def test_moe_trains_with_expert_parallelism_and_resumes_exactly(tmp_path):
-    """`dtorch train --model moe-tiny --plan ep=2` at world 2 runs the planned EP plan (FSDP x EP), and
+    """`dtorch train --model moe-tiny --plan ep=2` at world 2 runs the planned EP plan (FSDP or DDP x EP), and
     a run stopped at step 2 and resumed from its checkpoint (EP-sharded experts saved and loaded)
     computes step 3's loss exactly as the uninterrupted run: the weights after step 2 came back.
     (Step 4 differs legitimately: the learning-rate schedule spans --steps, 2 in the first leg.)

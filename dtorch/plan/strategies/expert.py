@@ -7,12 +7,15 @@ Executor half: `dtorch.parallel.expert` (applied by `dtorch.parallel.parallelize
 Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replicate*dp_shard*cp
 (what `expert_mesh` requires). `ep` is not a mesh axis of its own: the world is unchanged.
 
-Limits (what the executor wiring runs today): ep > 1 only with FSDP over all the data-parallel ranks
-(dp_shard = world / (pp*tp)), optionally with TP (sp=false: the routed experts' hidden units split
-over tp, expert-tensor parallelism) and PP (each stage's ep groups are its own data-parallel ranks;
-zero-bubble is refused for MoE models by parallelize and skipped by the search); no CP, DDP/HSDP replicas, parameter offload, selective AC or
-compile. With TP each MoE block all-reduces its routed output (top_k rows per token) over tp
-forward and the input gradient backward, priced here on top of the TP strategy's collectives.
+Limits (what the executor wiring runs today): ep > 1 with FSDP, HSDP or DDP over the data-parallel
+ranks (with replicas, dp_replicate > 1, the ep ranks lie inside one replica, ep | dp_shard, or over
+whole replicas, ep = dp_shard * k with k | dp_replicate: `replicas_fit`), optionally with TP
+(sp=false: the routed experts' hidden units split over tp, expert-tensor parallelism) and PP (each
+stage's ep groups are its own data-parallel ranks; zero-bubble under FSDP only without resharding
+after forward, a limit of the pipeline strategy for every model); no CP, parameter offload,
+selective AC or compile. With TP each MoE block all-reduces its routed output (top_k rows per
+token) over tp forward and the input gradient backward, priced here on top of the TP strategy's
+collectives.
 
 Time, per MoE block per micro-batch on the rank with the most traffic: the count exchange (latency)
 plus dispatch and combine all-to-alls forward, the same two in backward (autograd's reverse
@@ -167,6 +170,13 @@ all_to_all_single dispatch and combine, exposed, bf16, top_k copies per token, t
 `torch._grouped_mm` (`TORCH_GROUPED_MM_BF16`)."""
 
 
+def replicas_fit(plan: Any) -> bool:
+    """With data-parallel replicas: the ep consecutive ranks lie inside one replica's shard group or
+    over whole replicas (`dtorch.parallel.expert.replica_split`, what the executor's mesh can hold)."""
+    ep, r, s = plan.ep, plan.dp_replicate, plan.dp_shard
+    return s % ep == 0 or (ep % s == 0 and r % (ep // s) == 0)
+
+
 class Expert(Strategy):
     name = "expert"
     executor = "dtorch.parallel.expert"
@@ -209,10 +219,14 @@ class Expert(Strategy):
     def limits(self, plan: Any) -> Iterator[Limit]:
         if plan.ep == 1:
             return
-        if plan.cp > 1 or plan.dp_replicate > 1:
-            yield Limit("expert parallelism is wired into parallelize() only with FSDP over all data-parallel ranks "
-                        "(no cp or dp_replicate)", "ep", plan.ep,
-                        "use ep=1, or dp_shard = world size / tp with cp=dp_replicate=1")
+        if plan.cp > 1:
+            yield Limit("expert parallelism with context parallelism is not wired into parallelize()", "ep", plan.ep,
+                        "use ep=1, or cp=1")
+        elif plan.dp_replicate > 1 and not replicas_fit(plan):
+            yield Limit(f"with dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} the ep={plan.ep} ranks "
+                        "must lie inside one replica (ep divides dp_shard) or over whole replicas (ep = dp_shard "
+                        "times a divisor of dp_replicate)", "ep", plan.ep,
+                        "use an ep that divides dp_shard, or dp_shard times a divisor of dp_replicate")
         elif plan.tp > 1 and plan.sp:
             yield Limit("expert parallelism with sequence parallelism is not implemented (the MoE blocks would "
                         "route sequence shards)", "sp", plan.sp, "use sp=false with ep and tp")
