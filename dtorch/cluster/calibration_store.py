@@ -88,7 +88,7 @@ def record_disk(disk: dict, path: str | Path) -> Path:
     p = Path(path).expanduser()
     doc = read_calibration(p) if p.exists() else {"version": CALIBRATION_VERSION}
     doc["disk"] = {k: disk[k] for k in ("directory", "bytes", "read_bytes_per_s", "write_bytes_per_s",
-                                       "read_cached_bytes_per_s", "free_bytes") if k in disk}
+                                       "read_cached_bytes_per_s", "free_bytes", "mode", "chunk_bytes") if k in disk}
     return write_calibration(doc, p)
 
 

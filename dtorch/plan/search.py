@@ -92,6 +92,8 @@ class SearchResult:
     steps: int | None = None
     """The run's length the ranking amortised one-off seconds (compilation) over; None: unknown,
     ranked by step time alone (`strategies.amortised_s`)."""
+    constants: Any = None
+    """The cost model's constants the plans were priced with (e.g. whether the run clips gradients)."""
 
     @property
     def best(self) -> tuple[Plan, Estimate] | None:
@@ -387,6 +389,7 @@ def search(
         evaluated=book.evaluated, meshes=len(meshes), meshes_pruned=book.pruned,
         seconds=time.perf_counter() - t0, closest=closest, notes=notes,
         best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)), steps=steps,
+        constants=constants,
     )
 
 
