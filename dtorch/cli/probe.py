@@ -39,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "its measured peak and memory (docs/heterogeneous.md)")
     p.add_argument("--speed-threshold", type=float, default=None,
                    help="fraction of speed that separates two groups (default 0.15)")
-    p.add_argument("--disk-bytes", type=int, default=256 * 2**20, help="bytes written and read by --disk")
+    p.add_argument("--disk-bytes", type=int, default=1024 * 2**20,
+                   help="bytes written and read by --disk (default 1 GiB, 16 files of the tier's 64 MiB blocks)")
     p.set_defaults(func=run)
 
 

@@ -172,13 +172,37 @@ DEFAULT_CHUNK = 64 * 2**20
 """The bytes the probe moves per call: the NVMe tier's default block (`OptimizerOffload.block_bytes`)."""
 
 
-def measure_disk(directory: str | os.PathLike, nbytes: int = 256 * 2**20, chunk: int = DEFAULT_CHUNK) -> dict:
-    """Write then read `nbytes` in `chunk`-sized pieces of a private temporary file of `directory`
-    (removed afterwards) with the NVMe tier's `TierFile` calls: one file per chunk, as the tier
-    keeps one per block, written once to leave the reserved space (the tier rewrites files it has
-    written: the first write of reserved extents is slower), then timed rewriting and reading all
-    of them. Bytes per second; `mode` is the tier's I/O there (direct or buffered); ConfigError if
-    the directory cannot take the files."""
+def cycle(files: list[TierFile], bufs: list, nbytes: int) -> None:
+    """The NVMe tier's step without its CPU work: each file read into one of three buffers by a
+    reader thread while a writer thread writes the one before back, a buffer reused once its
+    write-back is done (`dtorch.train.offload.store.Pipeline`: one block read ahead, one stepped,
+    one written back)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+        writes = []
+        ahead = reader.submit(files[0].read, bufs[0], nbytes)
+        for k, f in enumerate(files):
+            ahead.result()
+            if k + 1 < len(files):
+                if k >= 2:
+                    writes[k - 2].result()  # the buffer block k+1 is read into held block k-2
+                ahead = reader.submit(files[k + 1].read, bufs[(k + 1) % 3], nbytes)
+            writes.append(writer.submit(f.write, bufs[k % 3], nbytes))
+        for w in writes:
+            w.result()
+
+
+def measure_disk(directory: str | os.PathLike, nbytes: int = 1024 * 2**20, chunk: int = DEFAULT_CHUNK) -> dict:
+    """Write then read `nbytes` in `chunk`-sized pieces of a private temporary directory of
+    `directory` (removed afterwards) with the NVMe tier's `TierFile` calls: one file per chunk, as
+    the tier keeps one per block, written once to leave the reserved space (the tier rewrites files
+    it has written: the first write of reserved extents is slower), then timed rewriting all of
+    them, reading all of them, and the tier's own pattern (`cycle`: each read while the one before
+    is written back). Bytes per second: `write_bytes_per_s`, `read_bytes_per_s` (alone) and
+    `read_write_bytes_per_s` (bytes read, and as many written back, per second in the cycle: what
+    the planner prices a step's I/O with); `mode` is the tier's I/O there (direct or buffered);
+    ConfigError if the directory cannot take the files."""
     path = Path(directory).expanduser()
     if not path.is_dir() or not os.access(path, os.W_OK):
         raise ConfigError("disk", str(path), "give an existing directory you can write, on the disk to measure")
@@ -188,6 +212,7 @@ def measure_disk(directory: str | os.PathLike, nbytes: int = 256 * 2**20, chunk:
     nbytes = count * chunk
     buf = aligned_buffer(chunk)
     buf[:] = os.urandom(chunk)
+    bufs = [buf, aligned_buffer(chunk), aligned_buffer(chunk)]
     work = Path(tempfile.mkdtemp(prefix="dtorch-disk-probe-", dir=path))  # 0700
     files: list[TierFile] = []
     try:
@@ -204,20 +229,27 @@ def measure_disk(directory: str | os.PathLike, nbytes: int = 256 * 2**20, chunk:
             if f.read(buf, chunk) != chunk:
                 raise OSError(f"short read of {f.path}")
         read_s = time.perf_counter() - t
+        t = time.perf_counter()
+        cycle(files, bufs, chunk)
+        cycle_s = time.perf_counter() - t
         mode = files[0].mode
     finally:
         for f in files:
             f.close()
         shutil.rmtree(work, ignore_errors=True)
-        buf.close()
+        for b in bufs:
+            b.close()
     return {"directory": str(path), "bytes": nbytes, "chunk_bytes": chunk, "mode": mode,
-            "write_bytes_per_s": nbytes / write_s, "read_bytes_per_s": nbytes / read_s, "free_bytes": free}
+            "write_bytes_per_s": nbytes / write_s, "read_bytes_per_s": nbytes / read_s,
+            "read_write_bytes_per_s": nbytes / cycle_s, "free_bytes": free}
 
 
 def summary(doc: dict) -> str:
     g = 2**30
     how = ("direct I/O" if doc.get("mode") == "direct"
            else "buffered, fdatasync and the cache dropped: the file system refuses direct I/O")
+    both = (f", read and written back at once {doc['read_write_bytes_per_s'] / g:.2f} GiB/s each way"
+            if doc.get("read_write_bytes_per_s") else "")
     return (f"disk {doc['directory']}: write {doc['write_bytes_per_s'] / g:.2f} GiB/s, read "
-            f"{doc['read_bytes_per_s'] / g:.2f} GiB/s ({how}, as the NVMe tier does it), "
+            f"{doc['read_bytes_per_s'] / g:.2f} GiB/s{both} ({how}, as the NVMe tier does it), "
             f"{doc['free_bytes'] / g:,.1f} GiB free; {doc['bytes'] / 2**20:.0f} MiB measured")

@@ -96,6 +96,10 @@ class NodeGroup:
     conservative nominal figure). `dtorch probe --disk DIR` measures it into the calibration."""
     disk_write_bytes_per_s: float = 0.0
     """Local disk write bandwidth per node (to fdatasync), bytes/s; 0 = unknown (nominal)."""
+    disk_read_write_bytes_per_s: float = 0.0
+    """Bytes per second the local disk reads, and as many it writes back, with both in flight the
+    way the NVMe tier moves its blocks (`dtorch probe --disk`'s cycle); 0 = unknown (the read and
+    the write bandwidth one after the other)."""
     host_adam_params_per_s: float = 0.0
     """torch's fused CPU AdamW, parameters per second per rank with every rank of the node stepping
     at once (the host optimizer tier's kernel beside an accelerator); 0 = unknown (a nominal

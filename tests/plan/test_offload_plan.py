@@ -82,6 +82,12 @@ def test_disk_bandwidth_comes_from_the_calibration_and_the_disk_budget_is_checke
     d = 8 * P8B.params_total
     assert nominal.time_breakdown["offload"] >= d / DEFAULT_CONSTANTS.disk_read_bytes_per_s \
         + d / DEFAULT_CONSTANTS.disk_write_bytes_per_s
+    # the probe's cycle (a block read while the one before is written back, as the tier runs them)
+    # prices the step's I/O where it was measured: all 8 B/param read and written at that rate
+    cyc = apply_calibration(_one_gpu(host_memory_bytes=72 * GiB),
+                            {**doc, "disk": {**doc["disk"], "read_write_bytes_per_s": 1e9}})
+    assert cyc.groups[0].disk_read_write_bytes_per_s == 1e9
+    assert estimate(plan, P8B, cyc).time_breakdown["offload"] >= d / 1e9 > measured.time_breakdown["offload"]
     # a disk too small for the files: the plan does not fit, and the note says by how much
     full = estimate(plan, P8B, _one_gpu(host_memory_bytes=72 * GiB, disk_bytes=10 * GiB))
     assert not full.fits and any("local disk per node" in n for n in full.notes)

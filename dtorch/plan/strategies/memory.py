@@ -235,8 +235,9 @@ class Memory(Strategy):
         probe's measured parameters/s (`host_adam_rate`); for the NVMe tier `disk_s`, the state
         (`disk_bytes_per_param`, 8 B, 12 with the masters on disk) read and written on the node's
         disk at the bandwidths `dtorch probe --disk` measured with the tier's own I/O calls
-        (`dtorch.cluster.disk.TierFile`), shared by its ranks, reads and writes one after the other
-        (they share the device: measured, a read and a write at once take as long as both in turn).
+        (`dtorch.cluster.disk.TierFile`), shared by its ranks, reads and write-backs in flight
+        together as the tier runs them (`disk_cycle_seconds`: the probe's cycle rate, else the
+        read and write bandwidths one after the other: they share the device).
         The executor's reader and writer threads work while its stepping thread copies and steps
         the block in between, so the disk overlaps the copies and the kernel, except for the first
         block's read (nothing to step before it) and the last one's write (the step waits for it).
@@ -251,7 +252,7 @@ class Memory(Strategy):
         if step.plan.offload == "optimizer_nvme":
             read_bw, write_bw = disk_bandwidth(g, c)
             ranks = g.devices_per_node
-            out["disk_s"] = ranks * p_local * disk_bytes_per_param * (1.0 / read_bw + 1.0 / write_bw)
+            out["disk_s"] = disk_cycle_seconds(g, c, ranks * p_local * disk_bytes_per_param)
             block = self.block_bytes(step, load) * disk_bytes_per_param / STATE_BYTES
             out["first_read_s"] = block / read_bw
             out["last_write_s"] = block / write_bw
@@ -302,8 +303,11 @@ class Memory(Strategy):
         if plan.offload == "optimizer_nvme":
             read_bw, write_bw = disk_bandwidth(group, c)
             src = "measured" if group.disk_read_bytes_per_s > 0 else "nominal, run `dtorch probe --disk DIR`"
+            rw = group.disk_read_write_bytes_per_s
+            rate = (f"{rw / 1e9:.2f} GB/s each way with both in flight" if rw > 0
+                    else f"{read_bw / 1e9:.2f} / {write_bw / 1e9:.2f} GB/s")
             line += (f", {est.disk_bytes_per_rank / 2**30:.1f} GiB on disk per rank read and written each step at "
-                     f"{read_bw / 1e9:.2f} / {write_bw / 1e9:.2f} GB/s ({src})")
+                     f"{rate} ({src})")
         return line + f"; costs {cost}"
 
 
@@ -334,6 +338,17 @@ def step_overlaps_backward(plan: Any, grad_clipping: bool, tier: str | None = No
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 """`OptimizerOffload.block_bytes`' default (state bytes moved at a time)."""
+
+
+def disk_cycle_seconds(group: Any, c: Any, nbytes: float) -> float:
+    """Seconds for the node's disk to read `nbytes` and write as many back the way the NVMe tier does
+    (one block read while the one before is written): at `dtorch probe --disk`'s measured cycle rate
+    (`disk_read_write_bytes_per_s`), else the read and the write bandwidth one after the other."""
+    rw = getattr(group, "disk_read_write_bytes_per_s", 0.0)
+    if rw > 0:
+        return nbytes / rw
+    read_bw, write_bw = disk_bandwidth(group, c)
+    return nbytes * (1.0 / read_bw + 1.0 / write_bw)
 
 
 def disk_bandwidth(group: Any, c: Any) -> tuple[float, float]:

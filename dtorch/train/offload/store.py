@@ -93,30 +93,34 @@ def io_buffer(numel: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
 
 class _Pages:
     """The pages of an anonymous buffer that a block may have touched: `fit(nbytes)` before a block
-    of nbytes uses it hands back (MADV_DONTNEED) the pages past it that a larger block touched
-    before, so a slot holds the block it holds, not the largest one it ever held."""
+    of nbytes uses it hands back (MADV_DONTNEED) the pages past max(nbytes, `floor`) that a larger
+    block touched before. So a slot holds at most a regular block (`floor`: `block_bytes`' worth)
+    unless an oversized one (a parameter larger than a block: an embedding, a head) is in it, and
+    the regular blocks never fault their pages in again (each fault costs a page zeroed)."""
 
-    def __init__(self, mm: mmap.mmap | None):
-        self.mm, self.high = mm, 0
+    def __init__(self, mm: mmap.mmap | None, floor: int):
+        self.mm, self.high, self.floor = mm, 0, floor
 
     def fit(self, nbytes: int) -> None:
         if self.mm is None:
             return
         page = mmap.PAGESIZE
-        keep = min(len(self.mm), -(-aligned(nbytes) // page) * page)
+        keep = min(len(self.mm), -(-aligned(max(nbytes, self.floor)) // page) * page)
         if self.high > keep and hasattr(self.mm, "madvise"):
             self.mm.madvise(mmap.MADV_DONTNEED, keep, self.high - keep)
-        self.high = keep
+        self.high = max(keep if self.high > keep else self.high, aligned(nbytes))
 
 
 class Slot:
     """One block buffer: its stored fields (`data`) and the staging of its gradients (`grad`), sized
-    for the largest block; `fit(k)` keeps only the pages block k needs resident (on a CPU host)."""
+    for the largest block; `fit(block)` keeps no more than a regular block's pages resident past
+    an oversized block (on a CPU host; `_Pages`). `keep`: the (data, grad) float32 elements of a
+    regular block."""
 
-    def __init__(self, data_numel: int, grad_numel: int, pin: bool):
+    def __init__(self, data_numel: int, grad_numel: int, pin: bool, keep: tuple[int, int] = (0, 0)):
         self.data, mm = io_buffer(data_numel, pin)
         self.grad, gm = io_buffer(grad_numel, pin)
-        self._pages = (_Pages(mm), _Pages(gm))
+        self._pages = (_Pages(mm, keep[0] * FLOAT), _Pages(gm, keep[1] * FLOAT))
         self.block: int | None = None
         self.event = None  # accelerator copies that still read this slot
         self.grad_event = None  # accelerator copies that still write its gradient staging
@@ -288,11 +292,12 @@ class Pipeline:
     """The slot pool and the two I/O threads of a store: `start(k)` reads block k ahead into a free
     slot; `finish(k, slot)` writes it back and returns the slot to the pool."""
 
-    def __init__(self, store, num_slots: int, data_numel: int, grad_numel: int, pin: bool):
+    def __init__(self, store, num_slots: int, data_numel: int, grad_numel: int, pin: bool,
+                 keep: tuple[int, int] = (0, 0)):
         self.store = store
         self.free: queue.Queue[Slot] = queue.Queue()
         for _ in range(num_slots):
-            self.free.put(Slot(data_numel if store.on_disk else 0, grad_numel, pin))
+            self.free.put(Slot(data_numel if store.on_disk else 0, grad_numel, pin, keep))
         self.num_slots = num_slots
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="dtorch-offload-read") if store.on_disk else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dtorch-offload-write") if store.on_disk else None
