@@ -183,12 +183,14 @@ def cycle(files: list[TierFile], bufs: list, nbytes: int) -> None:
         writes = []
         ahead = reader.submit(files[0].read, bufs[0], nbytes)
         for k, f in enumerate(files):
-            ahead.result()
-            if k + 1 < len(files):
+            nxt = None
+            if k + 1 < len(files):  # the next read is queued before this one is waited for, as the tier does
                 if k >= 2:
                     writes[k - 2].result()  # the buffer block k+1 is read into held block k-2
-                ahead = reader.submit(files[k + 1].read, bufs[(k + 1) % 3], nbytes)
+                nxt = reader.submit(files[k + 1].read, bufs[(k + 1) % 3], nbytes)
+            ahead.result()
             writes.append(writer.submit(f.write, bufs[k % 3], nbytes))
+            ahead = nxt
         for w in writes:
             w.result()
 
@@ -200,8 +202,9 @@ def measure_disk(directory: str | os.PathLike, nbytes: int = 1024 * 2**20, chunk
     it has written: the first write of reserved extents is slower), then timed rewriting all of
     them, reading all of them, and the tier's own pattern (`cycle`: each read while the one before
     is written back). Bytes per second: `write_bytes_per_s`, `read_bytes_per_s` (alone) and
-    `read_write_bytes_per_s` (bytes read, and as many written back, per second in the cycle: what
-    the planner prices a step's I/O with); `mode` is the tier's I/O there (direct or buffered);
+    `read_write_bytes_per_s` (bytes read, and as many written back, per second in the cycle's
+    steady part, its first read and last write taken off: what the planner prices a step's I/O
+    with); `mode` is the tier's I/O there (direct or buffered);
     ConfigError if the directory cannot take the files."""
     path = Path(directory).expanduser()
     if not path.is_dir() or not os.access(path, os.W_OK):
@@ -239,9 +242,13 @@ def measure_disk(directory: str | os.PathLike, nbytes: int = 1024 * 2**20, chunk
         shutil.rmtree(work, ignore_errors=True)
         for b in bufs:
             b.close()
+    # the cycle's steady rate: without its first read (nothing to write yet) and last write (nothing
+    # left to read), which the planner prices apart (`first_read_s`, `last_write_s`)
+    ends = chunk * (read_s + write_s) / nbytes
+    steady = (count - 1) * chunk / (cycle_s - ends) if count > 1 and cycle_s > 2 * ends else nbytes / cycle_s
     return {"directory": str(path), "bytes": nbytes, "chunk_bytes": chunk, "mode": mode,
             "write_bytes_per_s": nbytes / write_s, "read_bytes_per_s": nbytes / read_s,
-            "read_write_bytes_per_s": nbytes / cycle_s, "free_bytes": free}
+            "read_write_bytes_per_s": steady, "free_bytes": free}
 
 
 def summary(doc: dict) -> str:
