@@ -314,7 +314,8 @@ def markdown(r: dict) -> str:
               f"params/s, host copies {h['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write)",
               "- overlap (step of each block during the backward), whole step off / on, alternate steps of one "
               "process: " + ", ".join(f"{t} {v:.2f}x" for t, v in s["overlap_gain"].items())
-              + " (on a CPU the worker thread shares the backward's cores; the planner prices no gain there)",
+              + " (on a CPU the worker thread shares the backward's cores: the planner prices no gain from the "
+              "copies and AdamW there, only from the disk, a device of its own, working during the backward)",
               f"- optimizer state {s['optimizer_state_bytes'] / g:.2f} GiB, prefetch buffers "
               f"{s['prefetch_buffer_bytes'] / g:.2f} GiB: RSS drop with the NVMe tier {s['rss_drop_bytes'] / g:.2f} GiB "
               f"(target >= {s['rss_drop_target_bytes'] / g:.2f} GiB: {'met' if s['rss_drop_met'] else 'NOT met'})",
