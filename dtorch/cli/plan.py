@@ -56,6 +56,9 @@ def add_parser(sub, help_text: str) -> None:
                         "it, (step x steps + once) / steps, in the ranking; default: unknown, ranked by step time")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="pin the compute dtype (param_dtype); default: searched, like --fix param_dtype=...")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="the gradient clipping `dtorch train` will run with (default 1.0, as there; 0 = none, "
+                        "which lets the optimizer offload tiers step during the backward): priced the same way")
     p.add_argument("--json", action="store_true", help="print the chosen Plan as JSON (with `predicted`)")
     p.add_argument("--progress", action="store_true",
                    help="progress lines on stderr during a long search (default: only on a terminal; "
@@ -100,6 +103,15 @@ def _format_verify(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _plan_constants(max_grad_norm: float | None):
+    """The cost model's constants for a `dtorch train` run with this clipping (None: none), the way
+    its trainer sets them (`Trainer._cost_constants`: `dtorch train`'s AdamW is the default kernel)."""
+    from dtorch.plan.cost import DEFAULT_CONSTANTS, with_constants
+
+    clip = bool(max_grad_norm)
+    return DEFAULT_CONSTANTS if clip == DEFAULT_CONSTANTS.grad_clipping else with_constants(grad_clipping=clip)
+
+
 def run(args) -> int:
     from dtorch.plan.profiles import get_profile
 
@@ -111,6 +123,9 @@ def run(args) -> int:
         raise ConfigError("top", args.top, "must be a positive integer")
     if args.steps is not None and args.steps < 1:
         raise ConfigError("steps", args.steps, "must be a positive integer (optimizer steps of the run), or leave it out")
+    from dtorch.train.job import _grad_norm
+
+    constants = _plan_constants(_grad_norm(args.max_grad_norm))
     profile = get_profile(args.model, args.seq_len)
 
     if args.recommend:
@@ -143,7 +158,7 @@ def run(args) -> int:
     cb, shown = search_progress(f"planning {args.model} on {cluster.world_size:,} devices",
                                 enabled=True if args.progress else None)
     result = search(profile, cluster, global_batch=gb, fixed=parse_fix(args.fix), top_k=args.top, dtype=args.dtype,
-                    progress=cb, steps=args.steps)
+                    progress=cb, steps=args.steps, constants=constants)
     shown.close(f"searched {result.meshes:,} meshes, {result.evaluated:,} plans estimated")
     if not result.ranked:
         if args.json:

@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--dtypes", default=None, help="GEMM dtypes, comma list (default float32,bfloat16)")
     p.add_argument("--json", action="store_true", help="print the calibration document")
     p.add_argument("--disk", default=None, metavar="DIR",
-                   help="measure the disk holding DIR (write to fdatasync, read with the cache dropped), record it "
+                   help="measure the disk holding DIR with the NVMe tier's own I/O (direct I/O, else synced and uncached), record it "
                         "in the calibration (--out FILE, else every calibration stored for this host) and stop")
     p.add_argument("--cluster-out", default=None, metavar="FILE",
                    help="also write the measured cluster (YAML/JSON by suffix) for --cluster: ranks whose measured "
@@ -39,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "its measured peak and memory (docs/heterogeneous.md)")
     p.add_argument("--speed-threshold", type=float, default=None,
                    help="fraction of speed that separates two groups (default 0.15)")
-    p.add_argument("--disk-bytes", type=int, default=256 * 2**20, help="bytes written and read by --disk")
+    p.add_argument("--disk-bytes", type=int, default=1024 * 2**20,
+                   help="bytes written and read by --disk (default 1 GiB, 16 files of the tier's 64 MiB blocks)")
     p.set_defaults(func=run)
 
 

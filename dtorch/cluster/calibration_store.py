@@ -74,7 +74,7 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
     if disk is not None:
         if not isinstance(disk, dict):
             raise ConfigError(f"{source}.disk", disk, "a mapping written by `dtorch probe --disk DIR`")
-        for key in ("read_bytes_per_s", "write_bytes_per_s", "free_bytes"):
+        for key in ("read_bytes_per_s", "write_bytes_per_s", "read_write_bytes_per_s", "free_bytes"):
             v = disk.get(key)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
                 raise ConfigError(f"{source}.disk.{key}", v, "must be a positive number; run `dtorch probe --disk DIR` again")
@@ -88,7 +88,7 @@ def record_disk(disk: dict, path: str | Path) -> Path:
     p = Path(path).expanduser()
     doc = read_calibration(p) if p.exists() else {"version": CALIBRATION_VERSION}
     doc["disk"] = {k: disk[k] for k in ("directory", "bytes", "read_bytes_per_s", "write_bytes_per_s",
-                                       "read_cached_bytes_per_s", "free_bytes") if k in disk}
+                                       "read_write_bytes_per_s", "free_bytes", "mode", "chunk_bytes") if k in disk}
     return write_calibration(doc, p)
 
 
@@ -185,6 +185,8 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
             disk_bytes=g.disk_bytes or int(disk.get("free_bytes", 0)),
             disk_read_bytes_per_s=g.disk_read_bytes_per_s or float(disk.get("read_bytes_per_s", 0.0)),
             disk_write_bytes_per_s=g.disk_write_bytes_per_s or float(disk.get("write_bytes_per_s", 0.0)),
+            disk_read_write_bytes_per_s=(g.disk_read_write_bytes_per_s
+                                         or float(disk.get("read_write_bytes_per_s", 0.0))),
             **_host_fields(g, doc.get("host_optimizer") or {})))
     return Cluster(groups=groups, name=cluster.name, calibration={**cluster.calibration, **doc})
 

@@ -1,16 +1,31 @@
-"""Measure a local disk: the bandwidth the NVMe optimizer tier can count on.
+"""A local disk as the NVMe optimizer tier uses it, and the probe that measures it that way.
 
     from dtorch.cluster.disk import measure_disk
     measure_disk("/local/nvme/tmp")   # {"write_bytes_per_s": ..., "read_bytes_per_s": ..., "free_bytes": ...}
 
-`dtorch probe --disk DIR` prints it. Writes are timed to fdatasync (on the device, not in the page
-cache); the file's cached pages are then dropped (posix_fadvise DONTNEED) so the reads come from
-the device where the kernel honours that, and `read_cached_bytes_per_s` times a second read (the
-page cache's speed, what a tier smaller than the free host memory mostly sees).
+`TierFile` is how the tier (`dtorch.train.offload.store`) reads and writes its block files, and
+`measure_disk` (`dtorch probe --disk DIR`) times the same calls on a file of its own, so the
+planner prices the I/O the tier does. The tier exists so that the optimizer state does not occupy
+host memory, so its I/O must reach the disk and must not leave the state in the page cache:
+
+- **direct I/O** (`O_DIRECT`) where the file system takes it: whole blocks moved between the disk
+  and page-aligned buffers, offsets and lengths multiples of `ALIGN`; no page cache at all;
+- else (tmpfs, some overlay file systems refuse `O_DIRECT` with EINVAL) **buffered I/O** made to
+  behave alike: each write is followed by `fdatasync` (on the device, not in the cache) and each
+  write and read by `posix_fadvise(DONTNEED)` (its pages dropped from the cache).
+
+`mode` says which one a file got. Writes are timed without a cache to absorb them, reads with
+nothing cached, as the tier sees them in a run whose files do not fit the free host memory (and
+now also in one whose files would).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -19,50 +34,229 @@ from pathlib import Path
 
 from dtorch.errors import ConfigError
 
+log = logging.getLogger("dtorch.cluster.disk")
 
-def measure_disk(directory: str | os.PathLike, nbytes: int = 256 * 2**20, chunk: int = 8 * 2**20) -> dict:
-    """Write then read `nbytes` in `chunk`-sized pieces in a private temporary file of `directory`
-    (removed afterwards). Bytes per second; ConfigError if the directory cannot take the file."""
+ALIGN = 4096
+"""Alignment of direct I/O's buffer addresses, file offsets and lengths: the page size, a multiple of
+the logical block size of the disks in use (512 or 4096 bytes)."""
+
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of ALIGN."""
+    return -(-int(nbytes) // ALIGN) * ALIGN
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A zeroed, page-aligned anonymous buffer of aligned(nbytes) bytes (at least one page): what
+    direct I/O reads into and writes from (`torch.frombuffer` makes a tensor of it)."""
+    return mmap.mmap(-1, max(ALIGN, aligned(nbytes)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class TierFile:
+    """One file of the NVMe tier, created owner-only (0600) with `nbytes` (rounded up to ALIGN)
+    reserved up front, read and written whole from offset 0 with `read`/`write`.
+
+    Opened with O_DIRECT where the file system takes it (`mode` "direct"); where it refuses
+    (EINVAL on open, or on the first read or write), buffered I/O with fdatasync after each write
+    and the pages dropped from the page cache after each write and read (`mode` "buffered")."""
+
+    def __init__(self, path: str | os.PathLike, nbytes: int, direct: bool = True):
+        self.path = Path(path)
+        self.nbytes = aligned(nbytes) if nbytes else 0
+        # created without O_DIRECT first (O_EXCL: a file of our own), then reopened with it: a file
+        # system that refuses O_DIRECT at open must not leave a half-made file behind
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.mode = "buffered"
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    os.close(fd)
+                    raise
+            else:
+                os.close(fd)
+                fd, self.mode = dfd, "direct"
+        self.fd = fd
+        if self.nbytes:  # reserve the space now: a full disk fails here, not mid-run
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            except OSError:
+                self.close()
+                raise
+
+    def write(self, buf: memoryview, nbytes: int) -> None:
+        """Bytes [0, nbytes) of `buf` to the file (aligned(nbytes) bytes are written: `buf` must
+        hold them; the pad is whatever the buffer holds past nbytes)."""
+        n = aligned(nbytes)
+        view = memoryview(buf).cast("B")[:n]
+        if self._direct_ok(view):
+            try:
+                _pwrite_all(self.fd, view, n)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._to_buffered(e)
+        _pwrite_all(self.fd, view, n)
+        os.fdatasync(self.fd)
+        self._drop(n)
+
+    def read(self, buf: memoryview, nbytes: int) -> int:
+        """The file's first aligned(nbytes) bytes into `buf`; returns the bytes read."""
+        n = aligned(nbytes)
+        view = memoryview(buf).cast("B")[:n]
+        if self._direct_ok(view):
+            try:
+                return _pread_all(self.fd, view, n)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._to_buffered(e)
+        got = _pread_all(self.fd, view, n)
+        self._drop(n)
+        return got
+
+    def drop_cache(self) -> None:
+        """Written back and dropped from the page cache (after the file was touched through a memory
+        map: checkpoint save and load); pages still mapped somewhere stay."""
+        os.fdatasync(self.fd)
+        self._drop(0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _direct_ok(self, view: memoryview) -> bool:
+        if self.mode != "direct":
+            return False
+        if _address(view) % ALIGN:  # (a buffer the tier did not allocate page-aligned)
+            self._to_buffered(None)
+            return False
+        return True
+
+    def _to_buffered(self, err: OSError | None) -> None:
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self.mode = "buffered"
+        log.info("%s: direct I/O refused (%s); buffered I/O with fdatasync and the cache dropped",
+                 self.path, err.strerror if err is not None else "buffer not page-aligned")
+
+    def _drop(self, n: int) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, n, os.POSIX_FADV_DONTNEED)
+
+
+def _pwrite_all(fd: int, view: memoryview, n: int) -> None:
+    done = 0
+    while done < n:
+        done += os.pwritev(fd, [view[done:n]], done)
+
+
+def _pread_all(fd: int, view: memoryview, n: int) -> int:
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [view[done:n]], done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+DEFAULT_CHUNK = 64 * 2**20
+"""The bytes the probe moves per call: the NVMe tier's default block (`OptimizerOffload.block_bytes`)."""
+
+
+def cycle(files: list[TierFile], bufs: list, nbytes: int) -> None:
+    """The NVMe tier's step without its CPU work: each file read into one of three buffers by a
+    reader thread while a writer thread writes the one before back, a buffer reused once its
+    write-back is done (`dtorch.train.offload.store.Pipeline`: one block read ahead, one stepped,
+    one written back)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as reader, ThreadPoolExecutor(1) as writer:
+        writes = []
+        ahead = reader.submit(files[0].read, bufs[0], nbytes)
+        for k, f in enumerate(files):
+            nxt = None
+            if k + 1 < len(files):  # the next read is queued before this one is waited for, as the tier does
+                if k >= 2:
+                    writes[k - 2].result()  # the buffer block k+1 is read into held block k-2
+                nxt = reader.submit(files[k + 1].read, bufs[(k + 1) % 3], nbytes)
+            ahead.result()
+            writes.append(writer.submit(f.write, bufs[k % 3], nbytes))
+            ahead = nxt
+        for w in writes:
+            w.result()
+
+
+def measure_disk(directory: str | os.PathLike, nbytes: int = 1024 * 2**20, chunk: int = DEFAULT_CHUNK) -> dict:
+    """Write then read `nbytes` in `chunk`-sized pieces of a private temporary directory of
+    `directory` (removed afterwards) with the NVMe tier's `TierFile` calls: one file per chunk, as
+    the tier keeps one per block, written once to leave the reserved space (the tier rewrites files
+    it has written: the first write of reserved extents is slower), then timed rewriting all of
+    them, reading all of them, and the tier's own pattern (`cycle`: each read while the one before
+    is written back). Bytes per second: `write_bytes_per_s`, `read_bytes_per_s` (alone) and
+    `read_write_bytes_per_s` (bytes read, and as many written back, per second in the cycle's
+    steady part, its first read and last write taken off: what the planner prices a step's I/O
+    with); `mode` is the tier's I/O there (direct or buffered);
+    ConfigError if the directory cannot take the files."""
     path = Path(directory).expanduser()
     if not path.is_dir() or not os.access(path, os.W_OK):
         raise ConfigError("disk", str(path), "give an existing directory you can write, on the disk to measure")
     free = shutil.disk_usage(path).free
-    nbytes = int(min(nbytes, max(chunk, free // 4)))
-    buf = os.urandom(chunk)
-    fd, name = tempfile.mkstemp(prefix="dtorch-disk-probe-", dir=path)  # 0600
+    chunk = aligned(max(1, min(chunk, nbytes)))
+    count = max(1, int(min(nbytes, max(chunk, free // 4))) // chunk)
+    nbytes = count * chunk
+    buf = aligned_buffer(chunk)
+    buf[:] = os.urandom(chunk)
+    bufs = [buf, aligned_buffer(chunk), aligned_buffer(chunk)]
+    work = Path(tempfile.mkdtemp(prefix="dtorch-disk-probe-", dir=path))  # 0700
+    files: list[TierFile] = []
     try:
+        for k in range(count):
+            files.append(TierFile(work / f"chunk{k:05d}", chunk))
+        for f in files:
+            f.write(buf, chunk)
         t = time.perf_counter()
-        done = 0
-        while done < nbytes:
-            done += os.pwrite(fd, buf, done)
-        os.fdatasync(fd)
+        for f in files:
+            f.write(buf, chunk)
         write_s = time.perf_counter() - t
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        out = bytearray(chunk)
-        view = memoryview(out)
-
-        def read_all() -> float:
-            t = time.perf_counter()
-            off = 0
-            while off < nbytes:
-                got = os.preadv(fd, [view], off)
-                if got <= 0:
-                    break
-                off += got
-            return time.perf_counter() - t
-
-        read_s = read_all()
-        cached_s = read_all()
+        t = time.perf_counter()
+        for f in files:
+            if f.read(buf, chunk) != chunk:
+                raise OSError(f"short read of {f.path}")
+        read_s = time.perf_counter() - t
+        t = time.perf_counter()
+        cycle(files, bufs, chunk)
+        cycle_s = time.perf_counter() - t
+        mode = files[0].mode
     finally:
-        os.close(fd)
-        os.unlink(name)
-    return {"directory": str(path), "bytes": nbytes, "write_bytes_per_s": nbytes / write_s,
-            "read_bytes_per_s": nbytes / read_s, "read_cached_bytes_per_s": nbytes / cached_s, "free_bytes": free}
+        for f in files:
+            f.close()
+        shutil.rmtree(work, ignore_errors=True)
+        for b in bufs:
+            b.close()
+    # the cycle's steady rate: without its first read (nothing to write yet) and last write (nothing
+    # left to read), which the planner prices apart (`first_read_s`, `last_write_s`)
+    ends = chunk * (read_s + write_s) / nbytes
+    steady = (count - 1) * chunk / (cycle_s - ends) if count > 1 and cycle_s > 2 * ends else nbytes / cycle_s
+    return {"directory": str(path), "bytes": nbytes, "chunk_bytes": chunk, "mode": mode,
+            "write_bytes_per_s": nbytes / write_s, "read_bytes_per_s": nbytes / read_s,
+            "read_write_bytes_per_s": steady, "free_bytes": free}
 
 
 def summary(doc: dict) -> str:
     g = 2**30
-    return (f"disk {doc['directory']}: write {doc['write_bytes_per_s'] / g:.2f} GiB/s (to fdatasync), read "
-            f"{doc['read_bytes_per_s'] / g:.2f} GiB/s (cache dropped), {doc['read_cached_bytes_per_s'] / g:.2f} GiB/s "
-            f"(cached), {doc['free_bytes'] / g:,.1f} GiB free; {doc['bytes'] / 2**20:.0f} MiB measured")
+    how = ("direct I/O" if doc.get("mode") == "direct"
+           else "buffered, fdatasync and the cache dropped: the file system refuses direct I/O")
+    both = (f", read and written back at once {doc['read_write_bytes_per_s'] / g:.2f} GiB/s each way"
+            if doc.get("read_write_bytes_per_s") else "")
+    return (f"disk {doc['directory']}: write {doc['write_bytes_per_s'] / g:.2f} GiB/s, read "
+            f"{doc['read_bytes_per_s'] / g:.2f} GiB/s{both} ({how}, as the NVMe tier does it), "
+            f"{doc['free_bytes'] / g:,.1f} GiB free; {doc['bytes'] / 2**20:.0f} MiB measured")

@@ -203,7 +203,8 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
         path = f"groups[{i}]"
         g = _mapping(g, path)
         allowed = {"device", "num_nodes", "devices_per_node", "intra", "inter", "host_memory_bytes", "host_cores",
-                   "disk_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s", *HOST_OPTIMIZER_FIELDS}
+                   "disk_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s", "disk_read_write_bytes_per_s",
+                   *HOST_OPTIMIZER_FIELDS}
         unknown = sorted(set(g) - allowed)
         if unknown:
             raise ConfigError(f"{path}.{unknown[0]}", g[unknown[0]], f"unknown node-group field; {choices(sorted(allowed))}")
@@ -224,6 +225,7 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
             disk_bytes=_num(g, "disk_bytes", path, integer=True, positive=False, default=0),
             disk_read_bytes_per_s=_num(g, "disk_read_bytes_per_s", path, positive=False, default=0.0),
             disk_write_bytes_per_s=_num(g, "disk_write_bytes_per_s", path, positive=False, default=0.0),
+            disk_read_write_bytes_per_s=_num(g, "disk_read_write_bytes_per_s", path, positive=False, default=0.0),
             **{k: _num(g, k, path, positive=False, default=0.0) for k in HOST_OPTIMIZER_FIELDS},
         ))
     name = d.get("name", "cluster")
@@ -248,6 +250,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                 "disk_bytes": g.disk_bytes,
                 "disk_read_bytes_per_s": g.disk_read_bytes_per_s,
                 "disk_write_bytes_per_s": g.disk_write_bytes_per_s,
+                "disk_read_write_bytes_per_s": g.disk_read_write_bytes_per_s,
                 **{k: getattr(g, k) for k in HOST_OPTIMIZER_FIELDS},
             }
             for g in cluster.groups

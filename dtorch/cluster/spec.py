@@ -105,10 +105,15 @@ class NodeGroup:
     disk_bytes: int = 0
     """Bytes of the local disk the NVMe optimizer tier may fill, per node; 0 = unknown (no check)."""
     disk_read_bytes_per_s: float = 0.0
-    """Local disk read bandwidth per node (cache dropped), bytes/s; 0 = unknown (the cost model's
-    conservative nominal figure). `dtorch probe --disk DIR` measures it into the calibration."""
+    """Local disk read bandwidth per node as the NVMe tier reads (direct I/O, no page cache), bytes/s;
+    0 = unknown (the cost model's conservative nominal figure). `dtorch probe --disk DIR` measures it
+    into the calibration."""
     disk_write_bytes_per_s: float = 0.0
-    """Local disk write bandwidth per node (to fdatasync), bytes/s; 0 = unknown (nominal)."""
+    """Local disk write bandwidth per node as the NVMe tier writes, bytes/s; 0 = unknown (nominal)."""
+    disk_read_write_bytes_per_s: float = 0.0
+    """Bytes per second the local disk reads, and as many it writes back, with both in flight the
+    way the NVMe tier moves its blocks (`dtorch probe --disk`'s cycle); 0 = unknown (the read and
+    the write bandwidth one after the other)."""
     host_adam_params_per_s: float = 0.0
     """torch's fused CPU AdamW, parameters per second per rank with every rank of the node stepping
     at once (the host optimizer tier's kernel beside an accelerator); 0 = unknown (a nominal

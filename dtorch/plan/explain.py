@@ -165,7 +165,8 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         from dtorch.plan.cost import DEFAULT_CONSTANTS
         from dtorch.plan.strategies.memory import MEMORY
 
-        out.append(f"  offload: {MEMORY.offload_summary(plan, est, result.cluster.slowest_group(), DEFAULT_CONSTANTS)}")
+        consts = result.constants or DEFAULT_CONSTANTS
+        out.append(f"  offload: {MEMORY.offload_summary(plan, est, result.cluster.slowest_group(), consts)}")
     if est.groups:
         out += apportioned(result, plan, est)
     routing = routing_traffic(plan, prof, cl.devices_per_node)

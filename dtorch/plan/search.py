@@ -92,6 +92,8 @@ class SearchResult:
     steps: int | None = None
     """The run's length the ranking amortised one-off seconds (compilation) over; None: unknown,
     ranked by step time alone (`strategies.amortised_s`)."""
+    constants: Any = None
+    """The cost model's constants the plans were priced with (e.g. whether the run clips gradients)."""
 
     @property
     def best(self) -> tuple[Plan, Estimate] | None:
@@ -384,7 +386,7 @@ def search(
         best_by_family=dict(sorted(book.best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
         rejected=book.rejected(), suggestions=suggestions, profile=profile,
         cluster=cluster, global_batch=global_batch, seq_len=profile.seq_len, fixed=fixed,
-        evaluated=book.evaluated, meshes=len(meshes), meshes_pruned=book.pruned,
+        evaluated=book.evaluated, meshes=len(meshes), meshes_pruned=book.pruned, constants=constants,
         seconds=time.perf_counter() - t0, closest=closest, notes=notes,
         best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)), steps=steps,
     )

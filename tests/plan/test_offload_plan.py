@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from dtorch.cluster import load_cluster
 from dtorch.cluster.calibration_store import (
     CALIBRATION_VERSION,
@@ -80,6 +82,12 @@ def test_disk_bandwidth_comes_from_the_calibration_and_the_disk_budget_is_checke
     d = 8 * P8B.params_total
     assert nominal.time_breakdown["offload"] >= d / DEFAULT_CONSTANTS.disk_read_bytes_per_s \
         + d / DEFAULT_CONSTANTS.disk_write_bytes_per_s
+    # the probe's cycle (a block read while the one before is written back, as the tier runs them)
+    # prices the step's I/O where it was measured: all 8 B/param read and written at that rate
+    cyc = apply_calibration(_one_gpu(host_memory_bytes=72 * GiB),
+                            {**doc, "disk": {**doc["disk"], "read_write_bytes_per_s": 1e9}})
+    assert cyc.groups[0].disk_read_write_bytes_per_s == 1e9
+    assert estimate(plan, P8B, cyc).time_breakdown["offload"] >= d / 1e9 > measured.time_breakdown["offload"]
     # a disk too small for the files: the plan does not fit, and the note says by how much
     full = estimate(plan, P8B, _one_gpu(host_memory_bytes=72 * GiB, disk_bytes=10 * GiB))
     assert not full.fits and any("local disk per node" in n for n in full.notes)
@@ -154,3 +162,43 @@ def test_overlap_rule_is_the_executors_and_hides_only_behind_an_accelerators_bac
     a = estimate(p1, P8B, cpu).time_breakdown["offload"]
     b = estimate(p1, P8B, cpu, constants=with_constants(grad_clipping=False)).time_breakdown["offload"]
     assert a == b
+    # the NVMe tier on a CPU: the disk is a device of its own and works during the backward (here
+    # longer than the disk's share), the copies and the kernel on the backward's cores do not hide
+    from dtorch.plan.cost import step_shape
+    from dtorch.plan.strategies.memory import MEMORY
+    from dtorch.plan.strategies.pipeline import distinct_loads
+
+    nv = Plan(microbatch_size=1, offload="optimizer_nvme")
+    clip = estimate(nv, P8B, cpu).time_breakdown["offload"]
+    free = estimate(nv, P8B, cpu, constants=with_constants(grad_clipping=False)).time_breakdown["offload"]
+    step = step_shape(nv, P8B, cpu)
+    load = distinct_loads(nv, P8B.num_layers)[0]
+    t = MEMORY.tier_terms(step, load, step.p_stage(load) / step.fs)
+    assert t["disk_s"] > t["copies_s"] + t["kernel_s"]  # (disk-bound with the nominal disk)
+    assert clip == pytest.approx(t["disk_s"] + t["first_read_s"] + t["last_write_s"])
+    assert free == pytest.approx(t["copies_s"] + t["kernel_s"] + t["last_write_s"])
+
+
+def test_plan_command_prices_the_clipping_dtorch_train_runs_with(capsys):
+    """`dtorch plan --max-grad-norm` is `dtorch train`'s flag: 0 (no clipping) lets the tier step during
+    the backward, and the plan prices it with the constants the trainer sets for that run."""
+    from types import SimpleNamespace
+
+    from dtorch.cli import main
+    from dtorch.cli.plan import _plan_constants
+    from dtorch.train.optim import AdamW
+    from dtorch.train.trainer import Trainer
+
+    base = ["plan", "--model", "llama3-8b", "--cluster", "h100:1", "--seq-len", "2048", "--global-batch", "8",
+            "--fix", "offload=optimizer", "--json"]
+    off = {}
+    for norm in ("1.0", "0"):
+        assert main([*base, "--max-grad-norm", norm]) == 0
+        off[norm] = json.loads(capsys.readouterr().out)["predicted"]["time_breakdown"]["offload"]
+    assert off["0"] < off["1.0"]
+    spec = AdamW(lr=3e-3, weight_decay=0.0)  # dtorch train's optimizer
+    for norm in (None, 1.0):
+        assert _plan_constants(norm) == Trainer._cost_constants(SimpleNamespace(max_grad_norm=norm, optimizer_spec=spec))
+    assert main([*base, "--max-grad-norm", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "max_grad_norm=-1" in err

@@ -246,11 +246,30 @@ def test_left_behind_directories_of_dead_processes_are_removed(tmp_path):
         d.mkdir()
         (d / "block00000.f32").write_bytes(b"\0" * 8)
     os.utime(old / "block00000.f32", (1, 1))
-    store = DiskBlocks(make_blocks([10, 20], ("exp_avg",), 64), tmp_path, "t")
+    store = DiskBlocks(make_blocks([10, 2000], ("exp_avg",), 64), tmp_path, "t")
     assert not old.exists() and fresh.exists()  # a recent one may belong to a live run elsewhere
-    assert [p.stat().st_size for p in store.paths] == [40, 80]  # reserved up front
+    assert [p.stat().st_size for p in store.paths] == [4096, 8192]  # reserved up front, whole pages
     store.close()
     assert not store.dir.exists()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_tier_files_round_trip_direct_or_buffered_and_stay_private(tmp_path, direct):
+    import stat
+
+    from dtorch.cluster.disk import ALIGN, TierFile, aligned_buffer
+
+    f = TierFile(tmp_path / "b", 1000, direct=direct)
+    assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600 and os.path.getsize(f.path) == ALIGN
+    src = aligned_buffer(1000)
+    src[:1000] = os.urandom(1000)
+    f.write(src, 1000)
+    dst = aligned_buffer(1000)
+    assert f.read(dst, 1000) == ALIGN and dst[:1000] == src[:1000]
+    odd = bytearray(2 * ALIGN + 8)  # a buffer that is not page-aligned: buffered I/O, same bytes
+    assert f.read(memoryview(odd)[8:], 1000) == ALIGN and bytes(odd[8:1008]) == src[:1000]
+    assert f.mode == "buffered"
+    f.close()
 
 
 def test_disk_probe_measures_and_leaves_nothing(tmp_path):

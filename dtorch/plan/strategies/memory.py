@@ -211,13 +211,18 @@ class Memory(Strategy):
         the executor steps blocks during the backward (`step_overlaps_backward`)."""
         t = self.tier_terms(step, load, p_local, disk_bytes_per_param)
         total = t["total_s"]
-        if r is None or not step_overlaps_backward(step.plan, step.c.grad_clipping) or step.cpu:
-            # a CPU rank's backward and the worker share the cores: measured on the quiet 2-core
-            # development machine, the backward grew by what the worker did (whole step 1.02x)
+        if r is None or not step_overlaps_backward(step.plan, step.c.grad_clipping):
             return total
-        # the blocks are stepped as the backward of the last micro-batch releases them; the block
-        # released last (the embedding's) is stepped after it, whatever the backward's length
+        # the blocks are stepped as the backward of the last micro-batch releases them
         window = r.compute * 2.0 / 3.0 + r.recompute
+        if step.cpu:
+            # a CPU rank's backward and the worker share the cores: measured on the quiet 2-core
+            # development machine, the backward grew by what the worker did (whole step 1.02x), so
+            # the copies and the kernel hide nothing; the disk is a device of its own and works
+            # during the backward (the worker reads the first block released, the last one, at once)
+            compute = t["copies_s"] + t["kernel_s"]
+            return max(compute, t["disk_s"] - window) + t["last_write_s"]
+        # the block released last (the embedding's) is stepped after it, whatever the backward's length
         last = total * min(1.0, self.block_bytes(step, load) / max(1.0, STATE_BYTES * p_local))
         return max(last, total - window)
 
@@ -229,21 +234,29 @@ class Memory(Strategy):
         4N bytes at the probe's copy rate, else at its memory bandwidth, each byte read and written); `kernel_s` torch's CPU AdamW at the
         probe's measured parameters/s (`host_adam_rate`); for the NVMe tier `disk_s`, the state
         (`disk_bytes_per_param`, 8 B, 12 with the masters on disk) read and written on the node's
-        disk, shared by its ranks and overlapped with the kernel, plus one block read before the
-        first step. `total_s` = copies + max(kernel, disk) + first read."""
+        disk at the bandwidths `dtorch probe --disk` measured with the tier's own I/O calls
+        (`dtorch.cluster.disk.TierFile`), shared by its ranks, reads and write-backs in flight
+        together as the tier runs them (`disk_cycle_seconds`: the probe's cycle rate, else the
+        read and write bandwidths one after the other: they share the device).
+        The executor's reader and writer threads work while its stepping thread copies and steps
+        the block in between, so the disk overlaps the copies and the kernel, except for the first
+        block's read (nothing to step before it) and the last one's write (the step waits for it).
+        `total_s` = max(copies + kernel, disk) + first read + last write."""
         c, dev, g = step.c, step.dev, step.g
         kernel = p_local / host_adam_rate(step)
         if step.cpu:  # two host copies of 4N bytes, at the probe's tensor-copy rate
             copies = p_local * 2.0 * 4.0 / (g.host_link_bytes_per_s or dev.memory_bandwidth / 2.0)
         else:
             copies = p_local * (4.0 + 4.0) / (g.host_link_bytes_per_s or c.host_link_bandwidth)
-        out = {"copies_s": copies, "kernel_s": kernel, "disk_s": 0.0, "first_read_s": 0.0}
+        out = {"copies_s": copies, "kernel_s": kernel, "disk_s": 0.0, "first_read_s": 0.0, "last_write_s": 0.0}
         if step.plan.offload == "optimizer_nvme":
             read_bw, write_bw = disk_bandwidth(g, c)
             ranks = g.devices_per_node
-            out["disk_s"] = ranks * p_local * disk_bytes_per_param * (1.0 / read_bw + 1.0 / write_bw)
-            out["first_read_s"] = self.block_bytes(step, load) / read_bw
-        out["total_s"] = copies + max(kernel, out["disk_s"]) + out["first_read_s"]
+            out["disk_s"] = disk_cycle_seconds(g, c, ranks * p_local * disk_bytes_per_param)
+            block = self.block_bytes(step, load) * disk_bytes_per_param / STATE_BYTES
+            out["first_read_s"] = block / read_bw
+            out["last_write_s"] = block / write_bw
+        out["total_s"] = max(copies + kernel, out["disk_s"]) + out["first_read_s"] + out["last_write_s"]
         return out
 
     def block_bytes(self, step: Any, load: RankLoad) -> float:
@@ -290,8 +303,11 @@ class Memory(Strategy):
         if plan.offload == "optimizer_nvme":
             read_bw, write_bw = disk_bandwidth(group, c)
             src = "measured" if group.disk_read_bytes_per_s > 0 else "nominal, run `dtorch probe --disk DIR`"
+            rw = group.disk_read_write_bytes_per_s
+            rate = (f"{rw / 1e9:.2f} GB/s each way with both in flight" if rw > 0
+                    else f"{read_bw / 1e9:.2f} / {write_bw / 1e9:.2f} GB/s")
             line += (f", {est.disk_bytes_per_rank / 2**30:.1f} GiB on disk per rank read and written each step at "
-                     f"{read_bw / 1e9:.2f} / {write_bw / 1e9:.2f} GB/s ({src})")
+                     f"{rate} ({src})")
         return line + f"; costs {cost}"
 
 
@@ -322,6 +338,17 @@ def step_overlaps_backward(plan: Any, grad_clipping: bool, tier: str | None = No
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
 """`OptimizerOffload.block_bytes`' default (state bytes moved at a time)."""
+
+
+def disk_cycle_seconds(group: Any, c: Any, nbytes: float) -> float:
+    """Seconds for the node's disk to read `nbytes` and write as many back the way the NVMe tier does
+    (one block read while the one before is written): at `dtorch probe --disk`'s measured cycle rate
+    (`disk_read_write_bytes_per_s`), else the read and the write bandwidth one after the other."""
+    rw = getattr(group, "disk_read_write_bytes_per_s", 0.0)
+    if rw > 0:
+        return nbytes / rw
+    read_bw, write_bw = disk_bandwidth(group, c)
+    return nbytes * (1.0 / read_bw + 1.0 / write_bw)
 
 
 def disk_bandwidth(group: Any, c: Any) -> tuple[float, float]:

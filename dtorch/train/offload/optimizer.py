@@ -93,7 +93,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self.store = HostBlocks(self.blocks, pin)
         largest = max((b.numel for b in self.blocks), default=0)
         largest_grad = max((b.param_numel for b in self.blocks), default=0)
-        self.io = Pipeline(self.store, cfg.buffers if on_disk else 2, largest, largest_grad, pin)
+        # what a slot keeps resident between blocks: the largest block of at most block_bytes (the
+        # pages an oversized parameter's block touched beyond it are handed back: `store.Slot`)
+        regular = [b for b in self.blocks if b.numel * FLOAT <= cfg.block_bytes] or self.blocks
+        keep = (max((b.numel for b in regular), default=0), max((b.param_numel for b in regular), default=0))
+        self.io = Pipeline(self.store, cfg.buffers if on_disk else 2, largest, largest_grad, pin, keep)
         self.buffer_bytes = self.io.num_slots * ((largest if on_disk else 0) + largest_grad) * FLOAT
         # One CPU kernel per block, built by the spec over placeholders whose storage is swapped in
         # at each step (masters, the slot's gradient staging, the block's state).
@@ -391,6 +395,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return {"bytes_read": getattr(s, "bytes_read", 0), "bytes_written": getattr(s, "bytes_written", 0),
                 "init_bytes_written": self.init_bytes_written,
                 "read_s": getattr(s, "read_s", 0.0), "write_s": getattr(s, "write_s", 0.0),
+                "mode": getattr(s, "mode", None),
                 "step_s": self.stats["step_s"], "steps": self.stats["steps"]}
 
     def close(self) -> None:

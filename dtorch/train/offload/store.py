@@ -4,13 +4,17 @@ A *block* is a run of whole parameters (in model order) holding about `block_byt
 fields (e.g. exp_avg, exp_avg_sq, optionally the fp32 master) are laid out parameter by parameter
 in one flat float32 buffer. `HostBlocks` keeps every block resident; `DiskBlocks` keeps one file
 per block and moves it through a small pool of buffers (`Slot`s): read ahead by one thread,
-written back by another, so the disk works while the CPU steps the block in between.
+written back by another, so the disk works while the CPU steps the block in between. The files are
+`dtorch.cluster.disk.TierFile`s: direct I/O into page-aligned buffers where the file system takes
+it, else buffered I/O synced and dropped from the page cache, so the state lives on the disk and
+not in host memory, and `dtorch probe --disk` measures the same calls.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
 import os
 import queue
 import shutil
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from dtorch.cluster.disk import TierFile, aligned, aligned_buffer
 from dtorch.errors import ConfigError
 
 FLOAT = 4  # bytes of a float32 element
@@ -74,15 +79,55 @@ def host_empty(numel: int, pin: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, pin_memory=pin)
 
 
-class Slot:
-    """One block buffer: its stored fields (`data`) and the staging of its gradients (`grad`)."""
+def io_buffer(numel: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A flat float32 buffer for the NVMe tier's direct I/O and the gradient staging: page-aligned,
+    its length rounded up to ALIGN bytes (an anonymous memory map, whose pages a `Slot` can hand
+    back; on an accelerator host page-locked memory from torch's allocator, page-aligned too).
+    (tensor, the map that owns its memory or None)."""
+    n = aligned(numel * FLOAT) // FLOAT if numel else 0
+    if pin or not n:
+        return host_empty(n, pin), None
+    mm = aligned_buffer(n * FLOAT)
+    return torch.frombuffer(mm, dtype=torch.float32, count=n), mm
 
-    def __init__(self, data_numel: int, grad_numel: int, pin: bool):
-        self.data = host_empty(data_numel, pin)
-        self.grad = host_empty(grad_numel, pin)
+
+class _Pages:
+    """The pages of an anonymous buffer that a block may have touched: `fit(nbytes)` before a block
+    of nbytes uses it hands back (MADV_DONTNEED) the pages past max(nbytes, `floor`) that a larger
+    block touched before. So a slot holds at most a regular block (`floor`: `block_bytes`' worth)
+    unless an oversized one (a parameter larger than a block: an embedding, a head) is in it, and
+    the regular blocks never fault their pages in again (each fault costs a page zeroed)."""
+
+    def __init__(self, mm: mmap.mmap | None, floor: int):
+        self.mm, self.high, self.floor = mm, 0, floor
+
+    def fit(self, nbytes: int) -> None:
+        if self.mm is None:
+            return
+        page = mmap.PAGESIZE
+        keep = min(len(self.mm), -(-aligned(max(nbytes, self.floor)) // page) * page)
+        if self.high > keep and hasattr(self.mm, "madvise"):
+            self.mm.madvise(mmap.MADV_DONTNEED, keep, self.high - keep)
+        self.high = max(keep if self.high > keep else self.high, aligned(nbytes))
+
+
+class Slot:
+    """One block buffer: its stored fields (`data`) and the staging of its gradients (`grad`), sized
+    for the largest block; `fit(block)` keeps no more than a regular block's pages resident past
+    an oversized block (on a CPU host; `_Pages`). `keep`: the (data, grad) float32 elements of a
+    regular block."""
+
+    def __init__(self, data_numel: int, grad_numel: int, pin: bool, keep: tuple[int, int] = (0, 0)):
+        self.data, mm = io_buffer(data_numel, pin)
+        self.grad, gm = io_buffer(grad_numel, pin)
+        self._pages = (_Pages(mm, keep[0] * FLOAT), _Pages(gm, keep[1] * FLOAT))
         self.block: int | None = None
         self.event = None  # accelerator copies that still read this slot
         self.grad_event = None  # accelerator copies that still write its gradient staging
+
+    def fit(self, block: Block, on_disk: bool) -> None:
+        self._pages[0].fit(block.numel * FLOAT if on_disk else 0)
+        self._pages[1].fit(block.param_numel * FLOAT)
 
 
 class HostBlocks:
@@ -117,7 +162,8 @@ class HostBlocks:
 
 class DiskBlocks:
     """One file per block in a private directory (0700; files 0600), space reserved up front,
-    removed when the store closes or the process exits."""
+    removed when the store closes or the process exits. Each file holds its block's numel float32
+    values, padded to a multiple of ALIGN bytes (direct I/O moves whole aligned extents)."""
 
     on_disk = True
 
@@ -128,26 +174,29 @@ class DiskBlocks:
         self.dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{tag}-", dir=root))  # mode 0700
         os.chmod(self.dir, 0o700)
         self.paths: list[Path] = []
-        self.fds: list[int] = []
+        self.files: list[TierFile] = []
         self.bytes_read = 0
         self.bytes_written = 0
         self.read_s = 0.0
         self.write_s = 0.0
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _cleanup, self.dir, self.fds)
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, self.files)
         try:
             for k, b in enumerate(blocks):
                 path = self.dir / f"block{k:05d}.f32"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self.files.append(TierFile(path, b.numel * FLOAT))
                 self.paths.append(path)
-                self.fds.append(fd)
-                if b.numel:  # reserve the space now: a full disk fails here, not mid-run
-                    os.posix_fallocate(fd, 0, b.numel * FLOAT)
         except OSError as e:
             self.close()
             raise ConfigError("offload.directory", str(root),
                               f"could not reserve {self.nbytes:,} bytes of optimizer state there ({e.strerror}); "
                               "free space or choose another local disk") from None
+
+    @property
+    def mode(self) -> str:
+        """How the files are read and written: "direct" (O_DIRECT) or "buffered" (synced, the page
+        cache dropped): `dtorch.cluster.disk.TierFile`."""
+        return self.files[0].mode if self.files else "direct"
 
     def buffer(self, k: int, slot: Slot) -> torch.Tensor:
         return slot.data[: self.blocks[k].numel]
@@ -156,65 +205,56 @@ class DiskBlocks:
         import time
 
         n = self.blocks[k].numel * FLOAT
+        if not n:
+            return
         t = time.perf_counter()
-        got = _pread_into(self.fds[k], slot.data, n)
-        if got != n:
+        got = self.files[k].read(memoryview(slot.data.numpy()), n)
+        if got < n:
             raise OSError(f"short read of {self.paths[k]}: {got} of {n} bytes")
         with self._lock:
-            self.bytes_read += n
+            self.bytes_read += aligned(n)
             self.read_s += time.perf_counter() - t
 
     def write(self, k: int, slot: Slot) -> None:
         import time
 
         n = self.blocks[k].numel * FLOAT
+        if not n:
+            return
         t = time.perf_counter()
-        _pwrite_from(self.fds[k], slot.data, n)
+        self.files[k].write(memoryview(slot.data.numpy()), n)
         with self._lock:
-            self.bytes_written += n
+            self.bytes_written += aligned(n)
             self.write_s += time.perf_counter() - t
 
     @contextlib.contextmanager
     def mapped(self, k: int):
         """The block's file as a shared memory map (checkpoint save/load read and write it in
-        place; the pages leave this process's memory when the map is dropped)."""
+        place; the pages leave this process's memory when the map is dropped, and the page cache
+        when the context ends, unless a view of them is still held)."""
         n = self.blocks[k].numel
         if n == 0:
             yield torch.empty(0)
             return
-        yield torch.from_file(str(self.paths[k]), shared=True, size=n, dtype=torch.float32)
+        try:
+            yield torch.from_file(str(self.paths[k]), shared=True, size=n, dtype=torch.float32)
+        finally:
+            self.files[k].drop_cache()
 
     def close(self) -> None:
         self._finalizer()
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the state (the files hold it padded to ALIGN each)."""
         return sum(b.numel for b in self.blocks) * FLOAT
 
 
-def _pread_into(fd: int, buf: torch.Tensor, nbytes: int) -> int:
-    view = memoryview(buf.numpy()).cast("B")[:nbytes]
-    done = 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], done)
-        if got == 0:
-            break
-        done += got
-    return done
-
-
-def _pwrite_from(fd: int, buf: torch.Tensor, nbytes: int) -> None:
-    view = memoryview(buf.numpy()).cast("B")[:nbytes]
-    done = 0
-    while done < nbytes:
-        done += os.pwritev(fd, [view[done:]], done)
-
-
-def _cleanup(directory: Path, fds: list[int]) -> None:
-    for fd in fds:
+def _cleanup(directory: Path, files: list[TierFile]) -> None:
+    for f in files:
         with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
+            f.close()
+    files.clear()
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -252,11 +292,12 @@ class Pipeline:
     """The slot pool and the two I/O threads of a store: `start(k)` reads block k ahead into a free
     slot; `finish(k, slot)` writes it back and returns the slot to the pool."""
 
-    def __init__(self, store, num_slots: int, data_numel: int, grad_numel: int, pin: bool):
+    def __init__(self, store, num_slots: int, data_numel: int, grad_numel: int, pin: bool,
+                 keep: tuple[int, int] = (0, 0)):
         self.store = store
         self.free: queue.Queue[Slot] = queue.Queue()
         for _ in range(num_slots):
-            self.free.put(Slot(data_numel if store.on_disk else 0, grad_numel, pin))
+            self.free.put(Slot(data_numel if store.on_disk else 0, grad_numel, pin, keep))
         self.num_slots = num_slots
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="dtorch-offload-read") if store.on_disk else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dtorch-offload-write") if store.on_disk else None
@@ -269,6 +310,7 @@ class Pipeline:
             slot.event.synchronize()
             slot.event = None
         slot.block = k
+        slot.fit(self.store.blocks[k], self.store.on_disk)
         fut = self._reader.submit(self.store.read, k, slot) if self._reader is not None and read else None
         return slot, fut
 
