@@ -29,7 +29,10 @@ group inside one node moves (k-1)/k of the bytes on NVLink; one that spans nodes
 Memory: with FSDP over all D ranks the expert weights are sharded over ep x edp = D as the rest
 are, so model states per rank do not change; what shrinks is the gathered block (its experts are
 gathered over edp only, 1/ep of them) and FSDP's traffic (experts all-gathered and
-reduce-scattered over edp only).
+reduce-scattered over edp only). With replicas (`expert_groups`, the executor's (edp_rep, edp_shard,
+ep_rep, ep_shard) mesh) a rank's experts are sharded over edp_shard and replicated over edp_rep: model
+states hold the experts / max(dp_shard, ep) (`local_params`; a DDP x EP rank 1/ep of them), and the
+replicas' gradient all-reduce moves them over edp_rep only (`DataParallel.grad_comm`).
 """
 
 from __future__ import annotations
