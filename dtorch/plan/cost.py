@@ -75,7 +75,13 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.strategies import TIMED
 from dtorch.plan.strategies.base import RankLoad, RankShare
 from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import EXPERT, gathered_params, local_params, mean_block_flops, mean_block_params
+from dtorch.plan.strategies.expert import (
+    EXPERT,
+    gathered_params,
+    local_params,
+    mean_block_flops,
+    mean_block_params,
+)
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     MEMORY,
