@@ -75,7 +75,13 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.strategies import TIMED
 from dtorch.plan.strategies.base import RankLoad, RankShare
 from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import EXPERT, gathered_params, mean_block_flops, mean_block_params
+from dtorch.plan.strategies.expert import (
+    EXPERT,
+    gathered_params,
+    local_params,
+    mean_block_flops,
+    mean_block_params,
+)
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     MEMORY,
@@ -290,23 +296,26 @@ def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
 
 def model_state_bytes(plan: Plan, profile: ModelProfile) -> dict[str, int]:
     """Parameter, gradient and optimizer bytes on the fullest rank (mixed-precision Adam)."""
-    states = [_states(plan, p, gathered_params(plan, profile, ld, p))
+    states = [_states(plan, p, gathered_params(plan, profile, ld, p), local_params(plan, profile, ld, p))
               for ld in rank_loads(plan, profile.num_layers, profile.num_dense_layers)
               for p in (_rank_params(ld, profile, plan.tp),)]
     return max(states, key=lambda s: sum(s.values()))
 
 
-def _states(plan: Plan, p_stage: float, p_gathered: float | None = None) -> dict[str, int]:
+def _states(plan: Plan, p_stage: float, p_gathered: float | None = None, p_local: float | None = None) -> dict[str, int]:
     """Model-state bytes of a rank holding `p_stage` parameters per TP rank (`p_gathered` of them
-    unsharded when gathered: fewer with EP, `Expert.gathered_stage_params`)."""
+    unsharded when gathered: fewer with EP, `Expert.gathered_stage_params`; `p_local` of them as its
+    shard: default p_stage / (dp_shard x cp), with EP the experts / `expert.expert_shard`)."""
     shard = plan.dp_shard * plan.cp  # FSDP shards over dp_shard x cp (context-parallel ranks hold the same weights)
+    local = p_stage / shard if p_local is None else p_local
     grad_bytes = 4  # FSDP2/DDP keep gradients in the float32 master parameters' dtype (reduce_dtype is the wire)
-    params = 0.0 if plan.offload == "params" else 4.0 * p_stage / shard
-    grads = 0.0 if plan.offload == "params" else grad_bytes * p_stage / shard
-    if plan.pp > 1 and shard > 1 and plan.num_microbatches > 1 and plan.offload != "params":
+    params = 0.0 if plan.offload == "params" else 4.0 * local
+    grads = 0.0 if plan.offload == "params" else grad_bytes * local
+    fsdp2 = shard > 1 or plan.ep > 1  # (EP runs DDP replicas as FSDP2 units over one-rank shard groups)
+    if plan.pp > 1 and fsdp2 and plan.num_microbatches > 1 and plan.offload != "params":
         # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter before)
         grads += DTYPE_BYTES[plan.param_dtype] * (p_stage if p_gathered is None else p_gathered)
-    optim = 0.0 if plan.offload in ("optimizer", "optimizer_nvme", "params") else 8.0 * p_stage / shard
+    optim = 0.0 if plan.offload in ("optimizer", "optimizer_nvme", "params") else 8.0 * local
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}
 
 
@@ -315,7 +324,8 @@ def autocast_applies(plan: Plan) -> bool:
     no FSDP-based replicate (`dtorch.parallel.model`)."""
     if plan.param_dtype == "float32" or plan.dp_shard * plan.cp > 1:
         return False
-    classic_ddp = plan.dp_replicate > 1 and plan.tp == 1 and plan.pp == 1
+    # (with EP, replicas are FSDP2 units: `dtorch.parallel.expert.apply_fsdp_with_experts`)
+    classic_ddp = plan.dp_replicate > 1 and plan.tp == 1 and plan.pp == 1 and plan.ep == 1
     return plan.dp_replicate == 1 or classic_ddp
 
 
@@ -371,7 +381,7 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
         ops_per_microbatch=ops_mb,
         dtensor_ops_per_microbatch=ops_mb if plan.tp > 1 else 0.0,
         optimizer_ops=opt,
-        dtensor_optimizer_ops=opt if plan.tp > 1 or plan.dp_shard * plan.cp > 1 else 0.0,
+        dtensor_optimizer_ops=opt if plan.tp > 1 or plan.dp_shard * plan.cp > 1 or plan.ep > 1 else 0.0,
         tp_small_per_microbatch=tp_mb,
         tp_small_per_step=tp_step,
     )
@@ -545,7 +555,7 @@ def optimizer_time(step: StepShape, load: RankLoad, r: RankShare, host_opt: floa
     the probe measured for the kernel the executor runs (`host_adam_rate`: the per-tensor loop by
     default, several times slower than the bandwidth rule, which stays where unmeasured)."""
     if step.plan.offload == "none":
-        p_local = r.p_stage / step.fs
+        p_local = EXPERT.local_params(step, load, r.p_stage)  # (with EP: the rank's own experts)
         if step.cpu:
             r.optimizer = p_local / host_adam_rate(step)
         else:
@@ -559,7 +569,7 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
     plan, prof, c = step.plan, step.profile, step.c
     p_stage = r.p_stage
     p_gathered = EXPERT.gathered_stage_params(step, load, p_stage)  # with EP: 1/ep of the routed experts
-    states = _states(plan, p_stage, p_gathered)
+    states = _states(plan, p_stage, p_gathered, EXPERT.local_params(step, load, p_stage))
     a_none, shard_act = step.a_none, step.shard_act
     a_pol = act_bytes_per_token_block(prof, plan.ac, step.selective) * step.act_scale
     in_flight = activation_in_flight(plan, load.pp_rank)
@@ -568,7 +578,12 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
         acts += a_none * step.act_scale * step.rows * shard_act  # one block re-materialised during its backward
     if load.head:  # logits of every micro-batch the last stage holds (one under 1F1B, m under GPipe)
         acts += prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp * in_flight
-    buffers = FSDP.buffers(step, p_gathered) if step.fs > 1 else DATA.buffers(plan)
+    if step.fs > 1:
+        buffers = FSDP.buffers(step, p_gathered)
+    elif plan.ep > 1:  # DDP x EP: FSDP2 units over one-rank shard groups, gathered for the step
+        buffers = EXPERT.replica_buffers(step, p_gathered)
+    else:
+        buffers = DATA.buffers(plan)
     sub = sum(states.values()) + acts + buffers
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
     r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}

@@ -53,7 +53,7 @@ from dtorch.plan.strategies import (  # noqa: F401
 from dtorch.plan.strategies.base import divisors as _divisors
 from dtorch.plan.strategies.context import CONTEXT
 from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import EXPERT
+from dtorch.plan.strategies.expert import EXPERT, replicas_fit
 from dtorch.plan.strategies.fsdp import FSDP
 from dtorch.plan.strategies.memory import MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PARTITION_MARGIN, PIPELINE, bubble_fraction, ideal_load  # noqa: F401
@@ -295,9 +295,7 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     local = global_batch // (m.dp_replicate * m.dp_shard)
     mb = mbs or local
     sched, v = PIPELINE.OPTIMISTIC if m.pp > 1 else ("1f1b", 1)
-    # the largest ep the shard group allows: the least FSDP traffic (EP's own all-to-all left out)
-    ep = max(e for e in EXPERT.degrees(profile, m.dp_shard, {}) if m.dp_shard % e == 0)
-    plan = Plan(ep=ep, pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp, sp=m.tp > 1,
+    plan = Plan(pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp, sp=m.tp > 1,
                 microbatch_size=mb, num_microbatches=local // mb, schedule=sched, virtual_stages=v,
                 param_dtype="bfloat16", reduce_dtype="bfloat16")
     dev = group.device
@@ -313,11 +311,19 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     t = plan.num_microbatches * r.per_microbatch
     if m.pp > 1:
         t += bubble_fraction(m.pp, v, sched) * t / (local // mbs if mbs else local)
-    if step.fs > 1:
-        t += c.dp_exposed_floor * sum(FSDP.comm(step, load, r.p_stage, unit_latency=False))
-    if m.dp_replicate > 1:
-        t += c.dp_exposed_floor * DATA.comm(step, r.p_stage * step.red_b / step.fs, bucket_latency=False)
-    return t
+    # data-parallel traffic: the least over the ep degrees the mesh's executor layout allows (EP's own
+    # all-to-all left out; with replicas a larger ep shrinks the gradient all-reduce too)
+    dp_terms = []
+    for ep in EXPERT.degrees(profile, m.dp_replicate * m.dp_shard, {}):
+        step.plan = replace(plan, ep=ep)
+        if ep > 1 and not replicas_fit(step.plan):
+            continue
+        d = sum(FSDP.comm(step, load, r.p_stage, unit_latency=False)) if step.fs > 1 else 0.0
+        if m.dp_replicate > 1:
+            d += DATA.grad_comm(step, load, r.p_stage, latency=False)
+        dp_terms.append(d)
+    step.plan = plan
+    return t + c.dp_exposed_floor * min(dp_terms, default=0.0)
 
 
 def precisions(group: NodeGroup, fixed: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:

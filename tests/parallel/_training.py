@@ -90,11 +90,26 @@ def parallel(plan_kwargs: dict, rank: int, seed: int = 0) -> dict:
         loss = pm.forward_backward(x[rows], y[rows])
         norms.append(float(pm.clip_grad_norm_(1e9)))
         opt.step()
+        if step == STEPS - 1:
+            states = state_bytes(list(pm.parameters()), opt)
         opt.zero_grad()
         losses.append(float(loss))
         for h in masks.pop("_hooks", []):
             h.remove()
-    return {"losses": losses, "norms": norms, "keys": sorted(pm.state_dict_for_checkpoint()), "masks": masks}
+    return {"losses": losses, "norms": norms, "keys": sorted(pm.state_dict_for_checkpoint()), "masks": masks,
+            "state_bytes": states}
+
+
+def state_bytes(params: list, opt: torch.optim.Optimizer) -> dict:
+    """This rank's model-state bytes (local shards): parameters, gradients, AdamW's moments."""
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    return {"params": sum(local(p) for p in params),
+            "grads": sum(local(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(local(v) for st in opt.state.values() for k, v in st.items()
+                             if k != "step" and torch.is_tensor(v))}
 
 
 def record_masks(parts: list[torch.nn.Module]) -> dict:

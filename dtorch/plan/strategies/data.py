@@ -5,6 +5,13 @@ Executor half: `dtorch.parallel.model` (DistributedDataParallel, or FSDP2's repl
 
 Time: the all-reduce, a small first bucket then one per `ddp_bucket_bytes`, overlapped with the last
 micro-batch's backward. Memory: two DDP buckets in flight when nothing is sharded.
+
+With expert parallelism the replicas are FSDP2 HSDP units (`dtorch.parallel.expert.apply_fsdp_with_experts`,
+a DDP plan's over one-rank shard groups): per unit, the non-expert gradients (their 1/(dp_shard x cp)
+shard) all-reduced over the dp_replicate replicas, and the rank's own routed experts (1/ep of them, their
+shard over the expert shard group) over the expert replica group only (`expert.expert_groups`: the
+replicas the ep group does not span, at their stride); every micro-batch's backward without PP (FSDP2
+syncs each one, DDP's `no_sync` does not apply), once per step with PP (the schedule defers it).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 
 from dtorch.plan.comm import collective_time, exposed
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
+from dtorch.plan.strategies.expert import expert_groups, expert_shard, moe_blocks, stage_experts
 
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -34,9 +42,30 @@ class DataParallel(Strategy):
         return True
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
-        c = step.c
+        c, plan = step.c, step.plan
+        if plan.ep > 1 and step.profile.num_experts:
+            n = plan.num_microbatches if plan.pp == 1 else 1  # FSDP2 syncs every micro-batch without PP
+            r.dp = exposed(n * self.grad_comm(step, load, r.p_stage), n * (2.0 / 3.0) * r.compute, c)
+            return
         grad_bytes = r.p_stage * step.red_b / step.fs
         r.dp = exposed(self.comm(step, grad_bytes), (2.0 / 3.0) * r.compute, c)
+
+    def grad_comm(self, step: Any, load: RankLoad, p_stage: float, latency: bool = True) -> float:
+        """Seconds of one gradient sync over the replicas of the `p_stage` parameters of pipeline rank
+        `load`: DDP's bucketed all-reduce, or with EP the HSDP units' all-reduces (module doc), with a
+        latency per unit (`latency=False`: none, the lower bound's)."""
+        plan = step.plan
+        if plan.ep == 1 or not step.profile.num_experts:
+            return self.comm(step, p_stage * step.red_b / step.fs, bucket_latency=latency)
+        g, st = step.g, step.st_dpr
+        pe = stage_experts(plan, step.profile, load, p_stage)
+        _, _, e_rep, e_st = expert_groups(plan)
+        t = collective_time("all_reduce", (p_stage - pe) * step.red_b / step.fs, plan.dp_replicate, st, g)
+        t += collective_time("all_reduce", pe / expert_shard(plan) * step.red_b, e_rep, e_st, g)
+        if latency:  # one all-reduce per unit: every block and the root, every block's experts
+            t += (load.blocks + 1) * step.ar_unit
+            t += moe_blocks(load, step.profile) * collective_time("all_reduce", 1.0, e_rep, e_st, g)
+        return t
 
     def comm(self, step: Any, grad_bytes: float, bucket_latency: bool = True) -> float:
         """Seconds of the gradient all-reduce of `grad_bytes` per rank, with the latency of every

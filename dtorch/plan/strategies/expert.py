@@ -29,7 +29,10 @@ group inside one node moves (k-1)/k of the bytes on NVLink; one that spans nodes
 Memory: with FSDP over all D ranks the expert weights are sharded over ep x edp = D as the rest
 are, so model states per rank do not change; what shrinks is the gathered block (its experts are
 gathered over edp only, 1/ep of them) and FSDP's traffic (experts all-gathered and
-reduce-scattered over edp only).
+reduce-scattered over edp only). With replicas (`expert_groups`, the executor's (edp_rep, edp_shard,
+ep_rep, ep_shard) mesh) a rank's experts are sharded over edp_shard and replicated over edp_rep: model
+states hold the experts / max(dp_shard, ep) (`local_params`; a DDP x EP rank 1/ep of them), and the
+replicas' gradient all-reduce moves them over edp_rep only (`DataParallel.grad_comm`).
 """
 
 from __future__ import annotations
@@ -168,6 +171,43 @@ TORCHTITAN_ETP1_DISPATCH = Dispatcher(ep_borrows_tp=True, expert_gemm_efficiency
 `ParallelDims`: efsdp = dp_shard*cp*tp / ep; llama4 `apply_moe_ep_tp` with `ReordererSequenceParallel`):
 all_to_all_single dispatch and combine, exposed, bf16, top_k copies per token, the routed experts in
 `torch._grouped_mm` (`TORCH_GROUPED_MM_BF16`)."""
+
+
+def expert_groups(plan: Any) -> tuple[int, int, int, int]:
+    """(shard size, shard stride, replica size, replica stride) of the groups a rank's own routed experts
+    (1/ep of every MoE block's) are FSDP-sharded and replicated over, strides in ranks (tp innermost), as
+    `dtorch.parallel.expert.expert_mesh` lays them out: the data-parallel ranks are (edp_rep, edp_shard,
+    ep_rep, ep_shard) = (R/k, S/m, k, m) for ep = k*m, with ep = m inside a replica's S shard ranks (k = 1)
+    or over k whole replicas (m = S); the experts are sharded over edp_shard (stride ep ranks) and
+    replicated over edp_rep (stride k replicas). Without replicas: sharded over edp = S/ep. A plan whose
+    ep fits neither (refused by `Expert.limits`) is priced as if ep lay inside a replica."""
+    ep, r, s, tp = plan.ep, plan.dp_replicate, plan.dp_shard * plan.cp, plan.tp
+    k, m = (ep // s, s) if (r > 1 and s % ep and ep % s == 0 and r % (ep // s) == 0) else (1, ep)
+    return max(1, s // m), tp * ep, max(1, r // k), tp * s * k
+
+
+def expert_shard(plan: Any) -> int:
+    """Ranks one MoE block's routed experts are divided over (ep x the expert shard group): what each
+    rank holds of them, as model states, is 1/expert_shard (= dp_shard x cp without replicas, and with
+    the ep group inside a replica; ep when it spans replicas, e.g. DDP x EP)."""
+    return plan.ep * expert_groups(plan)[0]
+
+
+def stage_experts(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> float:
+    """Routed-expert parameters among the `p_stage` of pipeline rank `load` (per TP rank), before EP."""
+    if not profile.num_experts:
+        return 0.0
+    return min(p_stage, moe_blocks(load, profile) * expert_params_per_block(profile) / plan.tp)
+
+
+def local_params(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> float:
+    """Parameters a rank holds as its (sharded) model states of the `p_stage` of pipeline rank `load`:
+    the non-expert ones / (dp_shard x cp), the routed experts / `expert_shard` (with EP)."""
+    fs = plan.dp_shard * plan.cp
+    if plan.ep == 1 or not profile.num_experts:
+        return p_stage / fs
+    pe = stage_experts(plan, profile, load, p_stage)
+    return (p_stage - pe) / fs + pe / expert_shard(plan)
 
 
 def replicas_fit(plan: Any) -> bool:
@@ -331,6 +371,19 @@ class Expert(Strategy):
                 / step.expert_speed
 
     # ---- memory and FSDP -----------------------------------------------------------------------
+    def local_params(self, step: Any, load: RankLoad, p_stage: float) -> float:
+        """Of the `p_stage` parameters of pipeline rank `load`, those a rank holds as sharded model
+        states (and steps in the optimizer): `local_params`."""
+        return local_params(step.plan, step.profile, load, p_stage)
+
+    def replica_buffers(self, step: Any, p_gathered: float) -> float:
+        """Gathered-parameter bytes of EP with DDP replicas (dp_shard = 1): the executor runs them as
+        FSDP2 HSDP units over one-rank shard groups (`apply_fsdp_with_experts`), which never reshard:
+        every unit's unsharded copy in param_dtype stays from its first forward (the stage as a rank
+        gathers it, `p_gathered`), and one unit's gradients are staged in reduce_dtype for the
+        all-reduce. No DDP buckets."""
+        return p_gathered * step.param_b + gathered_block_params(step.profile, step.plan) * step.red_b
+
     def expert_stage_params(self, step: Any, load: RankLoad) -> float:
         """Routed-expert parameters on pipeline rank `load` before EP (per TP rank)."""
         prof = step.profile
