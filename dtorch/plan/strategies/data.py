@@ -3,8 +3,10 @@ one all-reduce of the (sharded) gradients per step.
 
 Executor half: `dtorch.parallel.model` (DistributedDataParallel, or FSDP2's replicate axis).
 
-Time: the all-reduce, a small first bucket then one per `ddp_bucket_bytes`, overlapped with the last
-micro-batch's backward. Memory: two DDP buckets in flight when nothing is sharded.
+Time: DDP's all-reduce, a small first bucket then one per `ddp_bucket_bytes`, overlapped with the last
+micro-batch's backward. HSDP (dp_shard x cp > 1): FSDP2 all-reduces each unit's reduce-scattered
+gradient shard over the replicas, one all-reduce per unit, every micro-batch's backward without PP,
+once per step with PP. Memory: two DDP buckets in flight when nothing is sharded.
 
 With expert parallelism the replicas are FSDP2 HSDP units (`dtorch.parallel.expert.apply_fsdp_with_experts`,
 a DDP plan's over one-rank shard groups): per unit, the non-expert gradients (their 1/(dp_shard x cp)
@@ -43,7 +45,7 @@ class DataParallel(Strategy):
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         c, plan = step.c, step.plan
-        if plan.ep > 1 and step.profile.num_experts:
+        if step.fs > 1 or (plan.ep > 1 and step.profile.num_experts):
             n = plan.num_microbatches if plan.pp == 1 else 1  # FSDP2 syncs every micro-batch without PP
             r.dp = exposed(n * self.grad_comm(step, load, r.p_stage), n * (2.0 / 3.0) * r.compute, c)
             return
@@ -55,6 +57,10 @@ class DataParallel(Strategy):
         `load`: DDP's bucketed all-reduce, or with EP the HSDP units' all-reduces (module doc), with a
         latency per unit (`latency=False`: none, the lower bound's)."""
         plan = step.plan
+        if (plan.ep == 1 or not step.profile.num_experts) and step.fs > 1:
+            # HSDP: each FSDP2 unit all-reduces its reduce-scattered shard over the replicas
+            t = collective_time("all_reduce", p_stage * step.red_b / step.fs, plan.dp_replicate, step.st_dpr, step.g)
+            return t + ((load.blocks + 1) * step.ar_unit if latency else 0.0)
         if plan.ep == 1 or not step.profile.num_experts:
             return self.comm(step, p_stage * step.red_b / step.fs, bucket_latency=latency)
         g, st = step.g, step.st_dpr
