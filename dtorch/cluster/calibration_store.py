@@ -207,6 +207,8 @@ def _link(d: dict, base: Link) -> Link:
     return Link(kind=d.get("kind", base.kind), bandwidth=float(d["bandwidth"]), latency=float(d["latency"]),
                 efficiency=float(d.get("efficiency", 1.0)), p2p_latency=float(d.get("p2p_latency", 0.0)),
                 unit_gather_s=float(d.get("unit_gather_s", 0.0)), unit_reduce_s=float(d.get("unit_reduce_s", 0.0)),
+                unit_gather_s_per_byte=float(d.get("unit_gather_s_per_byte", 0.0)),
+                unit_reduce_s_per_byte=float(d.get("unit_reduce_s_per_byte", 0.0)),
                 func_latency_s=float(d.get("func_latency_s", 0.0)),
                 dtensor_latency_s=float(d.get("dtensor_latency_s", 0.0)))
 

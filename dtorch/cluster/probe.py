@@ -18,7 +18,8 @@ The calibration document (JSON; written atomically; one per cluster name)::
       name, peak_flops: {float32: ..., bfloat16: ...}, matmul_efficiency, memory_bandwidth
     links:                        # per link class present, the alpha-beta fit of all collectives
       intra: {kind, bandwidth (bytes/s), latency (s per ring step), p2p_latency (s), efficiency: 1.0,
-              unit_gather_s, unit_reduce_s (fixed s per FSDP unit, `measure_fsdp_units`),
+              unit_gather_s, unit_reduce_s, unit_gather_s_per_byte, unit_reduce_s_per_byte (s per
+              FSDP unit and per byte of it, `measure_fsdp_units`),
               func_latency_s, dtensor_latency_s (fixed s of a functional collective / a DTensor
               redistribution per ring step, `measure_functional_latency`)}
       inter: {...}
@@ -321,19 +322,21 @@ def measure_dtensor_overhead(device, min_time: float = 0.05) -> float:
 
 
 def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
-    """Fixed seconds FSDP2 spends per unit and micro-batch over the process group `group`, beyond
-    the bytes it moves: the parameter all-gather (copy-in, collective, copy-out, the pre-forward
-    hook) and the gradient reduce-scatter (the post-backward hook, copies, collective), as
-    `fully_shard` issues them on this backend. Units of eight tiny bias-free linear layers (a
-    transformer block's tensor count; the payload is a few KiB, so what is timed is latency and host
-    work), 2 and 6 of them, the difference over the 4 extra units less the same difference unsharded:
-    the all-gather from a forward under no_grad (one gather per unit), the reduce-scatter from a
-    forward and backward without resharding (one gather and one reduce per unit) less the gather.
+    """Seconds FSDP2 spends per unit and micro-batch over the process group `group`, as
+    `fully_shard` issues them on this backend: the parameter all-gather (copy-in, collective,
+    copy-out, the pre-forward hook) and the gradient reduce-scatter (the post-backward hook, copies,
+    collective), each as a fixed part and a part per byte of the unit. Units of eight bias-free
+    linear layers (a transformer block's tensor count) at two widths, 32 (a few KiB: latency and
+    host work) and 160 (0.8 MB of float32, a small block's size), 2 and 6 units of each, the
+    difference over the 4 extra units less the same difference unsharded: the all-gather from a
+    forward under no_grad (one gather per unit), the reduce-scatter from a forward and backward
+    without resharding (one gather and one reduce per unit) less the gather.
 
-    On a CPU this cost is paid on the thread that computes (the collective's wait included); the
-    cost model adds it where FSDP's ring latencies would be, for an FSDP axis of any size inside the
-    node: it is mostly host work (measured on a 4-rank, 2-core node: a 2-rank axis costs what the
-    4-rank one does), which the ring's step count does not scale."""
+    On a CPU this cost is paid on the thread that computes (gloo's collectives as FSDP2 drives them
+    move bytes several times slower than the bare collectives of `measure_collectives`); the cost
+    model prices a CPU's FSDP with it in place of the alpha-beta ring, for an FSDP axis of any size
+    inside the node: the fixed part is mostly host work (measured on a 4-rank, 2-core node: a 2-rank
+    axis costs what the 4-rank one does), which the ring's step count does not scale."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -341,7 +344,6 @@ def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group, device.type)
-    x = torch.randn(4, 32, device=device)
 
     def timed(fn) -> float:
         for _ in range(2):
@@ -356,8 +358,8 @@ def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
             reps.append(time.perf_counter() - t)
         return sorted(reps)[len(reps) // 4]  # a low quantile: other load only adds time
 
-    def build(k: int, reshard: bool | None) -> nn.Module:
-        model = nn.Sequential(*[nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(8)])
+    def build(k: int, width: int, reshard: bool | None) -> nn.Module:
+        model = nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)])
                                 for _ in range(k)]).to(device)
         if reshard is not None:
             for block in model:
@@ -365,28 +367,37 @@ def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         return model
 
-    times: dict[tuple[int, str], float] = {}
-    for k in (2, 6):
-        for sharded in (False, True):
-            stepped = build(k, False if sharded else None)  # parameters stay gathered into the backward
-            forwarded = build(k, True if sharded else None)  # each unit gathers and reshards
+    def per_unit(width: int) -> tuple[float, float]:
+        x = torch.randn(4, width, device=device)
+        times: dict[tuple[int, str], float] = {}
+        for k in (2, 6):
+            for sharded in (False, True):
+                stepped = build(k, width, False if sharded else None)  # parameters stay gathered into the backward
+                forwarded = build(k, width, True if sharded else None)  # each unit gathers and reshards
 
-            def step(model=stepped):
-                model(x).sum().backward()
+                def step(model=stepped):
+                    model(x).sum().backward()
 
-            def forward(model=forwarded):
-                with torch.no_grad():
-                    model(x)
+                def forward(model=forwarded):
+                    with torch.no_grad():
+                        model(x)
 
-            times[(k, f"step{sharded}")] = timed(step)
-            times[(k, f"fwd{sharded}")] = timed(forward)
+                times[(k, f"step{sharded}")] = timed(step)
+                times[(k, f"fwd{sharded}")] = timed(forward)
 
-    def per_unit(what: str) -> float:
-        return ((times[(6, f"{what}True")] - times[(2, f"{what}True")])
-                - (times[(6, f"{what}False")] - times[(2, f"{what}False")])) / 4
+        def extra(what: str) -> float:
+            return ((times[(6, f"{what}True")] - times[(2, f"{what}True")])
+                    - (times[(6, f"{what}False")] - times[(2, f"{what}False")])) / 4
 
-    gather = max(0.0, per_unit("fwd"))
-    return {"unit_gather_s": gather, "unit_reduce_s": max(0.0, per_unit("step") - gather)}
+        gather = max(0.0, extra("fwd"))
+        return gather, max(0.0, extra("step") - gather)
+
+    widths = (32, 160)
+    (g0, r0), (g1, r1) = (per_unit(w) for w in widths)
+    b0, b1 = (8 * w * w * 4 for w in widths)  # float32 bytes of a unit's parameters (and gradients)
+    g_slope, r_slope = max(0.0, (g1 - g0) / (b1 - b0)), max(0.0, (r1 - r0) / (b1 - b0))
+    return {"unit_gather_s": max(0.0, g0 - g_slope * b0), "unit_reduce_s": max(0.0, r0 - r_slope * b0),
+            "unit_gather_s_per_byte": g_slope, "unit_reduce_s_per_byte": r_slope}
 
 
 def measure_functional_latency(group, device, quick: bool = False) -> dict[str, float]:
@@ -399,12 +410,12 @@ def measure_functional_latency(group, device, quick: bool = False) -> dict[str, 
     ranks): an axis of another size scales as a ring does."""
     import torch
     import torch.distributed as dist
-    from torch.distributed._functional_collectives import (
-        all_gather_tensor,
-        all_reduce,
-        reduce_scatter_tensor,
-        wait_tensor,
-    )
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed._functional_collectives import all_reduce, wait_tensor
+
+    # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones
+    all_gather_tensor = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    reduce_scatter_tensor = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -792,8 +803,10 @@ def summary(doc: dict) -> str:
         lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us "
                      f"per step{p2p}")
         if link.get("unit_gather_s") or link.get("unit_reduce_s"):
-            lines.append(f"  {cls:5s} FSDP unit: all-gather {link.get('unit_gather_s', 0.0) * 1e6:.0f} us, "
-                         f"reduce-scatter {link.get('unit_reduce_s', 0.0) * 1e6:.0f} us (fixed, per unit)")
+            lines.append(f"  {cls:5s} FSDP unit: all-gather {link.get('unit_gather_s', 0.0) * 1e6:.0f} us + "
+                         f"{link.get('unit_gather_s_per_byte', 0.0) * 1e12:.0f} us/MB, reduce-scatter "
+                         f"{link.get('unit_reduce_s', 0.0) * 1e6:.0f} us + {link.get('unit_reduce_s_per_byte', 0.0) * 1e12:.0f} "
+                         f"us/MB, per unit")
         if link.get("func_latency_s"):
             lines.append(f"  {cls:5s} functional collective (CP) {link['func_latency_s'] * 1e6:.0f} us, DTensor "
                          f"redistribution (TP) {link.get('dtensor_latency_s', 0.0) * 1e6:.0f} us, fixed per ring step")

@@ -80,6 +80,11 @@ class Link:
     (`dtorch.cluster.probe.measure_fsdp_units`)."""
     unit_reduce_s: float = 0.0
     """The same for one FSDP unit's gradient reduce-scatter (the post-backward hook included)."""
+    unit_gather_s_per_byte: float = 0.0
+    """Seconds per byte of an FSDP unit's gathered parameters on top of `unit_gather_s`, as FSDP2
+    moves them on this link (0 = unmeasured: the ring fit's bandwidth)."""
+    unit_reduce_s_per_byte: float = 0.0
+    """The same per byte of a unit's gradients for its reduce-scatter."""
     func_latency_s: float = 0.0
     """Fixed seconds of one functional collective to its wait over this link (CP's K/V exchange),
     per ring step; 0 = unmeasured (the ring latency). Measured by the probe

@@ -51,15 +51,15 @@ def collective_time(kind: str, nbytes: float, size: int, stride: int, group: Nod
                  inter.bandwidth * inter.efficiency, inter.latency)
 
 
-def unit_fixed(size: int, stride: int, group: NodeGroup) -> tuple[float, float] | None:
-    """(all-gather, reduce-scatter) fixed seconds of one FSDP unit over a mesh axis of `size` ranks
-    at `stride`, as the probe measured them on this node's link (`Link.unit_gather_s`: mostly host
-    work, so the same for any axis inside the node), or None where unmeasured or where the axis
-    leaves the node (the ring latencies then price it)."""
+def unit_fixed(size: int, stride: int, group: NodeGroup) -> tuple[float, float, float, float] | None:
+    """(all-gather s, reduce-scatter s, all-gather s per byte, reduce-scatter s per byte) of one FSDP
+    unit over a mesh axis of `size` ranks at `stride`, as the probe measured them on this node's
+    link (`Link.unit_gather_s`...: the fixed part mostly host work, so the same for any axis inside
+    the node), or None where unmeasured or where the axis leaves the node (the ring then prices it)."""
     link = group.intra
     if size <= 1 or stride * size > group.devices_per_node or not (link.unit_gather_s or link.unit_reduce_s):
         return None
-    return link.unit_gather_s, link.unit_reduce_s
+    return link.unit_gather_s, link.unit_reduce_s, link.unit_gather_s_per_byte, link.unit_reduce_s_per_byte
 
 
 def functional_time(kind: str, nbytes: float, size: int, stride: int, group: NodeGroup,

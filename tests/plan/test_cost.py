@@ -419,3 +419,18 @@ def test_cpu_optimizer_step_runs_at_the_probed_adamw_rate_of_the_executors_kerne
     base, slow = (estimate(plan, prof, c, "float32").time_breakdown["optimizer"] for c in (cpu, measured))
     host = base - prof.params_total * DEFAULT_CONSTANTS.optimizer_bytes_per_param / (g.device.memory_bandwidth * 0.8)
     assert slow == pytest.approx(prof.params_total / 1e8 + host, rel=1e-6)
+
+
+def test_fsdp_probed_per_byte_prices_a_cpu_fsdp_unit_by_its_bytes_in_place_of_the_ring():
+    prof = llama(layers=4, hidden=256, heads=8, kv=4, ffn=1024, seq=128, vocab=1000)
+    cpu = local_cluster(2, calibrated=False)
+    measured = _with_link(cpu, unit_gather_s=1e-3, unit_reduce_s=2e-3, unit_gather_s_per_byte=1e-9,
+                          unit_reduce_s_per_byte=3e-9)
+    plan = Plan(dp_shard=2, microbatch_size=1, num_microbatches=2, reshard_after_forward=False)
+    est = estimate(plan, prof, measured, "float32")
+    p_stage = prof.params_total  # one stage, tp=1: every parameter of the model, 4 bytes each
+    per_mb = 5 * 1e-3 + 1e-9 * 4 * p_stage + 5 * 2e-3 + 3e-9 * 4 * p_stage
+    assert est.time_breakdown["fsdp"] == pytest.approx(2 * per_mb, rel=1e-6)
+    # resharding gathers twice per micro-batch
+    twice = estimate(dataclasses.replace(plan, reshard_after_forward=True), prof, measured, "float32")
+    assert twice.time_breakdown["fsdp"] == pytest.approx(2 * (per_mb + 5 * 1e-3 + 1e-9 * 4 * p_stage), rel=1e-6)

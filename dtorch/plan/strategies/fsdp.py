@@ -44,10 +44,13 @@ class Sharded(Strategy):
         if fs == 1:
             return False
         measured = unit_fixed(fs, st, g)
+        step.ag_byte = step.rs_byte = 0.0
         if measured:
-            # FSDP2's fixed cost per unit as the probe timed it (hooks, copies, the collective's wait);
-            # on a CPU it is paid by the thread that computes, so nothing hides it
-            step.ag_unit, step.rs_unit = measured
+            # FSDP2's cost per unit as the probe timed it (hooks, copies, the collective's wait; and
+            # per byte where measured); on a CPU it is paid by the thread that computes
+            step.ag_unit, step.rs_unit, ag_byte, rs_byte = measured
+            if step.cpu and step.plan.ep == 1:
+                step.ag_byte, step.rs_byte = ag_byte, rs_byte
         else:
             step.ag_unit = collective_time("all_gather", 1.0, fs, st, g)
             step.rs_unit = collective_time("reduce_scatter", 1.0, fs, st, g)
@@ -85,6 +88,15 @@ class Sharded(Strategy):
         ag, rs = self.comm(step, load, r.p_stage, unit_latency=not apart)
         m, busy = plan.num_microbatches, r.compute + r.recompute
         units = load.blocks + 1  # every block and the stage's root (embedding, final norm, head)
+        if step.ag_byte or step.rs_byte:
+            # the probe timed FSDP2's units with their bytes on this CPU: that, not the ring, is the cost
+            ag = units * step.ag_unit + step.ag_byte * r.p_stage * step.param_b
+            rs = units * step.rs_unit + step.rs_byte * r.p_stage * step.red_b
+            if plan.pp == 1:
+                r.fsdp = m * ((2 if plan.reshard_after_forward else 1) * ag + rs)
+            else:
+                r.fsdp = (m * plan.virtual_stages * 2 if plan.reshard_after_forward else 1) * ag + rs
+            return
         if plan.pp == 1:
             gathers = 2 if plan.reshard_after_forward else 1
             comm = m * (ag * gathers + rs)
