@@ -209,8 +209,7 @@ def _link(d: dict, base: Link) -> Link:
                 unit_gather_s=float(d.get("unit_gather_s", 0.0)), unit_reduce_s=float(d.get("unit_reduce_s", 0.0)),
                 unit_gather_s_per_byte=float(d.get("unit_gather_s_per_byte", 0.0)),
                 unit_reduce_s_per_byte=float(d.get("unit_reduce_s_per_byte", 0.0)),
-                func_latency_s=float(d.get("func_latency_s", 0.0)),
-                dtensor_latency_s=float(d.get("dtensor_latency_s", 0.0)))
+                func_latency_s=float(d.get("func_latency_s", 0.0)))
 
 
 def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:

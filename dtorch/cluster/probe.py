@@ -20,8 +20,7 @@ The calibration document (JSON; written atomically; one per cluster name)::
       intra: {kind, bandwidth (bytes/s), latency (s per ring step), p2p_latency (s), efficiency: 1.0,
               unit_gather_s, unit_reduce_s, unit_gather_s_per_byte, unit_reduce_s_per_byte (s per
               FSDP unit and per byte of it, `measure_fsdp_units`),
-              func_latency_s, dtensor_latency_s (fixed s of a functional collective / a DTensor
-              redistribution per ring step, `measure_functional_latency`)}
+              func_latency_s (fixed s of a functional collective per ring step, `measure_functional_latency`)}
       inter: {...}
     gemm: [{dtype, rows, width, k, flops}]       # the raw curve
     memory_bandwidth: {per_rank_bytes_per_s}
@@ -402,54 +401,41 @@ def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
 
 def measure_functional_latency(group, device, quick: bool = False) -> dict[str, float]:
     """Fixed seconds of one functional collective and its wait (`torch.distributed._functional_collectives`,
-    what context parallelism's K/V exchange issues): the mean of an all-gather, a reduce-scatter and
-    an all-reduce of 4 KiB over `group`, each timed to its `wait_tensor` (`func_latency_s`); and the
-    same three issued as DTensor redistributions, as TP issues them (`dtensor_latency_s`). The cost
-    model uses them as the latency of CP's and TP's collectives on this link in place of the ring
-    fit's alpha of the synchronous ones. Returned per ring step (divided by n - 1 for a group of n
-    ranks): an axis of another size scales as a ring does."""
+    what context parallelism's K/V exchange and TP's DTensor redistributions issue): the mean of an
+    all-gather, a reduce-scatter and an all-reduce of 4 KiB over `group`, each timed to its
+    `wait_tensor`. The cost model uses it as the latency of CP's and TP's collectives on this link
+    in place of the ring fit's alpha of the synchronous ones (DTensor's placement logic is priced
+    apart, per operator). Returned per ring step (divided by n - 1 for a group of n ranks): an axis
+    of another size scales as a ring does."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch.distributed._functional_collectives import all_reduce, wait_tensor
+    from torch.distributed.device_mesh import DeviceMesh
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones
     all_gather_tensor = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     reduce_scatter_tensor = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
     mesh = DeviceMesh.from_group(group, device.type)
     n = mesh.size()
     x = torch.ones(1024 // n * n, device=device)
-    shard = DTensor.from_local(x[: x.numel() // n], mesh, [Shard(0)], run_check=False)
-    partial = DTensor.from_local(x, mesh, [Partial()], run_check=False)
-    raw = (lambda: wait_tensor(all_gather_tensor(x[: x.numel() // n], 0, mesh)),
+    fns = (lambda: wait_tensor(all_gather_tensor(x[: x.numel() // n], 0, mesh)),
            lambda: wait_tensor(reduce_scatter_tensor(x, "sum", 0, mesh)),
            lambda: wait_tensor(all_reduce(x, "sum", mesh)))
-    # the same three as DTensor redistributions (TP's sequence-parallel gathers and scatters, the
-    # row-parallel reductions), Python placement logic included
-    redistributed = (lambda: shard.redistribute(mesh, [Replicate()]).to_local().sum(),
-                     lambda: partial.redistribute(mesh, [Shard(0)]).to_local().sum(),
-                     lambda: partial.redistribute(mesh, [Replicate()]).to_local().sum())
-
-    def mean_time(fns) -> float:
-        out = []
-        for fn in fns:
-            for _ in range(3):
-                fn()
-            reps = []
-            for _ in range(5 if quick else 15):
-                dist.barrier(group=group)
-                t = time.perf_counter()
-                fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                reps.append(time.perf_counter() - t)
-            out.append(sorted(reps)[len(reps) // 4])
-        return sum(out) / len(out) / max(1, n - 1)  # per ring step
-
-    return {"func_latency_s": mean_time(raw), "dtensor_latency_s": mean_time(redistributed)}
+    out = []
+    for fn in fns:
+        for _ in range(3):
+            fn()
+        reps = []
+        for _ in range(5 if quick else 15):
+            dist.barrier(group=group)
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            reps.append(time.perf_counter() - t)
+        out.append(sorted(reps)[len(reps) // 4])
+    return {"func_latency_s": sum(out) / len(out) / max(1, n - 1)}  # per ring step
 
 
 def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = COLL_SIZES,
@@ -808,8 +794,7 @@ def summary(doc: dict) -> str:
                          f"{link.get('unit_reduce_s', 0.0) * 1e6:.0f} us + {link.get('unit_reduce_s_per_byte', 0.0) * 1e12:.0f} "
                          f"us/MB, per unit")
         if link.get("func_latency_s"):
-            lines.append(f"  {cls:5s} functional collective (CP) {link['func_latency_s'] * 1e6:.0f} us, DTensor "
-                         f"redistribution (TP) {link.get('dtensor_latency_s', 0.0) * 1e6:.0f} us, fixed per ring step")
+            lines.append(f"  {cls:5s} functional collective (TP, CP) {link['func_latency_s'] * 1e6:.0f} us fixed per ring step")
     if len(doc.get("ranks") or []) > 1:
         speeds = [r["speed_flops"] for r in doc["ranks"]]
         lines.append("  per rank GEMM " + ", ".join(f"{s / 1e9:.1f}" for s in speeds) + " GFLOP/s (slowest/fastest "

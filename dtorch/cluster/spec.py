@@ -86,11 +86,10 @@ class Link:
     unit_reduce_s_per_byte: float = 0.0
     """The same per byte of a unit's gradients for its reduce-scatter."""
     func_latency_s: float = 0.0
-    """Fixed seconds of one functional collective to its wait over this link (CP's K/V exchange),
+    """Fixed seconds of one functional collective to its wait over this link (CP's K/V exchange,
+    TP's DTensor redistributions),
     per ring step; 0 = unmeasured (the ring latency). Measured by the probe
     (`dtorch.cluster.probe.measure_functional_latency`)."""
-    dtensor_latency_s: float = 0.0
-    """The same issued as a DTensor redistribution (TP's collectives), placement logic included."""
 
 
 @dataclass(frozen=True)

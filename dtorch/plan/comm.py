@@ -62,13 +62,13 @@ def unit_fixed(size: int, stride: int, group: NodeGroup) -> tuple[float, float, 
     return link.unit_gather_s, link.unit_reduce_s, link.unit_gather_s_per_byte, link.unit_reduce_s_per_byte
 
 
-def functional_time(kind: str, nbytes: float, size: int, stride: int, group: NodeGroup,
-                    dtensor: bool = False) -> float:
-    """`collective_time` of a functional collective (CP's K/V exchange; `dtensor`: a DTensor
-    redistribution, TP's): where the probe timed one to its wait on this node's link
-    (`Link.func_latency_s`, `Link.dtensor_latency_s`, per ring step) and the axis stays in the node,
-    that fixed cost replaces the ring fit's latency; the bytes cost what they cost."""
-    step = group.intra.dtensor_latency_s if dtensor else group.intra.func_latency_s
+def functional_time(kind: str, nbytes: float, size: int, stride: int, group: NodeGroup) -> float:
+    """`collective_time` of a functional collective (CP's K/V exchange, TP's redistributions): where
+    the probe timed one to its wait on this node's link (`Link.func_latency_s`, per ring step) and
+    the axis stays in the node, that fixed cost replaces the ring fit's latency; the bytes cost what
+    they cost. TP's DTensor placement logic is not in it: the host term prices every TP operator
+    as a DTensor operator already (`dtensor_op_overhead_s`)."""
+    step = group.intra.func_latency_s
     if size <= 1 or nbytes <= 0 or not step or stride * size > group.devices_per_node:
         return collective_time(kind, nbytes, size, stride, group)
     fixed = (size - 1) * step * (2 if kind == "all_reduce" else 1)

@@ -396,11 +396,10 @@ def test_measured_functional_latency_replaces_the_ring_latency_of_tp_and_cp_coll
     from dtorch.plan.comm import functional_time
 
     g = local_cluster(4, calibrated=False).groups[0]
-    m = dataclasses.replace(g, intra=dataclasses.replace(g.intra, func_latency_s=2e-3, dtensor_latency_s=5e-3))
+    m = dataclasses.replace(g, intra=dataclasses.replace(g.intra, func_latency_s=2e-3))
     nbytes = 1e6
     bytes_part = collective_time("all_gather", nbytes, 2, 1, g) - collective_time("all_gather", 1.0, 2, 1, g)
     assert functional_time("all_gather", nbytes, 2, 1, m) == pytest.approx(bytes_part + 2e-3)
-    assert functional_time("all_gather", nbytes, 2, 1, m, dtensor=True) == pytest.approx(bytes_part + 5e-3)
     # per ring step: an axis of 4 pays three, an all-reduce twice as many
     assert functional_time("all_gather", 64.0, 4, 1, m) == pytest.approx(
         collective_time("all_gather", 64.0, 4, 1, g) - collective_time("all_gather", 1.0, 4, 1, g) + 3 * 2e-3)

@@ -76,8 +76,8 @@ class Tensor(Strategy):
         tp, g = step.plan.tp, step.g
         if tp == 1:
             return False
-        step.tp_small = functional_time("all_gather", 64.0, tp, 1, g, dtensor=True)  # latency-bound
-        step.tp_act = functional_time("all_gather", step.act_full, tp, 1, g, dtensor=True)
+        step.tp_small = functional_time("all_gather", 64.0, tp, 1, g)  # latency-bound
+        step.tp_act = functional_time("all_gather", step.act_full, tp, 1, g)
         return True
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
