@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, Any] = dict(previous.get("sections", {}))  # --only keeps the other sections' last results
     ran = {}
     t_all = time.perf_counter()
+    load_before = os.getloadavg()[0]
     for name in names:
         log(f"== {name}")
         t = time.perf_counter()
@@ -314,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "host": socket.gethostname(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
            "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-           "load_average": os.getloadavg(), "ran": list(ran), "sections": sections}
+           "load_average": os.getloadavg(), "load_average_before": load_before, "ran": list(ran),
+           "sections": sections}
     latest_json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     md = ["# DTorch benchmarks (latest)", "",
           f"{doc['created']} on {doc['host']} ({doc['cpu_count']} CPUs, torch {doc['torch']}, "
-          f"load average {doc['load_average'][0]:.1f} at the end: the machine is shared, timings are noisy). "
+          f"load average {load_before:.1f} before, {doc['load_average'][0]:.1f} at the end, the benchmark's own "
+          "worker processes included; timings on a shared machine are noisy). "
           f"This run: {', '.join(ran) or 'nothing'} in {time.perf_counter() - t_all:.0f} s; "
           "other sections are from their last run (see each section's `created`).", "",
           "## Targets", "", *_targets(sections), ""]
