@@ -133,30 +133,38 @@ def run(quick: bool = False) -> dict:
 
 def predict(res: dict) -> dict:
     """Add the planner's prediction to every row: one all-to-all of the rank's assignments
-    (`dtorch.plan.strategies.expert.all_to_all_time`) over the links of the `cpu:1x<world>` preset
-    (shared memory, the preset's bandwidth and latency: not measured on this host), and the
-    measured/predicted ratio of dispatch and of the whole per-step exchange (the planner prices
-    backward as two more all-to-alls, so a step is 4 of them; the count exchange apart)."""
-    from dtorch.cluster.load import parse_shorthand
+    (`dtorch.plan.strategies.expert.all_to_all_time`) over this machine's links as `dtorch probe`
+    measured them (`local_cluster(world)` with the calibration in benchmarks/results/calibration,
+    which `python -m benchmarks --only probe` writes; the `cpu:1x<world>` preset's links where
+    there is none), and the measured/predicted ratio of dispatch and of the whole per-step exchange
+    (the planner prices backward as two more all-to-alls, so a step is 4 of them; the count
+    exchange apart)."""
+    from dtorch.cluster import local_cluster
     from dtorch.plan.strategies.expert import all_to_all_time
 
+    os.environ.setdefault("DTORCH_CALIBRATION_DIR", str(RESULTS / "calibration"))
+    sources = set()
     for r in res["rows"]:
-        g = parse_shorthand(f"cpu:1x{r['world']}").groups[0]
+        cluster = local_cluster(r["world"])
+        g = cluster.groups[0]
+        sources.add("probed" if cluster.calibration.get("version") else "preset")
         nbytes = r["tokens_per_rank"] * r["top_k"] * r["hidden"] * 4  # float32
         one = all_to_all_time(nbytes, r["ep"], 1, g)
         r["predicted_dispatch_s"] = one
         r["predicted_comm_s_per_step"] = 4 * one
         r["dispatch_measured_over_predicted"] = r["dispatch_s"] / one
         r["step_measured_over_predicted"] = r["comm_s_per_step"] / (4 * one)
-    res["prediction"] = ("dtorch.plan.strategies.expert.all_to_all_time over the cpu:1x<world> preset's links "
-                         "(bandwidth 2 GB/s, latency 200 us: preset values, not probed on this host)")
+        r["link"] = {"bandwidth": g.intra.bandwidth, "latency": g.intra.latency}
+    how = ("the links `dtorch probe` measured on this host (benchmarks/results/calibration)" if sources == {"probed"}
+           else "the cpu:1x<world> preset's links (not probed on this host)")
+    res["prediction"] = f"dtorch.plan.strategies.expert.all_to_all_time over {how}"
     return res
 
 
 def _markdown(res: dict) -> str:
     lines = ["# MoE dispatch/combine (expert parallelism), measured", "",
              f"Host {res['host']} ({res['cpus']} CPUs, 1-min load average {res['load_avg_1min'][0]:.1f} before, "
-             f"{res['load_avg_1min'][1]:.1f} after: other jobs share the cores), {res['note']}. Per MoE layer and step; bytes are what each rank sends to other "
+             f"{res['load_avg_1min'][1]:.1f} after, this benchmark's ranks included), {res['note']}. Per MoE layer and step; bytes are what each rank sends to other "
              "ranks in one direction (dispatch; combine sends the same back; backward repeats both).", "",
              "| world=ep | tokens/rank | hidden | off-rank | bytes/rank/direction | counts ms | dispatch ms | "
              "combine ms | backward ms | GB/s/rank |",

@@ -54,7 +54,7 @@ def pytest_terminal_summary(terminalreporter):
     s = _state
     if s["ran"] + s["skipped"] + s["failed"] == 0:
         return
-    line = f"slurm tests: {s['ran']} ran, {s['failed']} failed, {s['skipped']} skipped"
+    line = f"slurm tests: {s['ran'] + s['failed']} ran, {s['ran']} passed, {s['failed']} failed, {s['skipped']} skipped"
     if s["reason"]:
         line += f" ({s['reason']})"
     terminalreporter.write_line(line)

@@ -91,7 +91,10 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_identical(slurm, tmp
     stop = preempted[0]["checkpoint_step"]
     assert 12 <= stop < STEPS
     assert (pre / f"step-{stop:08d}").is_dir()
-    # Slurm holds a requeued job for cred_expire seconds; release it at once to keep the test short
+    # Slurm holds a requeued job for cred_expire seconds; release it early to keep the test short, but
+    # not within the second its old credential was revoked: slurmd compares credential times in whole
+    # seconds, and a launch in that second is killed as "Job credential revoked" (seen once in CI)
+    time.sleep(1.5)
     subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], capture_output=True)
     _wait(lambda: _done(jid_ref), 240, f"job {jid_ref} to finish")
     assert _job(jid_ref)["JobState"] == "COMPLETED", _job(jid_ref)
