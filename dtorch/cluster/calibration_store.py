@@ -63,6 +63,12 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
             v = link.get(key)
             if not (isinstance(v, (int, float)) and v >= 0 and (key == "latency" or v > 0)):
                 raise ConfigError(f"{source}.links.{cls}.{key}", v, "must be a positive number")
+        for key in ("a2a_bandwidth", "a2a_latency"):  # optional: the all-to-all fit (older probes lack it)
+            v = link.get(key)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                                      and (key == "a2a_latency" or v > 0)):
+                raise ConfigError(f"{source}.links.{cls}.{key}", v,
+                                  "must be a positive number; run `dtorch probe` again")
     host = doc.get("host_optimizer")
     if host is not None:
         if not isinstance(host, dict):
@@ -209,7 +215,8 @@ def _link(d: dict, base: Link) -> Link:
                 unit_gather_s=float(d.get("unit_gather_s", 0.0)), unit_reduce_s=float(d.get("unit_reduce_s", 0.0)),
                 unit_gather_s_per_byte=float(d.get("unit_gather_s_per_byte", 0.0)),
                 unit_reduce_s_per_byte=float(d.get("unit_reduce_s_per_byte", 0.0)),
-                func_latency_s=float(d.get("func_latency_s", 0.0)))
+                func_latency_s=float(d.get("func_latency_s", 0.0)),
+                a2a_bandwidth=float(d.get("a2a_bandwidth", 0.0)), a2a_latency=float(d.get("a2a_latency", 0.0)))
 
 
 def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:

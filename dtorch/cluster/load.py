@@ -116,7 +116,8 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
         return default
     d = _mapping(v, path)
     fields = ("kind", "bandwidth", "latency", "efficiency", "p2p_latency", "unit_gather_s", "unit_reduce_s",
-              "unit_gather_s_per_byte", "unit_reduce_s_per_byte", "func_latency_s")
+              "unit_gather_s_per_byte", "unit_reduce_s_per_byte", "func_latency_s",
+              "a2a_bandwidth", "a2a_latency")
     unknown = sorted(set(d) - set(fields))
     if unknown:
         raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]], f"unknown link field; use {', '.join(fields)}")
@@ -139,6 +140,8 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
         unit_reduce_s_per_byte=_num(d, "unit_reduce_s_per_byte", path, positive=False,
                                     default=default.unit_reduce_s_per_byte),
         func_latency_s=_num(d, "func_latency_s", path, positive=False, default=default.func_latency_s),
+        a2a_bandwidth=_num(d, "a2a_bandwidth", path, positive=False, default=default.a2a_bandwidth),
+        a2a_latency=_num(d, "a2a_latency", path, positive=False, default=default.a2a_latency),
     )
 
 

@@ -7,7 +7,11 @@ numbers are what it gets under the real concurrency of a job of that many ranks)
 - memory bandwidth (a large tensor copy, bytes read + written per second);
 - collectives by message size for each link class present - all-reduce, all-gather,
   reduce-scatter over the ranks of one node (``intra``) and over one rank per node (``inter``),
-  and point-to-point ping-pong between pairs of ranks.
+  and point-to-point ping-pong between pairs of ranks;
+- all-to-all (``all_to_all_single`` into a fresh output, as expert parallelism's token dispatch
+  runs it) at the same message sizes and two larger ones, fitted apart into the link's
+  ``a2a_bandwidth`` / ``a2a_latency`` (on gloo a dispatch buffer of tens of MiB goes well below the
+  ring collectives' fit, so one fit would misprice both).
 
 The calibration document (JSON; written atomically; one per cluster name)::
 
@@ -80,16 +84,19 @@ GEMM_ROWS = (128, 512, 2048)
 GEMM_WIDTHS = (32, 128, 512)
 GEMM_K = 512
 COLL_SIZES = tuple(4 ** i * 1024 for i in range(1, 7))  # 4 KiB .. 4 MiB
-COLL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COLL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 
 
 # ---- fits (pure) -----------------------------------------------------------------------------------
 def collective_steps(op: str, n: int) -> tuple[float, float]:
     """(bytes moved per rank per byte of the full array, latency steps) of a ring collective of n
     ranks, as the cost model counts them: all-gather / reduce-scatter (n-1)/n and n-1 steps,
-    all-reduce twice that, point-to-point 1 and 1."""
+    all-reduce twice that, point-to-point 1 and 1, all-to-all (a pairwise exchange: each rank keeps
+    its own 1/n) (n-1)/n and n-1."""
     if op == "p2p":
         return 1.0, 1.0
+    if op == "all_to_all":
+        return (n - 1) / n, float(n - 1)
     f = 2.0 if op == "all_reduce" else 1.0
     return f * (n - 1) / n, f * (n - 1)
 
@@ -441,8 +448,11 @@ def measure_functional_latency(group, device, quick: bool = False) -> dict[str, 
 def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = COLL_SIZES,
                         ops: Sequence[str] = COLL_OPS, min_time: float = 0.05) -> dict[str, list[dict]]:
     """Seconds per collective by message size over the process group `group` (global `ranks`).
-    `bytes` is the full array (all-reduce / reduce-scatter input, all-gather output); point-to-point
-    is a ping-pong between rank pairs (2i, 2i+1) of the group, half the round trip."""
+    `bytes` is the full array (all-reduce / reduce-scatter input, all-gather output, each rank's
+    all-to-all send buffer, split evenly over the group); point-to-point is a ping-pong between rank
+    pairs (2i, 2i+1) of the group, half the round trip. The all-to-all also runs at 4x and 8x the
+    largest size (16 and 32 MiB by default): expert parallelism's dispatch buffers are tens of MiB,
+    where gloo's exchange into a freshly allocated output slows well below its small-message rate."""
     import torch
     import torch.distributed as dist
 
@@ -453,11 +463,12 @@ def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    for size in sizes:
+    extra = (4 * sizes[-1], 8 * sizes[-1]) if "all_to_all" in ops and sizes else ()
+    for size in (*sizes, *extra):
         numel = max(n, size // 4 // n * n)
         full = torch.ones(numel, device=device)
         shard = torch.ones(numel // n, device=device)
-        for op in ops:
+        for op in (ops if size in sizes else ("all_to_all",)):
             if op == "all_reduce":
                 def fn(full=full):
                     dist.all_reduce(full, group=group)
@@ -467,6 +478,11 @@ def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = 
             elif op == "reduce_scatter":
                 def fn(full=full, shard=shard):
                     reduce_scatter(shard, full, group=group)
+            elif op == "all_to_all":
+                # as dtorch.parallel.expert issues it: the output allocated per call (at tens of MiB a
+                # fresh buffer's first touch inside gloo's receive costs as much as the transfer)
+                def fn(full=full):
+                    dist.all_to_all_single(torch.empty_like(full), full, group=group)
             else:
                 peer_idx = idx ^ 1
                 if peer_idx >= n:
@@ -499,17 +515,30 @@ def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = 
 def _link_fit(colls: dict[str, list[dict]], n: int, kind: str) -> dict:
     """The link's alpha-beta from its ring collectives, and point-to-point latency apart: a ring step
     waits for every rank of the group (on an oversubscribed CPU, for each to be scheduled), a
-    send for one peer, so one alpha would misprice both."""
-    points, p2p = [], []
+    send for one peer, so one alpha would misprice both. The all-to-all gets its own alpha-beta
+    (`a2a_latency` per peer, `a2a_bandwidth` from its largest messages): gloo's pairwise exchange into
+    a fresh buffer of tens of MiB runs at a fraction of its rings' rate."""
+    points, p2p, a2a = [], [], []
     for op, rows in colls.items():
         moved, steps = collective_steps(op, 2 if op == "p2p" else n)
+        bucket = p2p if op == "p2p" else a2a if op == "all_to_all" else points
         for r in rows:
             if "seconds" in r:
-                (p2p if op == "p2p" else points).append((steps, r["bytes"] * moved, r["seconds"]))
-    alpha, beta = fit_alpha_beta(points or p2p)
+                bucket.append((steps, r["bytes"] * moved, r["seconds"]))
+    alpha, beta = fit_alpha_beta(points or p2p or a2a)
     out = {"kind": kind, "bandwidth": beta, "latency": alpha, "efficiency": 1.0, "ranks": n}
     if p2p and points:
         out["p2p_latency"] = max(1e-9, fit_alpha_beta(p2p)[0])
+    if a2a:
+        # the latency from every size, the bandwidth from the three largest with that latency taken
+        # off: the dispatch buffers that matter are large, and a fit weighting every size alike
+        # would carry the small messages' faster rate up to them
+        a2a.sort(key=lambda p: p[1])
+        a_lat = fit_alpha_beta(a2a)[0]
+        big = a2a[-3:]
+        busy = sum(t - a_lat * s for s, _, t in big)
+        out["a2a_latency"] = a_lat
+        out["a2a_bandwidth"] = sum(m for _, m, _ in big) / busy if busy > 0 else fit_alpha_beta(big)[1]
     return out
 
 
@@ -788,6 +817,9 @@ def summary(doc: dict) -> str:
         p2p = f", point-to-point {link['p2p_latency'] * 1e6:.1f} us" if link.get("p2p_latency") else ""
         lines.append(f"  {cls:5s} link {link['bandwidth'] / 1e9:.3f} GB/s, latency {link['latency'] * 1e6:.1f} us "
                      f"per step{p2p}")
+        if link.get("a2a_bandwidth"):
+            lines.append(f"  {cls:5s} all-to-all (EP dispatch) {link['a2a_bandwidth'] / 1e9:.3f} GB/s, latency "
+                         f"{link.get('a2a_latency', 0.0) * 1e6:.1f} us per peer")
         if link.get("unit_gather_s") or link.get("unit_reduce_s"):
             lines.append(f"  {cls:5s} FSDP unit: all-gather {link.get('unit_gather_s', 0.0) * 1e6:.0f} us + "
                          f"{link.get('unit_gather_s_per_byte', 0.0) * 1e12:.0f} us/MB, reduce-scatter "

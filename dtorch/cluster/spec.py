@@ -90,6 +90,14 @@ class Link:
     TP's DTensor redistributions),
     per ring step; 0 = unmeasured (the ring latency). Measured by the probe
     (`dtorch.cluster.probe.measure_functional_latency`)."""
+    a2a_bandwidth: float = 0.0
+    """Bytes/s per device of an all-to-all (`all_to_all_single`, a pairwise exchange: each rank sends
+    (n-1)/n of its buffer) over this link, as the probe fits it apart from the ring collectives (gloo's
+    all-to-all of large messages runs far below its ring); 0 = unmeasured (`bandwidth x efficiency`).
+    Measured by the probe (`dtorch.cluster.probe.measure_collectives`)."""
+    a2a_latency: float = 0.0
+    """Seconds per peer of that all-to-all (its alpha per pairwise step); meaningful only with
+    `a2a_bandwidth` set (unmeasured: `latency`)."""
 
 
 @dataclass(frozen=True)

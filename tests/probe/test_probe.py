@@ -94,14 +94,25 @@ def test_two_rank_probe_measures_every_collective_and_fits_the_intra_link(cal_di
     doc, path = run_probe(2, quick=True, dtypes=["float32"])
     assert doc["cluster"] == "local:1x2" and doc["world_size"] == 2 and path == calibration_path("local:1x2")
     colls = doc["collectives"]["intra"]
-    assert set(colls) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    assert set(colls) == {"all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all"}
     for op, rows in colls.items():
         assert [r for r in rows if "seconds" in r], op
         sizes = [r["bytes"] for r in rows]
         assert sizes == sorted(sizes) and sizes[-1] >= 2**20
+    # the all-to-all also runs at 4x and 8x the largest ring size (EP's dispatch buffers are large)
+    ring_max = colls["all_gather"][-1]["bytes"]
+    assert [r["bytes"] for r in colls["all_to_all"]][-2:] == [4 * ring_max, 8 * ring_max]
     link = doc["links"]["intra"]
     assert link["bandwidth"] > 0 and link["latency"] >= 0
     assert local_cluster(2).groups[0].intra.bandwidth == pytest.approx(link["bandwidth"])
+    # its own alpha-beta, carried into the planner's link and its all-to-all price
+    assert link["a2a_bandwidth"] > 0 and link["a2a_latency"] >= 0
+    intra = local_cluster(2).groups[0].intra
+    assert (intra.a2a_bandwidth, intra.a2a_latency) == pytest.approx((link["a2a_bandwidth"], link["a2a_latency"]))
+    from dtorch.plan.strategies.expert import all_to_all_time
+
+    assert all_to_all_time(2 * 2**20, 2, 1, local_cluster(2).groups[0]) == pytest.approx(
+        2**20 / link["a2a_bandwidth"] + link["a2a_latency"])
     # DTensor dispatch costs more than a plain tensor's, and the cluster the planner sees knows it
     assert doc["dtensor_op_overhead_s"] > 0
     assert local_cluster(2).groups[0].device.dtensor_op_overhead_s == pytest.approx(doc["dtensor_op_overhead_s"])
@@ -158,3 +169,36 @@ def test_gemm_fit_reproduces_a_curve_of_the_cost_models_shape():
     for r in recs:
         assert peak * eff * shape_factor(r["width"], r["rows"]) == pytest.approx(r["flops"], rel=1e-9)
     assert eff <= 1.0
+
+
+def test_all_to_all_gets_its_own_fit_which_prices_ep_where_measured_and_only_there(cal_dir, tmp_path):
+    from dtorch.cluster.load import save_cluster
+    from dtorch.cluster.probe import _link_fit
+    from dtorch.plan.strategies.expert import all_to_all_time
+
+    # a ring at 2 GB/s + 100 us per step, an all-to-all at 0.5 GB/s + 300 us per peer (4 ranks)
+    sizes = [4 ** i * 1024 for i in range(1, 9)]
+    ring = [{"bytes": b, "seconds": 3 * 1e-4 + b * 0.75 / 2e9} for b in sizes[:6]]
+    a2a = [{"bytes": b, "seconds": 3 * 3e-4 + b * 0.75 / 5e8} for b in sizes]
+    fit = _link_fit({"all_gather": ring, "all_to_all": a2a}, 4, "shm")
+    assert fit["bandwidth"] == pytest.approx(2e9, rel=1e-6) and fit["latency"] == pytest.approx(1e-4, rel=1e-6)
+    assert fit["a2a_bandwidth"] == pytest.approx(5e8, rel=1e-6) and fit["a2a_latency"] == pytest.approx(3e-4, rel=1e-6)
+    assert collective_steps("all_to_all", 4) == (0.75, 3.0)
+
+    # a calibration without the fit (an older probe) keeps the ring's alpha-beta for the all-to-all
+    write_calibration(_doc("local:1x2", bw=1e9, lat=1e-4), calibration_path("local:1x2"))
+    g = local_cluster(2).groups[0]
+    assert g.intra.a2a_bandwidth == 0.0
+    assert all_to_all_time(4e6, 2, 1, g) == pytest.approx(2e6 / 1e9 + 1e-4)
+    # with it, the all-to-all's own numbers, and a cluster file carries them through save and load
+    doc = _doc("local:1x2", bw=1e9, lat=1e-4)
+    doc["links"]["intra"].update(a2a_bandwidth=2.5e8, a2a_latency=4e-4)
+    write_calibration(doc, calibration_path("local:1x2"))
+    g = local_cluster(2).groups[0]
+    assert all_to_all_time(4e6, 2, 1, g) == pytest.approx(2e6 / 2.5e8 + 4e-4)
+    save_cluster(local_cluster(2), tmp_path / "c.yaml")
+    assert load_cluster(str(tmp_path / "c.yaml")).groups[0].intra.a2a_bandwidth == pytest.approx(2.5e8)
+    # a damaged value is rejected by name
+    doc["links"]["intra"]["a2a_bandwidth"] = -1.0
+    with pytest.raises(ConfigError, match="a2a_bandwidth"):
+        write_calibration(doc, calibration_path("local:1x2"))

@@ -100,7 +100,8 @@ def all_to_all_time(nbytes: float, ep: int, stride: int, group: Any, *, node_lim
     """Seconds of one all-to-all where every rank of an `ep`-rank group at rank stride `stride`
     holds `nbytes` to scatter evenly over the group (its own 1/ep stays). Pairwise exchange:
     intra-node share (k-1)/ep at NVLink bandwidth with a latency per peer, the off-node share
-    (ep-k)/ep through the rank's own NIC with a latency per remote node.
+    (ep-k)/ep through the rank's own NIC with a latency per remote node; each link's all-to-all
+    fit where the probe measured one (`a2a_link`).
 
     `node_limit` (a what-if of DeepSeek-V3's dispatch kernels, not what dtorch.parallel.expert does):
     node-limited routing with one copy per destination node. `nbytes` holds `top_k` copies of every
@@ -118,10 +119,21 @@ def all_to_all_time(nbytes: float, ep: int, stride: int, group: Any, *, node_lim
         intra_bytes = nbytes * (k - 1) / k
     t = 0.0
     if k > 1:
-        t += intra_bytes / (intra.bandwidth * intra.efficiency) + (k - 1) * intra.latency
+        bw, lat = a2a_link(intra)
+        t += intra_bytes / bw + (k - 1) * lat
     if m > 1:
-        t += inter_bytes / (inter.bandwidth * inter.efficiency) + (m - 1) * inter.latency
+        bw, lat = a2a_link(inter)
+        t += inter_bytes / bw + (m - 1) * lat
     return t
+
+
+def a2a_link(link: Any) -> tuple[float, float]:
+    """(bytes/s, seconds per peer) of an all-to-all over `link`: the probe's own all-to-all fit where
+    it measured one (`Link.a2a_bandwidth`; gloo's pairwise exchange runs well below its rings), else
+    the link's ring alpha-beta (`bandwidth x efficiency`, `latency`: nominal links, older probes)."""
+    if link.a2a_bandwidth > 0:
+        return link.a2a_bandwidth, link.a2a_latency
+    return link.bandwidth * link.efficiency, link.latency
 
 
 @dataclass(frozen=True)
