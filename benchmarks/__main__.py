@@ -74,7 +74,7 @@ def md_probe(r: dict) -> str:
 def section_sweep(quick: bool) -> dict:
     from benchmarks import bench_sweep
 
-    return bench_sweep.run(quick=quick, log=log)
+    return bench_sweep.run(quick=quick, probe=True, log=log)
 
 
 def section_gap(quick: bool) -> dict:

@@ -15,8 +15,11 @@ states, activations, buffers: the prediction without its fixed per-process margi
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks import stats
@@ -273,20 +276,36 @@ def score(rows: list[dict]) -> dict[str, Any]:
     }
 
 
-def rescore(result: dict, log=print) -> dict[str, Any]:
+def rescore(result: dict, log=print, own_calibration: bool = True) -> dict[str, Any]:
     """The stored measurements of a sweep result re-predicted by the current cost model and the
-    calibration stored now (for changes to the model between runs; the sweep's own figures are
-    the ones measured with the model of its day)."""
+    calibration the sweep measured before each world (`run(probe=True)`; else, or without
+    `own_calibration`, the one stored now): for changes to the model between runs. The sweep's own
+    figures are the ones measured with the model of its day."""
     from dtorch.cluster import local_cluster
     from dtorch.model import profile_module
     from dtorch.models import build_model
     from dtorch.plan.cost import estimate
     from dtorch.plan.plan import Plan
 
+    from dtorch.cluster.calibration_store import calibration_path, write_calibration
+
     out = []
     for sec in result["results"]:
         world = sec["summary"]["world_size"]
-        cluster, raw = local_cluster(world), local_cluster(world, calibrated=False)
+        cal = sec.get("calibration") if own_calibration else None
+        with tempfile.TemporaryDirectory() as tmp:
+            env = os.environ.get("DTORCH_CALIBRATION_DIR")
+            if cal:  # the calibration the run itself measured
+                os.environ["DTORCH_CALIBRATION_DIR"] = tmp
+                write_calibration(cal, calibration_path(cal["cluster"]))
+            try:
+                cluster = local_cluster(world)
+            finally:
+                if env is None:
+                    os.environ.pop("DTORCH_CALIBRATION_DIR", None)
+                else:
+                    os.environ["DTORCH_CALIBRATION_DIR"] = env
+        raw = local_cluster(world, calibrated=False)
         prof = profile_module(lambda m=sec["model"]: build_model(m), result["config"]["seq_len"])
         rows = []
         for r in sec["plans"]:
@@ -300,18 +319,37 @@ def rescore(result: dict, log=print) -> dict[str, Any]:
     return {"results": out}
 
 
+def repetitions(world: int, quick: bool) -> int:
+    """Interleaved repetitions per plan: the world-2 section is cheap (43 plans, ~2 min at 3), so it
+    runs 6, halving the share of a repetition disturbed by the machine; world 4 (98 plans) runs 3."""
+    return 2 if quick else (6 if world <= 2 else 3)
+
+
 def run(quick: bool = False, models: list[str] | None = None, worlds: tuple[int, ...] = (2, 4),
-        log=print) -> dict[str, Any]:
-    """The sweep for each model and world size. Returns {"config", "results": [{model, summary, plans}]}."""
-    reps, steps = (2, 2) if quick else (3, 2)
+        probe: bool = False, log=print) -> dict[str, Any]:
+    """The sweep for each model and world size. Returns {"config", "results": [{model, summary, plans}]}.
+
+    `probe`: run `dtorch probe` at each world size right before its sweep (into the calibration
+    directory the planner reads) and keep the calibration in the section, so the prediction is made
+    on what the machine measured minutes, not a quarter of an hour, before the run, and `--rescore`
+    can re-predict with the calibration of the day."""
+    steps = 2
     results = []
     for model in models or [MODEL]:
         for world in worlds:
+            cal = None
+            if probe:
+                from dtorch.cluster.probe import run_probe
+
+                log(f"probe world {world}")
+                cal, _ = run_probe(world, quick=quick)
             log(f"sweep {model} world {world}")
-            sec = sweep_world(model, SEQ, GLOBAL_BATCH, world, quick=quick, reps=reps, steps=steps, log=log)
-            results.append({"model": model, **sec})
+            sec = sweep_world(model, SEQ, GLOBAL_BATCH, world, quick=quick, reps=repetitions(world, quick),
+                              steps=steps, log=log)
+            results.append({"model": model, **sec, "calibration": cal})
     return {"config": {"models": models or [MODEL], "seq_len": SEQ, "global_batch": GLOBAL_BATCH,
-                       "worlds": list(worlds), "reps": reps, "steps_per_rep": steps, "quick": quick},
+                       "worlds": list(worlds), "reps": {str(w): repetitions(w, quick) for w in worlds},
+                       "steps_per_rep": steps, "quick": quick, "probed_before_each_world": probe},
             "results": results}
 
 
@@ -319,12 +357,19 @@ def _f(x, fmt="{:.3f}"):
     return "n/a" if x is None else fmt.format(x)
 
 
+def _reps(config: dict) -> str:
+    reps = config["reps"]
+    return ", ".join(f"{n} at world {w}" for w, n in reps.items()) if isinstance(reps, dict) else str(reps)
+
+
 def markdown(result: dict) -> str:
     lines = ["## (a) Plan sweep: predicted vs measured", "",
              f"Model `{result['config']['models'][0]}`, seq {result['config']['seq_len']}, global batch "
-             f"{result['config']['global_batch']}, {result['config']['reps']} interleaved repetitions x "
+             f"{result['config']['global_batch']}, {_reps(result['config'])} interleaved repetitions x "
              f"{result['config']['steps_per_rep']} steps; a plan's step time is the median of its least disturbed "
-             "repetition.", "",
+             "repetition." + (" Each world size was probed (`dtorch probe --nproc N`) right before its sweep; the "
+                              "predictions use that calibration." if result['config'].get('probed_before_each_world')
+                              else ""), "",
              "| model | world | plans run (feasible) | failed | Spearman | MAPE | regret | Spearman uncal. | MAPE uncal. "
              "| memory Spearman | memory MAPE | planner's choice | best measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -532,4 +577,7 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description="re-predict a stored sweep with the current cost model")
     ap.add_argument("--rescore", required=True, help="a sweep.json written by `python -m benchmarks`")
-    rescore(json.loads(open(ap.parse_args().rescore).read()))
+    ap.add_argument("--calibration-now", action="store_true",
+                    help="predict with the calibration stored now, not the one the sweep measured")
+    args = ap.parse_args()
+    rescore(json.loads(Path(args.rescore).read_text()), own_calibration=not args.calibration_now)

@@ -333,8 +333,8 @@ def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
     copy-out, the pre-forward hook) and the gradient reduce-scatter (the post-backward hook, copies,
     collective), each as a fixed part and a part per byte of the unit. Units of eight bias-free
     linear layers (a transformer block's tensor count) at two widths, 32 (a few KiB: latency and
-    host work) and 160 (0.8 MB of float32, a small block's size), 2 and 6 units of each, the
-    difference over the 4 extra units less the same difference unsharded: the all-gather from a
+    host work) and 160 (0.8 MB of float32, a small block's size), 2 and 8 units of each, the
+    difference over the 6 extra units less the same difference unsharded: the all-gather from a
     forward under no_grad (one gather per unit), the reduce-scatter from a forward and backward
     without resharding (one gather and one reduce per unit) less the gather.
 
@@ -351,19 +351,6 @@ def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
 
     mesh = DeviceMesh.from_group(group, device.type)
 
-    def timed(fn) -> float:
-        for _ in range(2):
-            fn()
-        reps = []
-        for _ in range(5 if quick else 11):
-            dist.barrier(group=group)
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            reps.append(time.perf_counter() - t)
-        return sorted(reps)[len(reps) // 4]  # a low quantile: other load only adds time
-
     def build(k: int, width: int, reshard: bool | None) -> nn.Module:
         model = nn.Sequential(*[nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)])
                                 for _ in range(k)]).to(device)
@@ -373,32 +360,50 @@ def measure_fsdp_units(group, device, quick: bool = False) -> dict[str, float]:
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         return model
 
-    def per_unit(width: int) -> tuple[float, float]:
+    widths = (32, 160)
+    calls: dict[tuple[int, int, str, bool], Callable[[], Any]] = {}
+    for width in widths:
         x = torch.randn(4, width, device=device)
-        times: dict[tuple[int, str], float] = {}
-        for k in (2, 6):
+        for k in (2, 8):
             for sharded in (False, True):
                 stepped = build(k, width, False if sharded else None)  # parameters stay gathered into the backward
                 forwarded = build(k, width, True if sharded else None)  # each unit gathers and reshards
 
-                def step(model=stepped):
+                def step(model=stepped, x=x):
                     model(x).sum().backward()
 
-                def forward(model=forwarded):
+                def forward(model=forwarded, x=x):
                     with torch.no_grad():
                         model(x)
 
-                times[(k, f"step{sharded}")] = timed(step)
-                times[(k, f"fwd{sharded}")] = timed(forward)
+                calls[(width, k, "step", sharded)] = step
+                calls[(width, k, "fwd", sharded)] = forward
+    # the configurations are timed in interleaved rounds (one call of each per round, the order
+    # rotating), so that a slow stretch of the machine weighs on all of them alike rather than on the
+    # few timed during it: the results are differences of differences and would take all of it
+    keys = list(calls)
+    for key in keys:
+        for _ in range(2):
+            calls[key]()
+    samples: dict[tuple, list[float]] = {key: [] for key in keys}
+    for rnd in range(5 if quick else 15):
+        for key in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
+            dist.barrier(group=group)
+            t = time.perf_counter()
+            calls[key]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples[key].append(time.perf_counter() - t)
+    times = {key: sorted(v)[len(v) // 4] for key, v in samples.items()}  # a low quantile: other load only adds time
 
+    def per_unit(width: int) -> tuple[float, float]:
         def extra(what: str) -> float:
-            return ((times[(6, f"{what}True")] - times[(2, f"{what}True")])
-                    - (times[(6, f"{what}False")] - times[(2, f"{what}False")])) / 4
+            return ((times[(width, 8, what, True)] - times[(width, 2, what, True)])
+                    - (times[(width, 8, what, False)] - times[(width, 2, what, False)])) / 6
 
         gather = max(0.0, extra("fwd"))
         return gather, max(0.0, extra("step") - gather)
 
-    widths = (32, 160)
     (g0, r0), (g1, r1) = (per_unit(w) for w in widths)
     b0, b1 = (8 * w * w * 4 for w in widths)  # float32 bytes of a unit's parameters (and gradients)
     g_slope, r_slope = max(0.0, (g1 - g0) / (b1 - b0)), max(0.0, (r1 - r0) / (b1 - b0))
@@ -501,7 +506,10 @@ def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = 
                             dist.send(full, peer)
             dist.barrier(group=group)
             try:
-                sec = _timeit_collective(fn, device, group, min_time=min_time, max_reps=50)
+                # seven short blocks, not three long ones: on a shared CPU a collective's time is
+                # bimodal (the peers on cores at once, or waiting for each other's time slice) in
+                # stretches of tens of ms, and the median block then stays with the common state
+                sec = _timeit_collective(fn, device, group, min_time=min_time, max_reps=50, blocks=7)
             except (RuntimeError, NotImplementedError) as e:  # a backend without this collective
                 out[op].append({"bytes": numel * 4, "error": str(e).splitlines()[0][:200]})
                 continue
@@ -542,6 +550,24 @@ def _link_fit(colls: dict[str, list[dict]], n: int, kind: str) -> dict:
     return out
 
 
+HOST_ROUNDS = 3  # rounds of the host-side scalars per probe (`measure_host_round`); --quick: one
+
+
+def measure_host_round(device, quick: bool, cuda: bool) -> dict:
+    """One round of the host-side measurements: memory bandwidth (a 64 MiB copy), the dispatch,
+    eager-op and DTensor costs per operator, and the host optimizer (`host.measure_host_optimizer`,
+    under "host_opt"). `probe_in_group` takes the median of `HOST_ROUNDS` rounds spread over the probe."""
+    from dtorch.cluster.host import measure_host_optimizer
+
+    out = measure_memory_bandwidth(device, (16 if quick else 64) * 2**20, 0.03 if quick else 0.1)
+    out["dispatch_s"] = measure_dispatch_overhead(device, 0.01 if quick else 0.03)
+    out["op_s"] = measure_op_overhead(device, 0.03 if quick else 0.1)
+    out["dtensor_s"] = measure_dtensor_overhead(device, 0.02 if quick else 0.05)
+    out["host_opt"] = measure_host_optimizer((1 if quick else 4) * 2**20, 0.03 if quick else 0.1,
+                                             device if cuda else None)
+    return out
+
+
 def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
                    dtypes: Sequence[str] | None = None) -> dict | None:
     """Run every measurement on all ranks of the current job at once; returns the calibration
@@ -572,16 +598,11 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     p = Ticker(f"probing {world} rank{'s' if world > 1 else ''}", enabled=None if rank == 0 else False).start()
     p.note = f"GEMMs ({len(dtypes)} dtypes x {len(rows) * len(widths)} shapes)"
     gemm = measure_gemm(device, dtypes, rows, widths, k, min_time=0.01 if quick else 0.03)
-    p.note = "memory bandwidth and per-op overheads"
-    membw = measure_memory_bandwidth(device, (16 if quick else 64) * 2**20, 0.03 if quick else 0.1)
-    membw["dispatch_s"] = measure_dispatch_overhead(device, 0.01 if quick else 0.03)
-    membw["op_s"] = measure_op_overhead(device, 0.03 if quick else 0.1)
-    membw["dtensor_s"] = measure_dtensor_overhead(device, 0.02 if quick else 0.05)
-    from dtorch.cluster.host import measure_host_optimizer
-
-    p.note = "host optimizer (CPU AdamW, host copies)"
-    host_opt = measure_host_optimizer((1 if quick else 4) * 2**20, 0.03 if quick else 0.1,
-                                      device if cuda else None)
+    # the host-side scalars (memory bandwidth, per-op costs, host optimizer) in rounds spread over the
+    # probe, each the median of its rounds: a neighbour's burst of memory traffic or load in one
+    # round (seen as 0.5-2x on shared VMs) does not become the calibration
+    rounds = [measure_host_round(device, quick, cuda)]
+    p.note = "collectives"
     p.note = "collectives"
 
     colls: dict[str, dict] = {}
@@ -599,17 +620,26 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         intra_kind = "shm" if not cuda else "nvlink"
         if local > 1:
             colls["intra"] = measure_collectives(pg_intra[node], intra_groups[node], device, sizes,
-                                                 min_time=0.01 if quick else 0.03)
+                                                 min_time=0.005 if quick else 0.015)
             links["intra"] = _link_fit(colls["intra"], local, intra_kind)
             p.note = "FSDP units"
             links["intra"].update(measure_fsdp_units(pg_intra[node], device, quick))
             links["intra"].update(measure_functional_latency(pg_intra[node], device, quick))
+            if not quick:
+                p.note = "host round 2"
+                rounds.append(measure_host_round(device, quick, cuda))
         if nodes > 1:
             colls["inter"] = measure_collectives(pg_inter[lr], inter_groups[lr], device, sizes,
-                                                 min_time=0.01 if quick else 0.03)
+                                                 min_time=0.005 if quick else 0.015)
             links["inter"] = _link_fit(colls["inter"], nodes, "ib" if backend == "nccl" else "ethernet")
 
+    p.note = f"host round {len(rounds) + 1}"
+    while len(rounds) < (1 if quick else HOST_ROUNDS):
+        rounds.append(measure_host_round(device, quick, cuda))
     p.stop()
+    membw = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "host_opt"}
+    host_opt = {k: statistics.median(r["host_opt"][k] for r in rounds) for k in rounds[0]["host_opt"]}
+    membw["rounds_bytes_per_s"] = [r["bytes_per_s"] for r in rounds]
     mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt,
             "memory_bytes": _usable_memory(device, local)}
     gathered = [None] * world
@@ -667,7 +697,8 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         },
         "links": {cls: {k: v for k, v in d.items() if k != "ranks"} for cls, d in links_all.items()},
         "gemm": sorted(gemm_min, key=lambda r: (r["dtype"], r["rows"], r["width"])),
-        "memory_bandwidth": {"per_rank_bytes_per_s": [res["membw"]["bytes_per_s"] for res in gathered]},
+        "memory_bandwidth": {"per_rank_bytes_per_s": [res["membw"]["bytes_per_s"] for res in gathered],
+                             "rounds_bytes_per_s": [res["membw"]["rounds_bytes_per_s"] for res in gathered]},
         "dispatch_overhead_s": statistics.median(res["membw"]["dispatch_s"] for res in gathered),
         # host time per op of an eager step and the DTensor surcharge (median rank): the cost model's
         # host-overhead term (DeviceType.op_overhead_s / dtensor_op_overhead_s)
