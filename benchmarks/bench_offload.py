@@ -3,8 +3,8 @@ Llama trained in memory, with the host tier and with the NVMe tier (state and fp
 files), each tier with its step after the backward and overlapped with it, against the planner's
 prediction; plus the disk bandwidth the NVMe tier reached and the disk probe's figures (the probe
 and the tier move their blocks through the same huge-page buffers, `dtorch.cluster.disk.aligned_buffer`:
-with 4 KiB pages the request sizes, and so this VM disk's rate, depended on each process's memory
-history, and the tier in its fresh child ran 2x the probe in this parent).
+with 4 KiB pages the request sizes, and so this VM disk's rate, were a draw per set of buffers, and
+the tier's step had run at up to 2x the probe's rate).
 
     .venv/bin/python -m benchmarks.bench_offload [--steps 7] [--dir /local/nvme/tmp] [--quick]
 

@@ -61,13 +61,14 @@ def aligned_buffer(nbytes: int, huge: bool = True) -> mmap.mmap:
     "always" or "madvise"). Why: a direct read or write of a block goes to the disk as requests of
     at most `max_segments` physically contiguous runs of the buffer's memory (and at most
     `max_sectors_kb`, /sys/block/DEV/queue/). With 4 KiB pages the runs are as long as the pages
-    happen to lie side by side in physical memory, which depends on the process's history (a fresh
-    process faulting a buffer in gets long runs, one that freed and re-faulted gigabytes gets
-    short ones); with huge pages every run is 2 MiB, so every request is as large as the device
-    takes. A disk with a cost per request (here a VM's virtio disk: 254 segments, 4 MiB requests)
-    moves twice the bytes per second with 4 MiB requests than with 0.6-1.5 MiB ones, so without
-    this the same calls on the same disk ran at different rates in the tier and in the probe.
-    The tier's block buffers and the probe's are both made here."""
+    happen to lie side by side in physical memory, which changes from buffer to buffer and process
+    to process (three sets of buffers in one process: requests of 0.66, 1.0 and 1.5 MiB); with
+    huge pages every run is 2 MiB, so every request is as large as the device takes. A disk with a
+    cost per request (here a VM's virtio disk: 254 segments, 4 MiB requests) moved 0.76, 0.95 and
+    1.09 GiB/s each way in the tier's cycle with those small-page buffers and 2.1-2.2 with huge
+    pages, so without this the same calls on the same disk ran at different rates in the tier
+    (0.8-1.5 GiB/s) and in the probe (0.65-0.9). The tier's block buffers and the probe's are both
+    made here."""
     mm = mmap.mmap(-1, max(ALIGN, aligned(nbytes)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and len(mm) >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
