@@ -1,7 +1,10 @@
 """Memory tiers of the optimizer on this machine: peak RSS and step time of a ~310M-parameter
 Llama trained in memory, with the host tier and with the NVMe tier (state and fp32 masters in
 files), each tier with its step after the backward and overlapped with it, against the planner's
-prediction; plus the disk bandwidth the NVMe tier reached and the disk probe's figures.
+prediction; plus the disk bandwidth the NVMe tier reached and the disk probe's figures (the probe
+and the tier move their blocks through the same huge-page buffers, `dtorch.cluster.disk.aligned_buffer`:
+with 4 KiB pages the request sizes, and so this VM disk's rate, were a draw per set of buffers, and
+the tier's step had run at up to 2x the probe's rate).
 
     .venv/bin/python -m benchmarks.bench_offload [--steps 7] [--dir /local/nvme/tmp] [--quick]
 
@@ -179,17 +182,18 @@ def _child(run: str, steps: int, directory: str, log_dir: str, quick: bool) -> d
 
 
 def _median(v: list[float]) -> float:
-    return sorted(v)[len(v) // 2] if v else float("nan")
+    """The median (of an even count, the mean of the middle two)."""
+    if not v:
+        return float("nan")
+    v, n = sorted(v), len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def _mode(r: dict, overlap: bool | None, key: str) -> float:
-    """The median of `key` over the steps after the first (warm-up) in one mode (None: all)."""
+    """The median of `key` over the steps after the first (warm-up) in one mode (None: all). (A
+    second `_median` used to drop the first value again, so with 7 steps each mode's "median" was
+    the larger of its last two steps.)"""
     return _median([s[key] for s in r["steps"][1:] if key in s and (overlap is None or s["overlap"] == overlap)])
-
-
-def _median(v: list[float]) -> float:
-    v = v[1:] or v  # after the first step (allocation, warm-up)
-    return sorted(v)[len(v) // 2]
 
 
 def run(steps: int = 7, directory: str | None = None, quick: bool = False, log=print) -> dict:
@@ -227,6 +231,13 @@ def run(steps: int = 7, directory: str | None = None, quick: bool = False, log=p
                 f"{time.perf_counter() - t:.0f} s")
     out["runs"] = runs
     out["load_average_after"] = os.getloadavg()
+    return summarize(out)
+
+
+def summarize(out: dict) -> dict:
+    """`out["summary"]` from the runs' per-step records and predictions (`--markdown` recomputes it
+    from offload.json)."""
+    runs = out["runs"]
     n = runs["none"]["params"]
     states = 8 * n  # AdamW: exp_avg + exp_avg_sq in float32
     buf = runs["nvme"]["memory"]["buffer_bytes"]
@@ -325,7 +336,10 @@ def markdown(r: dict) -> str:
               f"({s.get('nvme_mode') or '?'} I/O, `dtorch.cluster.disk.TierFile`: the page cache holds none of it; "
               "reads and writes in flight at once, each timed on its own thread)",
               f"- disk probe before the runs ({d['directory']}, the tier's own calls, {d.get('mode', '?')} I/O, "
-              f"{d.get('chunk_bytes', 0) / 2**20:.0f} MiB per call): write {d['write_bytes_per_s'] / g:.2f} GiB/s, "
+              f"{d.get('chunk_bytes', 0) / 2**20:.0f} MiB per call, " + (
+                  f"reaching the disk as requests of {d['request_bytes'] / 2**20:.1f} MiB, "
+                  if d.get("request_bytes") else "") +
+              f"the tier's buffers: huge pages {d.get('huge_pages') or '?'}): write {d['write_bytes_per_s'] / g:.2f} GiB/s, "
               f"read {d['read_bytes_per_s'] / g:.2f} GiB/s, read and written back at once (the tier's cycle) "
               f"{d.get('read_write_bytes_per_s', 0) / g:.2f} GiB/s each way; the planner priced the tier with the "
               "mean of the probes just before and after it trained: " + ", ".join(
@@ -344,7 +358,9 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="rewrite offload.md from offload.json and stop")
     a = ap.parse_args()
     if a.markdown:
-        (RESULTS / "offload.md").write_text(markdown(json.loads((RESULTS / "offload.json").read_text())))
+        r = summarize(json.loads((RESULTS / "offload.json").read_text()))
+        (RESULTS / "offload.json").write_text(json.dumps(r, indent=1))
+        (RESULTS / "offload.md").write_text(markdown(r))
         return
     if a.child:
         with tempfile.TemporaryDirectory() as logs:

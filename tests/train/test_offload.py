@@ -282,6 +282,37 @@ def test_disk_probe_measures_and_leaves_nothing(tmp_path):
         measure_disk(tmp_path / "missing")
 
 
+def _thp_eligible(address: int) -> bool:
+    """Whether the mapping holding `address` may get transparent huge pages (/proc/self/smaps)."""
+    hit = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            hit = lo <= address < hi
+        elif hit and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return False
+
+
+def test_tier_and_probe_buffers_ask_for_huge_pages():
+    # the disk sees a direct I/O as requests of physically contiguous runs of the buffer: huge pages
+    # make them the device's largest, in the tier's block buffers and the probe's alike (disk.py)
+    from dtorch.cluster.disk import HUGE_PAGE, aligned_buffer, huge_pages_mode
+    from dtorch.train.offload.store import Slot
+
+    if huge_pages_mode() != "madvise" or not os.path.exists("/proc/self/smaps"):
+        pytest.skip("needs transparent huge pages in madvise mode (what the advice changes)")
+    import ctypes
+
+    slot = Slot(4 * HUGE_PAGE // 4, 4 * HUGE_PAGE // 4, pin=False)
+    probe = aligned_buffer(4 * HUGE_PAGE)
+    assert _thp_eligible(slot.data.data_ptr())
+    assert _thp_eligible(ctypes.addressof(ctypes.c_char.from_buffer(probe)))
+    assert not _thp_eligible(slot.grad.data_ptr())  # the gradient staging: no disk I/O, no advice
+    assert not _thp_eligible(ctypes.addressof(ctypes.c_char.from_buffer(aligned_buffer(4 * HUGE_PAGE, huge=False))))
+
+
 def test_disk_probe_records_its_figures_in_the_calibration(tmp_path, monkeypatch, capsys):
     from dtorch.cli import main
     from dtorch.cluster.calibration_store import read_calibration

@@ -79,15 +79,17 @@ def host_empty(numel: int, pin: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, pin_memory=pin)
 
 
-def io_buffer(numel: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
+def io_buffer(numel: int, pin: bool, huge: bool = True) -> tuple[torch.Tensor, mmap.mmap | None]:
     """A flat float32 buffer for the NVMe tier's direct I/O and the gradient staging: page-aligned,
     its length rounded up to ALIGN bytes (an anonymous memory map, whose pages a `Slot` can hand
     back; on an accelerator host page-locked memory from torch's allocator, page-aligned too).
-    (tensor, the map that owns its memory or None)."""
+    `huge`: backed by transparent huge pages where the kernel gives them (`aligned_buffer`: the
+    disk then sees requests of the size `dtorch probe --disk` measured; the gradient staging, which
+    no disk I/O touches, is made without). (tensor, the map that owns its memory or None)."""
     n = aligned(numel * FLOAT) // FLOAT if numel else 0
     if pin or not n:
         return host_empty(n, pin), None
-    mm = aligned_buffer(n * FLOAT)
+    mm = aligned_buffer(n * FLOAT, huge=huge)
     return torch.frombuffer(mm, dtype=torch.float32, count=n), mm
 
 
@@ -119,7 +121,7 @@ class Slot:
 
     def __init__(self, data_numel: int, grad_numel: int, pin: bool, keep: tuple[int, int] = (0, 0)):
         self.data, mm = io_buffer(data_numel, pin)
-        self.grad, gm = io_buffer(grad_numel, pin)
+        self.grad, gm = io_buffer(grad_numel, pin, huge=False)
         self._pages = (_Pages(mm, keep[0] * FLOAT), _Pages(gm, keep[1] * FLOAT))
         self.block: int | None = None
         self.event = None  # accelerator copies that still read this slot
