@@ -313,6 +313,47 @@ def test_tier_and_probe_buffers_ask_for_huge_pages():
     assert not _thp_eligible(ctypes.addressof(ctypes.c_char.from_buffer(aligned_buffer(4 * HUGE_PAGE, huge=False))))
 
 
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s memory that are resident in this process (mincore(2) over its pages)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    n = -(-(t.data_ptr() + t.numel() * t.element_size() - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(n * page), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * page
+
+
+def test_an_oversized_block_leaves_host_memory_once_written_back(tmp_path):
+    # a slot is sized for the largest block (an embedding), but keeps only a regular block's pages
+    # once that block is written back: otherwise the step's last block (the head) is still resident
+    # when the next step's first (the embedding) comes in, two oversized blocks at the step's peak
+    from dtorch.train.offload.store import Block, DiskBlocks, Pipeline
+
+    mib = 2**20 // 4  # float32 elements of a MiB
+    blocks = [Block([0], [8 * mib], ("exp_avg", "exp_avg_sq")), Block([1], [mib], ("exp_avg", "exp_avg_sq"))]
+    store = DiskBlocks(blocks, tmp_path, "t")
+    io = Pipeline(store, 2, blocks[0].numel, blocks[0].param_numel, pin=False,
+                  keep=(blocks[1].numel, blocks[1].param_numel))
+    try:
+        slot, fut = io.start(0, read=False)
+        store.buffer(0, slot).fill_(1.0)
+        slot.grad[: blocks[0].param_numel].fill_(1.0)
+        assert _resident_bytes(slot.data) >= 16 * 2**20 and _resident_bytes(slot.grad) >= 8 * 2**20
+        io.finish(0, slot)
+        io.drain()
+        assert _resident_bytes(slot.data) <= 2 * 2**20 + 2 * 2**21  # a regular block's 2 MiB (+ a huge page each side)
+        assert _resident_bytes(slot.grad) <= 1 * 2**20 + 2 * 4096
+        with store.mapped(0) as flat:  # what was written is on the disk, not lost with the pages
+            assert bool((flat == 1.0).all())
+    finally:
+        io.close()
+        store.close()
+
+
 def test_disk_probe_records_its_figures_in_the_calibration(tmp_path, monkeypatch, capsys):
     from dtorch.cli import main
     from dtorch.cluster.calibration_store import read_calibration

@@ -131,6 +131,14 @@ class Slot:
         self._pages[0].fit(block.numel * FLOAT if on_disk else 0)
         self._pages[1].fit(block.param_numel * FLOAT)
 
+    def release(self) -> None:
+        """Hand back the pages an oversized block touched past a regular block's, once it is done
+        with (written back): otherwise the last block of a step (the output head, or the embedding
+        when the overlap steps in backward order) stays resident into the next step, whose first
+        block is the other oversized one, and the step starts with two of them in host memory."""
+        self._pages[0].fit(0)
+        self._pages[1].fit(0)
+
 
 class HostBlocks:
     """Every block resident in host memory, zero-initialised."""
@@ -318,6 +326,7 @@ class Pipeline:
 
     def finish(self, k: int, slot: Slot) -> None:
         if self._writer is None:
+            slot.release()
             self.free.put(slot)
             return
 
@@ -325,6 +334,7 @@ class Pipeline:
             try:
                 self.store.write(k, slot)
             finally:
+                slot.release()
                 self.free.put(slot)
 
         self._writes.append(self._writer.submit(write_back))
