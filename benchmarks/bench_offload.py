@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.stats import mean_tree
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = dict(dim=1024, n_layers=26, n_heads=16, n_kv_heads=4, vocab_size=8192, max_seq_len=256)
 SEQ = 32
@@ -52,13 +54,6 @@ def _probe(directory: str, quick: bool) -> dict:
     return {"host_optimizer": measure_host_optimizer(min_time=t),  # 16M params: 256 MiB of state, beyond the L3
             "memory_bandwidth": measure_memory_bandwidth(torch.device("cpu"), min_time=t)["bytes_per_s"],
             "disk": measure_disk(directory, nbytes=(128 if quick else 1024) * 2**20)}
-
-
-def _mean_probe(a, b):
-    """The figures of two probes (before and after training) averaged: the machine's load moves."""
-    if isinstance(a, dict):
-        return {k: _mean_probe(a[k], b[k]) for k in a if k in b}
-    return (a + b) / 2 if isinstance(a, (int, float)) and not isinstance(a, bool) else a
 
 
 def predict(tier: str, probe: dict, overlap: bool, params_on_disk: bool, fb_s: float | None = None) -> dict:
@@ -221,7 +216,7 @@ def run(steps: int = 7, directory: str | None = None, quick: bool = False, log=p
             runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
             if before is not None:
                 probe = {"before": before, "after": _probe(work, quick)}
-                probe["mean"] = _mean_probe(probe["before"], probe["after"])
+                probe["mean"] = mean_tree(probe["before"], probe["after"])  # the load moves
                 runs[name]["probe"] = probe
                 fb_off = _mode(runs[name], False, "fb_s")
                 runs[name]["predicted"] = {mode: predict(name, probe["mean"], mode == "on", params_on_disk=name == "nvme",

@@ -276,45 +276,70 @@ def score(rows: list[dict]) -> dict[str, Any]:
     }
 
 
-def rescore(result: dict, log=print, own_calibration: bool = True) -> dict[str, Any]:
-    """The stored measurements of a sweep result re-predicted by the current cost model and the
-    calibration the sweep measured before each world (`run(probe=True)`; else, or without
-    `own_calibration`, the one stored now): for changes to the model between runs. The sweep's own
-    figures are the ones measured with the model of its day."""
+def repredict(sec: dict, cal: dict | None, seq: int) -> list[dict]:
+    """The plans of a sweep section re-predicted by the current cost model with calibration `cal`
+    (None: the one stored now); copies of its rows, measurements kept."""
     from dtorch.cluster import local_cluster
+    from dtorch.cluster.calibration_store import calibration_path, write_calibration
     from dtorch.model import profile_module
     from dtorch.models import build_model
     from dtorch.plan.cost import estimate
     from dtorch.plan.plan import Plan
 
-    from dtorch.cluster.calibration_store import calibration_path, write_calibration
+    world = sec["summary"]["world_size"]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = os.environ.get("DTORCH_CALIBRATION_DIR")
+        if cal:
+            os.environ["DTORCH_CALIBRATION_DIR"] = tmp
+            write_calibration(cal, calibration_path(cal["cluster"]))
+        try:
+            cluster = local_cluster(world)
+        finally:
+            if env is None:
+                os.environ.pop("DTORCH_CALIBRATION_DIR", None)
+            else:
+                os.environ["DTORCH_CALIBRATION_DIR"] = env
+    raw = local_cluster(world, calibrated=False)
+    prof = profile_module(lambda m=sec["model"]: build_model(m), seq)
+    rows = []
+    for r in sec["plans"]:
+        p = Plan.from_dict(r["plan_doc"])
+        rows.append({**r, "predicted_step_time_s": estimate(p, prof, cluster, "float32").step_time_s,
+                     "uncalibrated_predicted_step_time_s": estimate(p, prof, raw, "float32").step_time_s})
+    return rows
 
+
+CALIBRATIONS = ("before", "after", "bracket", "now")
+"""Which calibration `rescore` predicts with: the probe right before the world's sweep (what a user
+who probes and then trains gets), the one right after it, their mean (the machine's figures over
+the sweep: the probe's drift between runs is no longer counted as the model's error), or the one
+stored now."""
+
+
+def section_calibration(sec: dict, which: str) -> dict | None:
+    """A section's calibration `which` (CALIBRATIONS); None where the sweep did not measure it."""
+    before, after = sec.get("calibration"), sec.get("calibration_after")
+    if which == "before":
+        return before
+    if which == "after":
+        return after
+    if which == "bracket":
+        return stats.mean_tree(before, after) if before and after else None
+    return None
+
+
+def rescore(result: dict, log=print, calibration: str = "before") -> dict[str, Any]:
+    """The stored measurements of a sweep result re-predicted by the current cost model and one of
+    the calibrations the sweep measured around each world (`run(probe=True)`, CALIBRATIONS; "now",
+    or one the sweep lacks: the one stored now): for changes to the model between runs. The sweep's
+    own figures are the ones measured with the model of its day."""
     out = []
     for sec in result["results"]:
         world = sec["summary"]["world_size"]
-        cal = sec.get("calibration") if own_calibration else None
-        with tempfile.TemporaryDirectory() as tmp:
-            env = os.environ.get("DTORCH_CALIBRATION_DIR")
-            if cal:  # the calibration the run itself measured
-                os.environ["DTORCH_CALIBRATION_DIR"] = tmp
-                write_calibration(cal, calibration_path(cal["cluster"]))
-            try:
-                cluster = local_cluster(world)
-            finally:
-                if env is None:
-                    os.environ.pop("DTORCH_CALIBRATION_DIR", None)
-                else:
-                    os.environ["DTORCH_CALIBRATION_DIR"] = env
-        raw = local_cluster(world, calibrated=False)
-        prof = profile_module(lambda m=sec["model"]: build_model(m), result["config"]["seq_len"])
-        rows = []
-        for r in sec["plans"]:
-            p = Plan.from_dict(r["plan_doc"])
-            rows.append({**r, "predicted_step_time_s": estimate(p, prof, cluster, "float32").step_time_s,
-                         "uncalibrated_predicted_step_time_s": estimate(p, prof, raw, "float32").step_time_s})
+        rows = repredict(sec, section_calibration(sec, calibration), result["config"]["seq_len"])
         s = score(rows)
-        log(f"world {world}: Spearman {s['spearman']:.3f}, regret {s['regret']:.3f}, MAPE {s['mape']:.1%}; "
-            f"chosen {s['chosen']}, best measured {s['best_measured']}")
+        log(f"world {world} ({calibration}): Spearman {s['spearman']:.3f}, regret {s['regret']:.3f}, "
+            f"MAPE {s['mape']:.1%}; chosen {s['chosen']}, best measured {s['best_measured']}")
         out.append({"model": sec["model"], "world_size": world, **s, "plans": rows})
     return {"results": out}
 
@@ -332,7 +357,10 @@ def run(quick: bool = False, models: list[str] | None = None, worlds: tuple[int,
     `probe`: run `dtorch probe` at each world size right before its sweep (into the calibration
     directory the planner reads) and keep the calibration in the section, so the prediction is made
     on what the machine measured minutes, not a quarter of an hour, before the run, and `--rescore`
-    can re-predict with the calibration of the day."""
+    can re-predict with the calibration of the day; and probe again right after it, scoring the
+    predictions of the two probes' mean as well (`bracketed`): the machine drifts by more between
+    two quiet probes minutes apart than the model errs (docs/benchmarks.md), and the mean is the
+    machine over the sweep."""
     steps = 2
     results = []
     for model in models or [MODEL]:
@@ -346,7 +374,15 @@ def run(quick: bool = False, models: list[str] | None = None, worlds: tuple[int,
             log(f"sweep {model} world {world}")
             sec = sweep_world(model, SEQ, GLOBAL_BATCH, world, quick=quick, reps=repetitions(world, quick),
                               steps=steps, log=log)
-            results.append({"model": model, **sec, "calibration": cal})
+            sec = {"model": model, **sec, "calibration": cal}
+            if probe:  # and right after it: the mean of the two is the machine over the sweep
+                log(f"probe world {world} (after its sweep)")
+                sec["calibration_after"], _ = run_probe(world, quick=quick)
+                rows = repredict(sec, section_calibration(sec, "bracket"), SEQ)
+                sec["bracketed"] = {k: v for k, v in score(rows).items()}
+                for r, b in zip(sec["plans"], rows):
+                    r["predicted_bracketed_step_time_s"] = b["predicted_step_time_s"]
+            results.append(sec)
     return {"config": {"models": models or [MODEL], "seq_len": SEQ, "global_batch": GLOBAL_BATCH,
                        "worlds": list(worlds), "reps": {str(w): repetitions(w, quick) for w in worlds},
                        "steps_per_rep": steps, "quick": quick, "probed_before_each_world": probe},
@@ -380,6 +416,15 @@ def markdown(result: dict) -> str:
                      f"{_f(s['regret'], '{:.3f}')} | {_f(s['uncalibrated_spearman'])} | "
                      f"{_f(s['uncalibrated_mape'], '{:.1%}')} | {_f(s['memory_spearman'])} | "
                      f"{_f(s['memory_mape'], '{:.1%}')} | {s['chosen']} | {s['best_measured']} |")
+    if any(r.get("bracketed") for r in result["results"]):
+        lines += ["", "The same measurements predicted with the mean of the probes right before and right after each "
+                  "world's sweep (the machine over the sweep; a probe alone drifts with the machine's load):", "",
+                  "| world | Spearman | MAPE | regret | planner's choice |", "|---|---|---|---|---|"]
+        for r in result["results"]:
+            b = r.get("bracketed")
+            if b:
+                lines.append(f"| {r['summary']['world_size']} | {_f(b['spearman'])} | {_f(b['mape'], '{:.1%}')} | "
+                             f"{_f(b['regret'], '{:.3f}')} | {b['chosen']} |")
     for r in result["results"]:
         fams = r["summary"].get("ratio_by_family") or {}
         if fams:
@@ -577,7 +622,8 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description="re-predict a stored sweep with the current cost model")
     ap.add_argument("--rescore", required=True, help="a sweep.json written by `python -m benchmarks`")
-    ap.add_argument("--calibration-now", action="store_true",
-                    help="predict with the calibration stored now, not the one the sweep measured")
+    ap.add_argument("--calibration", choices=CALIBRATIONS, default="before",
+                    help="predict with the probe before each world's sweep (default), the one after it, "
+                         "their mean, or the calibration stored now")
     args = ap.parse_args()
-    rescore(json.loads(Path(args.rescore).read_text()), own_calibration=not args.calibration_now)
+    rescore(json.loads(Path(args.rescore).read_text()), calibration=args.calibration)

@@ -61,3 +61,17 @@ def regret(predicted: Sequence[float], measured: Sequence[float]) -> float:
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
+
+
+def mean_tree(a, b):
+    """Two measurements of the same shape (nested dicts and lists of numbers, e.g. two `dtorch
+    probe` calibrations) averaged leaf by leaf; where the shapes differ, or a leaf is not a number
+    (names, dates, flags), `a`'s value is kept."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: mean_tree(v, b[k]) if k in b else v for k, v in a.items()}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [mean_tree(x, y) for x, y in zip(a, b)]
+    num = (int, float)
+    if isinstance(a, num) and isinstance(b, num) and not isinstance(a, bool) and not isinstance(b, bool):
+        return (a + b) / 2
+    return a

@@ -46,3 +46,13 @@ def test_nonnegative_least_squares_recovers_costs_and_drops_a_column_that_would_
     # a feature that only hurts the fit gets 0, not a negative cost
     y2 = [1.0 - 1e-4 * n for _, n, _, _ in X]
     assert all(c >= 0 for c in _lstsq_nonneg([[n, 1.0] for _, n, _, _ in X], y2))
+
+
+def test_mean_tree_averages_numbers_leaf_by_leaf_and_keeps_the_rest():
+    from benchmarks.stats import mean_tree
+
+    a = {"cluster": "local:1x2", "bw": 2.0, "ok": True, "gemm": [{"rows": 128, "flops": 1.0}], "only_a": 5,
+         "rounds": [1.0, 2.0]}
+    b = {"cluster": "other", "bw": 4.0, "ok": False, "gemm": [{"rows": 128, "flops": 3.0}], "rounds": [1.0]}
+    assert mean_tree(a, b) == {"cluster": "local:1x2", "bw": 3.0, "ok": True, "gemm": [{"rows": 128.0, "flops": 2.0}],
+                               "only_a": 5, "rounds": [1.0, 2.0]}
