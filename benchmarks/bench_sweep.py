@@ -246,6 +246,18 @@ def sweep_world(model: str, seq: int, global_batch: int, world: int, *, quick: b
     return {"summary": summary, "plans": rows}
 
 
+def repetition_spread(rows: list[dict]) -> dict[str, float] | None:
+    """How disturbed the machine was while the plans ran: per plan, its slowest repetition's median
+    step over its fastest's; the median and 90th percentile over the plans (None: fewer than two
+    repetitions). On a quiet machine about 1.2 and 1.4 here; a plan's measured time is its fastest
+    repetition's, so the larger the spread, the more that choice is a draw."""
+    spreads = sorted(max(r["measured_rep_medians_s"]) / min(r["measured_rep_medians_s"]) for r in rows
+                     if len(r.get("measured_rep_medians_s") or []) > 1 and min(r["measured_rep_medians_s"]) > 0)
+    if not spreads:
+        return None
+    return {"median": statistics.median(spreads), "p90": spreads[min(len(spreads) - 1, int(0.9 * len(spreads)))]}
+
+
 def score(rows: list[dict]) -> dict[str, Any]:
     """Rank correlation, MAPE and regret of the predictions in `rows` against their measurements."""
     ok = [r for r in rows if r["measured_step_time_s"] is not None]
@@ -425,6 +437,12 @@ def markdown(result: dict) -> str:
             if b:
                 lines.append(f"| {r['summary']['world_size']} | {_f(b['spearman'])} | {_f(b['mape'], '{:.1%}')} | "
                              f"{_f(b['regret'], '{:.3f}')} | {b['chosen']} |")
+    for r in result["results"]:
+        spread = repetition_spread(r["plans"])
+        if spread:
+            lines += ["", f"World {r['summary']['world_size']}, the machine's disturbance while the plans ran (a "
+                      "plan's slowest repetition over its fastest, over the plans): median "
+                      f"{spread['median']:.2f}x, 90th percentile {spread['p90']:.2f}x"]
     for r in result["results"]:
         fams = r["summary"].get("ratio_by_family") or {}
         if fams:

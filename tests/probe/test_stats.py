@@ -56,3 +56,12 @@ def test_mean_tree_averages_numbers_leaf_by_leaf_and_keeps_the_rest():
     b = {"cluster": "other", "bw": 4.0, "ok": False, "gemm": [{"rows": 128, "flops": 3.0}], "rounds": [1.0]}
     assert mean_tree(a, b) == {"cluster": "local:1x2", "bw": 3.0, "ok": True, "gemm": [{"rows": 128.0, "flops": 2.0}],
                                "only_a": 5, "rounds": [1.0, 2.0]}
+
+
+def test_repetition_spread_is_the_slowest_repetition_over_the_fastest():
+    from benchmarks.bench_sweep import repetition_spread
+
+    rows = [{"measured_rep_medians_s": [1.0, 1.5, 1.2]}, {"measured_rep_medians_s": [2.0, 2.0]},
+            {"measured_rep_medians_s": [1.0, 3.0]}, {"measured_rep_medians_s": [4.0]}, {"measured_rep_medians_s": []}]
+    assert repetition_spread(rows) == {"median": 1.5, "p90": 3.0}
+    assert repetition_spread(rows[3:]) is None
