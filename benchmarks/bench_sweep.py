@@ -340,15 +340,19 @@ def section_calibration(sec: dict, which: str) -> dict | None:
     return None
 
 
-def rescore(result: dict, log=print, calibration: str = "before") -> dict[str, Any]:
+def rescore(result: dict, log=print, calibration: str = "before", drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """The stored measurements of a sweep result re-predicted by the current cost model and one of
     the calibrations the sweep measured around each world (`run(probe=True)`, CALIBRATIONS; "now",
     or one the sweep lacks: the one stored now): for changes to the model between runs. The sweep's
-    own figures are the ones measured with the model of its day."""
+    own figures are the ones measured with the model of its day. `drop`: top-level calibration
+    fields left out (e.g. ``attention``), to see one measurement's part in the error on the same run."""
     out = []
     for sec in result["results"]:
         world = sec["summary"]["world_size"]
-        rows = repredict(sec, section_calibration(sec, calibration), result["config"]["seq_len"])
+        cal = section_calibration(sec, calibration)
+        if cal and drop:
+            cal = {k: v for k, v in cal.items() if k not in drop}
+        rows = repredict(sec, cal, result["config"]["seq_len"])
         s = score(rows)
         log(f"world {world} ({calibration}): Spearman {s['spearman']:.3f}, regret {s['regret']:.3f}, "
             f"MAPE {s['mape']:.1%}; chosen {s['chosen']}, best measured {s['best_measured']}")
@@ -643,5 +647,7 @@ if __name__ == "__main__":
     ap.add_argument("--calibration", choices=CALIBRATIONS, default="before",
                     help="predict with the probe before each world's sweep (default), the one after it, "
                          "their mean, or the calibration stored now")
+    ap.add_argument("--drop", action="append", default=[], metavar="FIELD",
+                    help="predict as if the calibration lacked this top-level field (e.g. attention); repeatable")
     args = ap.parse_args()
-    rescore(json.loads(Path(args.rescore).read_text()), calibration=args.calibration)
+    rescore(json.loads(Path(args.rescore).read_text()), calibration=args.calibration, drop=tuple(args.drop))

@@ -56,6 +56,12 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
     bw = dev.get("memory_bandwidth")
     if bw is not None and not (isinstance(bw, (int, float)) and bw > 0):
         raise ConfigError(f"{source}.device.memory_bandwidth", bw, "must be positive bytes/s")
+    for i, r in enumerate(doc.get("attention") or []):
+        ok = isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
+                                          and r.get(k) > 0 for k in ("head_dim", "seq", "flops"))
+        if not ok or not isinstance(r.get("dtype"), str):
+            raise ConfigError(f"{source}.attention[{i}]", r, "a {dtype, head_dim, seq, flops} row with positive "
+                              "numbers, as `dtorch probe` writes it; run `dtorch probe` again")
     for cls, link in (doc.get("links") or {}).items():
         if cls not in ("intra", "inter") or not isinstance(link, dict):
             raise ConfigError(f"{source}.links.{cls}", link, "link classes are intra and inter, each a mapping")
@@ -63,6 +69,12 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
             v = link.get(key)
             if not (isinstance(v, (int, float)) and v >= 0 and (key == "latency" or v > 0)):
                 raise ConfigError(f"{source}.links.{cls}.{key}", v, "must be a positive number")
+        skew = link.get("sync_skew")
+        if skew is not None and not (isinstance(skew, list) and all(
+                isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                            and x >= 0 for x in r) for r in skew)):
+            raise ConfigError(f"{source}.links.{cls}.sync_skew", skew,
+                              "a list of [segment s, skew s] pairs of non-negative numbers; run `dtorch probe` again")
         for key in ("a2a_bandwidth", "a2a_latency"):  # optional: the all-to-all fit (older probes lack it)
             v = link.get(key)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
@@ -147,6 +159,7 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
     Device: measured peak FLOP/s per dtype (unmeasured dtypes keep the preset's), matmul efficiency
     (times a runtime-feedback correction if one is stored), memory bandwidth; memory capacity is
     lowered when feedback found memory above prediction (the planner then keeps that headroom).
+    The attention kernel's measured speed per dtype and shape (`DeviceType.attention_flops`).
     Links: the measured alpha-beta per link class. Disk (`dtorch probe --disk`): read and write
     bandwidth (cache dropped) and free bytes per node, unless the cluster file gives them. Host
     optimizer (`dtorch.cluster.host`): CPU AdamW parameters/s and pinned copy bandwidth, likewise. The device name gets a ``*`` so that the cost
@@ -179,6 +192,7 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
             op_overhead_s=float(doc.get("op_overhead_s", dev.op_overhead_s)) / float(fb.get("compute_scale", 1.0)),
             dtensor_op_overhead_s=float(doc.get("dtensor_op_overhead_s", dev.dtensor_op_overhead_s))
             / float(fb.get("compute_scale", 1.0)),
+            attention_flops=_attention(doc.get("attention"), dev.attention_flops),
         )
         intra, inter = g.intra, g.inter
         if "intra" in links:
@@ -195,6 +209,16 @@ def apply_calibration(cluster: Cluster, doc: dict) -> Cluster:
                                          or float(disk.get("read_write_bytes_per_s", 0.0))),
             **_host_fields(g, doc.get("host_optimizer") or {})))
     return Cluster(groups=groups, name=cluster.name, calibration={**cluster.calibration, **doc})
+
+
+def _attention(rows, default: dict) -> dict:
+    """`DeviceType.attention_flops` from the probe's ``attention`` rows (older probes: `default`)."""
+    if not rows:
+        return default
+    out: dict[str, list] = {}
+    for r in rows:
+        out.setdefault(str(r["dtype"]), []).append((float(r["head_dim"]), float(r["seq"]), float(r["flops"])))
+    return {dt: tuple(v) for dt, v in out.items()}
 
 
 def _host_fields(g, host: dict) -> dict:
@@ -216,7 +240,8 @@ def _link(d: dict, base: Link) -> Link:
                 unit_gather_s_per_byte=float(d.get("unit_gather_s_per_byte", 0.0)),
                 unit_reduce_s_per_byte=float(d.get("unit_reduce_s_per_byte", 0.0)),
                 func_latency_s=float(d.get("func_latency_s", 0.0)),
-                a2a_bandwidth=float(d.get("a2a_bandwidth", 0.0)), a2a_latency=float(d.get("a2a_latency", 0.0)))
+                a2a_bandwidth=float(d.get("a2a_bandwidth", 0.0)), a2a_latency=float(d.get("a2a_latency", 0.0)),
+                sync_skew=tuple((float(seg), float(sk)) for seg, sk in d.get("sync_skew") or ()))
 
 
 def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:

@@ -117,7 +117,7 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
     d = _mapping(v, path)
     fields = ("kind", "bandwidth", "latency", "efficiency", "p2p_latency", "unit_gather_s", "unit_reduce_s",
               "unit_gather_s_per_byte", "unit_reduce_s_per_byte", "func_latency_s",
-              "a2a_bandwidth", "a2a_latency")
+              "a2a_bandwidth", "a2a_latency", "sync_skew")
     unknown = sorted(set(d) - set(fields))
     if unknown:
         raise ConfigError(f"{path}.{unknown[0]}", d[unknown[0]], f"unknown link field; use {', '.join(fields)}")
@@ -142,7 +142,17 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
         func_latency_s=_num(d, "func_latency_s", path, positive=False, default=default.func_latency_s),
         a2a_bandwidth=_num(d, "a2a_bandwidth", path, positive=False, default=default.a2a_bandwidth),
         a2a_latency=_num(d, "a2a_latency", path, positive=False, default=default.a2a_latency),
+        sync_skew=_rows(d.get("sync_skew", default.sync_skew), f"{path}.sync_skew", 2),
     )
+
+
+def _rows(v: Any, path: str, width: int) -> tuple[tuple[float, ...], ...]:
+    """A table of non-negative numbers, `width` per row (a probed curve written out by `cluster_to_dict`)."""
+    if not isinstance(v, (list, tuple)) or not all(
+            isinstance(r, (list, tuple)) and len(r) == width
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in r) for r in v):
+        raise ConfigError(path, v, f"a list of [{', '.join(['number'] * width)}] rows, as `dtorch probe` measures them")
+    return tuple(tuple(float(x) for x in r) for r in v)
 
 
 def _device(v: Any, path: str) -> tuple[DeviceType, str | None]:
@@ -185,6 +195,9 @@ def _device(v: Any, path: str) -> tuple[DeviceType, str | None]:
                                    default=base.dtensor_op_overhead_s if base else 0.0),
         elementwise_speed=_speeds(d.get("elementwise_speed", base.elementwise_speed if base else {}),
                                   f"{path}.elementwise_speed"),
+        attention_flops={str(dt): _rows(rows, f"{path}.attention_flops.{dt}", 3) for dt, rows in
+                         _mapping(d.get("attention_flops", base.attention_flops if base else {}) or {},
+                                  f"{path}.attention_flops").items()},
 
     )
     return dev, base_key

@@ -4,6 +4,8 @@ What is measured, on every rank at once (on a CPU machine the ranks share the co
 numbers are what it gets under the real concurrency of a job of that many ranks):
 
 - GEMM throughput by shape and dtype, ``[rows x k] @ [k x width]``, an efficiency curve;
+- the attention kernel (causal SDPA forward + backward) by head_dim, sequence length and dtype: it
+  runs at its own speed, on a CPU several times below the GEMMs';
 - memory bandwidth (a large tensor copy, bytes read + written per second);
 - collectives by message size for each link class present - all-reduce, all-gather,
   reduce-scatter over the ranks of one node (``intra``) and over one rank per node (``inter``),
@@ -24,9 +26,12 @@ The calibration document (JSON; written atomically; one per cluster name)::
       intra: {kind, bandwidth (bytes/s), latency (s per ring step), p2p_latency (s), efficiency: 1.0,
               unit_gather_s, unit_reduce_s, unit_gather_s_per_byte, unit_reduce_s_per_byte (s per
               FSDP unit and per byte of it, `measure_fsdp_units`),
-              func_latency_s (fixed s of a functional collective per ring step, `measure_functional_latency`)}
+              func_latency_s (fixed s of a functional collective per ring step, `measure_functional_latency`),
+              sync_skew ([[segment s, s a blocking collective waits beyond its latency], ...] after
+              that much compute, `measure_sync_skew`; CPU ranks)}
       inter: {...}
     gemm: [{dtype, rows, width, k, flops}]       # the raw curve
+    attention: [{dtype, head_dim, seq, batch, heads, flops}]  # the attention kernel (`measure_attention`)
     memory_bandwidth: {per_rank_bytes_per_s}
     dispatch_overhead_s           # seconds per near-empty op (framework cost per kernel)
     op_overhead_s                 # host seconds per op of an eager training step (tiny shapes)
@@ -83,6 +88,9 @@ from dtorch.errors import ConfigError
 GEMM_ROWS = (128, 512, 2048)
 GEMM_WIDTHS = (32, 128, 512)
 GEMM_K = 512
+ATTN_HEAD_DIMS = (16, 64, 128)
+ATTN_SEQS = (128, 512)  # a GPU's are x8 (`probe_in_group`)
+ATTN_ELEMENTS = 2**16  # per operand of one attention call (a GPU's: x256)
 COLL_SIZES = tuple(4 ** i * 1024 for i in range(1, 7))  # 4 KiB .. 4 MiB
 COLL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 
@@ -230,6 +238,37 @@ def measure_gemm(device, dtypes: Sequence[str], rows: Sequence[int] = GEMM_ROWS,
                 _barrier()
                 sec = _timeit(lambda a=a, b=b: a @ b, device, min_time=min_time, blocks=5)
                 out.append({"dtype": dtype, "rows": r, "width": w, "k": k, "flops": 2.0 * r * w * k / sec})
+    return out
+
+
+def measure_attention(device, dtypes: Sequence[str], head_dims: Sequence[int] = ATTN_HEAD_DIMS,
+                      seqs: Sequence[int] = ATTN_SEQS, elements: int = ATTN_ELEMENTS,
+                      min_time: float = 0.03) -> list[dict]:
+    """FLOP/s of the attention kernel as a training step runs it: causal
+    `scaled_dot_product_attention` forward + backward of [batch, heads, seq, head_dim] q, k, v, per
+    dtype and shape, its FLOPs counted over the full s x s scores (3 x 4 b h s^2 d, the cost model's
+    convention, so the causal kernel's skipped half shows as speed). Every rank runs the same shape at
+    the same time (a barrier before each). Each call holds about `elements` elements per operand,
+    whatever the shape, so a shape's number is the kernel's, not the call overhead's."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for dtype in dtypes:
+        dt = getattr(torch, dtype)
+        for d in head_dims:
+            for s in seqs:
+                heads = 4
+                b = max(1, elements // (heads * s * d))
+                q, k, v = (torch.randn(b, heads, s, d, device=device).to(dt).requires_grad_() for _ in range(3))
+
+                def fwd_bwd(q=q, k=k, v=v):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+                _barrier()
+                sec = _timeit(fwd_bwd, device, min_time=min_time, blocks=3)
+                out.append({"dtype": dtype, "head_dim": d, "seq": s, "batch": b, "heads": heads,
+                            "flops": 3 * 4.0 * b * heads * s * s * d / sec})
     return out
 
 
@@ -450,6 +489,75 @@ def measure_functional_latency(group, device, quick: bool = False) -> dict[str, 
     return {"func_latency_s": sum(out) / len(out) / max(1, n - 1)}  # per ring step
 
 
+SYNC_SEGMENTS_S = (0.5e-3, 2e-3, 8e-3, 24e-3)
+"""Stretches of compute between two blocking collectives that `measure_sync_skew` times (a TP
+collective follows a fraction of a millisecond of a small model's work, a CP exchange a block's)."""
+
+
+def measure_sync_skew(group, device, quick: bool = False) -> dict[str, list[list[float]]]:
+    """Seconds a rank waits at a blocking collective beyond the collective's own latency when the
+    ranks arrive from a stretch of compute, as TP's and CP's collectives inside a block do: each
+    rank runs `segment` seconds of GEMMs then a 4 KiB functional all-gather to its wait, many times,
+    and the mean wait over ranks less the all-gather's latency after a barrier (the figure
+    `measure_functional_latency` prices) is the skew. Ranks that share cores, or a VM whose cores
+    are lent to neighbours, drift apart over a segment and every collective waits for the slowest;
+    a barrier before each timing (as the latency probes do) hides exactly that. Returned as
+    ``sync_skew: [[segment s, skew s], ...]`` for `SYNC_SEGMENTS_S`; the cost model interpolates it
+    (`Link.skew`)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed._functional_collectives import wait_tensor
+    from torch.distributed.device_mesh import DeviceMesh
+
+    all_gather_tensor = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    mesh = DeviceMesh.from_group(group, device.type)
+    n = mesh.size()
+    x = torch.ones(1024 // n * n, device=device)
+
+    def op():
+        return wait_tensor(all_gather_tensor(x[: x.numel() // n], 0, mesh))
+
+    a, w = torch.randn(128, 128, device=device), torch.randn(128, 128, device=device)
+
+    def work(k: int) -> None:
+        y = a
+        for _ in range(k):
+            y = torch.tanh(y @ w * 0.01)
+
+    for _ in range(3):
+        op()
+    lat = []
+    for _ in range(8 if quick else 15):
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        op()
+        lat.append(time.perf_counter() - t)
+    lat0 = sorted(lat)[len(lat) // 4]  # the statistic `measure_functional_latency` takes
+    # one unit of work, agreed over the ranks (every rank must run the same number of collectives)
+    unit = torch.tensor([_timeit(lambda: work(1), device, min_time=0.01)], dtype=torch.float64)
+    dist.all_reduce(unit, op=dist.ReduceOp.MAX, group=group)
+    out = []
+    for seg in SYNC_SEGMENTS_S:
+        k = max(1, round(seg / float(unit.item())))
+        reps = max(6, int((0.1 if quick else 0.3) / (seg + 1e-3)))
+        waits, segs = 0.0, 0.0
+        dist.barrier(group=group)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            work(k)
+            t1 = time.perf_counter()
+            op()
+            t2 = time.perf_counter()
+            segs += t1 - t0
+            waits += t2 - t1
+        tot = torch.tensor([segs / reps, waits / reps], dtype=torch.float64)
+        dist.all_reduce(tot, group=group)
+        mean_seg, mean_wait = (float(v) / n for v in tot)
+        out.append([mean_seg, max(0.0, mean_wait - lat0)])
+    return {"sync_skew": out}
+
+
 def measure_collectives(group, ranks: list[int], device, sizes: Sequence[int] = COLL_SIZES,
                         ops: Sequence[str] = COLL_OPS, min_time: float = 0.05) -> dict[str, list[dict]]:
     """Seconds per collective by message size over the process group `group` (global `ranks`).
@@ -598,6 +706,10 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     p = Ticker(f"probing {world} rank{'s' if world > 1 else ''}", enabled=None if rank == 0 else False).start()
     p.note = f"GEMMs ({len(dtypes)} dtypes x {len(rows) * len(widths)} shapes)"
     gemm = measure_gemm(device, dtypes, rows, widths, k, min_time=0.01 if quick else 0.03)
+    p.note = "attention"
+    attention = measure_attention(device, dtypes, ATTN_HEAD_DIMS,
+                                  tuple(8 * s for s in ATTN_SEQS) if cuda else ATTN_SEQS,
+                                  elements=ATTN_ELEMENTS * (256 if cuda else 1), min_time=0.01 if quick else 0.03)
     # the host-side scalars (memory bandwidth, per-op costs, host optimizer) in rounds spread over the
     # probe, each the median of its rounds: a neighbour's burst of memory traffic or load in one
     # round (seen as 0.5-2x on shared VMs) does not become the calibration
@@ -625,6 +737,9 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
             p.note = "FSDP units"
             links["intra"].update(measure_fsdp_units(pg_intra[node], device, quick))
             links["intra"].update(measure_functional_latency(pg_intra[node], device, quick))
+            if not cuda:  # a GPU's kernels run apart from the host's clock: not timed this way
+                p.note = "skew at collectives"
+                links["intra"].update(measure_sync_skew(pg_intra[node], device, quick))
             if not quick:
                 p.note = "host round 2"
                 rounds.append(measure_host_round(device, quick, cuda))
@@ -640,7 +755,7 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     membw = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "host_opt"}
     host_opt = {k: statistics.median(r["host_opt"][k] for r in rounds) for k in rounds[0]["host_opt"]}
     membw["rounds_bytes_per_s"] = [r["bytes_per_s"] for r in rounds]
-    mine = {"gemm": gemm, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt,
+    mine = {"gemm": gemm, "attention": attention, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt,
             "memory_bytes": _usable_memory(device, local)}
     gathered = [None] * world
     if distributed and world > 1:
@@ -658,6 +773,12 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
             gemm_all.setdefault((r["dtype"], r["rows"], r["width"], r["k"]), []).append(r)
     gemm_min = [{**rs[0], "flops": statistics.median(x["flops"] for x in rs),
                  "flops_per_rank": [x["flops"] for x in rs]} for rs in gemm_all.values()]
+    attn_all: dict[tuple, list[dict]] = {}
+    for res in gathered:
+        for r in res["attention"]:
+            attn_all.setdefault((r["dtype"], r["head_dim"], r["seq"]), []).append(r)
+    attention = [{**rs[0], "flops": statistics.median(x["flops"] for x in rs),
+                  "flops_per_rank": [x["flops"] for x in rs]} for rs in attn_all.values()]
     peaks: dict[str, float] = {}
     effs: dict[str, float] = {}
     for dt in dtypes:
@@ -697,6 +818,8 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         },
         "links": {cls: {k: v for k, v in d.items() if k != "ranks"} for cls, d in links_all.items()},
         "gemm": sorted(gemm_min, key=lambda r: (r["dtype"], r["rows"], r["width"])),
+        # the attention kernel's own speed (median rank per shape): DeviceType.attention_flops
+        "attention": sorted(attention, key=lambda r: (r["dtype"], r["head_dim"], r["seq"])),
         "memory_bandwidth": {"per_rank_bytes_per_s": [res["membw"]["bytes_per_s"] for res in gathered],
                              "rounds_bytes_per_s": [res["membw"]["rounds_bytes_per_s"] for res in gathered]},
         "dispatch_overhead_s": statistics.median(res["membw"]["dispatch_s"] for res in gathered),
@@ -834,6 +957,12 @@ def summary(doc: dict) -> str:
         best = dev.get("measured_peak_flops", {}).get(dt, v)
         lines.append(f"  GEMM {dt:9s} best {best / 1e9:8.1f} GFLOP/s per rank; cost-model scale {v / 1e9:.1f} GFLOP/s "
                      f"x efficiency {dev['matmul_efficiency']:.2f} x shape factor")
+    attn: dict[str, list[dict]] = {}
+    for r in doc.get("attention") or []:
+        attn.setdefault(r["dtype"], []).append(r)
+    for dt, rows in attn.items():
+        lines.append(f"  attention {dt:9s} (causal SDPA fwd+bwd, full s^2 counted) " + ", ".join(
+            f"d{r['head_dim']}/s{r['seq']} {r['flops'] / 1e9:.1f}" for r in rows) + " GFLOP/s per rank")
     lines.append(f"  memory bandwidth {dev['memory_bandwidth'] / 1e9:.2f} GB/s per rank")
     if "dispatch_overhead_s" in doc:
         lines.append(f"  dispatch overhead {doc['dispatch_overhead_s'] * 1e6:.1f} us per op")
@@ -858,6 +987,9 @@ def summary(doc: dict) -> str:
                          f"us/MB, per unit")
         if link.get("func_latency_s"):
             lines.append(f"  {cls:5s} functional collective (TP, CP) {link['func_latency_s'] * 1e6:.0f} us fixed per ring step")
+        if link.get("sync_skew"):
+            lines.append(f"  {cls:5s} skew at a blocking collective after compute: " + ", ".join(
+                f"{sk * 1e6:.0f} us after {seg * 1e3:.1f} ms" for seg, sk in link["sync_skew"]))
     if len(doc.get("ranks") or []) > 1:
         speeds = [r["speed_flops"] for r in doc["ranks"]]
         lines.append("  per rank GEMM " + ", ".join(f"{s / 1e9:.1f}" for s in speeds) + " GFLOP/s (slowest/fastest "

@@ -7,6 +7,7 @@ these numbers; `dtorch probe` replaces nominal ones with measured ones.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -34,6 +35,12 @@ class DeviceType:
     """Element-wise throughput (elements/s) of each dtype over float32's. Empty: memory-bound, so a
     16-bit element costs half a float32 one (a GPU). A CPU converts 16-bit values to float32 to
     compute, so there it is measured (`dtorch.cluster.capability`)."""
+    attention_flops: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
+    """Per dtype, measured (head_dim, seq_len, FLOP/s) of the attention kernel: causal SDPA forward +
+    backward, its FLOPs counted over the full s x s scores as the cost model counts them. Empty:
+    unmeasured, the attention core runs at the GEMM speed (a spec sheet gives no such number).
+    Measured by the probe (`dtorch.cluster.probe.measure_attention`): on a CPU the kernel runs at a
+    fraction of the GEMM speed that depends on head_dim (4-5x below it at head_dim 16)."""
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s in `dtype`. A dtype the sheet does not list is not supported (KeyError):
@@ -50,6 +57,36 @@ class DeviceType:
         except KeyError:
             return False
         return True
+
+    def attention_speed(self, dtype: str, head_dim: float, seq_len: float) -> float | None:
+        """FLOP/s of the attention kernel in `dtype` at `head_dim` and `seq_len` (see
+        `attention_flops`): interpolated in log space over the measured grid, held at its edges;
+        None where unmeasured."""
+        pts = self.attention_flops.get(dtype)
+        if not pts:
+            return None
+        ds = sorted({p[0] for p in pts})
+        ss = sorted({p[1] for p in pts})
+        table = {(p[0], p[1]): p[2] for p in pts}
+
+        def bracket(xs: list[float], x: float) -> tuple[float, float, float]:
+            if x <= xs[0] or len(xs) == 1:
+                return xs[0], xs[0], 0.0
+            if x >= xs[-1]:
+                return xs[-1], xs[-1], 0.0
+            hi = next(i for i, v in enumerate(xs) if v >= x)
+            lo_v, hi_v = xs[hi - 1], xs[hi]
+            return lo_v, hi_v, math.log(x / lo_v) / math.log(hi_v / lo_v)
+
+        d0, d1, fd = bracket(ds, float(head_dim))
+        s0, s1, fs = bracket(ss, float(seq_len))
+        corners = [(d0, s0), (d1, s0), (d0, s1), (d1, s1)]
+        if any(c not in table for c in corners):  # a ragged grid: the nearest measured point
+            return min(pts, key=lambda p: abs(math.log(p[0] / head_dim)) + abs(math.log(p[1] / seq_len)))[2]
+        lg = {c: math.log(table[c]) for c in corners}
+        low = lg[(d0, s0)] * (1 - fd) + lg[(d1, s0)] * fd
+        high = lg[(d0, s1)] * (1 - fd) + lg[(d1, s1)] * fd
+        return math.exp(low * (1 - fs) + high * fs)
 
     def elementwise(self, dtype: str) -> float:
         """Element-wise speed of `dtype` over float32 (see `elementwise_speed`)."""
@@ -98,6 +135,27 @@ class Link:
     a2a_latency: float = 0.0
     """Seconds per peer of that all-to-all (its alpha per pairwise step); meaningful only with
     `a2a_bandwidth` set (unmeasured: `latency`)."""
+    sync_skew: tuple[tuple[float, float], ...] = ()
+    """(segment s, skew s) pairs: how long a blocking collective over this link waits beyond its own
+    latency when the ranks arrive from `segment` seconds of compute (they drift apart over it where
+    they share cores or a VM lends its cores out); empty = unmeasured (no such wait). Measured by
+    the probe on CPU ranks (`dtorch.cluster.probe.measure_sync_skew`)."""
+
+    def skew(self, segment_s: float) -> float:
+        """Seconds of `sync_skew` after `segment_s` of compute: log-log between the measured
+        segments, proportional to the segment below the shortest, held above the longest."""
+        pts = sorted(p for p in self.sync_skew if p[0] > 0)
+        if not pts or segment_s <= 0:
+            return 0.0
+        if segment_s <= pts[0][0]:
+            return pts[0][1] * segment_s / pts[0][0]
+        for (s0, k0), (s1, k1) in zip(pts, pts[1:]):
+            if segment_s <= s1:
+                if k0 <= 0 or k1 <= 0:  # a zero in the curve: linear there
+                    return k0 + (k1 - k0) * (segment_s - s0) / (s1 - s0)
+                f = math.log(segment_s / s0) / math.log(s1 / s0)
+                return math.exp(math.log(k0) * (1 - f) + math.log(k1) * f)
+        return pts[-1][1]
 
 
 @dataclass(frozen=True)

@@ -423,7 +423,7 @@ class StepShape:
     __slots__ = (
         "plan", "profile", "g", "c", "dtype", "peak", "elem_speed", "compiled", "async_tp", "dev", "cpu",
         "compute_dtype", "s", "h", "act_b", "act_scale", "param_b", "red_b", "tokens_mb", "rows", "eff",
-        "speed", "attn_fwd", "elem_s_per_byte", "act_full", "st_cp", "st_dpr", "st_pp", "fs", "st_fs",
+        "speed", "attn_fwd", "attn_speed", "elem_s_per_byte", "act_full", "st_cp", "st_dpr", "st_pp", "fs", "st_fs",
         "a_none", "shard_act", "shard_full", "block_params", "block_flops", "world", "selective", "linear", "__dict__",
     )
     # (strategies add their per-plan quantities in `prepare`: those go to __dict__)
@@ -454,6 +454,8 @@ class StepShape:
         self.linear = self.speed * ((c.float8_linear_speedup or self.dev.peak("float8") / self.peak)
                                     if self.dtype == "float8" else 1.0)
         self.attn_fwd = 4.0 * self.h * self.s  # per token per block, full s^2 (selective recompute; float8 leaves it bf16)
+        # the attention kernel at its own measured speed (probe), else at the GEMMs'
+        self.attn_speed = self.dev.attention_speed(self.compute_dtype, self.h / prof.num_heads, self.s) or self.speed
         passes = c.elementwise_passes * (c.compile_elementwise_factor if self.compiled else 1.0)
         # element-wise seconds per 16-bit activation byte: memory-bound on a GPU (a float32 element costs
         # twice a bf16 one), converted and computed in float32 on a CPU (measured per dtype)
@@ -527,11 +529,11 @@ def compute_time(step: StepShape, load: RankLoad, r: RankShare, *, head_elementw
         # Transformer Engine's recipes leave the output projection out); each linear's operands
         # are cast with a tensor-wide scale: element-wise traffic at HBM bandwidth
         head_mb = step.tokens_mb * prof.flops_per_token_head / div if load.head else 0.0
-        r.compute = (flops_mb - attn_part - head_mb) / step.linear + (attn_part + head_mb) / step.speed
+        r.compute = (flops_mb - attn_part - head_mb) / step.linear + attn_part / step.attn_speed + head_mb / step.speed
         cast_bytes = float8_cast_bytes_per_token_block(prof, step.compiled)
         r.compute += step.tokens_mb * load.blocks * cast_bytes / div / step.dev.memory_bandwidth
     else:
-        r.compute = (flops_mb - attn_part) / step.speed + attn_part / step.speed
+        r.compute = (flops_mb - attn_part) / step.speed + attn_part / step.attn_speed
     # memory-bound element-wise work, forward + backward (and forward again under full AC)
     head_bytes = prof.act_bytes_per_token_head * load.head if head_elementwise else 0.0
     elem_bytes = step.tokens_mb * (load.blocks * step.a_none + head_bytes) / div
@@ -601,6 +603,7 @@ def rank_share(step: StepShape, load: RankLoad, timed) -> RankShare:
     if step.plan.ac != "none":
         MEMORY.recompute(step, load, r, flops_mb)
     host_opt = host_time(step, counts, r)
+    r.syncs = sum(s.blocking_collectives(step, load, counts) for s in timed)
     for s in timed:
         s.rank_time(step, load, r, counts)
     optimizer_time(step, load, r, host_opt)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from dtorch.cluster import load_cluster, local_cluster
+from dtorch.cluster.calibration_store import validate_calibration
 from dtorch.cluster.probe import (
     CALIBRATION_VERSION,
     apply_calibration,
@@ -21,7 +22,7 @@ from dtorch.cluster.probe import (
     write_calibration,
 )
 from dtorch.errors import ConfigError
-from dtorch.plan.cost import estimate, shape_factor
+from dtorch.plan.cost import estimate, shape_factor, step_counts, step_shape
 from dtorch.plan.plan import Plan
 from dtorch.plan.profiles import get_profile
 
@@ -46,6 +47,13 @@ def test_single_process_probe_writes_calibration_that_detect_reads_back_and_chan
     assert back["device"]["peak_flops"]["float32"] == pytest.approx(doc["device"]["peak_flops"]["float32"])
     assert 0 < back["device"]["matmul_efficiency"] <= 1
     assert len(back["gemm"]) >= 4 and all(r["flops"] > 0 for r in back["gemm"])
+
+    # the attention kernel at every probed shape, read back into the device the planner sees
+    assert {(r["head_dim"], r["seq"]) for r in back["attention"]} == {(d, s) for d in (16, 64, 128) for s in (128, 512)}
+    assert all(r["flops"] > 0 and r["dtype"] == "float32" for r in back["attention"])
+    one = back["attention"][0]
+    assert local_cluster(1).groups[0].device.attention_speed("float32", one["head_dim"], one["seq"]) == \
+        pytest.approx(one["flops"])
 
     # host time per operator of a small eager training step: more than an empty op's dispatch
     assert back["op_overhead_s"] > back["dispatch_overhead_s"] > 0
@@ -122,6 +130,12 @@ def test_two_rank_probe_measures_every_collective_and_fits_the_intra_link(cal_di
     intra = local_cluster(2).groups[0].intra
     assert (intra.unit_gather_s, intra.unit_reduce_s_per_byte, intra.func_latency_s) == pytest.approx(
         (link["unit_gather_s"], link["unit_reduce_s_per_byte"], link["func_latency_s"]))
+    # the wait at a blocking collective after each stretch of compute: every segment timed (the
+    # GEMM loop lands within 3x of its target), every skew a time, carried into the link
+    segs = [seg for seg, _ in link["sync_skew"]]
+    assert len(segs) == 4 and all(t / 3 < seg < 3 * t for seg, t in zip(segs, (0.5e-3, 2e-3, 8e-3, 24e-3)))
+    assert all(sk >= 0 for _, sk in link["sync_skew"])
+    assert [list(r) for r in intra.sync_skew] == link["sync_skew"]
 
 
 def test_damaged_calibration_is_rejected_by_name_and_ignored_by_the_cluster_loader(cal_dir):
@@ -202,3 +216,97 @@ def test_all_to_all_gets_its_own_fit_which_prices_ep_where_measured_and_only_the
     doc["links"]["intra"]["a2a_bandwidth"] = -1.0
     with pytest.raises(ConfigError, match="a2a_bandwidth"):
         write_calibration(doc, calibration_path("local:1x2"))
+
+
+def _attention_rows(dtype: str = "float32", scale: float = 1.0) -> list[dict]:
+    # a kernel twice as fast at head_dim 64 as at 16, and 1.5x as fast at seq 512 as at 128
+    return [{"dtype": dtype, "head_dim": d, "seq": s, "batch": 1, "heads": 4,
+             "flops": scale * 1e9 * {16: 1.0, 64: 2.0}[d] * {128: 1.0, 512: 1.5}[s]}
+            for d in (16, 64) for s in (128, 512)]
+
+
+def test_attention_speed_interpolates_the_measured_grid_in_log_space_and_holds_its_edges():
+    dev = apply_calibration(local_cluster(1, calibrated=False),
+                            {**_doc("local:1x1"), "attention": _attention_rows()}).groups[0].device
+    assert dev.attention_speed("float32", 16, 128) == pytest.approx(1e9)
+    assert dev.attention_speed("float32", 64, 512) == pytest.approx(3e9)
+    assert dev.attention_speed("float32", 32, 128) == pytest.approx(2 ** 0.5 * 1e9)  # halfway in log head_dim
+    assert dev.attention_speed("float32", 32, 256) == pytest.approx(2 ** 0.5 * 1.5 ** 0.5 * 1e9)
+    assert dev.attention_speed("float32", 8, 64) == pytest.approx(1e9)  # below the grid: its edge
+    assert dev.attention_speed("float32", 256, 8192) == pytest.approx(3e9)  # above it
+    assert dev.attention_speed("bfloat16", 16, 128) is None  # not measured in this dtype
+    assert local_cluster(1, calibrated=False).groups[0].device.attention_speed("float32", 16, 128) is None
+
+
+def test_a_measured_attention_kernel_is_priced_at_its_own_speed_and_nothing_else_moves():
+    prof = get_profile("llama-tiny", 128)
+    hd = prof.hidden / prof.num_heads
+    base = apply_calibration(local_cluster(1, calibrated=False), _doc("local:1x1"))
+    slow = apply_calibration(local_cluster(1, calibrated=False),
+                             {**_doc("local:1x1"), "attention": _attention_rows(scale=0.25)})
+    speed = slow.groups[0].device.attention_speed("float32", hd, prof.seq_len)
+    for plan in (Plan(microbatch_size=4, param_dtype="float32"),
+                 Plan(microbatch_size=4, param_dtype="float32", ac="full")):
+        e0, e1 = estimate(plan, prof, base, "float32"), estimate(plan, prof, slow, "float32")
+        st = step_shape(plan, prof, base, "float32")
+        attn_flops = plan.num_microbatches * st.tokens_mb * prof.num_layers * 3 * st.attn_fwd
+        extra = attn_flops * (1 / speed - 1 / st.speed)
+        if plan.ac == "full":  # the recomputed forward holds a third of the attention's FLOPs again
+            extra *= 1 + (e0.time_breakdown["recompute"] / e0.time_breakdown["compute"])
+        assert e1.time_breakdown["compute"] - e0.time_breakdown["compute"] == pytest.approx(
+            attn_flops * (1 / speed - 1 / st.speed), rel=1e-6)
+        assert e1.step_time_s - e0.step_time_s == pytest.approx(extra, rel=1e-6)
+        assert {k: v for k, v in e1.time_breakdown.items() if k not in ("compute", "recompute")} == pytest.approx(
+            {k: v for k, v in e0.time_breakdown.items() if k not in ("compute", "recompute")})
+
+
+def test_a_malformed_attention_row_is_rejected_by_name(cal_dir):
+    doc = {**_doc("local:1x1"), "attention": [{"dtype": "float32", "head_dim": 16, "seq": 128, "flops": -1.0}]}
+    with pytest.raises(ConfigError, match=r"attention\[0\]"):
+        validate_calibration(doc)
+
+
+SKEW = [[0.5e-3, 0.2e-3], [2e-3, 0.5e-3], [8e-3, 1e-3], [24e-3, 2e-3]]
+
+
+def test_skew_interpolates_in_log_space_scales_below_the_shortest_segment_and_holds_above():
+    link = apply_calibration(local_cluster(2, calibrated=False), {**_doc("local:1x2"), "links": {"intra": {
+        "kind": "shm", "bandwidth": 1e9, "latency": 1e-4, "sync_skew": SKEW}}}).groups[0].intra
+    assert link.skew(2e-3) == pytest.approx(0.5e-3)
+    assert link.skew(4e-3) == pytest.approx((0.5e-3 * 1e-3) ** 0.5)  # halfway in log segment
+    assert link.skew(0.25e-3) == pytest.approx(0.1e-3)  # proportional below 0.5 ms
+    assert link.skew(0.1) == pytest.approx(2e-3)  # held above 24 ms
+    assert link.skew(0.0) == 0.0
+    assert local_cluster(2, calibrated=False).groups[0].intra.skew(1e-3) == 0.0  # unmeasured: no wait
+
+
+def test_blocking_collectives_wait_for_the_slowest_peer_and_only_they_do():
+    prof = get_profile("llama-tiny", 128)
+    base = {**_doc("local:1x2"), "links": {"intra": {"kind": "shm", "bandwidth": 1e9, "latency": 1e-4}}}
+    skewed = {**base, "links": {"intra": {**base["links"]["intra"], "sync_skew": SKEW}}}
+    c0 = apply_calibration(local_cluster(2, calibrated=False), base)
+    c1 = apply_calibration(local_cluster(2, calibrated=False), skewed)
+    link = c1.groups[0].intra
+    tp, cp = Plan(tp=2, sp=True, microbatch_size=8), Plan(cp=2, microbatch_size=8)
+    for plan, term in ((tp, "tp"), (cp, "cp")):
+        e0, e1 = estimate(plan, prof, c0, "float32"), estimate(plan, prof, c1, "float32")
+        b = e0.time_breakdown
+        # CP: a K/V all-gather and its reduce-scatter per block; TP: 8 activation collectives per
+        # block and the latency-bound redistributions
+        n = prof.num_layers * 2 if term == "cp" else \
+            prof.num_layers * 8 + step_counts(plan, prof, "cpu").tp_small_per_microbatch
+        seg = (b["compute"] + b["recompute"] + b["host"]) / n
+        assert e1.time_breakdown[term] - b[term] == pytest.approx(n * link.skew(seg), rel=1e-6)
+        assert e1.step_time_s - e0.step_time_s == pytest.approx(n * link.skew(seg), rel=1e-6)
+    # data parallelism and pipelining issue their collectives asynchronously: nothing added
+    for plan in (Plan(dp_replicate=2, microbatch_size=4), Plan(dp_shard=2, microbatch_size=4),
+                 Plan(pp=2, num_microbatches=4, microbatch_size=2)):
+        assert estimate(plan, prof, c1, "float32").step_time_s == pytest.approx(
+            estimate(plan, prof, c0, "float32").step_time_s)
+
+
+def test_a_malformed_skew_curve_is_rejected_by_name():
+    doc = {**_doc("local:1x2"), "links": {"intra": {"kind": "shm", "bandwidth": 1e9, "latency": 1e-4,
+                                                    "sync_skew": [[1e-3]]}}}
+    with pytest.raises(ConfigError, match="sync_skew"):
+        validate_calibration(doc)

@@ -135,6 +135,13 @@ class RankShare:
     """Bytes of the rank's NVMe-tier files (offload=optimizer_nvme)."""
     p_stage: float = 0.0
     """Parameters the rank holds per TP rank."""
+    syncs: float = 0.0
+    """Blocking collectives per micro-batch, every strategy's (`Strategy.blocking_collectives`): the
+    rank's work between two of them is the stretch over which the ranks drift apart."""
+
+    def segment_s(self) -> float:
+        """Seconds of the rank's own work between two blocking collectives (0 without any)."""
+        return (self.compute + self.recompute + self.host) / self.syncs if self.syncs else 0.0
 
     @property
     def per_microbatch(self) -> float:
@@ -176,6 +183,13 @@ class Strategy:
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
+
+    def blocking_collectives(self, step: Any, load: RankLoad, counts: Any) -> float:
+        """Collectives per micro-batch that stop the rank's compute until every peer has joined
+        (issued inline in the forward or backward, nothing scheduled around them): each waits for
+        the slowest peer (`Link.skew`). Asynchronous ones (gradient buckets, FSDP's prefetched
+        units, a pipeline's posted receives) leave the wait to slack in the schedule: 0."""
+        return 0.0
 
     def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
         """Variants of a fitting plan worth estimating too (the search tries them on the plans that

@@ -4,7 +4,8 @@ form: K and V all-gathered before attention, load-balanced into 2*cp chunks).
 Executor half: `dtorch.parallel.cp`.
 
 Time: K and V all-gathered forward (again when full AC recomputes), their gradients reduce-scattered
-in backward; issued before attention, so exposed; latency as the probe timed a functional collective. The GEMM rows of a rank are the
+in backward; issued before attention, so exposed; latency as the probe timed a functional collective,
+and a wait for the slowest peer (`Link.skew`). The GEMM rows of a rank are the
 micro-batch's tokens / cp (the step shape's `rows`); FSDP shards over dp_shard x cp.
 """
 
@@ -58,13 +59,17 @@ class Context(Strategy):
                                      step.st_cp, step.g)
         return True
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
-        plan = step.plan
+    def blocking_collectives(self, step: Any, load: RankLoad, counts: Any) -> float:
         # K and V all-gathered forward (once more when full AC recomputes the block), their gradients
         # reduce-scattered in backward (the gathered K/V are saved for it); the executor issues them
         # before attention, so nothing hides them (dtorch/parallel/cp.py)
-        n_ops = 2 + (1 if recompute_reruns_collectives(plan.ac, step.selective) else 0)
-        r.cp = load.blocks * n_ops * step.cp_kv
+        return load.blocks * (2 + (1 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0))
+
+    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+        n = self.blocking_collectives(step, load, counts)
+        inside = step.st_cp * step.plan.cp <= step.g.devices_per_node
+        # each exchange also waits for the slowest peer after the stretch of work since the last one
+        r.cp = n * (step.cp_kv + (step.g.intra if inside else step.g.inter).skew(r.segment_s()))
 
 
 CONTEXT = Context()

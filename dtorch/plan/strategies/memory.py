@@ -185,7 +185,7 @@ class Memory(Strategy):
             rec_mm = 2.0 * step.tokens_mb * load.blocks * every_second_matmul_params(step.profile) / div
             r.recompute = rec_mm / step.linear + elem_fwd
         else:  # attention_core (Korthikanti et al. 2022)
-            r.recompute = step.tokens_mb * load.blocks * step.attn_fwd / div / step.speed
+            r.recompute = step.tokens_mb * load.blocks * step.attn_fwd / div / step.attn_speed
 
     def prepare(self, step: Any) -> bool:
         return step.plan.offload != "none"

@@ -6,7 +6,7 @@ Executor half: `dtorch.parallel.tp` (DTensor parallel styles per block role).
 Time (Korthikanti et al. 2022): per block per micro-batch 4 all-gathers/reduce-scatters of the
 activation (tokens x hidden x dtype bytes) forward and 4 backward, 4 more when full AC recomputes,
 plus the latency-bound small collectives counted by `step_counts`; exposed unless async TP
-(`async_tp_factor`). Memory: activations divided by tp with SP; without SP 10/34 of them stay
+(`async_tp_factor`); each of them also waits for the slowest peer (`Link.skew`, probed on CPUs). Memory: activations divided by tp with SP; without SP 10/34 of them stay
 replicated (Korthikanti Table 2, "TP only").
 """
 
@@ -80,11 +80,21 @@ class Tensor(Strategy):
         step.tp_act = functional_time("all_gather", step.act_full, tp, 1, g)
         return True
 
+    def _activation_collectives(self, step: Any) -> int:
+        return 8 + (4 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0)
+
+    def blocking_collectives(self, step: Any, load: RankLoad, counts: Any) -> float:
+        # every TP collective sits between two operators of the block (async TP overlaps its
+        # all-gathers with the matmul, not with the peers' arrival)
+        return load.blocks * self._activation_collectives(step) + counts.tp_small_per_microbatch
+
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
-        plan, c = step.plan, step.c
-        n_ops = 8 + (4 if recompute_reruns_collectives(plan.ac, step.selective) else 0)
+        c = step.c
+        n_ops = self._activation_collectives(step)
         r.tp = load.blocks * n_ops * step.tp_act + counts.tp_small_per_microbatch * step.tp_small  # norms, RoPE, loss
         r.tp *= c.tp_exposed * (c.async_tp_factor if step.async_tp else 1.0)
+        # each waits for the slowest TP peer after the stretch of work since the last one
+        r.tp += self.blocking_collectives(step, load, counts) * step.g.intra.skew(r.segment_s())
         r.tp_step = counts.tp_small_per_step * step.tp_small * c.tp_exposed
 
     def small_collectives(self, plan: Any, blocks: float, head_share: float, c: Any,
