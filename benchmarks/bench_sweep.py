@@ -340,18 +340,28 @@ def section_calibration(sec: dict, which: str) -> dict | None:
     return None
 
 
+def without(doc: dict, path: list[str]) -> dict:
+    """A copy of `doc` without the field at `path` (keys, outermost first); unchanged where absent."""
+    if not path or not isinstance(doc, dict) or path[0] not in doc:
+        return doc
+    if len(path) == 1:
+        return {k: v for k, v in doc.items() if k != path[0]}
+    return {**doc, path[0]: without(doc[path[0]], path[1:])}
+
+
 def rescore(result: dict, log=print, calibration: str = "before", drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """The stored measurements of a sweep result re-predicted by the current cost model and one of
     the calibrations the sweep measured around each world (`run(probe=True)`, CALIBRATIONS; "now",
     or one the sweep lacks: the one stored now): for changes to the model between runs. The sweep's
-    own figures are the ones measured with the model of its day. `drop`: top-level calibration
-    fields left out (e.g. ``attention``), to see one measurement's part in the error on the same run."""
+    own figures are the ones measured with the model of its day. `drop`: calibration fields left
+    out, dotted (``attention``, ``links.intra.sync_skew``), to see one measurement's part in the
+    error on the same run."""
     out = []
     for sec in result["results"]:
         world = sec["summary"]["world_size"]
         cal = section_calibration(sec, calibration)
-        if cal and drop:
-            cal = {k: v for k, v in cal.items() if k not in drop}
+        for path in drop if cal else ():
+            cal = without(cal, path.split("."))
         rows = repredict(sec, cal, result["config"]["seq_len"])
         s = score(rows)
         log(f"world {world} ({calibration}): Spearman {s['spearman']:.3f}, regret {s['regret']:.3f}, "
@@ -648,6 +658,7 @@ if __name__ == "__main__":
                     help="predict with the probe before each world's sweep (default), the one after it, "
                          "their mean, or the calibration stored now")
     ap.add_argument("--drop", action="append", default=[], metavar="FIELD",
-                    help="predict as if the calibration lacked this top-level field (e.g. attention); repeatable")
+                    help="predict as if the calibration lacked this field, dotted (attention, links.intra.sync_skew); "
+                         "repeatable")
     args = ap.parse_args()
     rescore(json.loads(Path(args.rescore).read_text()), calibration=args.calibration, drop=tuple(args.drop))

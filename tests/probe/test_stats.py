@@ -65,3 +65,13 @@ def test_repetition_spread_is_the_slowest_repetition_over_the_fastest():
             {"measured_rep_medians_s": [1.0, 3.0]}, {"measured_rep_medians_s": [4.0]}, {"measured_rep_medians_s": []}]
     assert repetition_spread(rows) == {"median": 1.5, "p90": 3.0}
     assert repetition_spread(rows[3:]) is None
+
+
+def test_rescore_drops_a_dotted_calibration_field_and_leaves_the_rest():
+    from benchmarks.bench_sweep import without
+
+    cal = {"attention": [1], "links": {"intra": {"latency": 1e-4, "sync_skew": [[1e-3, 1e-4]]}}}
+    assert without(cal, ["attention"]) == {"links": cal["links"]}
+    assert without(cal, ["links", "intra", "sync_skew"]) == {"attention": [1], "links": {"intra": {"latency": 1e-4}}}
+    assert without(cal, ["links", "inter", "sync_skew"]) == cal  # absent: unchanged
+    assert "sync_skew" in cal["links"]["intra"]  # a copy: the stored calibration is not touched
