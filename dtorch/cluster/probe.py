@@ -540,7 +540,7 @@ def measure_sync_skew(group, device, quick: bool = False) -> dict[str, list[list
     out = []
     for seg in SYNC_SEGMENTS_S:
         k = max(1, round(seg / float(unit.item())))
-        reps = max(6, int((0.1 if quick else 0.3) / (seg + 1e-3)))
+        reps = max(6, int((0.1 if quick else 0.6) / (seg + 1e-3)))
         waits, segs = 0.0, 0.0
         dist.barrier(group=group)
         for _ in range(reps):
