@@ -310,3 +310,23 @@ def test_a_malformed_skew_curve_is_rejected_by_name():
                                                     "sync_skew": [[1e-3]]}}}
     with pytest.raises(ConfigError, match="sync_skew"):
         validate_calibration(doc)
+
+
+def test_ranks_that_outnumber_the_cores_pay_no_skew_their_waits_lend_the_core_to_a_peer():
+    import dataclasses
+
+    from dtorch.cluster.spec import Cluster
+
+    prof = get_profile("llama-tiny", 128)
+    link = {"kind": "shm", "bandwidth": 1e9, "latency": 1e-4}
+    doc = _doc("local:1x4")
+    plan = Plan(tp=2, sp=True, dp_replicate=2, microbatch_size=4)
+
+    def step_s(skew: bool, cores: int) -> float:
+        c = apply_calibration(local_cluster(4, calibrated=False),
+                              {**doc, "links": {"intra": {**link, **({"sync_skew": SKEW} if skew else {})}}})
+        c = Cluster(groups=[dataclasses.replace(c.groups[0], host_cores=cores)], name=c.name, calibration=c.calibration)
+        return estimate(plan, prof, c, "float32").step_time_s
+
+    assert step_s(True, 2) == pytest.approx(step_s(False, 2))  # 4 ranks on 2 cores: no skew term
+    assert step_s(True, 8) > step_s(False, 8) * 1.001  # a core each: every TP collective waits

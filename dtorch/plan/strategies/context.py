@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from dtorch.plan.comm import functional_time
+from dtorch.plan.comm import functional_time, sync_skew
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 from dtorch.plan.strategies.memory import recompute_reruns_collectives
 
@@ -69,7 +69,7 @@ class Context(Strategy):
         n = self.blocking_collectives(step, load, counts)
         inside = step.st_cp * step.plan.cp <= step.g.devices_per_node
         # each exchange also waits for the slowest peer after the stretch of work since the last one
-        r.cp = n * (step.cp_kv + (step.g.intra if inside else step.g.inter).skew(r.segment_s()))
+        r.cp = n * (step.cp_kv + sync_skew(step.g, step.g.intra if inside else step.g.inter, r.segment_s()))
 
 
 CONTEXT = Context()

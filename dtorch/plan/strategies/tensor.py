@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from dtorch.plan.comm import functional_time
+from dtorch.plan.comm import functional_time, sync_skew
 from dtorch.plan.strategies.base import (
     Dims,
     Field,
@@ -94,7 +94,7 @@ class Tensor(Strategy):
         r.tp = load.blocks * n_ops * step.tp_act + counts.tp_small_per_microbatch * step.tp_small  # norms, RoPE, loss
         r.tp *= c.tp_exposed * (c.async_tp_factor if step.async_tp else 1.0)
         # each waits for the slowest TP peer after the stretch of work since the last one
-        r.tp += self.blocking_collectives(step, load, counts) * step.g.intra.skew(r.segment_s())
+        r.tp += self.blocking_collectives(step, load, counts) * sync_skew(step.g, step.g.intra, r.segment_s())
         r.tp_step = counts.tp_small_per_step * step.tp_small * c.tp_exposed
 
     def small_collectives(self, plan: Any, blocks: float, head_share: float, c: Any,
