@@ -71,10 +71,11 @@ def validate_calibration(doc: Any, source: str = "calibration") -> dict:
                 raise ConfigError(f"{source}.links.{cls}.{key}", v, "must be a positive number")
         skew = link.get("sync_skew")
         if skew is not None and not (isinstance(skew, list) and all(
-                isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                isinstance(r, list) and len(r) in (2, 3) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                             and x >= 0 for x in r) for r in skew)):
             raise ConfigError(f"{source}.links.{cls}.sync_skew", skew,
-                              "a list of [segment s, skew s] pairs of non-negative numbers; run `dtorch probe` again")
+                              "a list of [segment s, skew s, group size] rows of non-negative numbers; "
+                              "run `dtorch probe` again")
         for key in ("a2a_bandwidth", "a2a_latency"):  # optional: the all-to-all fit (older probes lack it)
             v = link.get(key)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
@@ -241,7 +242,7 @@ def _link(d: dict, base: Link) -> Link:
                 unit_reduce_s_per_byte=float(d.get("unit_reduce_s_per_byte", 0.0)),
                 func_latency_s=float(d.get("func_latency_s", 0.0)),
                 a2a_bandwidth=float(d.get("a2a_bandwidth", 0.0)), a2a_latency=float(d.get("a2a_latency", 0.0)),
-                sync_skew=tuple((float(seg), float(sk)) for seg, sk in d.get("sync_skew") or ()))
+                sync_skew=tuple(tuple(float(x) for x in r) for r in d.get("sync_skew") or ()))
 
 
 def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:

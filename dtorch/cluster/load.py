@@ -142,16 +142,19 @@ def _link(v: Any, path: str, default: Link, kinds: tuple[str, ...]) -> Link:
         func_latency_s=_num(d, "func_latency_s", path, positive=False, default=default.func_latency_s),
         a2a_bandwidth=_num(d, "a2a_bandwidth", path, positive=False, default=default.a2a_bandwidth),
         a2a_latency=_num(d, "a2a_latency", path, positive=False, default=default.a2a_latency),
-        sync_skew=_rows(d.get("sync_skew", default.sync_skew), f"{path}.sync_skew", 2),
+        sync_skew=_rows(d.get("sync_skew", default.sync_skew), f"{path}.sync_skew", (2, 3)),
     )
 
 
-def _rows(v: Any, path: str, width: int) -> tuple[tuple[float, ...], ...]:
-    """A table of non-negative numbers, `width` per row (a probed curve written out by `cluster_to_dict`)."""
+def _rows(v: Any, path: str, width: int | tuple[int, ...]) -> tuple[tuple[float, ...], ...]:
+    """A table of non-negative numbers, `width` (or one of the widths) per row (a probed curve written
+    out by `cluster_to_dict`)."""
+    widths = (width,) if isinstance(width, int) else width
     if not isinstance(v, (list, tuple)) or not all(
-            isinstance(r, (list, tuple)) and len(r) == width
+            isinstance(r, (list, tuple)) and len(r) in widths
             and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in r) for r in v):
-        raise ConfigError(path, v, f"a list of [{', '.join(['number'] * width)}] rows, as `dtorch probe` measures them")
+        raise ConfigError(path, v, f"a list of [{', '.join(['number'] * widths[-1])}] rows, as `dtorch probe` "
+                          "measures them")
     return tuple(tuple(float(x) for x in r) for r in v)
 
 

@@ -27,8 +27,8 @@ The calibration document (JSON; written atomically; one per cluster name)::
               unit_gather_s, unit_reduce_s, unit_gather_s_per_byte, unit_reduce_s_per_byte (s per
               FSDP unit and per byte of it, `measure_fsdp_units`),
               func_latency_s (fixed s of a functional collective per ring step, `measure_functional_latency`),
-              sync_skew ([[segment s, s a blocking collective waits beyond its latency], ...] after
-              that much compute, `measure_sync_skew`; CPU ranks)}
+              sync_skew ([[segment s, s a blocking collective costs beyond its latency, group size],
+              ...] after that much compute, `measure_sync_skew`; CPU ranks)}
       inter: {...}
     gemm: [{dtype, rows, width, k, flops}]       # the raw curve
     attention: [{dtype, head_dim, seq, batch, heads, flops}]  # the attention kernel (`measure_attention`)
@@ -494,16 +494,29 @@ SYNC_SEGMENTS_S = (0.5e-3, 2e-3, 8e-3, 24e-3)
 collective follows a fraction of a millisecond of a small model's work, a CP exchange a block's)."""
 
 
-def measure_sync_skew(group, device, quick: bool = False) -> dict[str, list[list[float]]]:
-    """Seconds a rank waits at a blocking collective beyond the collective's own latency when the
-    ranks arrive from a stretch of compute, as TP's and CP's collectives inside a block do: each
-    rank runs `segment` seconds of GEMMs then a 4 KiB functional all-gather to its wait, many times,
-    and the mean wait over ranks less the all-gather's latency after a barrier (the figure
-    `measure_functional_latency` prices) is the skew. Ranks that share cores, or a VM whose cores
-    are lent to neighbours, drift apart over a segment and every collective waits for the slowest;
-    a barrier before each timing (as the latency probes do) hides exactly that. Returned as
-    ``sync_skew: [[segment s, skew s], ...]`` for `SYNC_SEGMENTS_S`; the cost model interpolates it
-    (`Link.skew`)."""
+def measure_sync_skew(groups, device, ring_step_s: float, quick: bool = False) -> dict[str, list[list[float]]]:
+    """Seconds a blocking collective costs beyond the compute before it and the fixed latency the
+    cost model charges it, when the ranks arrive from a stretch of compute, as TP's and CP's
+    collectives inside a block do. `groups`: {group size: this rank's group of that size}, every
+    rank of the node in one group of each size at once (consecutive ranks, as TP and CP take them),
+    the largest the node; `ring_step_s`: the functional collective's latency per ring step
+    (`measure_functional_latency`), which prices (size - 1) steps.
+
+    For each size and segment every rank runs, back to back, `segment` seconds of GEMMs then a
+    4 KiB functional all-gather over its group to its wait (the kind's own cost, a reduce-scatter's
+    above an all-gather's, is the link fit's, not the skew's); the same GEMMs run without the collectives right before and after, every rank at
+    once (the speed the probe's GEMM curve, and so the cost model, prices compute at). The skew is
+    the cycle less that segment and less the charged latency, each timed from a barrier to the last
+rank's end (the scheduler of a node with fewer cores than ranks runs some ranks first; a step
+ends with its slowest). Ranks that share
+    cores, or a VM whose cores are lent to neighbours, drift apart over a segment and every
+    collective waits for the slowest; a barrier before each timing (as the latency probes do) hides
+    exactly that. Timing whole cycles, not the wait alone, also counts what a waiting rank gives
+    back where ranks outnumber cores (its core runs a peer's segment), and what a group of one size
+    costs that the ring-step latency does not say (measured 1 ms more per collective for pairs of a
+    4-rank, 2-core node, about nothing for the node). Returned as
+    ``sync_skew: [[segment s, skew s, group size], ...]`` for `SYNC_SEGMENTS_S` and every size; the
+    cost model interpolates it (`Link.skew`)."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -511,13 +524,7 @@ def measure_sync_skew(group, device, quick: bool = False) -> dict[str, list[list
     from torch.distributed.device_mesh import DeviceMesh
 
     all_gather_tensor = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    mesh = DeviceMesh.from_group(group, device.type)
-    n = mesh.size()
-    x = torch.ones(1024 // n * n, device=device)
-
-    def op():
-        return wait_tensor(all_gather_tensor(x[: x.numel() // n], 0, mesh))
-
+    node = groups[max(groups)]
     a, w = torch.randn(128, 128, device=device), torch.randn(128, 128, device=device)
 
     def work(k: int) -> None:
@@ -525,36 +532,42 @@ def measure_sync_skew(group, device, quick: bool = False) -> dict[str, list[list
         for _ in range(k):
             y = torch.tanh(y @ w * 0.01)
 
-    for _ in range(3):
-        op()
-    lat = []
-    for _ in range(8 if quick else 15):
-        dist.barrier(group=group)
-        t = time.perf_counter()
-        op()
-        lat.append(time.perf_counter() - t)
-    lat0 = sorted(lat)[len(lat) // 4]  # the statistic `measure_functional_latency` takes
-    # one unit of work, agreed over the ranks (every rank must run the same number of collectives)
+    def slowest(v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=node)
+        return float(t.item())
+
+    # one unit of work, agreed over the node (every rank of a group must run as many collectives)
     unit = torch.tensor([_timeit(lambda: work(1), device, min_time=0.01)], dtype=torch.float64)
-    dist.all_reduce(unit, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(unit, op=dist.ReduceOp.MAX, group=node)
+    unit_s = float(unit.item())
     out = []
-    for seg in SYNC_SEGMENTS_S:
-        k = max(1, round(seg / float(unit.item())))
-        reps = max(6, int((0.1 if quick else 0.6) / (seg + 1e-3)))
-        waits, segs = 0.0, 0.0
-        dist.barrier(group=group)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            work(k)
-            t1 = time.perf_counter()
+    for size in sorted(groups):
+        mesh = DeviceMesh.from_group(groups[size], device.type)
+        shard = torch.ones(1024 // size, device=device)
+
+        def op(shard=shard, mesh=mesh):
+            return wait_tensor(all_gather_tensor(shard, 0, mesh))
+
+        for _ in range(3):
             op()
-            t2 = time.perf_counter()
-            segs += t1 - t0
-            waits += t2 - t1
-        tot = torch.tensor([segs / reps, waits / reps], dtype=torch.float64)
-        dist.all_reduce(tot, group=group)
-        mean_seg, mean_wait = (float(v) / n for v in tot)
-        out.append([mean_seg, max(0.0, mean_wait - lat0)])
+        for seg in SYNC_SEGMENTS_S:
+            k = max(1, round(seg / unit_s))
+            reps = max(6, int((0.1 if quick else 0.4) / (seg + 1e-3))) // 2 * 2
+
+            def run(with_collectives: bool, n: int, k: int = k, op=op) -> float:
+                dist.barrier(group=node)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    work(k)
+                    if with_collectives:
+                        op()
+                return (time.perf_counter() - t0) / n
+
+            before = slowest(run(False, reps // 2))
+            cycle = slowest(run(True, reps))
+            alone = (before + slowest(run(False, reps // 2))) / 2
+            out.append([alone, max(0.0, cycle - alone - (size - 1) * ring_step_s), float(size)])
     return {"sync_skew": out}
 
 
@@ -727,6 +740,13 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         inter_groups = [list(range(j, world, local)) for j in range(local)]
         pg_intra = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in intra_groups]
         pg_inter = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in inter_groups] if nodes > 1 else []
+        # the smaller groups a TP or CP degree forms inside a node (consecutive ranks), for the skew
+        sub_groups = {}
+        for size in (d for d in range(2, local) if local % d == 0):
+            for start in range(0, world, size):
+                pg = dist.new_group(list(range(start, start + size)))
+                if start <= rank < start + size:
+                    sub_groups[size] = pg
         node, lr = rank // local, rank % local
         backend = dist.get_backend()
         intra_kind = "shm" if not cuda else "nvlink"
@@ -739,7 +759,8 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
             links["intra"].update(measure_functional_latency(pg_intra[node], device, quick))
             if not cuda:  # a GPU's kernels run apart from the host's clock: not timed this way
                 p.note = "skew at collectives"
-                links["intra"].update(measure_sync_skew(pg_intra[node], device, quick))
+                links["intra"].update(measure_sync_skew({local: pg_intra[node], **sub_groups}, device,
+                                                          links["intra"]["func_latency_s"], quick))
             if not quick:
                 p.note = "host round 2"
                 rounds.append(measure_host_round(device, quick, cuda))
@@ -988,8 +1009,11 @@ def summary(doc: dict) -> str:
         if link.get("func_latency_s"):
             lines.append(f"  {cls:5s} functional collective (TP, CP) {link['func_latency_s'] * 1e6:.0f} us fixed per ring step")
         if link.get("sync_skew"):
-            lines.append(f"  {cls:5s} skew at a blocking collective after compute: " + ", ".join(
-                f"{sk * 1e6:.0f} us after {seg * 1e3:.1f} ms" for seg, sk in link["sync_skew"]))
+            for size in sorted({int(r[2]) if len(r) > 2 else 0 for r in link["sync_skew"]}):
+                rows = [r for r in link["sync_skew"] if (int(r[2]) if len(r) > 2 else 0) == size]
+                lines.append(f"  {cls:5s} skew at a blocking collective after compute"
+                             + (f" (groups of {size})" if size else "") + ": " + ", ".join(
+                                 f"{r[1] * 1e6:.0f} us after {r[0] * 1e3:.1f} ms" for r in rows))
     if len(doc.get("ranks") or []) > 1:
         speeds = [r["speed_flops"] for r in doc["ranks"]]
         lines.append("  per rank GEMM " + ", ".join(f"{s / 1e9:.1f}" for s in speeds) + " GFLOP/s (slowest/fastest "

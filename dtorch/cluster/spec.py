@@ -135,17 +135,26 @@ class Link:
     a2a_latency: float = 0.0
     """Seconds per peer of that all-to-all (its alpha per pairwise step); meaningful only with
     `a2a_bandwidth` set (unmeasured: `latency`)."""
-    sync_skew: tuple[tuple[float, float], ...] = ()
-    """(segment s, skew s) pairs: how long a blocking collective over this link waits beyond its own
-    latency when the ranks arrive from `segment` seconds of compute (they drift apart over it where
-    they share cores or a VM lends its cores out); empty = unmeasured (no such wait). Measured by
-    the probe on CPU ranks (`dtorch.cluster.probe.measure_sync_skew`)."""
+    sync_skew: tuple[tuple[float, ...], ...] = ()
+    """(segment s, skew s, group size) rows: what a blocking collective over a group of that many
+    ranks of this link costs beyond its own latency and the compute before it, when the ranks arrive
+    from `segment` seconds of compute (they drift apart over it where they share cores or a VM lends
+    its cores out); group size 0 (a two-column row, as older probes wrote it) = the whole node;
+    empty = unmeasured (no such wait). Measured by the probe on CPU ranks
+    (`dtorch.cluster.probe.measure_sync_skew`)."""
 
-    def skew(self, segment_s: float) -> float:
-        """Seconds of `sync_skew` after `segment_s` of compute: log-log between the measured
-        segments, proportional to the segment below the shortest, held above the longest."""
-        pts = sorted(p for p in self.sync_skew if p[0] > 0)
-        if not pts or segment_s <= 0:
+    def skew(self, segment_s: float, size: int = 0) -> float:
+        """Seconds of `sync_skew` after `segment_s` of compute in a group of `size` ranks (0: the
+        largest measured): the rows of the largest measured size not above `size` (else the
+        smallest), log-log between their segments, proportional below the shortest, held above the
+        longest."""
+        sizes = sorted({int(p[2]) if len(p) > 2 else 0 for p in self.sync_skew})
+        if not sizes or segment_s <= 0:
+            return 0.0
+        fits = [s for s in sizes if s <= size] if size else sizes
+        pick = fits[-1] if fits else sizes[0]
+        pts = sorted((p[0], p[1]) for p in self.sync_skew if (int(p[2]) if len(p) > 2 else 0) == pick and p[0] > 0)
+        if not pts:
             return 0.0
         if segment_s <= pts[0][0]:
             return pts[0][1] * segment_s / pts[0][0]

@@ -80,13 +80,12 @@ def oversubscribed(group: NodeGroup) -> bool:
     return group.device.kind == "cpu" and 0 < group.host_cores < group.devices_per_node
 
 
-def sync_skew(step_group: NodeGroup, link, segment_s: float) -> float:
-    """Seconds one blocking collective over `link` waits for the slowest peer after `segment_s` of
-    the rank's own work (`Link.skew`). Not where the ranks outnumber the cores: there a rank that
-    waits lends its core to a peer that computes, and the compute speed the probe measured with all
-    ranks running already prices that sharing (the 4-rank, 2-core probe's waits, 3-10 ms, priced
-    this way over-predicted the world-4 sweep's TP plans 2x)."""
-    return 0.0 if oversubscribed(step_group) else link.skew(segment_s)
+def sync_skew(link, segment_s: float, size: int) -> float:
+    """Seconds one blocking collective over `size` ranks of `link` costs for the slowest peer after
+    `segment_s` of the rank's own work (`Link.skew`). The probe times the whole cycle of compute and
+    collective with every rank of the node in such a group, so where the ranks outnumber the cores
+    the figure already counts the core a waiting rank lends to a peer."""
+    return link.skew(segment_s, size)
 
 
 def p2p_time(nbytes: float, stride: int, group: NodeGroup) -> float:

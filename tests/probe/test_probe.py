@@ -132,9 +132,9 @@ def test_two_rank_probe_measures_every_collective_and_fits_the_intra_link(cal_di
         (link["unit_gather_s"], link["unit_reduce_s_per_byte"], link["func_latency_s"]))
     # the wait at a blocking collective after each stretch of compute: every segment timed (the
     # GEMM loop lands within 3x of its target), every skew a time, carried into the link
-    segs = [seg for seg, _ in link["sync_skew"]]
+    segs = [seg for seg, _, _ in link["sync_skew"]]
     assert len(segs) == 4 and all(t / 3 < seg < 3 * t for seg, t in zip(segs, (0.5e-3, 2e-3, 8e-3, 24e-3)))
-    assert all(sk >= 0 for _, sk in link["sync_skew"])
+    assert all(sk >= 0 and size == 2 for _, sk, size in link["sync_skew"])  # 2 ranks: one group of 2
     assert [list(r) for r in intra.sync_skew] == link["sync_skew"]
 
 
@@ -280,6 +280,20 @@ def test_skew_interpolates_in_log_space_scales_below_the_shortest_segment_and_ho
     assert local_cluster(2, calibrated=False).groups[0].intra.skew(1e-3) == 0.0  # unmeasured: no wait
 
 
+def test_skew_is_read_for_the_group_size_that_waits():
+    rows = [[2e-3, 1e-3, 2], [2e-3, 3e-3, 4], [2e-3, 7e-3, 8]]
+    link = apply_calibration(local_cluster(8, calibrated=False), {**_doc("local:1x8"), "links": {"intra": {
+        "kind": "shm", "bandwidth": 1e9, "latency": 1e-4, "sync_skew": rows}}}).groups[0].intra
+    assert [link.skew(2e-3, n) for n in (2, 4, 8)] == pytest.approx([1e-3, 3e-3, 7e-3])
+    assert link.skew(2e-3, 6) == pytest.approx(3e-3)  # unmeasured size: the largest measured below it
+    assert link.skew(2e-3, 1) == pytest.approx(1e-3)  # below every size: the smallest
+    assert link.skew(2e-3) == pytest.approx(7e-3)  # no size given: the node's
+    # a two-column curve (an older probe's) is the node's, whatever the group
+    old = apply_calibration(local_cluster(8, calibrated=False), {**_doc("local:1x8"), "links": {"intra": {
+        "kind": "shm", "bandwidth": 1e9, "latency": 1e-4, "sync_skew": SKEW}}}).groups[0].intra
+    assert old.skew(2e-3, 2) == old.skew(2e-3, 8) == pytest.approx(0.5e-3)
+
+
 def test_blocking_collectives_wait_for_the_slowest_peer_and_only_they_do():
     prof = get_profile("llama-tiny", 128)
     base = {**_doc("local:1x2"), "links": {"intra": {"kind": "shm", "bandwidth": 1e9, "latency": 1e-4}}}
@@ -312,21 +326,21 @@ def test_a_malformed_skew_curve_is_rejected_by_name():
         validate_calibration(doc)
 
 
-def test_ranks_that_outnumber_the_cores_pay_no_skew_their_waits_lend_the_core_to_a_peer():
-    import dataclasses
-
-    from dtorch.cluster.spec import Cluster
-
+def test_tp_pays_the_skew_of_its_own_group_size():
     prof = get_profile("llama-tiny", 128)
     link = {"kind": "shm", "bandwidth": 1e9, "latency": 1e-4}
     doc = _doc("local:1x4")
-    plan = Plan(tp=2, sp=True, dp_replicate=2, microbatch_size=4)
+    pairs, node = [[2e-3, 1e-3, 2]], [[2e-3, 4e-3, 4]]
 
-    def step_s(skew: bool, cores: int) -> float:
+    def tp_s(plan: Plan, rows) -> float:
         c = apply_calibration(local_cluster(4, calibrated=False),
-                              {**doc, "links": {"intra": {**link, **({"sync_skew": SKEW} if skew else {})}}})
-        c = Cluster(groups=[dataclasses.replace(c.groups[0], host_cores=cores)], name=c.name, calibration=c.calibration)
-        return estimate(plan, prof, c, "float32").step_time_s
+                              {**doc, "links": {"intra": {**link, **({"sync_skew": rows} if rows else {})}}})
+        return estimate(plan, prof, c, "float32").time_breakdown["tp"]
 
-    assert step_s(True, 2) == pytest.approx(step_s(False, 2))  # 4 ranks on 2 cores: no skew term
-    assert step_s(True, 8) > step_s(False, 8) * 1.001  # a core each: every TP collective waits
+    tp2 = Plan(tp=2, sp=True, dp_replicate=2, microbatch_size=4)
+    tp4 = Plan(tp=4, sp=True, microbatch_size=8)
+    # a pair of the four ranks waits as pairs do, whatever the whole node's curve says
+    assert tp_s(tp2, pairs + node) == pytest.approx(tp_s(tp2, pairs))
+    assert tp_s(tp2, pairs) > tp_s(tp2, None) * 1.01
+    assert tp_s(tp4, pairs + node) == pytest.approx(tp_s(tp4, node))
+    assert tp_s(tp4, node) > tp_s(tp4, pairs) * 1.01

@@ -69,7 +69,8 @@ class Context(Strategy):
         n = self.blocking_collectives(step, load, counts)
         inside = step.st_cp * step.plan.cp <= step.g.devices_per_node
         # each exchange also waits for the slowest peer after the stretch of work since the last one
-        r.cp = n * (step.cp_kv + sync_skew(step.g, step.g.intra if inside else step.g.inter, r.segment_s()))
+        r.cp = n * (step.cp_kv + sync_skew(step.g.intra if inside else step.g.inter, r.segment_s(),
+                                      step.plan.cp))
 
 
 CONTEXT = Context()

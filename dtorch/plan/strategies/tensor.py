@@ -94,7 +94,7 @@ class Tensor(Strategy):
         r.tp = load.blocks * n_ops * step.tp_act + counts.tp_small_per_microbatch * step.tp_small  # norms, RoPE, loss
         r.tp *= c.tp_exposed * (c.async_tp_factor if step.async_tp else 1.0)
         # each waits for the slowest TP peer after the stretch of work since the last one
-        r.tp += self.blocking_collectives(step, load, counts) * sync_skew(step.g, step.g.intra, r.segment_s())
+        r.tp += self.blocking_collectives(step, load, counts) * sync_skew(step.g.intra, r.segment_s(), step.plan.tp)
         r.tp_step = counts.tp_small_per_step * step.tp_small * c.tp_exposed
 
     def small_collectives(self, plan: Any, blocks: float, head_share: float, c: Any,
