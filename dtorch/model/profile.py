@@ -48,6 +48,15 @@ class ModelProfile:
     keys of `tp_roles` apply under f'{block_path}.{i}.'."""
     tp_roles_reason: str = ""
     """Why `tp_roles` is empty (roles could not be derived), else ''."""
+    pipeline_reason: str = ""
+    """Why this model's blocks cannot be cut into pipeline stages, else '' (pipeline parallelism
+    applies). Read by the pipeline strategy's `unsupported(profile)`."""
+    context_reason: str = ""
+    """Why context parallelism cannot apply to this model (no token sequence input, no
+    scaled-dot-product attention found, ...), else ''."""
+    input_kind: str = "tokens"
+    """What one sample's model input is: 'tokens' (an integer sequence: seq_len matters) or
+    'other' (images, features: seq_len is not a dimension of the model)."""
     source: str = "analytic"
     """'analytic' (formulas from the config) or 'measured' (meta/fake-tensor profiler)."""
     flops_convention: str = "6N+12lhs"
