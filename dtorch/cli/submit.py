@@ -90,7 +90,7 @@ def _job_name(args) -> str:
     if args.name:
         return args.name
     base = args.model.split(":")[0].lower()
-    return ("dtorch-" + _NAME.sub("-", base)).strip("-")[:50]
+    return ("dtorch-" + _NAME.sub("-", base))[:50].strip("-")
 
 
 def _duration(text: str | None) -> float | None:
@@ -120,10 +120,23 @@ def run(args) -> int:
     if deadline is not None and deadline <= 0:
         raise ConfigError("deadline", args.deadline, "give a positive duration, e.g. 30d")
     name = _job_name(args)
+    # Values that go into the script or the manifests are checked for their format before anything
+    # is planned: a newline in an #SBATCH value would run the rest of it as a command.
+    from dtorch.integrations.slurm import check_sbatch_values
+
+    check_sbatch_values(name=name, checkpoint_dir=args.checkpoint_dir)
+    if args.scheduler == "slurm":
+        check_sbatch_values(partition=args.partition, account=args.account, qos=args.qos,
+                            constraint=args.constraint, gres_name=args.gres_name)
     if args.scheduler == "k8s":
         if not args.pvc:
             raise ConfigError("pvc", None, "checkpoints need a volume every pod mounts: give --pvc CLAIM "
                               "(a ReadWriteMany PersistentVolumeClaim)")
+        from dtorch.integrations.k8s import check_names
+
+        # the node count is checked again against the job name once sizing has chosen it
+        check_names(name=name, namespace=args.namespace, pvc=args.pvc, queue=args.queue, runtime=args.runtime,
+                    image=args.image, nodes=args.nodes or 1)
         ckpt = args.checkpoint_dir or f"/ckpt/{name}"
         if not ckpt.startswith("/"):
             raise ConfigError("checkpoint-dir", ckpt, "give an absolute path inside the pod, under the --pvc mount /ckpt")

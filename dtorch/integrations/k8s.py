@@ -19,6 +19,7 @@ topology annotation (preferred, or required with `required:LEVEL`).
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -41,6 +42,61 @@ GPU_PRODUCT = {
     "b200": ("nvidia.com/gpu.product", "NVIDIA-B200", "nvidia.com/gpu"),
     "mi300x": ("amd.com/gpu.product-name", "AMD_Instinct_MI300X", "amd.com/gpu"),
 }
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+# distribution/reference's grammar: [host[:port]/]path[:tag][@digest]
+_IMAGE = re.compile(
+    r"(?:(?P<domain>(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*"
+    r"[a-zA-Z0-9]))*(?::[0-9]+)?|\[[0-9a-fA-F:]+\](?::[0-9]+)?)/)?"
+    r"(?P<path>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?"
+    r"(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}))?")
+
+
+def check_dns_label(field: str, value: str, max_len: int = 63) -> None:
+    """A DNS-1123 label (lower-case letters, digits and '-', starting and ending alphanumeric, at
+    most `max_len` characters): what Kubernetes requires of namespaces and of names that become
+    host names. ConfigError naming the value otherwise."""
+    if not _DNS_LABEL.fullmatch(value) or len(value) > max_len:
+        raise ConfigError(field, value, f"use a DNS-1123 label: lower-case letters, digits and '-', starting and "
+                          f"ending with a letter or digit, at most {max_len} characters")
+
+
+def check_dns_subdomain(field: str, value: str) -> None:
+    """A DNS-1123 subdomain (labels joined by '.', at most 253 characters): object names such as
+    a PersistentVolumeClaim or a ClusterTrainingRuntime."""
+    if len(value) > 253 or not all(_DNS_LABEL.fullmatch(part) for part in value.split(".")):
+        raise ConfigError(field, value, "use a DNS-1123 subdomain: lower-case letters, digits, '-' and '.', "
+                          "each part starting and ending with a letter or digit, at most 253 characters")
+
+
+def check_image(value: str) -> None:
+    """A container image reference ([registry[:port]/]repository[:tag][@sha256:digest], repository
+    lower-case), as the container runtime parses it."""
+    m = _IMAGE.fullmatch(value)
+    if m is None or len(m.group("domain") or "") + 1 + len(m.group("path")) > 255:
+        raise ConfigError("image", value, "use an image reference like registry.example.com:5000/team/dtorch:1.2 "
+                          "(repository in lower case, optional :tag and @sha256:digest)")
+
+
+def check_names(*, name: str, namespace: str, pvc: str, queue: str | None = None, runtime: str | None = None,
+                image: str | None = None, nodes: int = 1) -> None:
+    """Every name `manifests` writes, checked against its Kubernetes format before anything is
+    planned; ConfigError naming the first bad value. The job name becomes host names
+    (`<name>-node-0-<index>` under JobSet, `<name>-node-<index>` under Volcano), which must stay
+    one DNS label, and the service account `<name>-status`."""
+    check_dns_label("name", name, max_len=63 - len(f"-node-0-{max(0, nodes - 1)}"))
+    check_dns_label("namespace", namespace)
+    check_dns_subdomain("pvc", pvc)
+    if runtime is not None:
+        check_dns_subdomain("runtime", runtime)
+    if queue and (not _LABEL_VALUE.fullmatch(queue) or len(queue) > 63):
+        raise ConfigError("queue", queue, "use a label value: letters, digits, '-', '_' and '.', starting and ending "
+                          "with a letter or digit, at most 63 characters")
+    if image is not None:
+        check_image(image)
 
 
 def pod_command(req: Request) -> list[str]:
@@ -218,6 +274,7 @@ def manifests(req: Request, *, kinds: list[str], image: str, namespace: str, pvc
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ConfigError("kind", ",".join(kinds), choices(KINDS))
+    check_names(name=req.name, namespace=namespace, pvc=pvc, queue=queue, runtime=runtime, image=image, nodes=req.nodes)
     if not req.checkpoint_dir.startswith(CKPT_MOUNT + "/") and req.checkpoint_dir != CKPT_MOUNT:
         raise ConfigError("checkpoint-dir", req.checkpoint_dir, f"put it under the volume's mount {CKPT_MOUNT}/")
     try:

@@ -90,10 +90,34 @@ def check_partition(name: str | None) -> float | None:
     return known[name]
 
 
+def check_sbatch_value(field: str, value: object) -> None:
+    """Raise ConfigError unless `value` is one line of printable characters. It is written into an
+    `#SBATCH` line, which ends at a newline: the rest of the value would run as a shell command of
+    the batch script (and `bash -n` would not notice)."""
+    if value is None:
+        return
+    bad = next((c for c in str(value) if not c.isprintable()), None)
+    if bad is not None:
+        raise ConfigError(field, value, f"it holds the control character {bad!r}, which would end the #SBATCH "
+                          "line and run the rest as a command; use printable characters only")
+
+
+def check_sbatch_values(**values: object) -> None:
+    """`check_sbatch_value` for each flag=value (underscores in a name are shown as dashes)."""
+    for field, value in values.items():
+        check_sbatch_value(field.replace("_", "-"), value)
+
+
 def sbatch_script(req: Request, *, partition: str | None = None, account: str | None = None,
                   qos: str | None = None, constraint: str | None = None, gres_name: str | None = None,
                   env: dict[str, str] | None = None) -> str:
-    """The sbatch script for `req` (see module doc)."""
+    """The sbatch script for `req` (see module doc). Raises ConfigError for a value that would not
+    stay on its `#SBATCH` line (`check_sbatch_value`) or an environment name that is not one."""
+    check_sbatch_values(name=req.name, checkpoint_dir=req.checkpoint_dir, partition=partition, account=account,
+                        qos=qos, constraint=constraint, gres_name=gres_name)
+    for k in env or {}:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise ConfigError("env", k, "use a shell variable name ([A-Za-z_][A-Za-z0-9_]*)")
     ck = req.checkpoint_dir
     status = f"{ck}/status.json"
     h = [f"#SBATCH --job-name={req.name}", f"#SBATCH --nodes={req.nodes}",

@@ -131,3 +131,76 @@ def test_deadline_sizing_skips_only_sizes_whose_planner_bound_already_misses():
         assert step_time_floor(small, c, global_batch=256, dtype="bfloat16") <= min(
             e.step_time_s for _, e in r.best_by_family.values())
     assert 1e12 / (1024 * 4096 / best.step_time_s) > 30 * 86400  # the full search agrees: 32 misses
+
+
+SBATCH_FLAGS = ["--name", "--account", "--qos", "--partition", "--constraint", "--gres-name", "--checkpoint-dir"]
+
+
+@pytest.mark.parametrize("flag", SBATCH_FLAGS)
+def test_a_newline_in_an_sbatch_value_is_refused_and_nothing_runs(tmp_path, flag):
+    """With stand-ins for Slurm's commands (sbatch runs the script at once, srun does nothing), a
+    newline in a value that goes into an #SBATCH line would run the rest as a command of the batch
+    script: it must be refused in one line naming the value, exit 2, and nothing may run."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in (("sbatch", 'cd "$(dirname "$2")" && bash "$2" >/dev/null 2>&1; echo 42'),
+                       ("srun", "exit 0"), ("scontrol", "exit 0"), ("sinfo", "exit 1")):
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    value = "x\ntouch pwned #"
+    if flag == "--checkpoint-dir":
+        value = f"{tmp_path}/{value}"
+    out = subprocess.run([sys.executable, "-m", "dtorch.cli", "submit", "slurm", "--model",
+                          "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=32", "--device-type", "h100", "--nodes", "1",
+                          "--steps", "5", "--global-batch", "8", "--seq-len", "32", "--checkpoint-dir",
+                          str(tmp_path / "ck"), "--out", str(tmp_path / "job.sbatch"), "--now", flag, value],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}"})
+    assert not (tmp_path / "pwned").exists(), "the injected command ran"
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    field = flag[2:]
+    assert len(lines) == 1 and f"{field}={value!r}" in lines[0] and "control character" in lines[0], out.stderr
+
+
+def test_slurm_values_with_spaces_and_unicode_still_write_the_script():
+    from dtorch.integrations.slurm import check_sbatch_value
+
+    for ok in ("gpu", "team a", "h100&ib", "équipe"):
+        check_sbatch_value("account", ok)
+    for bad in ("a\rb", "a\tb", "a\x00b", "a\u2028b"):
+        with pytest.raises(Exception, match="control character"):
+            check_sbatch_value("account", bad)
+
+
+@pytest.mark.parametrize("kw,bad", [
+    ({"name": "My_Job"}, "name='My_Job'"),
+    ({"name": "a" * 60}, "name="),
+    ({"name": "job\nx"}, "name="),
+    ({"namespace": "-team"}, "namespace='-team'"),
+    ({"pvc": "ckpt/../x"}, "pvc="),
+    ({"queue": "team a"}, "queue='team a'"),
+    ({"image": "GHCR.io/Me/Dtorch:1"}, "image="),
+    ({"image": "ghcr.io/me/dtorch:1 --privileged"}, "image="),
+    ({"image": "ghcr.io/me/dtorch@sha256:abc"}, "image="),
+])
+def test_kubernetes_names_and_images_are_checked_against_their_formats(kw, bad):
+    from dtorch.errors import ConfigError
+    from dtorch.integrations.k8s import check_names
+
+    good = {"name": "dtorch-llama3-8b", "namespace": "team-a", "pvc": "ckpt.v1", "queue": "team_a.gpu",
+            "runtime": "torch-distributed", "image": "registry.example.com:5000/team/dtorch:1.2-rc_1", "nodes": 4}
+    check_names(**good)
+    check_names(**{**good, "image": "localhost/dtorch@sha256:" + "a" * 64})
+    check_names(**{**good, "image": "dtorch"})
+    with pytest.raises(ConfigError) as e:
+        check_names(**{**good, **kw})
+    assert bad in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bad_image_ends_dtorch_submit_k8s_in_one_line():
+    out = _cli("submit", "k8s", "--model", "llama3-8b", "--device-type", "h100", "--nodes", "2", "--steps", "5",
+               "--pvc", "ckpt", "--image", "ghcr.io/me/dtorch:1\nx: y")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "image='ghcr.io/me/dtorch:1\\nx: y'" in lines[0], out.stderr
