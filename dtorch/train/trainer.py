@@ -56,6 +56,8 @@ class FitResult:
     """Per-step global mean loss, keyed by the 1-based step number."""
     plan: Plan | None = None
     wall_s: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+    """Wall-clock seconds of each step this call ran, in order."""
     compile_s: float | None = None
     """With plan.compile: seconds the first step took beyond a steady step (torch.compile's tracing
     and code generation), as in the `compile` event; None otherwise."""
@@ -399,7 +401,15 @@ class Trainer:
                               f"the plan is for global_batch={plan.global_batch}; make them agree")
         return plan
 
-    def _search(self, world: int, fixed: dict, replan=None) -> Plan:
+    def search_result(self, world: int, fixed: dict | None = None):
+        """The planner's whole answer for this run at `world` ranks (`dtorch.plan.search.SearchResult`:
+        the ranked plans, each family's best, what was not offered and why), asked exactly as `fit`
+        asks it with `plan="auto"` or a dict of fixed fields; needs no process group."""
+        if fixed is None:
+            fixed = dict(self.plan_request) if isinstance(self.plan_request, dict) else {}
+        return self._search(world, fixed, whole=True)
+
+    def _search(self, world: int, fixed: dict, replan=None, whole: bool = False):
         from dtorch.cluster import load_cluster, local_cluster
         from dtorch.model import profile_module
         from dtorch.plan.search import search
@@ -421,6 +431,8 @@ class Trainer:
                         fixed=fixed or None, top_k=3, steps=getattr(self, "_fit_steps", None),  # (compile amortised)
                         memory_correction=replan.correct if replan else None, suggest=replan is None,
                         constants=self._cost_constants())
+        if whole:
+            return result
         if result.best is None and replan is not None:
             raise ConfigError("plan", "auto", replan.nothing_fits(result.closest))
         if result.best is None:
@@ -711,6 +723,7 @@ class Trainer:
                 loss_f = float(loss)
                 result.losses[self.step] = loss_f
                 step_times.append(dt)
+                result.step_times.append(dt)
                 result.steps_run += 1
                 if result.steps_run == 2 and compile_enabled(self.plan):
                     result.compile_s = self._report_compile(step_times)
