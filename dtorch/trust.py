@@ -15,14 +15,21 @@ Every process that reads a checkpoint or joins the rendezvous must see the same 
 readable by others is refused. Directories are checked with `check_dir`: a directory owned by
 another user, writable by others, or reached through a symlink is refused unless it is listed in
 ``DTORCH_TRUST`` (paths separated by ``:``), which is how a person trusts one explicitly.
+
+Files DTorch writes in a run or checkpoint directory are private (0600) and never written through
+a planted link: appended logs are opened with `open_append` (O_NOFOLLOW, and refused unless the
+file is a regular file of this user with one link), whole files are replaced with `replace_file`
+(a fresh O_EXCL temp file renamed over the name, which replaces a link itself, never its target).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -166,6 +173,75 @@ def private_dir(path: str | os.PathLike, field: str) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(p, 0o700)
     return p
+
+
+def open_append(path: str | os.PathLike, field: str) -> int:
+    """A file descriptor appending to `path`, created 0600 if absent. Raises ConfigError naming
+    `field` when the name is a symlink, not a regular file (a FIFO: never blocks), another user's
+    file, or a hard link (a planted name must not redirect our writes to another file)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link; a FIFO without reader; a directory
+            raise ConfigError(field, str(path), f"refused: it is {_kind(path)} (planted?); remove it") from None
+        raise
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = f"it is {_kind(path)}"
+    elif st.st_uid != os.geteuid():
+        why = f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif st.st_nlink > 1:
+        why = f"it has {st.st_nlink} hard links"
+    if why is not None:
+        os.close(fd)
+        raise ConfigError(field, str(path), f"refused: {why} (planted?); remove it")
+    return fd
+
+
+def _kind(path: str | os.PathLike) -> str:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "not a regular file"
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def replace_file(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data` atomically: a fresh private temp file beside it (O_EXCL,
+    O_NOFOLLOW, 0600), renamed over the name (a link there is replaced, never followed). With
+    `durable`, the file and then its directory are fsynced. Readers see the old content or the
+    new; a failure (a full disk) leaves the old file and no temp file behind."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def is_loopback(host: str) -> bool:

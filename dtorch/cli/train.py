@@ -12,27 +12,21 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtorch.train.job import JobConfig
 
 
 def add_parser(sub, help_text: str) -> None:
     from dtorch.train.job import add_arguments
 
     p = sub.add_parser("train", help=help_text, description=__doc__)
-    add_arguments(p)
-    p.add_argument("--nproc", type=int, default=None,
-                   help="worker processes (default: the number of local GPUs, else 2 on CPU)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts after a failure (default 3)")
-    p.add_argument("--chaos", default="", help="fault-injection drill, e.g. kill:rank=1:step=40 (see docs)")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                   help="seconds without training progress before a rank is declared hung (default 30; 0 = off)")
-    p.add_argument("--run-dir", default=None,
-                   help="heartbeats, dumps and events.jsonl of the elastic run (default: a fresh private $TMPDIR/dtorch-*)")
-    p.add_argument("--snapshot-every", type=int, default=1,
-                   help="steps between in-memory snapshots that survive a worker's death (default 1; 0 = off)")
+    add_arguments(p, launcher=True)  # one flag per JobConfig field: the workers receive the config whole
     p.set_defaults(func=run)
 
 
-def _check_inputs(args: argparse.Namespace) -> None:
+def _check_inputs(args: JobConfig) -> None:
     """The checks a worker would fail on, run once here: an unknown architecture, a checkpoint whose
     shapes do not match its config (naming the tensor), a tokenizer larger than the model's vocabulary."""
     from dtorch.models import build_from_config, model_config
@@ -76,7 +70,7 @@ def _same_model(a: str, b: str) -> bool:
         return False
 
 
-def _model_factory(args: argparse.Namespace):
+def _model_factory(args: JobConfig):
     """What the workers build: the Hugging Face checkpoint's architecture with --init-from (unless it is
     a seed checkpoint of --model), else --model."""
     from dtorch.models import build_from_config, build_model
@@ -90,7 +84,7 @@ def _model_factory(args: argparse.Namespace):
     return lambda: build_model(args.model)
 
 
-def preflight(args: argparse.Namespace, nproc: int) -> None:
+def preflight(args: JobConfig, nproc: int) -> None:
     """Check every input of the job that can be checked without a process group; raises
     ConfigError naming the first problem."""
     from dtorch.errors import ConfigError
@@ -118,7 +112,7 @@ def preflight(args: argparse.Namespace, nproc: int) -> None:
     _check_checkpoint_model(args)
 
 
-def _check_checkpoint_model(args: argparse.Namespace) -> None:
+def _check_checkpoint_model(args: JobConfig) -> None:
     """The newest checkpoint's model shapes (DCP metadata, read with the allow-list) against the
     model asked for: resuming another model's checkpoint fails here, not in every worker."""
     from pathlib import Path
@@ -167,7 +161,7 @@ def _check_checkpoint_dir(path: str) -> None:
         raise ConfigError("checkpoint_dir", path, f"{existing} {what}; pass a writable --checkpoint-dir") from None
 
 
-def _check_plan(args: argparse.Namespace, nproc: int) -> None:
+def _check_plan(args: JobConfig, nproc: int) -> None:
     """The plan the workers would choose, chosen here for a world of `nproc` (same code path)."""
     from dtorch.errors import ConfigError
     from dtorch.plan.plan import Plan
@@ -190,45 +184,32 @@ def _check_plan(args: argparse.Namespace, nproc: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from dtorch.cluster.local import default_workers
     from dtorch.errors import ConfigError
+    from dtorch.train.job import JobConfig
 
-    nproc = args.nproc if args.nproc is not None else default_workers()
+    config = JobConfig.from_namespace(args)
+    nproc = config.nproc if config.nproc is not None else default_workers()
     if nproc < 1:
         raise ConfigError("nproc", nproc, "use at least 1 worker process")
-    if args.data and not args.tokenizer:
+    if config.data and not config.tokenizer:
         from pathlib import Path
 
         from dtorch.train.tokenize import SUFFIXES
 
-        if Path(args.data).is_dir() or Path(args.data).suffix in SUFFIXES:
-            raise ConfigError("data", args.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
+        if Path(config.data).is_dir() or Path(config.data).suffix in SUFFIXES:
+            raise ConfigError("data", config.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
     if os.environ.get("RANK") is None:
-        if args.init_from or args.tokenizer:
-            _check_inputs(args)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
-        preflight(args, nproc)
-    if os.environ.get("RANK") is not None or (nproc == 1 and not args.chaos):
+        if config.init_from or config.tokenizer:
+            _check_inputs(config)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
+        preflight(config, nproc)
+    if os.environ.get("RANK") is not None or (nproc == 1 and not config.chaos):
         from dtorch.train.job import run as run_job
 
-        return run_job(args)
+        return run_job(config)
     from dtorch.elastic.launch import TRAINER_PRELOAD, LaunchSpec, launch
 
-    forwarded = []
-    for action_dest, flag in (("model", "--model"), ("steps", "--steps"), ("global_batch", "--global-batch"),
-                              ("seq_len", "--seq-len"), ("lr", "--lr"), ("warmup", "--warmup"),
-                              ("checkpoint_dir", "--checkpoint-dir"), ("checkpoint_every", "--checkpoint-every"),
-                              ("plan", "--plan"), ("seed", "--seed"), ("data", "--data"),
-                              ("tokenizer", "--tokenizer"), ("init_from", "--init-from"),
-                              ("sample_tokens", "--sample-tokens"), ("monitor_port", "--monitor-port"),
-                              ("metrics_every", "--metrics-every")):
-        value = getattr(args, action_dest)
-        if value is not None:
-            forwarded += [flag, str(value)]
-    if args.no_progress:
-        forwarded.append("--no-progress")
-    if getattr(args, "trace_comms", False):
-        forwarded.append("--trace-comms")
-    if getattr(args, "rebalance", False):
-        forwarded.append("--rebalance")
-    spec = LaunchSpec(nproc_per_node=nproc, max_restarts=args.max_restarts, chaos=args.chaos,
-                      heartbeat_timeout=args.heartbeat_timeout, snapshot_every=args.snapshot_every,
-                      run_dir=args.run_dir, preload=TRAINER_PRELOAD)
-    return launch(spec, "dtorch.train.job", forwarded, module=True)
+    spec = LaunchSpec(nproc_per_node=nproc, max_restarts=config.max_restarts, chaos=config.chaos,
+                      heartbeat_timeout=config.heartbeat_timeout, snapshot_every=config.snapshot_every,
+                      run_dir=config.run_dir, preload=TRAINER_PRELOAD)
+    # the whole configuration, in the job's private run directory: no flag to forward one by one
+    path = config.save(spec.run_dir)  # type: ignore[arg-type]
+    return launch(spec, "dtorch.train.job", ["--config", str(path)], module=True)

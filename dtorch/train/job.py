@@ -1,17 +1,28 @@
 """The main job: a small GPT trained on the default corpus of this machine, end to end.
 
-`dtorch train` launches this module on every worker (under the elastic agent), or runs it in
-process for a single worker. Each worker builds the same `Trainer`; rank 0 prints a sample of
-generated text at the end.
+`dtorch train` fills one `JobConfig` from its flags and launches this module on every worker
+(under the elastic agent) with that configuration whole (`--config <run_dir>/job.json`), or runs it
+in process for a single worker. Each worker builds the same `Trainer`; rank 0 prints a sample of
+generated text at the end. `python -m dtorch.train.job --steps ...` (scripts under `dtorch run`,
+scheduler submissions) takes the same training flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256"
+CONFIG_FILE = "job.json"
+"""The job's configuration in its run directory, read by every worker (and kept for the person
+who asks what the job ran with)."""
 
 
 def _grad_norm(value: float) -> float | None:
@@ -22,47 +33,133 @@ def _grad_norm(value: float) -> float | None:
     return value or None
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Training flags shared by `dtorch train` and the worker entry point."""
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model preset or spec (gpt:..., llama:...); default: a 4-layer byte-level GPT")
-    p.add_argument("--steps", type=int, default=300, help="train until this global step (default 300)")
-    p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step (default 16)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0,
-                   help="clip the gradient norm to this (default 1.0; 0 = no clipping, which lets an offloaded "
-                        "optimizer step each block during the backward: docs/memory-tiers.md)")
-    p.add_argument("--checkpoint-dir", default="runs/train", help="checkpoints; the run resumes from here")
-    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50)")
-    p.add_argument("--plan", default="auto",
-                   help="auto | a plan JSON/YAML file | fixed fields like tp=2,ac=full (the rest is searched)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None,
-                   help="a token file (uint16 .bin), or with --tokenizer text: .txt/.md/.jsonl/.parquet files or a "
-                        "directory of them (tokenised once, cached); default: the stdlib byte corpus")
-    p.add_argument("--tokenizer", default=None,
-                   help="a Hugging Face tokenizer.json (or its directory) to tokenise --data with")
-    p.add_argument("--init-from", default=None,
-                   help="a Hugging Face model directory (config.json + safetensors; Llama 3, Mistral, Qwen2, "
-                        "GPT-2): start from its weights; the model is built from its config.json")
-    p.add_argument("--sample-tokens", type=int, default=200, help="tokens of text to generate at the end")
-    p.add_argument("--no-progress", action="store_true", help="no console progress line")
-    p.add_argument("--monitor-port", type=int, default=None,
-                   help="serve Prometheus /metrics and the live page on rank 0 at 127.0.0.1:PORT (0 = a free "
-                        "port; see docs/monitoring.md for another interface)")
-    p.add_argument("--trace-comms", action="store_true",
-                   help="record every collective per rank to <checkpoint-dir>/comms-rank<r>.jsonl (slow; for debugging)")
-    p.add_argument("--offload", default=None, choices=("none", "optimizer", "optimizer_nvme"),
-                   help="optimizer state and fp32 masters in host memory (optimizer) or in files in --offload-dir "
-                        "(optimizer_nvme), the step on the CPU; default: what the plan says (docs/memory-tiers.md)")
-    p.add_argument("--offload-dir", default=None, help="directory on a local disk for --offload optimizer_nvme")
-    p.add_argument("--rebalance", action="store_true",
-                   help="straggler response: when a rank is persistently slow, re-cut the data-parallel shares by "
-                        "measured speed at the next checkpoint (docs/monitoring.md)")
-    p.add_argument("--metrics-every", type=int, default=None,
-                   help="gather every rank's step-time terms and memory every N steps (default 10; 0 = off)")
+def _opt(default: Any, help: str, *, launcher: bool = False, **argparse_kw: Any) -> Any:
+    """A JobConfig field: its default, its `--flag` help, and whether it configures the elastic
+    agent (`launcher`: a flag of `dtorch train` only) rather than the trainer."""
+    return field(default=default, metadata={"help": help, "launcher": launcher, "argparse": argparse_kw})
+
+
+@dataclass
+class JobConfig:
+    """Everything `dtorch train` was asked, typed. Each field is one flag (`--max-grad-norm` for
+    `max_grad_norm`, generated by `add_arguments`); the CLI fills it and every worker receives it
+    whole (`save`/`load`), so there is no list of flags to forward and keep in sync."""
+
+    model: str = _opt(DEFAULT_MODEL, "model preset or spec (gpt:..., llama:...); default: a 4-layer byte-level GPT")
+    steps: int = _opt(300, "train until this global step (default 300)")
+    global_batch: int = _opt(16, "samples per optimizer step (default 16)")
+    seq_len: int = _opt(128, "tokens per sample (default 128)")
+    lr: float = _opt(3e-3, "peak learning rate (default 3e-3)")
+    warmup: int = _opt(20, "warm-up steps (default 20)")
+    max_grad_norm: float = _opt(1.0, "clip the gradient norm to this (default 1.0; 0 = no clipping, which lets an "
+                                "offloaded optimizer step each block during the backward: docs/memory-tiers.md)")
+    checkpoint_dir: str = _opt("runs/train", "checkpoints; the run resumes from here")
+    checkpoint_every: int = _opt(50, "steps between checkpoints (default 50)")
+    plan: str = _opt("auto", "auto | a plan JSON/YAML file | fixed fields like tp=2,ac=full (the rest is searched)")
+    seed: int = _opt(0, "seed of the weights and of the data order (default 0)")
+    data: str | None = _opt(None, "a token file (uint16 .bin), or with --tokenizer text: .txt/.md/.jsonl/.parquet "
+                            "files or a directory of them (tokenised once, cached); default: the stdlib byte corpus")
+    tokenizer: str | None = _opt(None, "a Hugging Face tokenizer.json (or its directory) to tokenise --data with")
+    init_from: str | None = _opt(None, "a Hugging Face model directory (config.json + safetensors; Llama 3, Mistral, "
+                                 "Qwen2, GPT-2): start from its weights; the model is built from its config.json")
+    sample_tokens: int = _opt(200, "tokens of text to generate at the end")
+    no_progress: bool = _opt(False, "no console progress line")
+    monitor_port: int | None = _opt(None, "serve Prometheus /metrics and the live page on rank 0 at 127.0.0.1:PORT "
+                                    "(0 = a free port; see docs/monitoring.md for another interface)")
+    trace_comms: bool = _opt(False, "record every collective per rank to <checkpoint-dir>/comms-rank<r>.jsonl "
+                             "(slow; for debugging)")
+    offload: str | None = _opt(None, "optimizer state and fp32 masters in host memory (optimizer) or in files in "
+                               "--offload-dir (optimizer_nvme), the step on the CPU; default: what the plan says "
+                               "(docs/memory-tiers.md)", choices=("none", "optimizer", "optimizer_nvme"))
+    offload_dir: str | None = _opt(None, "directory on a local disk for --offload optimizer_nvme")
+    rebalance: bool = _opt(False, "straggler response: when a rank is persistently slow, re-cut the data-parallel "
+                           "shares by measured speed at the next checkpoint (docs/monitoring.md)")
+    metrics_every: int | None = _opt(None, "gather every rank's step-time terms and memory every N steps "
+                                     "(default 10; 0 = off)")
+    # ---- the elastic agent's (flags of `dtorch train` only) ----
+    nproc: int | None = _opt(None, "worker processes (default: the number of local GPUs, else 2 on CPU)", launcher=True)
+    max_restarts: int = _opt(3, "restarts after a failure (default 3)", launcher=True)
+    chaos: str = _opt("", "fault-injection drill, e.g. kill:rank=1:step=40 (see docs)", launcher=True)
+    heartbeat_timeout: float = _opt(30.0, "seconds without training progress before a rank is declared hung "
+                                    "(default 30; 0 = off)", launcher=True)
+    run_dir: str | None = _opt(None, "heartbeats, dumps and events.jsonl of the elastic run (default: a fresh "
+                               "private $TMPDIR/dtorch-*)", launcher=True)
+    snapshot_every: int = _opt(1, "steps between in-memory snapshots that survive a worker's death (default 1; "
+                               "0 = off)", launcher=True)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> JobConfig:
+        """The configuration argparse parsed (`add_arguments`); fields it has no flag for keep their
+        defaults."""
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> JobConfig:
+        """Rebuild a saved configuration; a field this build does not know is an error, not dropped."""
+        from dtorch.errors import ConfigError
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(doc) - names)
+        if unknown:
+            raise ConfigError("config", unknown, "options this version of dtorch does not know: run the job with the "
+                              "dtorch that wrote the configuration")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in doc and not _is_instance(doc[f.name], hints[f.name]):
+                raise ConfigError(f.name, doc[f.name], f"expected {hints[f.name]}")
+        return cls(**doc)
+
+    def save(self, run_dir: str | os.PathLike) -> Path:
+        """Write the configuration as `<run_dir>/job.json` (a private file, replaced atomically,
+        never through a planted link); returns its path."""
+        from dtorch import trust
+
+        trust.private_dir(run_dir, "run_dir")
+        path = Path(run_dir) / CONFIG_FILE
+        trust.replace_file(path, (json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n").encode())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> JobConfig:
+        from dtorch.checkpoint.files import read_small
+        from dtorch.errors import ConfigError
+
+        try:
+            doc = json.loads(read_small(Path(path), 1 << 20))
+        except (OSError, ValueError) as e:
+            raise ConfigError("config", str(path), f"cannot read the job configuration ({e})") from None
+        if not isinstance(doc, dict):
+            raise ConfigError("config", str(path), "not a job configuration (a JSON object)")
+        return cls.from_dict(doc)
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    args = typing.get_args(hint)
+    kinds = tuple(a for a in args if a is not type(None)) if args else (hint,)
+    if value is None:
+        return type(None) in args
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+
+
+def add_arguments(p: argparse.ArgumentParser, *, launcher: bool = False) -> None:
+    """One flag per JobConfig field: the trainer's (shared by `dtorch train` and the worker entry
+    point), and with `launcher` the elastic agent's too (`dtorch train` only)."""
+    hints = typing.get_type_hints(JobConfig)
+    for f in dataclasses.fields(JobConfig):
+        if f.metadata["launcher"] and not launcher:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(f.metadata["argparse"])
+        if hints[f.name] is bool:
+            p.add_argument(flag, action="store_true", help=f.metadata["help"], **kw)
+            continue
+        kinds = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+        p.add_argument(flag, type=kinds[0], default=f.default, help=f.metadata["help"], **kw)
 
 
 def parse_plan(text: str):
@@ -76,62 +173,62 @@ def parse_plan(text: str):
     return parse_fix(text)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: JobConfig) -> int:
+    """Train as `config` says, on this process's rank. Under `dtorch run`, each worker records the
+    configuration it received (a `job_config` event in the run's events.jsonl)."""
     import torch
 
+    from dtorch import eventlog
     from dtorch.errors import ConfigError
     from dtorch.models import build_model
     from dtorch.train.optim import AdamW, WarmupCosine
     from dtorch.train.trainer import Trainer
 
+    eventlog.log("job_config", config=config.to_dict())
     data = None
-    if args.tokenizer and not args.data:
-        raise ConfigError("tokenizer", args.tokenizer, "a tokenizer needs text to tokenise: pass --data too")
-    if args.data and args.tokenizer:
+    if config.tokenizer and not config.data:
+        raise ConfigError("tokenizer", config.tokenizer, "a tokenizer needs text to tokenise: pass --data too")
+    if config.data and config.tokenizer:
         from dtorch.train.tokenize import text_dataset
 
-        data = text_dataset(args.data, args.tokenizer, args.seq_len)
-    elif args.data:
-        from pathlib import Path
-
+        data = text_dataset(config.data, config.tokenizer, config.seq_len)
+    elif config.data:
         from dtorch.train.data import TokenFile
         from dtorch.train.tokenize import SUFFIXES
 
-        if Path(args.data).is_dir() or Path(args.data).suffix in SUFFIXES:
-            raise ConfigError("data", args.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
+        if Path(config.data).is_dir() or Path(config.data).suffix in SUFFIXES:
+            raise ConfigError("data", config.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
 
-        data = TokenFile(args.data, args.seq_len)
-    init_from = getattr(args, "init_from", None)
-    from pathlib import Path
-
+        data = TokenFile(config.data, config.seq_len)
+    init_from = config.init_from
     from dtorch.checkpoint.hf_weights import SEED_MARKER
 
     seed_ckpt = bool(init_from) and (Path(init_from) / SEED_MARKER).is_file()
     # a Hugging Face directory brings its own model (config.json); a seed checkpoint needs --model
-    make_model = (lambda: build_model(args.model)) if not init_from or seed_ckpt else None
+    make_model = (lambda: build_model(config.model)) if not init_from or seed_ckpt else None
     trainer = Trainer(
         model=make_model,
         init_from=init_from,
         data=data,
-        optimizer=AdamW(lr=args.lr, weight_decay=0.0),
-        lr_schedule=WarmupCosine(warmup_steps=args.warmup),
-        global_batch=args.global_batch,
-        seq_len=args.seq_len,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        plan=parse_plan(args.plan),
-        seed=args.seed,
-        console=not args.no_progress,
-        monitor_port=getattr(args, "monitor_port", None),
-        metrics_every=getattr(args, "metrics_every", None),
-        trace_comms=True if getattr(args, "trace_comms", False) else None,
-        offload=getattr(args, "offload", None),
-        offload_dir=getattr(args, "offload_dir", None),
-        rebalance=getattr(args, "rebalance", False),
-        max_grad_norm=_grad_norm(getattr(args, "max_grad_norm", 1.0)),
+        optimizer=AdamW(lr=config.lr, weight_decay=0.0),
+        lr_schedule=WarmupCosine(warmup_steps=config.warmup),
+        global_batch=config.global_batch,
+        seq_len=config.seq_len,
+        checkpoint_dir=config.checkpoint_dir,
+        checkpoint_every=config.checkpoint_every,
+        plan=parse_plan(config.plan),
+        seed=config.seed,
+        console=not config.no_progress,
+        monitor_port=config.monitor_port,
+        metrics_every=config.metrics_every,
+        trace_comms=True if config.trace_comms else None,
+        offload=config.offload,
+        offload_dir=config.offload_dir,
+        rebalance=config.rebalance,
+        max_grad_norm=_grad_norm(config.max_grad_norm),
     )
-    result = trainer.fit(steps=args.steps)
-    full = trainer.full_state_dict() if args.sample_tokens > 0 else None
+    result = trainer.fit(steps=config.steps)
+    full = trainer.full_state_dict() if config.sample_tokens > 0 else None
     if trainer.rank == 0:
         summary = {"final_step": result.final_step, "steps_run": result.steps_run,
                    "resumed_from": result.resumed_from, "plan": trainer.plan.describe(),
@@ -145,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
             model.load_state_dict(full)
             tok = getattr(data, "tokenizer", None) or ByteTokenizer()
             prompt = torch.tensor(tok.encode("def "), dtype=torch.long)
-            out = generate(model, prompt, args.sample_tokens, context=args.seq_len, seed=args.seed)
+            out = generate(model, prompt, config.sample_tokens, context=config.seq_len, seed=config.seed)
             print("---- generated text ----\n" + tok.decode(out) + "\n------------------------", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -153,9 +250,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The worker entry point: `--config FILE` (what `dtorch train` launches), or the training flags."""
     p = argparse.ArgumentParser(prog="python -m dtorch.train.job")
     add_arguments(p)
-    return run(p.parse_args(argv))
+    p.add_argument("--config", default=None, help=f"a job configuration ({CONFIG_FILE}) written by `dtorch train`; "
+                   "takes no other flag")
+    ns = p.parse_args(argv)
+    if ns.config is None:
+        return run(JobConfig.from_namespace(ns))
+    given = [f.name for f in dataclasses.fields(JobConfig) if hasattr(ns, f.name) and getattr(ns, f.name) != f.default]
+    if given:
+        from dtorch.errors import ConfigError
+
+        raise ConfigError("config", ns.config, f"--config takes no other option (also given: {', '.join(given)}); "
+                          "put them in the configuration")
+    return run(JobConfig.load(ns.config))
 
 
 if __name__ == "__main__":
