@@ -26,6 +26,8 @@ Parameter, but `parallelize` still rejects tied embeddings under PP and, for now
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,25 +54,78 @@ class _HFAdapter(nn.Module):
         return out is not None and emb is not None and out.weight is emb.weight
 
 
-class HFDecoder(_HFAdapter):
-    """LlamaForCausalLM and its relatives (RoPE given to every layer as position_embeddings)."""
+class HFCausalLM(_HFAdapter):
+    """Any transformers causal LM whose backbone runs embedding -> decoder layers -> final norm, with
+    the layers called as the backbone calls them: hidden states first, then `attention_mask` (built
+    by transformers' own `create_causal_mask` / `create_sliding_window_causal_mask` per layer type,
+    so eager attention is causal and sliding windows are honoured), `position_embeddings` (the
+    backbone's rotary module, per layer type where it takes one) and `position_ids`.
 
-    def __init__(self, hf: nn.Module):
+    Model-specific steps the backbone's forward does around the layers are reproduced from the
+    config: the embedding dropout (GPT-NeoX) and the final logit soft-capping (Gemma 2/3); Gemma's
+    sqrt(hidden) embedding scale is inside its embedding module.
+    A backbone holding any other module with parameters (learned position embeddings, ...) is
+    refused by `adapt`, naming it."""
+
+    input_modules = ("tok_embeddings", "drop")
+
+    def __init__(self, hf: nn.Module, base: nn.Module, layers: nn.ModuleList, norm: nn.Module):
         super().__init__(hf)
-        self.tok_embeddings = hf.model.embed_tokens
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(hf.model.layers)})
-        self.norm = hf.model.norm
-        self.output = hf.lm_head
-        self.rotary_emb = hf.model.rotary_emb
+        self.tok_embeddings = hf.get_input_embeddings()
+        self.drop = next((m for n, m in base.named_children() if n in _DROPOUTS), None)
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+        self.norm = norm
+        self.output = hf.get_output_embeddings()
+        self.rotary_emb = getattr(base, "rotary_emb", None)
+        cfg = self.config
+        n = len(layers)
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None)
+        # Mistral, Mixtral, Phi-3 have no layer_types: one mask kind for all layers, as their forward
+        self.layer_types = list(types[:n]) if types else ["sliding_attention" if window else "full_attention"] * n
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        rope = self.rotary_emb
+        self._rope_per_type = rope is not None and "layer_type" in inspect.signature(rope.forward).parameters
+
+    def _masks(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        args = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        return {kind: make[kind](**args) for kind in set(self.layer_types)}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.drop is not None:
+                h = self.drop(h)
+        else:
+            h = tokens
         pos = torch.arange(h.shape[1], device=h.device)[None]
-        rope = self.rotary_emb(h, pos)
-        for layer in self.layers.values():
-            h = layer(h, position_ids=pos, position_embeddings=rope)
+        masks = self._masks(h, pos)
+        rope: dict[str, object] = {}
+        if self._rope_per_type:
+            rope = {kind: self.rotary_emb(h, pos, kind) for kind in set(self.layer_types)}
+        elif self.rotary_emb is not None:
+            rope = dict.fromkeys(set(self.layer_types), self.rotary_emb(h, pos))
+        for name, layer in self.layers.items():
+            kind = self.layer_types[int(name)]
+            h = layer(h, attention_mask=masks[kind], position_embeddings=rope.get(kind), position_ids=pos)
+            if isinstance(h, tuple):
+                h = h[0]
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+HFDecoder = HFCausalLM  # the former name
+_DROPOUTS = ("drop", "emb_dropout", "embed_dropout", "embedding_dropout")
+_FINAL_NORMS = ("norm", "final_layer_norm", "final_layernorm", "ln_f")
+_BLOCKS = ("layers", "h", "blocks")
 
 
 class HFGPT2(_HFAdapter):
@@ -174,12 +229,30 @@ def _linear_from_conv1d(conv: nn.Module, lo: int = 0, hi: int | None = None) -> 
 
 
 def adapt(model: nn.Module) -> nn.Module:
-    """The reference-shaped view of a transformers causal LM; other models are returned as they are."""
+    """The reference-shaped view of a transformers causal LM; other models are returned as they are.
+
+    Raises ConfigError naming what is not understood: no decoder layers, no final norm, or a backbone
+    module with parameters the generic forward would skip."""
     if not is_transformers_model(model):
         return model
     if type(model).__name__ == "GPT2LMHeadModel":
         return HFGPT2(model)
-    inner = getattr(model, "model", None)
-    if all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "lm_head"):
-        return HFDecoder(model)
-    raise ConfigError("model", type(model).__name__, f"this transformers architecture is not mapped; {ANNOTATION_HELP}")
+    base = getattr(model, "base_model", None)
+    if base is None or base is model or not callable(getattr(model, "get_output_embeddings", None)):
+        raise ConfigError("model", type(model).__name__,
+                          f"only transformers causal LMs (AutoModelForCausalLM) are adapted; {ANNOTATION_HELP}")
+    children = dict(base.named_children())
+    layers = next((children[n] for n in _BLOCKS if isinstance(children.get(n), nn.ModuleList)), None)
+    norm = next((children[n] for n in _FINAL_NORMS if n in children), None)
+    if layers is None or norm is None:
+        raise ConfigError("model", type(model).__name__,
+                          f"no decoder layers ({'/'.join(_BLOCKS)}) or final norm ({'/'.join(_FINAL_NORMS)}) "
+                          f"in its backbone (children: {', '.join(children)}); {ANNOTATION_HELP}")
+    known = {id(layers), id(norm), id(model.get_input_embeddings()), id(getattr(base, "rotary_emb", None))}
+    unknown = [n for n, m in children.items() if id(m) not in known and n not in _DROPOUTS
+               and any(True for _ in m.parameters())]
+    if unknown:
+        raise ConfigError("model", f"{type(model).__name__}: {unknown[0]}",
+                          "a backbone module the generic causal-LM adapter does not know how to call; "
+                          + ANNOTATION_HELP)
+    return HFCausalLM(model, base, layers, norm)
