@@ -5,17 +5,23 @@ the pipeline split work block by block) and the monitor (the straggler watch and
 time every block's forward) all ask this module, so that they never disagree about which modules
 the blocks are. The executor never edits model code; it finds the pieces:
 
-1. an annotation on the model: `model._dtorch_blocks = "path.to.blocks"` (an nn.ModuleList or
-   nn.ModuleDict);
+1. an annotation on the model: `model._dtorch_blocks = "path.to.blocks"` (an nn.ModuleList,
+   nn.ModuleDict or nn.Sequential);
 2. otherwise a non-empty container under a usual name (`BLOCK_CONTAINERS`: DTorch's and
    torchtitan's `layers`, Hugging Face's `model.layers` or `transformer.h`, `h`, `blocks`);
-3. otherwise the nn.ModuleList / nn.ModuleDict with the most structurally identical children
-   (ties: the most parameters per child).
+3. otherwise, at any depth, the longest run of same-class children holding parameters: all the
+   children of an nn.ModuleList / nn.ModuleDict of one class, or the longest run of consecutive
+   same-class children of an nn.Sequential (a CNN's stages, a ViT's `encoder.layers`); ties go to
+   the most parameters per child. A Sequential's run needs two children at least.
+4. none of these (a 3-layer MLP): the model has no repeated blocks, and the whole model is the one
+   unit: no `block_names`, DDP/FSDP treat it as one unit, activation checkpointing and
+   per-block compilation have nothing to wrap, and pipeline parallelism cannot apply.
 
-`uniform` says whether the blocks are structurally identical: the executor shards block by block
-either way, the profiler (which measures one block and multiplies) refuses blocks that differ.
-
-A model with none gets a ConfigError that shows the annotation that fixes it.
+In an nn.Sequential, the blocks are the run (`block_items`); the children before and after it
+stay where they are. `uniform` says whether the blocks are structurally identical: the executor
+shards block by block either way, the profiler measures one block of identical blocks and every
+block otherwise. `before` / `after` name the parameter-holding modules registered before and after
+the blocks, `tied` the parameters that share one tensor.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ ANNOTATION_HELP = (
     '`dtorch.parallel.annotate(module, "colwise"|"rowwise"|"embedding"|"output")`'
 )
 
-Container = nn.ModuleList | nn.ModuleDict
+Container = nn.ModuleList | nn.ModuleDict | nn.Sequential
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,17 @@ class ModelStructure:
     """nn.Embedding modules outside the blocks."""
     head: str | None = None
     """The nn.Linear to the vocabulary outside the blocks (None when the head reuses the embedding)."""
+    before: tuple[str, ...] = ()
+    """Parameter-holding modules outside the blocks registered before them (stem, embeddings)."""
+    after: tuple[str, ...] = ()
+    """Parameter-holding modules outside the blocks registered after them (final norm, head)."""
+    tied: tuple[tuple[str, ...], ...] = ()
+    """Groups of parameter names that share one tensor (tied embeddings)."""
+
+    @property
+    def has_blocks(self) -> bool:
+        """False when the model has no repeated blocks: the whole model is the one unit."""
+        return bool(self.block_names)
 
     @property
     def num_blocks(self) -> int:
@@ -59,9 +77,12 @@ class ModelStructure:
 
     def blocks(self, part: nn.Module) -> list[nn.Module]:
         """The blocks `part` holds: the whole model, a pipeline stage of it (fewer blocks), or either
-        wrapped by DistributedDataParallel. [] when the part has no block container."""
+        wrapped by DistributedDataParallel; the whole part when the model has no repeated blocks.
+        [] when the part has no block container."""
+        if not self.has_blocks:
+            return [unwrap(part)]
         container = get_submodule(unwrap(part), self.block_path)
-        return [m for _, m in block_items(container)] if isinstance(container, (nn.ModuleList, nn.ModuleDict)) else []
+        return [m for _, m in block_items(container)] if isinstance(container, _CONTAINERS) else []
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -71,18 +92,51 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def get_submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at dotted `path` ("" is the model itself), or None."""
     mod: nn.Module | None = model
-    for part in path.split("."):
+    for part in path.split(".") if path else ():
         mod = getattr(mod, part, None) if mod is not None else None
         if not isinstance(mod, nn.Module):
             return None
     return mod
 
 
+def join(path: str, name: str) -> str:
+    """`path.name`, or `name` at the model's root (path "")."""
+    return f"{path}.{name}" if path else name
+
+
 def block_items(container: Container) -> list[tuple[str, nn.Module]]:
-    return list(container.items()) if isinstance(container, nn.ModuleDict) else [
-        (str(i), m) for i, m in enumerate(container)
-    ]
+    """(name, block) of the blocks in `container`: every child of a ModuleList / ModuleDict, the
+    longest run of same-class children of a Sequential (rule 3 of the module docstring)."""
+    if isinstance(container, nn.ModuleDict):
+        return list(container.items())
+    if isinstance(container, nn.Sequential):
+        return _longest_run(container)
+    return [(str(i), m) for i, m in enumerate(container)]
+
+
+def _longest_run(seq: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """The longest run of consecutive same-class children with parameters (ties: the first; more
+    parameters per child win over an equally long run)."""
+    best: list[tuple[str, nn.Module]] = []
+    run: list[tuple[str, nn.Module]] = []
+    for name, child in seq.named_children():
+        if run and type(child) is type(run[0][1]) and _has_params(child):
+            run.append((name, child))
+        else:
+            run = [(name, child)] if _has_params(child) else []
+        if (len(run), _size(run)) > (len(best), _size(best)):
+            best = list(run)
+    return best
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def _size(run: list[tuple[str, nn.Module]]) -> int:
+    return sum(p.numel() for p in run[0][1].parameters()) if run else 0
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -92,48 +146,76 @@ def _signature(module: nn.Module) -> tuple:
 
 
 def _uniform(container: Container) -> bool:
-    return len({_signature(c) for c in container.children()}) == 1
+    return len({_signature(m) for _, m in block_items(container)}) <= 1
 
 
 def find_blocks(model: nn.Module) -> tuple[str, Container]:
-    """(path, container) of the model's repeated blocks, by the rule in the module docstring."""
+    """(path, container) of the model's repeated blocks, by the rules in the module docstring; the
+    blocks are `block_items(container)`. A model without repeated blocks gives ("", an empty
+    nn.ModuleList): nothing to apply per block, the whole model is one unit."""
     model = unwrap(model)
     annotated = getattr(model, BLOCKS_ATTR, None)
     if annotated is not None:
         mod = get_submodule(model, annotated)
-        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) > 0:
+        if isinstance(mod, _CONTAINERS) and block_items(mod):
             return annotated, mod
-        raise ConfigError(BLOCKS_ATTR, annotated, f"it names no non-empty nn.ModuleList/ModuleDict; {ANNOTATION_HELP}")
+        raise ConfigError(BLOCKS_ATTR, annotated,
+                          f"it names no non-empty nn.ModuleList/ModuleDict/Sequential; {ANNOTATION_HELP}")
     for path in BLOCK_CONTAINERS:
         mod = get_submodule(model, path)
         if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) > 0:
             return path, mod
     best: tuple[int, int, str, Container] | None = None
     for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or len(mod) == 0 or not _uniform(mod):
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            if len(mod) == 0 or len({type(c) for c in mod.children()}) != 1:
+                continue
+            run = block_items(mod)
+        elif isinstance(mod, nn.Sequential):
+            run = block_items(mod)
+            if len(run) < 2:
+                continue
+        else:
             continue
-        children = list(mod.children())
-        size = sum(p.numel() for p in children[0].parameters())
-        key = (len(children), size, path, mod)
-        if size > 0 and (best is None or key[:2] > best[:2]):
+        key = (len(run), _size(run), path, mod)
+        if key[1] > 0 and (best is None or key[:2] > best[:2]):
             best = key
     if best is not None:
         return best[2], best[3]
-    raise ConfigError("model", type(model).__name__, f"no repeated blocks found; {ANNOTATION_HELP}")
+    return "", nn.ModuleList()
 
 
 def find_structure(model: nn.Module) -> ModelStructure:
-    """The model's blocks, embeddings and output head (meta tensors are fine)."""
+    """The model's blocks, embeddings, output head, the modules before and after the blocks, and its
+    tied parameters (meta tensors are fine)."""
     model = unwrap(model)
     path, container = find_blocks(model)
-    inside = path + "."
-    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not n.startswith(inside)]
+    items = block_items(container)
+    block_paths = tuple(join(path, n) for n, _ in items)
+
+    def inside(name: str) -> bool:
+        return any(name == b or name.startswith(b + ".") for b in block_paths)
+
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and not inside(n)]
     vocab = max((m.num_embeddings for _, m in embeddings), default=0)
     heads = [n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and not n.startswith(inside) and vocab and m.out_features == vocab]
-    return ModelStructure(block_path=path, block_names=tuple(n for n, _ in block_items(container)),
+             if isinstance(m, nn.Linear) and not inside(n) and vocab and m.out_features == vocab]
+    before: list[str] = []
+    after: list[str] = []
+    seen_blocks = False
+    for n, m in model.named_modules():
+        if inside(n):
+            seen_blocks = True
+        elif next(m.parameters(recurse=False), None) is not None:
+            (after if seen_blocks else before).append(n)
+    by_tensor: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(n)
+    tied = tuple(tuple(names) for names in by_tensor.values() if len(names) > 1)
+    return ModelStructure(block_path=path, block_names=tuple(n for n, _ in items),
                           uniform=_uniform(container), embeddings=tuple(n for n, _ in embeddings),
-                          head=heads[-1] if heads else None)
+                          head=heads[-1] if heads else None, before=tuple(before), after=tuple(after),
+                          tied=tied)
 
 
 def blocks_of(parts: Iterable[nn.Module], structure: ModelStructure | None = None) -> list[nn.Module]:

@@ -72,14 +72,54 @@ def test_straggler_watch_times_every_block_whatever_its_name():
     assert len(blocks_of([stage], structure)) == 1
 
 
-def test_a_part_without_blocks_is_an_error_not_a_silent_watch():
-    from dtorch.monitor.straggler import StragglerWatch
-
-    with pytest.raises(ConfigError, match="_dtorch_blocks"):
-        StragglerWatch([nn.Sequential(nn.Linear(2, 2))], world_size=2)
-    with pytest.raises(ConfigError, match="_dtorch_blocks"):
-        find_blocks(nn.Sequential(nn.Linear(2, 2)))
+def test_a_part_without_its_blocks_is_an_error_not_a_silent_watch():
+    structure = find_structure(_HFStyleLM())
+    stage = _HFStyleLM()
+    del stage.transformer.h  # a part that lost the container the structure names
+    with pytest.raises(ConfigError, match="no blocks under 'transformer.h'"):
+        blocks_of([stage], structure)
     bad = _HFStyleLM()
     bad._dtorch_blocks = "nowhere"
     with pytest.raises(ConfigError, match="nowhere"):
         find_blocks(bad)
+
+
+class _Res(nn.Module):
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv(x).relu()
+
+
+def test_blocks_are_the_longest_same_class_run_at_any_depth():
+    # a CNN as one nn.Sequential: the residual run, with the stem before and the head after it
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), _Res(), _Res(), _Res(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(4, 10))
+    s = find_structure(cnn)
+    assert (s.block_path, s.block_names, s.before, s.after) == ("", ("2", "3", "4"), ("0",), ("7",))
+    assert len(blocks_of([cnn], s)) == 3
+    # stages of different widths (same class, other shapes): blocks, not uniform
+    stages = nn.Module()
+    stages.body = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    s = find_structure(stages)
+    assert (s.block_path, s.num_blocks, s.uniform) == ("body", 3, False)
+    # a ViT-style encoder.layers ModuleList deep inside the model
+    vit = nn.Module()
+    vit.encoder = nn.Module()
+    vit.encoder.layers = nn.ModuleList([_Block() for _ in range(2)])
+    assert find_structure(vit).block_path == "encoder.layers"
+
+
+def test_a_model_without_repeated_blocks_is_one_unit():
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    s = find_structure(mlp)
+    assert (s.block_path, s.num_blocks, s.has_blocks) == ("", 0, False)
+    assert blocks_of([mlp], s) == [mlp]  # the monitor times the whole model as its one unit
+
+
+def test_tied_parameters_are_named():
+    m = _HFStyleLM(vocab=16)
+    m.lm_head.weight = m.wte.weight
+    assert find_structure(m).tied == (("wte.weight", "lm_head.weight"),)
