@@ -44,6 +44,39 @@ def clean_name(name: str) -> str:
     return name
 
 
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names (as `named_parameters` spells them) of the parameters that are one Parameter
+    registered under several names, e.g. a head tied to the token embedding (`lm_head.weight =
+    wte.weight`): one list per shared Parameter, in registration order, the first being the name
+    `named_parameters()` keeps."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Register each group's first Parameter under the group's other names again, where `model`
+    still has them (a pipeline stage may hold one end of a tie only). `nn.Module.to_empty` and
+    `.to("meta")` give every module its own new Parameter, which silently unties them."""
+    for names in groups:
+        present = [n for n in names if _has_param(model, n)]
+        if len(present) < 2:
+            continue
+        keep = model.get_parameter(present[0])
+        for name in present[1:]:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = keep
+
+
+def _has_param(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def has_seeded_init(model: nn.Module) -> bool:
     init = getattr(model, "init_weights", None)
     return callable(init) and bool(inspect.signature(init).parameters)
@@ -93,11 +126,15 @@ def reference_state(
         with torch.device("cpu"):
             full = adapt(model_or_factory())
     else:
-        full = copy.deepcopy(meta_model).to_empty(device="cpu")
+        full = copy.deepcopy(meta_model)
+        ties = tied_groups(full)
+        full.to_empty(device="cpu")
+        retie(full, ties)
         init_model(full, seed)
         if hasattr(full, "init_buffers"):
             full.init_buffers()
-    state = {clean_name(n): t.detach() for n, t in full.named_parameters()}
+    # every name of a tied parameter: a pipeline stage may hold its second name only
+    state = {clean_name(n): t.detach() for n, t in full.named_parameters(remove_duplicate=False)}
     state.update({clean_name(n): t.detach() for n, t in full.named_buffers()})
     return state
 
@@ -146,7 +183,9 @@ def materialize(parts: list[nn.Module], startup: Startup, device: torch.device) 
     path, weights, full_state = startup.path, startup.weights, startup.full_state
     bytes_before = getattr(weights, "bytes_read", 0) if weights is not None else 0
     for part in parts:
+        groups = tied_groups(part)
         part.to_empty(device=device)
+        retie(part, groups)
         if path == "rank-local":
             part.init_weights(startup.seed)  # reference models also recompute their buffers here
             continue

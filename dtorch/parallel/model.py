@@ -91,6 +91,8 @@ class ParallelModel:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.distributed = mesh is not None and dist.is_initialized()
+        self.stage_ties = None
+        """Parameters tied across pipeline stages (`dtorch.parallel.ties.StageTies`), or None."""
         self.uneven = uneven_shares(plan)
         self.num_local_microbatches = local_microbatches(plan, dp_rank)
         """Micro-batches this rank runs per step (its `dp_shares` entry, or `num_microbatches`)."""
@@ -158,6 +160,8 @@ class ParallelModel:
         with self._compute_context():
             if self.schedule is not None:
                 local = self._pipeline_step(inputs, labels)
+                if self.stage_ties is not None:
+                    self.stage_ties.sync_grads()
             else:
                 local = self._accumulate(inputs, labels)
         self._reduce_partial_grads()
@@ -262,7 +266,10 @@ class ParallelModel:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        total = self._grad_norm(grads, float(norm_type))
+        # a parameter tied across pipeline stages counts once (its copies hold the same gradient)
+        copies = self.stage_ties.copies if self.stage_ties is not None else set()
+        total = self._grad_norm([p.grad for p in self.parameters() if p.grad is not None and id(p) not in copies],
+                                float(norm_type))
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             _local(g).mul_(coef.to(_local(g).device, _local(g).dtype))

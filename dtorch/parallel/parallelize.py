@@ -28,11 +28,12 @@ from dtorch.parallel.cp import apply_cp, check_cp
 from dtorch.parallel.expert import apply_expert_parallel, apply_fsdp_with_experts, expert_mesh
 from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, mp_policy, uses_fsdp, wrap_ddp
 from dtorch.parallel.hf import adapt
-from dtorch.parallel.materialize import Startup, materialize
+from dtorch.parallel.materialize import Startup, materialize, retie, tied_groups
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
 from dtorch.parallel.model import ParallelModel, local_microbatches, uneven_shares
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
 from dtorch.parallel.rng import seed_rank_streams, shard_attention_streams
+from dtorch.parallel.ties import stage_ties
 from dtorch.parallel.tp import apply_tp, check_roles
 from dtorch.plan.plan import Plan
 
@@ -41,7 +42,11 @@ def meta_model(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Modu
     """The model on the meta device (a copy: the caller's module is never modified), transformers
     models seen through their reference-shaped adapter (see hf.py)."""
     if isinstance(model_or_factory, nn.Module):
-        return adapt(copy.deepcopy(model_or_factory).to("meta"))
+        model = copy.deepcopy(model_or_factory)
+        ties = tied_groups(model)
+        model.to("meta")
+        retie(model, ties)  # `.to` gives each module its own new Parameter
+        return adapt(model)
     with torch.device("meta"):
         model = model_or_factory()
     if not isinstance(model, nn.Module):
@@ -73,13 +78,10 @@ def parallelize(
     if isinstance(model_or_factory, nn.Module):
         model_or_factory = adapt(model_or_factory)
     model = meta_model(model_or_factory)
-    if getattr(model, "tied", None) and model.tied() and plan.pp > 1:
-        # (under TP a tied embedding and output head share one vocabulary-sharded weight: tp.py)
-        raise ConfigError(
-            "model", "tied input/output embeddings",
-            "tied embeddings cannot be split over pipeline stages; untie them "
-            "(transformers: tie_word_embeddings=False) or use pp=1",
-        )
+    # tied parameters (a head sharing the embedding's weight) stay one Parameter on every plan:
+    # TP shards it once (tp.py), materialisation re-ties it, and when the pipeline puts its uses on
+    # two stages their copies are kept in sync (ties.py)
+    ties = tied_groups(model)
     structure = find_structure(model)  # once, on the whole model: carried to the monitor
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
@@ -145,6 +147,9 @@ def parallelize(
                 part.load_all_reduce = partial(dist.all_reduce, group=group)
     init_device = torch.device("cpu") if plan.offload == "params" else device
     startup_stats = materialize([m for _, m in parts], startup, init_device)
+    split_ties = stage_ties(model, ties, plan, parts, mesh) if plan.pp > 1 and ties else None
+    if split_ties is not None:
+        split_ties.sync_weights()
     if classic_ddp(plan) and emesh is None:  # (with EP, replicas are HSDP units: apply_fsdp_with_experts)
         parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan))]
     for _, part in parts:
@@ -168,4 +173,5 @@ def parallelize(
         structure=structure,
     )
     parallel.startup = startup_stats
+    parallel.stage_ties = split_ties
     return parallel

@@ -94,16 +94,6 @@ def test_model_without_a_block_container_is_told_how_to_declare_one() -> None:
     assert "_dtorch_blocks" in str(err.value)
 
 
-def test_tied_embeddings_are_refused_for_pipeline_and_tensor_parallel() -> None:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=16,
-                                  bos_token_id=0, eos_token_id=1)
-    with pytest.raises(ConfigError) as err:
-        parallelize(lambda: transformers.GPT2LMHeadModel(cfg), Plan(pp=2, num_microbatches=2), loss_fn=next_token)
-    assert "tie_word_embeddings=False" in str(err.value)
-    assert not dist.is_initialized()
-
-
 def test_context_parallel_transformers_model_is_refused_before_any_process_group() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -94,12 +94,6 @@ def test_gpt2_heads_not_divisible_by_tp_is_rejected_before_any_process_group() -
     assert not torch.distributed.is_initialized()
 
 
-def test_tied_gpt2_over_pipeline_stages_is_rejected_with_the_untie_fix() -> None:
-    with pytest.raises(ConfigError, match="tie_word_embeddings=False"):
-        parallelize(_gpt2, Plan(pp=2, num_microbatches=2), loss_fn=next_token)
-    assert not torch.distributed.is_initialized()
-
-
 CASES_2 = {
     "tp": dict(model="hf-gpt2", tp=2, microbatch_size=4),
     "tp_sp_accumulation": dict(model="hf-gpt2", tp=2, sp=True, microbatch_size=2, num_microbatches=2),
@@ -118,8 +112,8 @@ def _worker(case: tuple[str, dict], rank: int) -> dict:
 
 def _tied_tp_logits() -> dict:
     """apply_tp (TP+SP over both ranks) on the meta adapter of a TIED GPT-2, materialised from the
-    real model: is the tie kept, and are the logits the original model's? (parallelize itself
-    still rejects tied embeddings under TP: tests below.)"""
+    real model: is the tie kept, and are the logits the original model's? (Training tied models
+    on every plan: test_tied.py.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dtorch.parallel.materialize import Startup, materialize
