@@ -52,6 +52,8 @@ holder sends it over the group.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import itertools
 import logging
@@ -71,6 +73,58 @@ from dtorch.checkpoint.state import is_stateful
 
 log = logging.getLogger("dtorch.checkpoint")
 _SLOTS = 2
+_MAGIC = b"DTSNAP1\n"
+_MAC_LEN = 32
+"""A header file is `_MAGIC`, the snapshot's HMAC-SHA256 (`_MAC_LEN` bytes), then the pickled header."""
+
+
+class SnapshotRejected(ValueError):
+    """A snapshot whose content does not match its HMAC: edited, damaged or written with another key."""
+
+
+def snapshot_key(secret: bytes | None = None) -> bytes:
+    """The key snapshots are signed with, derived from the job's secret (`dtorch.trust.secret`, the
+    one durable checkpoints are signed with) for this purpose only."""
+    from dtorch import trust
+
+    return hmac.new(secret if secret is not None else trust.secret(), b"dtorch-snapshot", hashlib.sha256).digest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> Any:
+    """The bytes of a CPU tensor without a copy (any dtype, bfloat16 included)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
+
+
+def _mac(key: bytes, blob: bytes, tensors: list[torch.Tensor]) -> bytes:
+    """HMAC-SHA256 of a snapshot: its pickled header, then every tensor's bytes in buffer order
+    (`_refs`), so that the same snapshot has the same MAC in its own files, in a replica's flat
+    buffer and on the wire. hashlib drops the GIL while hashing large buffers."""
+    h = hmac.new(key, len(blob).to_bytes(8, "little"), hashlib.sha256)
+    h.update(blob)
+    for t in tensors:
+        h.update(_tensor_bytes(t))
+    return h.digest()
+
+
+def _parse_header(raw: bytes) -> tuple[dict[str, Any], bytes, bytes]:
+    """(header, its MAC, the pickled header) from a header file's bytes; ValueError when it is not one."""
+    if not raw.startswith(_MAGIC) or len(raw) <= len(_MAGIC) + _MAC_LEN:
+        raise ValueError("not a signed snapshot header")
+    mac, blob = raw[len(_MAGIC):len(_MAGIC) + _MAC_LEN], raw[len(_MAGIC) + _MAC_LEN:]
+    doc = _BuiltinsOnly(io.BytesIO(blob)).load()
+    if not isinstance(doc, dict) or "tree" not in doc or "step" not in doc:
+        raise ValueError("malformed snapshot header")
+    return doc, mac, blob
+
+
+def _verify(key: bytes, raw: bytes, tensors: list[torch.Tensor]) -> None:
+    """Raise SnapshotRejected unless `tensors` (in buffer order) and the header in `raw` are what
+    was signed."""
+    _, mac, blob = _parse_header(raw)
+    if not hmac.compare_digest(mac, _mac(key, blob, tensors)):
+        raise SnapshotRejected("its HMAC does not match its content (edited in memory, damaged, or signed "
+                               "with another key)")
 
 
 def _headers(directory: str | os.PathLike, kind: str, rank: int | None = None):
@@ -91,11 +145,15 @@ def _headers(directory: str | os.PathLike, kind: str, rank: int | None = None):
 
 
 def _read_header(path: Path) -> dict[str, Any] | None:
+    """The header in `path` (its file bytes under "_raw", for verification and replication), or
+    None when it is not a snapshot header. Its MAC is checked with the tensors, at a restore."""
     try:
-        doc = _BuiltinsOnly(io.BytesIO(path.read_bytes())).load()
+        raw = path.read_bytes()
+        doc, _, _ = _parse_header(raw)
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
         return None
-    return doc if isinstance(doc, dict) else None
+    doc["_raw"] = raw
+    return doc
 
 
 def available(directory: str | os.PathLike, rank: int, world_size: int) -> dict[int, dict[str, Any]]:
@@ -510,9 +568,10 @@ def _recv(src: int, group: Any, alloc: Any) -> tuple[dict[str, Any], bytes, dict
     raw_t = torch.empty(n_hdr, dtype=torch.uint8)
     dist.recv(raw_t, src, group=group, tag=1)
     raw = raw_t.numpy().tobytes()
-    doc = _BuiltinsOnly(io.BytesIO(raw)).load()
-    if not isinstance(doc, dict) or "tree" not in doc or "step" not in doc:
-        raise ValueError(f"rank {src} sent a malformed snapshot header")
+    try:
+        doc, _, _ = _parse_header(raw)
+    except (ValueError, pickle.UnpicklingError, EOFError, TypeError, AttributeError) as e:
+        raise ValueError(f"rank {src} sent a malformed snapshot header ({e})") from None
     refs = _refs(doc["tree"])
     layout, total = _layout(refs)
     if total != n_bytes:
@@ -528,8 +587,15 @@ class Snapshotter:
     `tag` identifies the configuration (plan): snapshots of another tag are never restored."""
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str = "",
-                 background: bool = True, group: Any = None, peer: int | None = None, source: int | None = None):
+                 background: bool = True, group: Any = None, peer: int | None = None, source: int | None = None,
+                 key: bytes | None = None):
         self.dir = Path(directory)
+        self.key = key if key is not None else snapshot_key()
+        """What every snapshot is signed with (`snapshot_key`: the job's secret, as for durable
+        checkpoints); a snapshot that does not verify is never restored."""
+        self.rejected: list[dict[str, Any]] = []
+        """The snapshots the last `restore` skipped because they did not verify: rank, step, where
+        held ("own" node or a "peer" node's replica) and why."""
         self.group, self.peer, self.source = group, peer, source
         """Replication to a peer node (`peer_ranks`): every snapshot is also sent to rank `peer` (on
         the next node) over `group` (a gloo group of its own, so the side thread never interleaves
@@ -767,10 +833,13 @@ class Snapshotter:
             torch._foreach_copy_(dst, src)  # one call instead of one per tensor
         tmp = header.with_name(f".{header.name}.tmp")
         blob = pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL)
-        with open(tmp, "wb") as f:
-            f.write(blob)
+        # signed as written to shared memory: what a restore reads back must be this, byte for byte
+        raw = _MAGIC + _mac(self.key, blob, dst) + blob
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
         os.replace(tmp, header)
-        self._submit_round(slot, blob, dst, refs)
+        self._submit_round(slot, raw, dst, refs)
         return time.perf_counter() - t0
 
     # ---- replication to a peer node ----------------------------------------------------------
@@ -815,8 +884,9 @@ class Snapshotter:
                     raise ValueError(f"rank {self.source} sent a snapshot of rank {doc.get('rank')}")
                 header = self.dir / f"peer{self.source}-slot{int(doc['step']) % _SLOTS}.hdr"
                 tmp = header.with_name(f".{header.name}.tmp")
-                with open(tmp, "wb") as f:
-                    f.write(raw)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(raw)  # signed by its rank: verified when it is restored
                 os.replace(tmp, header)
         for w in sends:
             w.wait()
@@ -904,59 +974,61 @@ class Snapshotter:
 
     def restore(self, state: dict[str, Any], durable_step: int | None) -> int | None:
         """Collective. Load the newest snapshot of which every rank's copy is held somewhere (by
-        its own node, or as a replica by its peer node), if newer than `durable_step`, into
-        `state` (Statefuls via load_state_dict); returns its step or None. A rank whose node lost
-        its snapshot receives the replica from a rank on the node that holds it. DTensors are
+        its own node, or as a replica by its peer node) and verifies, if newer than
+        `durable_step`, into `state` (Statefuls via load_state_dict); returns its step or None. A
+        rank whose node lost its snapshot receives the replica from a rank on the node that holds
+        it. A copy that fails its HMAC (`SnapshotRejected`: edited in shared memory, damaged) is
+        skipped, recorded in `rejected`, and the next source is tried: a replica of the same step
+        on another node, then older steps, then none (the durable checkpoint). DTensors are
         rebuilt on the meshes of the DTensors `state` holds now."""
         self.wait()
         for slot in range(_SLOTS):
             self._join_round(slot)
+        self.rejected, self.restored_from = [], []
         multi = dist.is_initialized() and dist.get_world_size() > 1
-        mine = inventory(self.dir, self.world_size, self.tag)
+        mine = (str(self.dir), inventory(self.dir, self.world_size, self.tag))
         if multi:
             invs: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(invs, mine)
         else:
             invs = [mine]
-        common = common_steps(invs, self.world_size)
-        best = max((s for s in common if durable_step is None or s > durable_step), default=None)
-        if best is None:
-            return None
-        holders = common[best]
-        # the ranks whose own node does not hold their snapshot: served by the lowest rank that does
-        transfers = [(min(holders[r]), r) for r in range(self.world_size) if r not in holders[r]]
-        if transfers and self.group is None:
-            log.warning("in-memory snapshot of step %d is held on another node only and this run has no "
-                        "replication group; using the durable checkpoint", best)
-            return None
         meshes: dict[str, Any] = {}
         for v in state.values():
             _meshes(v.state_dict() if is_stateful(v) else v, meshes)
-        problem, tree = None, None
-        try:
-            for holder, r in transfers:
-                if self.rank == holder:
-                    self._serve(r, best)
-                elif self.rank == r:
-                    got = _recv(holder, self.group, _fresh)
-                    if got is None:
-                        raise ValueError(f"rank {holder} could not read the snapshot it holds for rank {r}")
-                    doc, _, tensors = got
-                    # each tensor its own storage, as a read from a file gives (a view of the flat
-                    # byte buffer would leave the optimizer holding byte storage)
-                    tree = self._unpack(doc["tree"], meshes, lambda ref, got=tensors: got[str(ref["__shm__"])].clone())
-            if tree is None:
-                doc = available(self.dir, self.rank, self.world_size)[best]
-                tree = self._unpack(doc["tree"], meshes, self._reader(doc["_kind"], self.rank, doc))
-        except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as e:
-            problem = f"rank {self.rank}: {e}"
-        if multi:  # every rank restores, or none does
-            problems: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p), None)
-        if problem:
-            log.warning("in-memory snapshot of step %d not restored (%s); using the durable checkpoint", best, problem)
-            return None
+        skip: set[tuple[str, int, int]] = set()  # (directory, rank, step): copies that did not verify
+        while True:
+            common = common_steps([[e for e in inv if (d, e[0], e[1]) not in skip] for d, inv in invs],
+                                  self.world_size)
+            best = max((s for s in common if durable_step is None or s > durable_step), default=None)
+            if best is None:
+                return None
+            holders = common[best]
+            # the ranks whose own node does not hold their snapshot: served by the lowest rank that does
+            transfers = [(min(holders[r]), r) for r in range(self.world_size) if r not in holders[r]]
+            if transfers and self.group is None:
+                log.warning("in-memory snapshot of step %d is held on another node only and this run has no "
+                            "replication group; using the durable checkpoint", best)
+                return None
+            tree, problem, bad = self._load(best, transfers, meshes, invs)
+            if multi:  # every rank restores, or none does
+                found: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(found, (problem, bad))
+            else:
+                found = [(problem, bad)]
+            rejected = [b for _, b in found if b]
+            if rejected:
+                for b in rejected:
+                    skip.add((b["directory"], b["rank"], b["step"]))
+                    self.rejected.append(b)
+                    log.warning("in-memory snapshot of rank %d step %d (%s node) skipped: %s", b["rank"], b["step"],
+                                b["held"], b["why"])
+                continue
+            problem = next((p for p, _ in found if p), None)
+            if problem:
+                log.warning("in-memory snapshot of step %d not restored (%s); using the durable checkpoint", best,
+                            problem)
+                return None
+            break
         self.restored_from = [r for _, r in transfers]
         """The ranks whose snapshot came from a peer node at the last restore."""
         for k, v in state.items():
@@ -968,17 +1040,53 @@ class Snapshotter:
                 v.update(tree[k])
         return best
 
+    def _load(self, step: int, transfers: list[tuple[int, int]], meshes: dict[str, Any],
+              invs: list[Any]) -> tuple[Any, str | None, dict[str, Any] | None]:
+        """This rank's part of restoring `step`: serve the ranks it holds a snapshot for, read and
+        verify its own (from its node, or sent by `transfers`' holder). Returns (its state tree,
+        a problem that rules the step out, or a copy that did not verify: rank, step, held, where
+        ("directory") and why)."""
+        tree = None
+        held, where = "own", str(self.dir)
+        try:
+            for holder, r in transfers:
+                if self.rank == holder:
+                    self._serve(r, step)
+                elif self.rank == r:
+                    held, where = "peer", invs[holder][0]
+                    got = _recv(holder, self.group, _fresh)
+                    if got is None:
+                        raise ValueError(f"rank {holder} could not read the snapshot it holds for rank {r}")
+                    doc, raw, tensors = got
+                    # each tensor its own storage, as a read from a file gives (a view of the flat
+                    # byte buffer would leave the optimizer holding byte storage)
+                    read = {name: t.clone() for name, t in tensors.items()}
+                    _verify(self.key, raw, [read[str(ref["__shm__"])] for ref in _refs(doc["tree"])])
+                    tree = self._unpack(doc["tree"], meshes, lambda ref, got=read: got[str(ref["__shm__"])])
+            if tree is None:
+                doc = available(self.dir, self.rank, self.world_size)[step]
+                reader = self._reader(doc["_kind"], self.rank, doc)
+                refs = _refs(doc["tree"])
+                read = {str(ref["__shm__"]): reader(ref) for ref in refs}
+                _verify(self.key, doc["_raw"], [read[str(ref["__shm__"])] for ref in refs])
+                tree = self._unpack(doc["tree"], meshes, lambda ref: read[str(ref["__shm__"])])
+        except SnapshotRejected as e:
+            return None, None, {"rank": self.rank, "step": step, "held": held, "directory": where, "why": str(e)}
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as e:
+            return None, f"rank {self.rank}: {e}", None
+        return tree, None, None
+
     def _serve(self, rank: int, step: int) -> None:
-        """Send the snapshot of `rank` at `step` held in this node's directory to `rank`; an empty
-        message if it cannot be read (the receiver then reports the problem)."""
+        """Send the snapshot of `rank` at `step` held in this node's directory to `rank` as signed
+        (the receiver verifies it); an empty message if it cannot be read (the receiver then
+        reports the problem)."""
         blob, flat = None, None
         try:
             doc = available(self.dir, rank, self.world_size)[step]
-            kind = doc.pop("_kind")
             refs = _refs(doc["tree"])
-            read = self._reader(kind, rank, doc)
+            read = self._reader(doc["_kind"], rank, doc)
             flat = _flatten([read(ref) for ref in refs], refs)
-            blob = pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL)
+            blob = doc["_raw"]
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
             log.warning("in-memory snapshot of rank %d step %d unreadable here: %s", rank, step, e)
             blob, flat = None, None

@@ -201,6 +201,12 @@ def _start_snapshots(trainer: Any) -> None:
     durable = trainer.step
     t0 = time.time()
     step = _snap.restore(_snapshot_state(trainer), durable_step=durable)
+    if trainer.rank == 0:  # every rank knows every skipped copy: one record each
+        for bad in _snap.rejected:
+            events.log("snapshot_rejected", snapshot_rank=bad["rank"], step=bad["step"], held=bad["held"],
+                       why=bad["why"])
+            print(f"dtorch: in-memory snapshot of rank {bad['rank']} at step {bad['step']} ({bad['held']} node) "
+                  f"skipped: {bad['why']}; using the next source", file=sys.stderr, flush=True)
     ckpt = getattr(trainer, "ckpt", None)
     if step is None and getattr(ckpt, "deferred_to_snapshot", None) is not None:
         # the trainer skipped its checkpoint load for a snapshot that is not usable after all
@@ -216,8 +222,11 @@ def _start_snapshots(trainer: Any) -> None:
         events.log("phase", name="snapshot_restore", start=t0, seconds=time.time() - t0, ok=True, step=step,
                    durable_step=durable, from_peer=list(getattr(_snap, "restored_from", [])))
         if trainer.rank == 0:
-            print(f"dtorch: restored the in-memory snapshot of step {step} (newer than the durable checkpoint "
-                  f"{'of step ' + str(durable) if durable else 'none'})", file=sys.stderr, flush=True)
+            # a deferred load read no checkpoint: name the newest one the snapshot was newer than
+            durable = durable or getattr(ckpt, "deferred_checkpoint", None)
+            print(f"dtorch: restored the in-memory snapshot of step {step} (newer than "
+                  f"{'the durable checkpoint of step ' + str(durable) if durable else 'any durable checkpoint: none was written yet'})",
+                  file=sys.stderr, flush=True)
 
 
 def _replication(trainer: Any) -> tuple[Any, int | None, int | None]:

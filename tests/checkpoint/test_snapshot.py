@@ -218,3 +218,48 @@ def test_a_long_tuple_holding_a_tensor_is_walked_and_never_pickled_whole(tmp_pat
     assert got["m"]["t"][:100] == tuple(range(100)) and torch.equal(got["m"]["t"][100], torch.ones(3))
     assert got["flat"]["r"] == tuple(range(1000))
     snap.close()
+
+
+def _buffer_of(tmp_path, slot: int, key: str):
+    """The shared-memory file holding tensor `key` of box "m" in rank 0's snapshot slot `slot`."""
+    from dtorch.checkpoint.snapshot import _read_header
+
+    doc = _read_header(tmp_path / f"rank0-slot{slot}.hdr")
+    return tmp_path / doc["tree"]["m"][key]["__shm__"]
+
+
+def test_a_snapshot_edited_in_shared_memory_is_skipped_for_the_next_source(tmp_path):
+    """Snapshots are signed with the job's key (HMAC over the header and every byte of state): a
+    process of the same user that zeroes a tensor in the shared-memory files, or rewrites a header,
+    gets its edit skipped and named, and the next source is restored: the older slot, else none
+    (the durable checkpoint)."""
+    key = b"k" * 32
+    snap = Snapshotter(tmp_path, rank=0, world_size=1, tag="t", key=key)
+    for step in (1, 2, 3):  # step 3 in slot 1, step 2 in slot 0
+        snap.take(step, {"m": _Box(step)})
+        snap.wait()
+    snap.close()
+    w3 = _buffer_of(tmp_path, 1, "w")
+    w3.write_bytes(bytes(w3.stat().st_size))  # the "embedding" of step 3 zeroed in place
+    box = _Box(0)
+    reader = Snapshotter(tmp_path, 0, 1, tag="t", key=key)
+    assert reader.restore({"m": box}, durable_step=None) == 2
+    assert torch.equal(box.sd["w"], _Box(2).sd["w"])
+    (bad,) = reader.rejected
+    assert bad["rank"] == 0 and bad["step"] == 3 and bad["held"] == "own" and "HMAC" in bad["why"]
+    # a header rewritten to claim another step (its MAC kept): skipped as well
+    hdr = tmp_path / "rank0-slot0.hdr"
+    raw = hdr.read_bytes()
+    step_at = raw.index(b"step") + len(b"step") + 2  # BININT1 opcode 'K', then the step byte
+    assert raw[step_at - 1:step_at] == b"K" and raw[step_at] == 2
+    hdr.write_bytes(raw[:step_at] + bytes([4]) + raw[step_at + 1:])
+    reader = Snapshotter(tmp_path, 0, 1, tag="t", key=key)
+    assert reader.restore({"m": _Box(0)}, durable_step=None) is None
+    assert sorted(b["step"] for b in reader.rejected) == [3, 4]
+    # intact snapshots signed with another key (another job, another user) are never restored
+    hdr.write_bytes(raw)
+    w3.unlink()
+    (tmp_path / "rank0-slot1.hdr").unlink()
+    assert Snapshotter(tmp_path, 0, 1, tag="t", key=key).restore({"m": _Box(0)}, durable_step=None) == 2
+    other = Snapshotter(tmp_path, 0, 1, tag="t", key=b"x" * 32)
+    assert other.restore({"m": _Box(0)}, durable_step=None) is None and [b["step"] for b in other.rejected] == [2]

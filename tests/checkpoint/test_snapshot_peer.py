@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -88,3 +89,56 @@ def test_peer_ranks_pair_the_same_local_rank_on_the_next_node():
     assert peer_ranks([(0, 0), (0, 1)], 1) == (None, None)  # one node: nothing to replicate to
     assert peer_ranks([(0, 0), (0, 1), (1, 0)], 1) == (None, None)  # no local rank 1 elsewhere
     assert peer_ranks([(5, 0), (3, 0)], 0) == (1, 1)  # node ranks in any order
+
+
+def _edited_worker(rank: int, port: int, root: str, q) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        from dtorch.checkpoint.snapshot import _read_header
+
+        dirs = [os.path.join(root, f"node{r}") for r in range(2)]
+        group = dist.new_group(backend="gloo")
+        peer, source = peer_ranks([(0, 0), (1, 0)], rank)
+        snap = Snapshotter(dirs[rank], rank, 2, tag="t", group=group, peer=peer, source=source)
+        live = _state(100 * rank)
+        for step in (1, 2, 3):
+            snap.wait()
+            for k, v in _state(100 * rank + step).items():
+                if isinstance(v, torch.Tensor):
+                    live[k].copy_(v)
+            snap.take(step, {"s": live})
+        snap.close()
+        dist.barrier()
+        if rank == 1:  # another process zeroes rank 1's own copy of step 3 in shared memory
+            doc = _read_header(Path(dirs[1]) / "rank1-slot1.hdr")
+            path = os.path.join(dirs[1], doc["tree"]["s"]["w"]["__shm__"])
+            with open(path, "r+b") as f:
+                f.write(bytes(os.path.getsize(path)))
+        dist.barrier()
+        fresh = {"s": _state(999)}
+        snap2 = Snapshotter(dirs[rank], rank, 2, tag="t", group=group, peer=peer, source=source)
+        got = snap2.restore(fresh, durable_step=None)
+        want = _state(100 * rank + 3)
+        same = all(torch.equal(fresh["s"][k], want[k]) for k in ("w", "b"))
+        q.put((rank, got, same, list(snap2.restored_from),
+               [(b["rank"], b["step"], b["held"]) for b in snap2.rejected]))
+        snap2.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_edited_own_snapshot_is_restored_from_the_peer_nodes_replica(tmp_path):
+    """Rank 1's own copy of step 3 fails its HMAC (zeroed in shared memory): it is skipped and
+    named, and rank 1 gets step 3 from the replica node 0 holds, so no step is lost."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    for r in range(2):
+        os.makedirs(tmp_path / f"node{r}", mode=0o700)
+    q = mp.get_context("spawn").Queue()
+    mp.start_processes(_edited_worker, args=(port, str(tmp_path), q), nprocs=2, start_method="spawn")
+    res = sorted(q.get(timeout=5) for _ in range(2))
+    for _, got, same, restored_from, rejected in res:
+        assert got == 3 and same, res
+        assert restored_from == [1] and rejected == [(1, 3, "own")], res

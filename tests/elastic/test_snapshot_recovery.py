@@ -134,3 +134,59 @@ def test_a_lost_node_resumes_from_the_replica_on_its_peer_node_bit_identically(t
     assert all(r["loss"] == base[r["step"]] for r in drill)
     print(f"node lost at step 23: resumed from the snapshot of step {step} ({23 - step} steps redone, "
           f"rank 1's from its peer node); wall {wall:.1f} s")
+
+
+def _zero_embedding(snap_root, rank: int, step: int) -> str:
+    """Zero, in place, the token embedding of `rank`'s in-memory snapshot of `step` (what another
+    process of the same user could do to the shared-memory files); returns the file zeroed."""
+    import io
+    import pickle
+
+    (d,) = [p for p in snap_root.iterdir() if p.name.startswith("dtorch-snap-")]
+    raw = (d / f"rank{rank}-slot{step % 2}.hdr").read_bytes()
+    if raw.startswith(b"DTSNAP"):  # signed header: magic, 32-byte MAC, then the pickle
+        raw = raw[raw.index(b"\n") + 1 + 32:]
+    doc = pickle.Unpickler(io.BytesIO(raw)).load()
+    assert doc["step"] == step, doc["step"]
+    (ref,) = [v for k, v in doc["tree"]["model"]["0"].items() if "tok_embeddings" in k]
+    path = d / ref["__shm__"]
+    with open(path, "r+b") as f:
+        f.write(bytes(path.stat().st_size))
+    return str(path)
+
+
+def test_a_snapshot_edited_in_shared_memory_is_skipped_and_named_at_a_real_kill(tmp_path):
+    """Rank 1 is SIGKILLed mid-step 23; while the group restarts, another process zeroes the token
+    embedding in rank 0's shared-memory snapshot of step 22. The snapshot fails its HMAC: it is
+    named in a `snapshot_rejected` event and skipped, the group restores the other slot (step 21),
+    redoes steps 22 and 23, and every loss is bit-identical to an uninterrupted run."""
+    base = _base(tmp_path)
+    ckpt, run, snaps = tmp_path / "edit" / "ckpt", tmp_path / "edit" / "run", tmp_path / "edit" / "shm"
+    snaps.mkdir(parents=True, mode=0o700)
+    log = open(tmp_path / "edit.log", "w")  # noqa: SIM115 - closed below
+    p = subprocess.Popen([*CLI, *ARGS, "--checkpoint-dir", str(ckpt), "--run-dir", str(run),
+                          "--chaos", "kill:rank=1:step=23:phase=forward_backward"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "DTORCH_SNAPSHOT_ROOT": str(snaps)},
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0, edited = time.time(), None
+        while edited is None:
+            assert p.poll() is None and time.time() - t0 < 240, open(tmp_path / "edit.log").read()[-3000:]
+            if any(e["kind"] == "fault" for e in events.read(str(run / events.EVENTS_FILE))):
+                edited = (_zero_embedding(snaps, 0, 22), time.time())
+            time.sleep(0.02)
+        assert p.wait(timeout=240) == 0, open(tmp_path / "edit.log").read()[-3000:]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        log.close()
+    evs = events.read(str(run / events.EVENTS_FILE))
+    (rejected,) = [e for e in evs if e["kind"] == "snapshot_rejected"]
+    assert rejected["snapshot_rank"] == 0 and rejected["step"] == 22 and "HMAC" in rejected["why"], rejected
+    restores = [e for e in evs if e["kind"] == "phase" and e.get("name") == "snapshot_restore"]
+    assert restores and all(e["step"] == 21 and e["start"] > edited[1] for e in restores), (restores, edited)
+    assert "snapshot of rank 0 at step 22 (own node) skipped" in open(tmp_path / "edit.log").read()
+    with open(ckpt / "metrics.jsonl") as f:
+        drill = [r for r in map(json.loads, f) if "loss" in r]
+    assert [r["step"] for r in drill] == list(range(1, 23)) + list(range(22, 31))  # 22 and 23 redone
+    assert all(r["loss"] == {b["step"]: b["loss"] for b in base}[r["step"]] for r in drill)
