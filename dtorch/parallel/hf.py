@@ -87,11 +87,13 @@ class HFCausalLM(_HFAdapter):
         rope = self.rotary_emb
         self._rope_per_type = rope is not None and "layer_type" in inspect.signature(rope.forward).parameters
 
-    def _masks(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    def _masks(self, h: torch.Tensor) -> dict[str, torch.Tensor | None]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        args = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        # no position_ids: they are 0..s-1 (no packed sequences to detect, a data-dependent check that
+        # meta and fake tensors cannot run)
+        args = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None)
         return {kind: make[kind](**args) for kind in set(self.layer_types)}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,7 @@ class HFCausalLM(_HFAdapter):
         else:
             h = tokens
         pos = torch.arange(h.shape[1], device=h.device)[None]
-        masks = self._masks(h, pos)
+        masks = self._masks(h)
         rope: dict[str, object] = {}
         if self._rope_per_type:
             rope = {kind: self.rotary_emb(h, pos, kind) for kind in set(self.layer_types)}

@@ -1,10 +1,15 @@
-"""Tiny configs of the transformers causal LMs DTorch adapts as factories (issue 27 item 7).
+"""Tiny configs of the transformers causal LMs DTorch adapts as factories (issue 27 item 7), and
+the world-2 worker of test_hf_any.py (here: spawned ranks import it without the test module).
 
 `config(arch, attn)` is a fresh config (2 layers, hidden 32, vocab 128, 4 heads, 2 kv heads where the
 family has GQA); Mistral, Gemma and Qwen2 carry a sliding window shorter than the tests' sequence
 (16) so that the window is exercised. Embeddings are untied (ties are another change's concern)."""
 
 from __future__ import annotations
+
+from functools import partial
+
+import torch
 
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -46,3 +51,82 @@ def factory(arch: str, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config(arch, attn), attn_implementation=attn)
+
+
+# ---- world-2 training against a plain single-process loop (test_hf_any.py) ---------------------
+SEQ = 16
+STEPS, LR, BATCH = 5, 3e-3, 4
+PLANS = {"ddp": dict(dp_replicate=2, microbatch_size=2), "tp": dict(tp=2, microbatch_size=4)}
+def _factory(arch: str, attn: str):
+    if arch == "dtorch-moe-qk-norm":
+        import dataclasses
+
+        from dtorch.models.configs import model_config
+        from dtorch.models.moe import MoETransformer
+
+        return MoETransformer(dataclasses.replace(model_config("moe-tiny"), qk_norm=True, vocab_size=VOCAB))
+    return factory(arch, attn)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _single_process(arch: str, attn: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain loop: the model the parallel run starts from (materialize's rule per model kind),
+    5 AdamW steps on the whole batch; the losses and the first step's gradients by name."""
+    from dtorch.parallel.materialize import init_model
+    from dtorch.train.losses import next_token
+
+    torch.manual_seed(0)
+    model = _adapt(_factory(arch, attn))
+    if arch.startswith("dtorch"):
+        init_model(model, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = next_token(model(x), y)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, grads
+
+
+def world2_worker(case: list, rank: int) -> dict:
+    from dtorch.parallel import parallelize
+    from dtorch.parallel.materialize import clean_name
+    from dtorch.plan.plan import Plan
+    from dtorch.train.losses import next_token
+
+    arch, attn, plan_name = case
+    ref_losses, ref_grads = _single_process(arch, attn)
+    plan = Plan(**PLANS[plan_name])
+    pm = parallelize(partial(_factory, arch, attn), plan, loss_fn=next_token, seed=0, seq_len=SEQ)
+    opt = torch.optim.AdamW(list(pm.parameters()), lr=LR, foreach=False)
+    rows = slice(pm.dp_rank * pm.local_batch, (pm.dp_rank + 1) * pm.local_batch)
+    losses, worst = [], (0.0, "")
+    for step in range(STEPS):
+        x, y = _batch(step)
+        losses.append(float(pm.forward_backward(x[rows], y[rows])))
+        if step == 0:  # every gradient, sharded or replicated, against the single-process one
+            for name, p in pm.named_parameters():
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                ref = ref_grads[clean_name(name)]
+                rel = float((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+                worst = max(worst, (rel, clean_name(name)))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "ref": ref_losses, "worst_grad": worst, "grads": len(ref_grads)}
+
+
+
+
+def _adapt(model):
+    from dtorch.parallel.hf import adapt
+
+    return adapt(model)

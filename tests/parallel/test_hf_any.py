@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
-from _hf_archs import ARCHS, EAGER_ONLY, VOCAB, config, factory  # noqa: E402
+from _hf_archs import ARCHS, EAGER_ONLY, VOCAB, config, factory, world2_worker  # noqa: E402
 
 from dtorch.parallel.hf import adapt  # noqa: E402
 
@@ -65,3 +65,31 @@ def test_gradients_reach_every_parameter() -> None:
 
 def test_a_config_is_the_causal_lm_config_of_its_arch() -> None:
     assert config("mistral").sliding_window == 6 and config("gpt2").n_layer == 2
+
+
+# ---- world 2: DDP and TP against a plain single-process loop ------------------------------------
+# A representative subset, all in ONE group of 2 gloo processes: per-head q/k norms inside the TP
+# region (qwen3, gemma3 with sliding windows, qwen3_moe with replicated experts), GPT-NeoX's per-head
+# fused query_key_value, Mistral's sliding window, and DTorch's own MoETransformer with Qwen3's q/k
+# norms (the reference-model path of an --init-from Qwen3-MoE).
+WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager", "tp"),
+          ("gpt_neox", "sdpa", "tp"), ("gpt_neox", "eager", "ddp"), ("mistral", "eager", "tp"),
+          ("qwen3_moe", "sdpa", "tp"), ("dtorch-moe-qk-norm", "", "tp")]
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict:
+    from _harness import run_group
+
+    return dict(zip(WORLD2, run_group(2, [list(c) for c in WORLD2], world2_worker)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", WORLD2, ids=["-".join(filter(None, c)) for c in WORLD2])
+def test_world_2_losses_and_gradients_equal_the_single_process_loop(world2: dict, case: tuple) -> None:
+    for r, res in enumerate(world2[case]):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+        rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref"]))
+        print(f"{case} rank {r}: losses {rel:.1e} relative, worst gradient {res['worst_grad']}")
+        assert rel < 1e-5
+        assert res["worst_grad"][0] < 1e-5, res["worst_grad"]
