@@ -51,7 +51,8 @@ class Detection:
     group), "stop" (end the job now, no retries) or "report" (record only)."""
 
     cause: str
-    """"exit", "hang", "node_lost", "fatal" or "straggler"."""
+    """"exit", "hang", "node_lost", "fatal", "repeated" (an error back at the same step after a
+    restart) or "straggler"."""
     action: str
     line: str | None = None
     """The one line printed on stderr (None: someone printed it already)."""
@@ -72,6 +73,11 @@ class ExitDetector:
 
     def __init__(self, agent: DTorchAgent):
         self.agent = agent
+        self.last_error: tuple[Any, ...] | None = None
+        """(exception, message, step) of the error that caused the last restart, if one did."""
+        self.cause: str | None = None
+        """The last failure's cause in one line: the first failing worker's exception (with the
+        step and where its full traceback is) or its exit code or signal."""
 
     def check(self, result: Any, t_check: float) -> Detection:
         a = self.agent
@@ -87,10 +93,45 @@ class ExitDetector:
         if any(codes[r] < 0 for r in ranks):
             ranks = [r for r in ranks if codes[r] < 0]
         why = {r: (signal.Signals(-codes[r]).name if codes[r] < 0 else f"exit code {codes[r]}") for r in ranks}
+        error = self._first_error(ranks)
+        if error is not None:
+            r = error["rank"]
+            err = f"{error['error']}: {error['message']}" if error.get("message") else str(error["error"])
+            where = f"at step {error['step']}" if (error.get("step") or -1) >= 0 else "before the first step"
+            log = error.get("log") or os.path.join(a.run_dir, events.EVENTS_FILE)
+            self.cause = f"rank {r} raised {err} ({where}); full traceback: {log}"
+            why[r] = f"{why.get(r, 'exit code 1')}: {err}"
+            sig = (error["error"], error.get("message"), error.get("step"))
+            repeated = sig == self.last_error and not error.get("symptom")
+            self.last_error = sig
+            if repeated:
+                # the same exception at the same step as the failure the last restart was for: a
+                # deterministic error, which every further restart would meet again
+                message = (f"rank {r} raised the same error {where} after a restart, so no restart can fix it: "
+                           f"{err}; full traceback: {log}")
+                return Detection("repeated", "stop", line=None, ranks=[r], detect_t=t_check,
+                                 fields={"rank": r, "message": message, "exit_code": 1, "exitcodes": codes,
+                                         "step": error.get("step")})
+        else:
+            self.last_error = None
+            self.cause = ", ".join(f"rank {r} ({s})" for r, s in why.items()) + \
+                f"; events: {os.path.join(a.run_dir, events.EVENTS_FILE)}"
         line = (f"dtorch: worker failure in epoch {a.epoch}: " + ", ".join(f"rank {r} ({s})" for r, s in why.items())
                 + f"; {len(codes) - len(ranks)} other local ranks stopped; {tc.remaining_restarts(a)} restarts left")
         return Detection("exit", "restart", line=line, ranks=ranks, fault_t=self._fault_time(ranks),
-                         detect_t=t_check, fields={"exitcodes": codes})
+                         detect_t=t_check, fields={"exitcodes": codes, "cause_line": self.cause,
+                                                   **({"error": error} if error else {})})
+
+    def _first_error(self, ranks: list[int]) -> dict[str, Any] | None:
+        """The first `worker_error` (an exception a worker died of) of this epoch among `ranks`,
+        the ranks that failed on their own; an error that only follows a peer's loss (`symptom`)
+        counts when no other rank raised one."""
+        a = self.agent
+        evs = [e for e in events.read(a.events_path)
+               if e["kind"] == "worker_error" and e.get("epoch") == a.epoch and e.get("rank") in ranks]
+        if not evs:
+            return None
+        return min(evs, key=lambda e: (bool(e.get("symptom")), e["t"], e.get("rank", 0)))
 
     def _fatal_event(self) -> dict[str, Any] | None:
         """The first `fatal` event of this epoch: a worker met an error no restart can fix."""
@@ -263,7 +304,12 @@ class DTorchAgent(LocalElasticAgent):
         self.recovery_pending = False
         self._next_recovery_check = 0.0
         self.fatal: str | None = None
-        """The one-line message of an error a restart cannot fix (see bootstrap.is_fatal)."""
+        """The one-line message of an error a restart cannot fix (see bootstrap.is_fatal), or of
+        one that came back at the same step after a restart."""
+        self.fatal_code = 2
+        self.cause: str | None = None
+        """The cause of the last restart in one line (the job's last line if it fails)."""
+        """The job's exit code when `fatal` is set: 2 for bad input, 1 for a repeated error."""
         self._grow_since: float | None = None
         self._saw_commits = False
         self._grow_base: int | None = None
@@ -366,9 +412,11 @@ class DTorchAgent(LocalElasticAgent):
         if d.action == "stop":
             tc.forbid_restarts(self)  # torch's loop then stops the group and returns the failure
             self.fatal = str(d.fields.get("message"))
+            self.fatal_code = int(d.fields.get("exit_code", 2))
             return result
         self.detections += 1
         self.recovery_pending = True
+        self.cause = d.fields.get("cause_line") or (d.line or d.cause).removeprefix("dtorch: ")
         heartbeat.kill_all(self.local_pids)  # already gone after an exit or a hang dump: harmless
         return result if result.state == WorkerState.FAILED else RunResult(state=WorkerState.UNHEALTHY)
 
@@ -428,16 +476,20 @@ class DTorchAgent(LocalElasticAgent):
 
 class QuietFatal(logging.Filter):
     """Drops torch's multi-line report of a worker that exited for a fatal error: the worker
-    logged the cause as one `fatal` event, and the agent prints that line instead."""
+    logged the cause as one `fatal` event (or the agent stopped the job for an error that came
+    back after a restart), and the agent prints that line instead."""
 
-    def __init__(self, events_path: str):
+    def __init__(self, events_path: str, agent: DTorchAgent | None = None):
         super().__init__()
         self.events_path = events_path
+        self.agent = agent
         self.since = time.time()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
+        if self.agent is not None and self.agent.fatal is not None:
+            return False
         return not any(e["kind"] == "fatal" and e["t"] >= self.since for e in events.read(self.events_path))
 
 

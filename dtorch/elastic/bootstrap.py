@@ -15,6 +15,9 @@ Errors that a restart would only meet again (`is_fatal`: a `ConfigError` such as
 data file or an incompatible checkpoint; no space, no permission, a read-only filesystem) are not
 left to the elastic agent's retries: the worker logs one `fatal` event with the message and exits
 with code 2 at once, and the agent ends the job with that one line (`dtorch.elastic.launch`).
+Any other error is recorded before the worker dies of it (`worker_error` event, full traceback in
+`<run_dir>/errors/`): the agent names it as the cause of a failed job, and stops the job when the
+same error comes back at the same step after a restart.
 """
 
 from __future__ import annotations
@@ -38,11 +41,52 @@ def is_fatal(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _FATAL_ERRNOS
 
 
+def is_symptom(e: BaseException) -> bool:
+    """Whether `e` is what a worker meets when a peer or the store went away (a collective or the
+    store failing): the cause is elsewhere, so it says nothing about whether a restart helps."""
+    dist = sys.modules.get("torch.distributed")
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    return isinstance(e, kinds) or isinstance(e, (ConnectionError, TimeoutError))
+
+
+def _record_error(e: BaseException) -> None:
+    """Before the worker dies of `e`: its full traceback in `<run_dir>/errors/` and one
+    `worker_error` event (exception, its first line, the step and phase the training loop was in,
+    the traceback file), from which the agent names the cause of a failed job and finds an error
+    that repeats at the same step after a restart (`dtorch.elastic.agent.ExitDetector`)."""
+    import traceback
+
+    from dtorch.elastic import events, heartbeat
+
+    run_dir = os.environ["DTORCH_RUN_DIR"]
+    hb = heartbeat.snapshot()
+    path = None
+    try:
+        d = os.path.join(run_dir, "errors")
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        name = f"epoch{os.environ.get('DTORCH_EPOCH', '0')}-rank{os.environ.get('RANK', '0')}-{os.getpid()}.txt"
+        fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(traceback.format_exception(e)))
+        path = os.path.join(d, name)
+    except OSError:
+        pass  # a full disk: the event still names the error
+    lines = str(e).strip().splitlines()
+    events.log("worker_error", error=type(e).__name__, message=lines[0] if lines else "", step=hb.get("step"),
+               phase=hb.get("phase"), symptom=is_symptom(e), log=path)
+
+
 def _run(target: str, args: list[str], module: bool) -> None:
     try:
         _run_target(target, args, module)
     except Exception as e:
-        if not is_fatal(e) or not os.environ.get("DTORCH_RUN_DIR"):
+        if not os.environ.get("DTORCH_RUN_DIR"):
+            raise
+        if not is_fatal(e):
+            try:
+                _record_error(e)
+            except Exception:  # noqa: S110 - never hide the worker's own error behind this one
+                pass
             raise
         from dtorch.elastic import events
 

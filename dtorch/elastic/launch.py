@@ -304,7 +304,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
                            start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
                            shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
-    quiet = QuietFatal(agent.events_path)
+    quiet = QuietFatal(agent.events_path, agent)
     torch_logs = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
                                                  "torch.multiprocessing.spawn")]
     for lg in torch_logs:
@@ -318,11 +318,13 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
             return 0
         if agent.fatal is not None:
             print(f"dtorch: error: {agent.fatal}", file=sys.stderr, flush=True)
-            return 2
+            return agent.fatal_code
         if result.is_failed():
             ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(result.failures.items()))
-            print(f"dtorch: job failed after {spec.max_restarts} restarts: {ranks or 'unhealthy workers'}",
-                  file=sys.stderr, flush=True)
+            # the last line names the cause: the first failing worker's exception and where its
+            # traceback is (not only an exit code)
+            cause = agent.cause or f"{ranks or 'unhealthy workers'}; events: {agent.events_path}"
+            print(f"dtorch: job failed after {spec.max_restarts} restarts: {cause}", file=sys.stderr, flush=True)
             return 1
         return 0
     except SignalException as e:

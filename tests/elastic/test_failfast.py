@@ -132,3 +132,51 @@ def test_full_disk_stops_the_job_at_the_save_with_the_bytes_needed_and_the_last_
         assert rc == 0 and "step-00000005: OK" in lines[0], lines
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=True)
+
+
+def _script(tmp_path, body: str):
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\nfrom dtorch.elastic import worker\n" + body)
+    return script
+
+
+def test_an_error_back_at_the_same_step_after_a_restart_ends_the_job_at_its_second_occurrence(tmp_path):
+    """Rank 1 raises the same exception at step 5 in every epoch (a model that cannot be profiled,
+    a port another program holds): it is retried once, then the job stops (not after
+    --max-restarts), and its last line names the exception, the step and the traceback file."""
+    script = _script(tmp_path, "worker.beat(5)\n"
+                               "if os.environ['RANK'] == '1':\n"
+                               "    raise RuntimeError('this model cannot be profiled')\n"
+                               "time.sleep(60)\n")
+    run_dir = tmp_path / "run"
+    rc, lines, dt = _cli(["run", "--nproc-per-node", "2", "--max-restarts", "5", "--run-dir", str(run_dir),
+                          str(script)], tmp_path, timeout=120)
+    print(f"repeated error: {dt:.1f} s: {lines[-1]}")
+    assert rc == 1, lines
+    last = lines[-1]
+    assert last.startswith("dtorch: error: rank 1 raised the same error at step 5 after a restart"), lines
+    assert "RuntimeError: this model cannot be profiled" in last
+    log = last.rsplit("full traceback: ", 1)[1]
+    assert "raise RuntimeError('this model cannot be profiled')" in open(log).read()
+    evs = events.read(str(run_dir / events.EVENTS_FILE))
+    assert sum(e["kind"] == "workers_started" for e in evs) == 2  # one restart, not five
+    assert any(e["kind"] == "stopped" and e["cause"] == "repeated" for e in evs)
+
+
+def test_the_last_line_of_a_job_that_ran_out_of_restarts_names_the_first_workers_exception(tmp_path):
+    """An error at a different step in every epoch is retried --max-restarts times; the job's last
+    line then names rank 1's exception (one line) and where its full traceback is."""
+    script = _script(tmp_path, "worker.beat(3 + int(os.environ['DTORCH_EPOCH']))\n"
+                               "if os.environ['RANK'] == '1':\n"
+                               "    raise ValueError('loss is nan\\nsecond line of the message')\n"
+                               "time.sleep(60)\n")
+    run_dir = tmp_path / "run"
+    rc, lines, dt = _cli(["run", "--nproc-per-node", "2", "--max-restarts", "2", "--run-dir", str(run_dir),
+                          str(script)], tmp_path, timeout=120)
+    print(f"restarts exhausted: {dt:.1f} s: {lines[-1]}")
+    assert rc == 1, lines
+    last = lines[-1]
+    assert last.startswith("dtorch: job failed after 2 restarts: rank 1 raised ValueError: loss is nan (at step 5)"), lines
+    assert "second line" not in last and os.path.exists(last.rsplit("full traceback: ", 1)[1])
+    evs = events.read(str(run_dir / events.EVENTS_FILE))
+    assert sum(e["kind"] == "workers_started" for e in evs) == 3
