@@ -71,21 +71,18 @@ def export_safetensors(directory: Path, out: Path, *, keys: list[str] | None = N
 
 def export_hf_dir(mgr, step: int | None, out: str | os.PathLike, *, model: str | None = None,
                   config: str | os.PathLike | None = None, dtype: str | None = None,
-                  shard_bytes: int | None = None) -> Path:
+                  shard_bytes: int | None = None, tokenizer: str | os.PathLike | None = None) -> Path:
     """Write checkpoint `step` (default: the newest) of `mgr`'s run as a Hugging Face directory.
     The architecture comes from `config` (a Hugging Face directory or config.json), else the
     config.json of the directory the run started from (saved next to its checkpoints), else the
-    DTorch model spec `model`."""
+    DTorch model spec `model`. The tokenizer files and generation_config.json are copied beside the
+    weights from `tokenizer`, else the `config` directory, else those the run kept from the
+    directory it started from (`hf_weights.export_hf_files`), where there are any."""
     from dtorch.checkpoint import hf_weights as H
 
-    infos = [i for i in mgr.list() if (i.step == step if step is not None else i.manifest_ok)]
-    infos.sort(key=lambda i: (i.latest, i.step), reverse=True)  # default: LATEST, else the newest
-    if not infos:
+    if step is not None and not any(i.step == step for i in mgr.list()):
         raise ConfigError("step", step, "no such committed checkpoint; see dtorch ckpt ls")
-    src = Path(infos[0].path)
-    report = mgr.verify(src)
-    if not report.ok:
-        raise ConfigError("step", infos[0].step, "damaged: " + "; ".join(report.problems) + "; export another step")
+    src = mgr.verified(step)  # default: the newest checkpoint that verifies, as training resumes from
     base = None
     if config is not None:
         p = Path(config)
@@ -100,5 +97,7 @@ def export_hf_dir(mgr, step: int | None, out: str | os.PathLike, *, model: str |
         cfg, family = model_config(model), None
     else:
         raise ConfigError("model", None, "pass --model SPEC (the run's model) or --config HF_DIR")
-    return H.export_hf(src, Path(out), cfg, family=family, base_config=base, dtype=dtype,
-                       max_shard_bytes=shard_bytes or H.DEFAULT_SHARD_BYTES)
+    written = H.export_hf(src, Path(out), cfg, family=family, base_config=base, dtype=dtype,
+                          max_shard_bytes=shard_bytes or H.DEFAULT_SHARD_BYTES)
+    H.export_hf_files(written, [tokenizer, config, mgr.root / H.RUN_FILES])
+    return written

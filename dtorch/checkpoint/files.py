@@ -8,7 +8,10 @@ the previous state or the new complete one, never a mix:
    SHA-256 of its own body, and an HMAC of it keyed with the user's secret, `dtorch.trust`) is
    written and fsynced, then the directory itself is fsynced;
 3. the directory is renamed to ``step-XXXXXXXX`` and the parent directory is fsynced;
-4. ``LATEST`` is replaced atomically (temp file + fsync + rename + fsync of the parent).
+4. ``LATEST`` is replaced atomically (temp file + fsync + rename + fsync of the parent); a
+   ``LATEST`` that is not a regular file (a directory, a FIFO, a link) is moved aside first.
+
+Everything written is private (directories 0700, files 0600) and never through a planted link.
 
 Only directories named ``step-XXXXXXXX`` with a manifest whose hashes match are ever loaded.
 The plain SHA-256 finds corruption; the HMAC finds forgery: whoever can write the directory can
@@ -61,15 +64,41 @@ def fsync_file(path: str | os.PathLike) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically: temp file in the same directory, fsync, rename,
-    fsync the directory. Readers see the old content or the new, never a prefix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Replace `path` with `data` atomically (`trust.replace_file`: a private O_EXCL temp file,
+    fsync, rename, fsync the directory). Readers see the old content or the new, never a prefix."""
+    trust.replace_file(path, data)
+
+
+def create_private(path: Path) -> int:
+    """A new file for writing, 0600, that did not exist (O_EXCL) and is not reached through a link."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def make_private(path: Path) -> None:
+    """Mode 0600 on a file another writer (DCP) created with the default mode; a link is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def clear_latest(root: Path) -> Path | None:
+    """Make room for a new ``LATEST``: anything there that is not a regular file (a directory, a
+    FIFO, a socket, a link) is renamed to ``LATEST.aside-<random>`` and returned, so that the
+    pointer can be replaced; None when there was nothing to move."""
+    path = root / LATEST
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    aside = root / f"{LATEST}.aside-{os.urandom(4).hex()}"
+    os.rename(path, aside)
+    return aside
 
 
 def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
@@ -130,11 +159,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     body = manifest.to_dict()
     canon = _canonical(body)
     doc = {"manifest": body, "sha256": hashlib.sha256(canon).hexdigest(), "hmac": trust.tag(_HMAC_PURPOSE, canon)}
-    path = directory / MANIFEST
-    with open(path, "wb") as f:
-        f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
-        f.flush()
-        os.fsync(f.fileno())
+    trust.replace_file(directory / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode())
 
 
 def read_manifest(directory: Path, *, check_key: bool = True) -> Manifest:

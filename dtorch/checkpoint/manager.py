@@ -85,7 +85,8 @@ def _is_fatal(e: BaseException) -> bool:
 
 
 class CheckpointWarning(UserWarning):
-    """A damaged checkpoint was skipped in favour of an older intact one."""
+    """A damaged checkpoint was skipped in favour of an older intact one, or a LATEST that was
+    not a regular file was moved aside."""
 
 
 @dataclass
@@ -176,7 +177,7 @@ class CheckpointManager:
         self._multi = self._distributed and dist.get_world_size(self._pg) > 1
         self.rank = dist.get_rank(self._pg) if self._distributed else 0
         self.world_size = dist.get_world_size(self._pg) if self._distributed else 1
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)  # private unless the user made it otherwise
         trust.check_dir(self.root, "checkpoint_dir")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtorch-ckpt")
         self._pending: tuple[Future, SaveResult] | None = None
@@ -191,6 +192,9 @@ class CheckpointManager:
         """`load_latest` returns None (deferring to the snapshot) when every rank holds an
         in-memory snapshot newer than every checkpoint; `deferred_to_snapshot` is then its step."""
         self.deferred_to_snapshot: int | None = None
+        self.deferred_checkpoint: int | None = None
+        """With `deferred_to_snapshot`: the newest committed checkpoint's step that the load did not
+        read (None when there was none), for saying what the snapshot was newer than."""
         self.on_commit: Callable[[int], None] | None = None
         """Called with the step on every rank as soon as a save has committed (for async saves:
         from the background thread). The elastic worker uses it to tell its agent at once."""
@@ -388,7 +392,7 @@ class CheckpointManager:
         try:
             if self.rank == 0:
                 self._remove_debris(keep=tmp)
-            tmp.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir(exist_ok=True, mode=0o700)  # nobody else reaches the files inside, whatever their mode
         except OSError as e:
             error = f"rank {self.rank}: cannot create {tmp}: {e}"
             fatal = e.errno in FATAL_ERRNOS
@@ -404,7 +408,7 @@ class CheckpointManager:
             self._phase("dcp_saved")
             if error is None:
                 rank_file = f"rank-{self.rank:05d}.pt"
-                with open(tmp / rank_file, "wb") as f:
+                with os.fdopen(F.create_private(tmp / rank_file), "wb") as f:
                     torch.save(local, f)
                     f.flush()
                     os.fsync(f.fileno())
@@ -413,6 +417,7 @@ class CheckpointManager:
                 # hashes whatever no rank claimed (.metadata).
                 for p in sorted(tmp.iterdir()):
                     if p.name.startswith(f"__{self.rank}_") or p.name == rank_file:
+                        F.make_private(p)  # DCP creates its files with the default mode (0644)
                         F.fsync_file(p)  # DCP's writer fsyncs already; a custom writer might not
                         digest, size = F.sha256_file(p)
                         mine[p.name] = {"sha256": digest, "size": size}
@@ -472,6 +477,7 @@ class CheckpointManager:
                 files.update(mine)
             for p in sorted(tmp.iterdir()):
                 if p.name not in files and p.name != F.MANIFEST:
+                    F.make_private(p)
                     digest, size = F.sha256_file(p)
                     F.fsync_file(p)  # DCP fsyncs its shards and .metadata; this covers anything else
                     files[p.name] = {"sha256": digest, "size": size}
@@ -499,7 +505,7 @@ class CheckpointManager:
             os.rename(tmp, final)
             F.fsync_dir(self.root)
             self._phase("renamed")
-            F.atomic_write(self.root / F.LATEST, (final.name + "\n").encode())
+            self._move_latest(final.name)
             self._phase("latest")
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
@@ -517,6 +523,21 @@ class CheckpointManager:
         except OSError as e:
             log.warning("checkpoint retention failed (checkpoints kept): %s", e)
         return True, None, manifest.total_bytes, False
+
+    def _move_latest(self, name: str) -> None:
+        """Point LATEST at `name`. The checkpoint is already committed (its directory renamed) and
+        load never reads LATEST, so nothing here fails the save: a LATEST of another kind (a
+        directory, a FIFO, a link) is moved aside with a warning, and a pointer that cannot be
+        written (a full disk) is warned about and left stale."""
+        try:
+            aside = F.clear_latest(self.root)
+            if aside is not None:
+                warnings.warn(f"{self.root / F.LATEST} was not a regular file; moved aside to {aside.name} "
+                              f"and pointed LATEST at {name}", CheckpointWarning, stacklevel=2)
+            F.atomic_write(self.root / F.LATEST, (name + "\n").encode())
+        except OSError as e:
+            log.warning("checkpoint %s committed, but LATEST could not be updated (%s); load does not need it",
+                        name, e)
 
     def _remove_debris(self, keep: Path) -> None:
         """Remove directories of crashed saves (``*.tmp-*``), replaced or pruned steps
@@ -647,6 +668,7 @@ class CheckpointManager:
             # every rank holds an in-memory snapshot newer than any checkpoint: whoever restores it
             # (dtorch.elastic.worker) does not need this load; it falls back to it if it must
             self.deferred_to_snapshot = snap
+            self.deferred_checkpoint = dirs[0][0] if dirs else None
             log.info("checkpoint load deferred to the in-memory snapshot of step %d", snap)
             return None
         if not dirs:
@@ -735,11 +757,30 @@ class CheckpointManager:
         """
         from dtorch.checkpoint.export import export_safetensors
 
-        src = self._resolve(step)
-        report = self.verify(src)
-        if not report.ok:
-            raise CheckpointError(src, "damaged: " + "; ".join(report.problems), "export another step (dtorch ckpt ls)")
-        return export_safetensors(src, Path(path), keys=keys)
+        return export_safetensors(self.verified(step), Path(path), keys=keys)
+
+    def verified(self, step: int | None = None) -> Path:
+        """The directory of checkpoint `step`, verified (CheckpointError if damaged); with no step,
+        the newest one that verifies, as a resuming run chooses: each damaged newer one is skipped
+        with a CheckpointWarning naming its problem. Runs in this process only."""
+        if step is not None:
+            src = self._resolve(step)
+            report = self.verify(src)
+            if not report.ok:
+                raise CheckpointError(src, "damaged: " + "; ".join(report.problems), "export another step (dtorch ckpt ls)")
+            return src
+        damaged = []
+        for _, p in F.committed_dirs(self.root):
+            report = self.verify(p)
+            if report.ok:
+                return p
+            damaged.append(f"{p.name}: {report.problems[0]}")
+            warnings.warn(f"checkpoint {p} is damaged ({'; '.join(report.problems[:3])}); falling back to an older one",
+                          CheckpointWarning, stacklevel=2)
+        if not damaged:
+            raise CheckpointError(self.root, "no committed checkpoint", "save one first or pass another directory")
+        raise CheckpointError(self.root, "no intact checkpoint: " + "; ".join(damaged),
+                              "restore the damaged files from a copy (dtorch ckpt verify names them)")
 
     def close(self) -> None:
         """Join any pending save, stop the background thread and free the staging buffers."""
