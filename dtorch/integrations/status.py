@@ -9,17 +9,23 @@ pod's annotations and events where the pod's service account is permitted (`k8s_
     r.report("preempted", step=214, checkpoint_step=214, signal="SIGUSR1")
     r.report("failed", why="...")
 
-States: planning, recovering (resumed from a checkpoint: `from_step`), running, checkpointed
-(a checkpoint of `checkpoint_step` was started; an asynchronous one commits in the background),
+States: planning, recovering (resumed from a checkpoint or an in-memory snapshot: `from_step`,
+`source`), running, checkpointed (the checkpoint of `checkpoint_step` has committed: reported at
+the first step after an asynchronous save's commit, never when it starts),
 preempted (a checkpoint was written on a scheduler's signal and the job stops to be requeued),
 finished, failed. `dtorch status RUN_DIR` prints the file. Standard library only (the trainer
 imports it).
+
+Both files are private and never written through a planted link, and a full disk never fails the
+job through them: `dtorch.eventlog.replace_small`/`append_line` give up the directory's reserve to
+write the last states (`failed` with its cause), and drop a record rather than raise.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -34,18 +40,49 @@ TERMINATION_LOG = "/dev/termination-log"
 
 def write(run_dir: str | os.PathLike, state: str, *, append_history: bool = True, **fields: Any) -> dict:
     """Replace `<run_dir>/status.json` atomically; append it to status-history.jsonl when asked
-    (the reporter does so at changes of state, not at every step)."""
+    (the reporter does so at changes of state, not at every step). A full disk drops the record
+    (with one warning); a planted link in place of the history raises ConfigError."""
+    from dtorch import eventlog
+
     assert state in STATES, state
     d = Path(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
     doc = {"state": state, "t": round(time.time(), 3), **{k: v for k, v in fields.items() if v is not None}}
-    tmp = d / f".{STATUS_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(doc) + "\n")
-    os.replace(tmp, d / STATUS_FILE)
+    line = (json.dumps(doc) + "\n").encode()
+    eventlog.replace_small(d / STATUS_FILE, line)
     if append_history:
-        with open(d / HISTORY_FILE, "a") as f:
-            f.write(json.dumps(doc) + "\n")
+        eventlog.append_line(d / HISTORY_FILE, line, "status_history")
     return doc
+
+
+_TMP_RE = re.compile(r"^\.status\.json\.(?:tmp-)?(\d+)(?:-[0-9a-f]+|\.tmp)$")
+
+
+def remove_stale_temps(run_dir: str | os.PathLike) -> list[str]:
+    """Remove temp files of status.json left by processes that are gone (killed between the write
+    and the rename; older versions also left them on a full disk); returns their names."""
+    out = []
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return out
+    for name in names:
+        m = _TMP_RE.match(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # its writer is alive: it renames or removes it itself
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(os.path.join(run_dir, name))
+            out.append(name)
+        except OSError:
+            pass
+    return out
 
 
 def read(run_dir: str | os.PathLike) -> dict | None:
@@ -143,7 +180,12 @@ class Reporter:
         self._scontrol = shutil.which("scontrol") if self.slurm_job else None
         self.pod = None
         if self.enabled:
+            from dtorch import eventlog
             from dtorch.integrations.k8s_api import PodStatus
+
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # type: ignore[union-attr]
+            remove_stale_temps(self.run_dir)  # type: ignore[arg-type]
+            eventlog.reserve(self.run_dir)  # type: ignore[arg-type]  # the last states outlive a full disk
 
             self.pod = PodStatus.from_env()  # None outside a pod; rate-limits itself
 

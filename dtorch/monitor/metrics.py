@@ -2,6 +2,10 @@
 
 One `MetricsLogger` per process. Every rank measures; rank 0 writes the JSONL log, draws the console
 progress line and (when installed) TensorBoard scalars. Units: seconds, tokens/s, bytes.
+
+`metrics.jsonl` is private (0600) and never appended through a planted link (refused with a
+ConfigError); on a full disk a line that cannot be written is dropped with one warning, so that the
+job ends on the error that stopped it (a checkpoint's, naming the bytes it needs), not on its log.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class MetricsLogger:
         self.rank = rank
         self.total_steps = total_steps
         self.console = console and rank == 0
-        self._jsonl = None
+        self._jsonl: int | None = None
+        self._jsonl_path: Path | None = None
         self._tb = None
         self._t0 = time.perf_counter()
         self.sinks: list = []
@@ -58,9 +63,13 @@ class MetricsLogger:
         self._ema_step: float | None = None
         self.log_dir = Path(log_dir) if log_dir is not None and rank == 0 else None
         if log_dir is not None and rank == 0:
+            from dtorch import eventlog, trust
+
             path = Path(log_dir)
-            path.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._jsonl_path = path / "metrics.jsonl"
+            self._jsonl = trust.open_append(self._jsonl_path, "metrics")  # closed in close()
+            eventlog.reserve(path)
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
@@ -73,8 +82,7 @@ class MetricsLogger:
         if self.rank != 0:
             return
         record = asdict(m)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+        self._write(json.dumps(record))
         for sink in self.sinks:
             sink(record)
         # ETA from a moving average of the step time (the first steps are slow, old ones stale)
@@ -105,14 +113,19 @@ class MetricsLogger:
         if self.rank != 0:
             return
         record = {"event": kind, "time_s": round(time.perf_counter() - self._t0, 6), "t": time.time(), **fields}
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record, default=str) + "\n")
+        self._write(json.dumps(record, default=str))
         for sink in self.sinks:
             sink(record)
 
+    def _write(self, text: str) -> None:
+        if self._jsonl is not None:
+            from dtorch import eventlog
+
+            eventlog.append_line(self._jsonl_path, (text + "\n").encode(), "metrics", fd=self._jsonl)  # type: ignore[arg-type]
+
     def close(self) -> None:
         if self._jsonl is not None:
-            self._jsonl.close()
+            os.close(self._jsonl)
             self._jsonl = None
         if self._tb is not None:
             self._tb.close()
@@ -173,10 +186,10 @@ def measured_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32,
     peak = 2 * n**3 * reps / (time.perf_counter() - t)
     _GEMM_PEAK_CACHE[key] = peak
     if path is not None:
+        from dtorch import trust
+
         try:
-            with open(path + ".tmp", "w") as f:
-                json.dump({"flops": peak}, f)
-            os.replace(path + ".tmp", path)
+            trust.replace_file(path, json.dumps({"flops": peak}).encode(), durable=False)
         except OSError:
             pass  # a cache only
     return peak

@@ -502,7 +502,8 @@ class Trainer:
             if self.rank == 0 and self.checkpoint_dir is not None and self.hf_config is not None:
                 from dtorch.checkpoint.hf_weights import save_run_config
 
-                save_run_config(self.checkpoint_dir, self.hf_config)  # for `dtorch ckpt export --hf`
+                # for `dtorch ckpt export --hf`: the config, tokenizer and generation config
+                save_run_config(self.checkpoint_dir, self.hf_config, self.init_from)
         self.parallel = parallelize(self.model_factory, self.plan, loss_fn=self.loss_fn,
                                     device=self.device, seed=self.seed, seq_len=self.seq_len, weights=weights)
         st = self.parallel.startup
@@ -630,10 +631,6 @@ class Trainer:
         except Exception as e:
             self.status.report("failed", why=f"{type(e).__name__}: {e}"[:300])
             raise
-        if resumed is not None:
-            self.status.report("recovering", from_step=resumed, total_steps=steps,
-                               after=last_fault(os.environ.get("DTORCH_RUN_DIR")),
-                               epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
         hooks.phase_begin("prepare")  # what the loop needs before its first step (ends at `started`)
         preemption = Preemption(self.world, self.device)
         from dtorch.monitor.metrics import StepMetrics, measured_gemm_peak, peak_memory_bytes
@@ -654,7 +651,17 @@ class Trainer:
         if os.environ.get("DTORCH_RECORD_SAMPLES") and self.log_dir is not None:
             # Audit trail of the data order: which sample indices each rank consumed at each step.
             samples_log = open(self.log_dir / f"samples-rank{self.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
-        hooks.started(self)
+        loaded_step = self.step
+        hooks.started(self)  # under `dtorch run`: may restore an in-memory snapshot newer than the checkpoint
+        if self.step != loaded_step:
+            result.resumed_from = self.step
+        if result.resumed_from is not None:
+            restored = self.ckpt.loaded if self.ckpt is not None else None
+            self.status.report("recovering", from_step=result.resumed_from, total_steps=steps,
+                               source="checkpoint" if restored is not None and restored.step == self.step else "snapshot",
+                               after=last_fault(os.environ.get("DTORCH_RUN_DIR")),
+                               epoch=int(os.environ.get("DTORCH_EPOCH", "0")))
+        reported_commit = self.ckpt.last_committed if self.ckpt is not None else None
         watch = None
         pending_shares = None  # the straggler response's shares, applied at the next checkpoint
         dp_of_rank = None
@@ -759,7 +766,10 @@ class Trainer:
                     phase = "checkpoint"
                     self._save()
                     cap.check(self.step)  # a test's cap: the save's staging copy is memory too
-                    self.status.report("checkpointed", checkpoint_step=self.step, step=self.step, total_steps=steps)
+                committed = self.ckpt.last_committed if self.ckpt is not None else None
+                if committed != reported_commit:  # at commit, not when an async save starts
+                    reported_commit = committed
+                    self.status.report("checkpointed", checkpoint_step=committed, step=self.step, total_steps=steps)
                 else:
                     self.status.report("running", step=self.step, total_steps=steps, tokens_per_s=round(tps, 1))
                 if self.step < steps and preemption.requested():
