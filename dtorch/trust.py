@@ -146,8 +146,7 @@ def untrusted_reason(path: str | os.PathLike, *, private: bool = False) -> str |
         why = f"is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
     else:
         return None
-    resolved = p.resolve()
-    if any(resolved == t or t in resolved.parents for t in trusted_dirs()):
+    if _is_trusted(p):
         return None
     return why
 
@@ -175,10 +174,16 @@ def private_dir(path: str | os.PathLike, field: str) -> Path:
     return p
 
 
+def _is_trusted(directory: Path) -> bool:
+    resolved = directory.resolve()
+    return any(resolved == t or t in resolved.parents for t in trusted_dirs())
+
+
 def open_append(path: str | os.PathLike, field: str) -> int:
     """A file descriptor appending to `path`, created 0600 if absent. Raises ConfigError naming
-    `field` when the name is a symlink, not a regular file (a FIFO: never blocks), another user's
-    file, or a hard link (a planted name must not redirect our writes to another file)."""
+    `field` when the name is a symlink, not a regular file (a FIFO: never blocks), a hard link (a
+    planted name must not redirect our writes to another file), or another user's file in a
+    directory that DTORCH_TRUST does not list (the ownership rule of `check_dir`)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      0o600)
@@ -190,8 +195,9 @@ def open_append(path: str | os.PathLike, field: str) -> int:
     why = None
     if not stat.S_ISREG(st.st_mode):
         why = f"it is {_kind(path)}"
-    elif st.st_uid != os.geteuid():
-        why = f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif st.st_uid != os.geteuid() and not _is_trusted(Path(path).parent):
+        why = (f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); trust its directory "
+               f"with DTORCH_TRUST={os.path.abspath(Path(path).parent)} if that is intended")
     elif st.st_nlink > 1:
         why = f"it has {st.st_nlink} hard links"
     if why is not None:

@@ -140,6 +140,20 @@ def test_logs_in_the_checkpoint_directory_refuse_planted_links_and_are_private(t
         assert _mode(fresh / name) == 0o600, name
 
 
+def test_a_log_of_another_user_is_refused_unless_its_directory_is_trusted(tmp_path, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("changing a file's owner needs root")
+    d = tmp_path / "shared"
+    d.mkdir()
+    (d / status.HISTORY_FILE).write_text("")
+    os.chown(d / status.HISTORY_FILE, 65534, 65534)
+    with pytest.raises(ConfigError, match="owned by uid 65534.*DTORCH_TRUST="):
+        status.write(d, "running", step=1)
+    monkeypatch.setenv("DTORCH_TRUST", str(d))
+    status.write(d, "running", step=1)
+    assert [h["state"] for h in status.history(d)] == ["running"]
+
+
 # ---- a full disk ------------------------------------------------------------------------------------------
 def test_status_and_events_survive_a_full_disk_and_leave_no_temp_files(tmp_path):
     with small_fs(tmp_path / "fs", 512) as fs:
