@@ -108,6 +108,10 @@ def preflight(args: JobConfig, nproc: int) -> None:
 
         TokenFile(args.data, args.seq_len)  # exists, whole tokens, long enough
     _check_checkpoint_dir(args.checkpoint_dir)
+    if args.monitor_port:  # found here, not as an error in rank 0 that every restart meets again
+        from dtorch.monitor.server import check_port
+
+        check_port(args.monitor_port)
     _check_plan(args, nproc)
     _check_checkpoint_model(args)
 

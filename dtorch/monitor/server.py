@@ -4,19 +4,26 @@
     GET /           the live page (dtorch/monitor/assets/page.html; it polls /api/data)
     GET /api/data   the JSON the page draws: step records, the latest per-rank view, plan, events
 
-The server binds 127.0.0.1 by default. Any other address must be asked for (`allow_remote=True`,
-``--monitor-host``) and then needs a token: every request must carry ``Authorization: Bearer
-TOKEN`` or ``?token=TOKEN`` (the page forwards the one in its own URL), or it gets 401. Requests
-are answered from the in-memory `MonitorState` the trainer's logger feeds; nothing waits on the
-training loop, and the training loop never waits on a request.
+The server binds 127.0.0.1 by default. Any other address must be asked for (`allow_remote=True`:
+DTORCH_MONITOR_HOST with DTORCH_MONITOR_ALLOW_REMOTE=1) and then needs a token
+(DTORCH_MONITOR_TOKEN): every request must carry ``Authorization: Bearer TOKEN`` or
+``?token=TOKEN`` (the page forwards the one in its own URL), or it gets 401. A request whose
+``Host`` header names neither the bound address nor this machine (``localhost`` for a loopback
+bind) gets 403 before anything else: a web page whose own name an attacker re-points at
+127.0.0.1 (DNS rebinding) cannot read the monitor. Requests are answered from the in-memory
+`MonitorState` the trainer's logger feeds; nothing waits on the training loop, and the training
+loop never waits on a request.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import hmac
+import ipaddress
 import json
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -161,6 +168,71 @@ class _Collector:
             yield p
 
 
+PORT_FIX = "pass another --monitor-port (DTORCH_MONITOR_PORT for `dtorch run`), or 0 for any free port"
+
+
+def _bind_error(host: str, port: int, e: OSError) -> ConfigError:
+    if e.errno == errno.EADDRINUSE:
+        return ConfigError("monitor_port", port, f"{host}:{port} is in use by another program; {PORT_FIX}")
+    if e.errno == errno.EACCES:
+        return ConfigError("monitor_port", port, f"binding {host}:{port} needs privileges (ports below 1024); "
+                           f"{PORT_FIX}")
+    return ConfigError("monitor_port", port, f"cannot bind {host}:{port} ({e.strerror}); {PORT_FIX}")
+
+
+def check_port(port: int | None, host: str | None = None) -> None:
+    """Before any worker starts: ConfigError naming the port and the fix when the monitor could not
+    bind host:port now (another program listens there). `host` defaults to DTORCH_MONITOR_HOST or
+    127.0.0.1; port None or 0 (any free port) is not checked."""
+    if not port:
+        return
+    host = host or os.environ.get("DTORCH_MONITOR_HOST") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds (TIME_WAIT is no conflict)
+        try:
+            s.bind((host, int(port)))
+            s.listen(1)
+        except OSError as e:
+            raise _bind_error(host, int(port), e) from None
+
+
+def _host_name(header: str) -> str:
+    """The host of a Host header, without its port, lower case, IPv6 brackets removed."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def host_allowed(header: str | None, bound: str) -> bool:
+    """Whether a request's Host header names this server: the bound address, a loopback address or
+    ``localhost`` when bound to loopback (an SSH tunnel), this machine's names when bound to
+    another interface, any address literal when bound to all of them. A name an attacker controls
+    (DNS rebinding) is none of these. No Host header (HTTP/1.0 tools; every browser sends one) is
+    allowed."""
+    if header is None:
+        return True
+    name = _host_name(header).rstrip(".")
+    bound = bound.lower()
+    if name == bound:
+        return True
+    if is_loopback(bound):
+        return name == "localhost" or (_is_ip(name) and is_loopback(name))
+    if _is_ip(name):
+        return bound in ("0.0.0.0", "::")
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    return name in names or (bound in ("0.0.0.0", "::") and name == "localhost")
+
+
 def _page() -> bytes:
     return resources.files("dtorch.monitor").joinpath("assets/page.html").read_bytes()
 
@@ -192,6 +264,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        host = self.headers.get("Host")
+        if not host_allowed(host, str(self.server.server_address[0])):
+            self._send(403, f"Host {host!r} is not this monitor's address: refused (DNS rebinding defence); "
+                       f"use http://{self.server.url_host}:{self.server.server_address[1]}/\n".encode(), "text/plain")
+            return
         url = urlparse(self.path)
         if not self._authorised(parse_qs(url.query)):
             self._send(401, b"token required: Authorization: Bearer TOKEN or ?token=TOKEN\n", "text/plain")
@@ -219,6 +296,7 @@ class _Server(ThreadingHTTPServer):
     token: str | None
     state: MonitorState
     registry: Any
+    url_host: str
 
 
 class MonitorServer:
@@ -231,19 +309,24 @@ class MonitorServer:
                  allow_remote: bool = False):
         if not is_loopback(host):
             if not allow_remote:
-                raise ConfigError("monitor_host", host, "the monitor binds 127.0.0.1 unless asked: pass "
-                                  "--monitor-allow-remote (and a token) to serve another interface")
+                raise ConfigError("monitor_host", host, "the monitor binds 127.0.0.1 unless asked: set "
+                                  "DTORCH_MONITOR_ALLOW_REMOTE=1 and a token (DTORCH_MONITOR_TOKEN) to serve "
+                                  "another interface")
             if not token:
-                raise ConfigError("monitor_token", None, f"serving on {host} needs a token: set "
-                                  "DTORCH_MONITOR_TOKEN or --monitor-token")
+                raise ConfigError("monitor_token", None, f"serving on {host} needs a token: set DTORCH_MONITOR_TOKEN "
+                                  "(e.g. to the output of: openssl rand -hex 16)")
         from prometheus_client import CollectorRegistry
 
         self.state = state
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(state))
-        self.httpd = _Server((host, int(port)), _Handler)
+        try:
+            self.httpd = _Server((host, int(port)), _Handler)
+        except OSError as e:  # a port another program holds: the user's to change, no restart helps
+            raise _bind_error(host, int(port), e) from None
         self.httpd.token, self.httpd.state, self.httpd.registry = token, state, registry
         self.host, self.port = self.httpd.server_address[:2]
+        self.httpd.url_host = f"[{self.host}]" if ":" in str(self.host) else str(self.host)
         self.token = token
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="dtorch-monitor", daemon=True)

@@ -46,6 +46,20 @@ def _other_models_checkpoint(tmp_path) -> list[str]:
     return []
 
 
+_HELD: list = []
+
+
+def _busy_port(tmp_path) -> list[str]:
+    """A port another program listens on (held until the session ends)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    _HELD.append(s)
+    return ["--monitor-port", str(s.getsockname()[1])]
+
+
 CASES = {
     "malformed_plan_file": (_bad_plan, "not valid json"),
     "plan_of_another_model": (_other_models_plan, "made for model 'gpt2'"),
@@ -56,6 +70,7 @@ CASES = {
     "nproc_zero": (lambda t: ["--nproc", "0"], "nproc=0"),
     "negative_hang_timeout": (lambda t: ["--heartbeat-timeout", "-1"], "heartbeat_timeout=-1.0"),
     "negative_grad_norm": (lambda t: ["--max-grad-norm", "-1"], "max_grad_norm=-1.0"),
+    "busy_monitor_port": (_busy_port, "is in use by another program; pass another --monitor-port"),
 }
 
 

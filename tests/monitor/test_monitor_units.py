@@ -342,3 +342,66 @@ def test_console_line_shows_eta_and_the_slowest_rank(capsys):
                             peak_memory_bytes=2**20, world_size=2, epoch=0))
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "step 2/30" in line and "ETA 14s" in line and line.endswith("slowest r1 1.80x")
+
+
+def test_a_host_header_naming_another_site_is_refused_dns_rebinding():
+    """A page on an attacker's domain re-pointed at 127.0.0.1 reaches the port, but its requests
+    carry the attacker's name in Host: refused. The bound address, localhost (an SSH tunnel from
+    any local port) and loopback literals are served."""
+    srv = MonitorServer(_state(), port=0)
+    try:
+        for host in (f"attacker.example:{srv.port}", "attacker.example", f"127.0.0.1.nip.io:{srv.port}",
+                     f"10.1.2.3:{srv.port}"):
+            code, body = _get(srv.url + "api/data", {"Host": host})
+            assert code == 403 and b"DNS rebinding" in body, (host, code)
+        for host in (f"127.0.0.1:{srv.port}", f"localhost:{srv.port}", "localhost:9000", "LOCALHOST.",
+                     f"[::1]:{srv.port}"):
+            assert _get(srv.url + "api/data", {"Host": host})[0] == 200, host
+    finally:
+        srv.close()
+
+
+def test_a_busy_monitor_port_is_named_with_the_fix_before_and_at_bind():
+    from dtorch.monitor.server import check_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        for attempt in (lambda: check_port(port), lambda: MonitorServer(MonitorState(), port=port)):
+            with pytest.raises(ConfigError) as e:
+                attempt()
+            msg = str(e.value)
+            assert f"monitor_port={port}" in msg and f"127.0.0.1:{port} is in use" in msg and "--monitor-port" in msg
+    check_port(port)  # free again
+    check_port(0)
+
+
+def test_the_monitors_refusals_name_knobs_that_exist():
+    """Every flag a refusal names is an option of `dtorch train`, every variable one the monitor
+    reads."""
+    import argparse
+    import re
+
+    from dtorch.cli import train as train_cli
+    from dtorch.monitor import live
+
+    p = argparse.ArgumentParser()
+    train_cli.add_parser(p.add_subparsers(), "")
+    (sub,) = [a for a in p._subparsers._group_actions[0].choices.values()]
+    flags = {o for a in sub._actions for o in a.option_strings}
+    messages = []
+    for kw in ({"host": "10.0.0.1"}, {"host": "10.0.0.1", "allow_remote": True}):
+        with pytest.raises(ConfigError) as e:
+            MonitorServer(MonitorState(), port=0, **kw)
+        messages.append(str(e.value))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        with pytest.raises(ConfigError) as e:
+            MonitorServer(MonitorState(), port=held.getsockname()[1])
+        messages.append(str(e.value))
+    named = {f for m in messages for f in re.findall(r"--[a-z][a-z-]+", m)}
+    assert named and named <= flags, named - flags
+    env = {v for m in messages for v in re.findall(r"DTORCH_[A-Z_]+", m)}
+    assert env and all(v in live.__doc__ for v in env), env
