@@ -38,6 +38,12 @@ another world size or plan is never restored: the durable checkpoint (which resh
 Buffers are reserved with `posix_fallocate`, so a full /dev/shm turns snapshots off (with a
 warning) instead of crashing.
 
+Every snapshot is signed like a durable checkpoint: its header file holds an HMAC-SHA256, keyed
+with the job's secret (`snapshot_key`), of the pickled header and every byte of its tensors in
+buffer order, computed on the side thread after the copy. Shared memory is writable by every
+process of the user, and memory can go bad: `restore` verifies each copy it reads or receives
+before loading anything, skips one that fails (`rejected`) and takes the next source.
+
 A lost node loses its own snapshots, so on more than one node each is also replicated to a peer
 node (`peer_ranks`: rank r's goes to the same local rank on the next node, wrapping). A third
 thread sends it there after its copy, over a gloo group of its own (`group`; the training
