@@ -17,6 +17,7 @@ import pytest
 
 from dtorch.elastic import events, heartbeat
 from dtorch.elastic import store as rdzv_store
+from dtorch.errors import ConfigError
 
 CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
 
@@ -107,7 +108,7 @@ def test_symlinked_event_log_is_refused_and_never_written_through(tmp_path):
     (run_dir / events.EVENTS_FILE).symlink_to(victim)
     p = _run(tmp_path, run_dir)
     assert p.returncode == 2 and "events.jsonl in it is a symlink" in p.stderr, p.stderr
-    with pytest.raises(OSError):
+    with pytest.raises(ConfigError, match="symlink"):
         events.log("probe", str(run_dir / events.EVENTS_FILE))  # O_NOFOLLOW, for the workers too
     assert victim.read_text() == "untouched\n"
 
