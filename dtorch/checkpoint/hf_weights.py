@@ -34,8 +34,12 @@ tensor by a transform:
 param)` copies into a parameter (a DTensor or a tensor) the block this rank stores, reading from
 the safetensors files with `safe_open(...).get_slice` only the rows and columns that block needs
 (for a rope tensor: the whole heads it overlaps). No rank ever reads the full checkpoint.
-Tied input/output embeddings (GPT-2, small Llama 3.2 / Qwen2) load into DTorch's untied head as
-a copy of the embedding; export then writes both and ``tie_word_embeddings: false``.
+Tied input/output embeddings (``tie_word_embeddings``: GPT-2 by default, small Llama 3.2 / Qwen2)
+load tied (`tie_embeddings` of the reference model: one Parameter on every plan) and export tied:
+no ``lm_head.weight``, ``tie_word_embeddings: true``. (Mixture-of-experts families load a tied head
+as an untied copy and export it untied.) `export_hf_files` copies the tokenizer files and
+generation_config.json of the source directory beside an export; `save_run_config` keeps them next
+to a run's checkpoints.
 
 `export_hf(checkpoint_dir, out, ...)` writes a DCP checkpoint as such a directory, streaming: it
 reads from the DCP checkpoint only the tensors of one output shard file at a time. It is the exact
@@ -201,7 +205,7 @@ def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelCo
                          vocab_size=hf["vocab_size"], max_seq_len=max_seq_len or hf["n_positions"],
                          ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
                          dropout=float(hf.get("resid_pdrop", 0.1)),
-                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), tie_embeddings=_tied(hf, kind))
     if kind in MOE_FAMILIES:
         return _moe_config(hf, kind, refuse, max_seq_len)
     if hf.get("hidden_act", "silu") != "silu":
@@ -234,7 +238,13 @@ def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelCo
                        max_seq_len=max_seq_len or hf.get("max_position_embeddings", 8192),
                        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                        rope_theta=float(theta if theta is not None else 10000.0),
-                       qkv_bias=kind == "qwen2", rope_scaling=scaling)
+                       qkv_bias=kind == "qwen2", rope_scaling=scaling, tie_embeddings=_tied(hf, kind))
+
+
+def _tied(hf: dict[str, Any], kind: str) -> bool:
+    """Hugging Face's tie_word_embeddings, with transformers' default when config.json omits it
+    (True for GPT-2, False for the Llama family)."""
+    return bool(hf.get("tie_word_embeddings", kind == "gpt2"))
 
 
 def _rope_theta(hf: dict[str, Any], kind: str) -> float:
@@ -322,7 +332,7 @@ def hf_config(config: ModelConfig, family: str | None = None, base: dict[str, An
             f, lo, hi, orig = config.rope_scaling
             out["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
                                    "high_freq_factor": hi, "original_max_position_embeddings": orig}
-    out["tie_word_embeddings"] = False  # DTorch's head is its own tensor
+    out["tie_word_embeddings"] = config.tie_embeddings
     if _dtype_key(out) not in out:
         out["torch_dtype"] = "float32"
     return out
@@ -616,10 +626,42 @@ RUN_CONFIG = "hf_config.json"
 """Written into a run's checkpoint directory when it started from a Hugging Face directory."""
 
 
-def save_run_config(checkpoint_dir: str | os.PathLike, hf: dict[str, Any]) -> None:
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+              "generation_config.json")
+"""Files of a Hugging Face model directory that are not weights or config.json, and that an export
+carries over: the tokenizer and the generation config."""
+RUN_FILES = "hf_files"
+"""Where `save_run_config` keeps the source directory's SIDE_FILES, next to the checkpoints."""
+
+
+def export_hf_files(out: str | os.PathLike, sources: list[str | os.PathLike | None]) -> list[str]:
+    """Copy SIDE_FILES into `out` from the first of `sources` (directories; None and missing ones
+    skipped) that has any; returns the names copied."""
+    import shutil
+
+    for src in sources:
+        if src is None or not Path(src).is_dir():
+            continue
+        names = [n for n in SIDE_FILES if (Path(src) / n).is_file()]
+        if names:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            for n in names:
+                tmp = Path(out) / f".{n}.tmp-{os.getpid()}"
+                shutil.copyfile(Path(src) / n, tmp)
+                os.replace(tmp, Path(out) / n)
+            return names
+    return []
+
+
+def save_run_config(checkpoint_dir: str | os.PathLike, hf: dict[str, Any],
+                    source: str | os.PathLike | None = None) -> None:
+    """Keep the config.json a run started from (`hf`) and the tokenizer and generation files of its
+    `source` directory next to its checkpoints, for `dtorch ckpt export --hf`."""
     d = Path(checkpoint_dir)
     d.mkdir(parents=True, exist_ok=True)
     _atomic_json(d / RUN_CONFIG, hf)
+    export_hf_files(d / RUN_FILES, [source])
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -690,11 +732,15 @@ def export_hf(
     shapes = {k[len(prefix):]: tuple(v.size) for k, v in meta.items() if k.startswith(prefix) and hasattr(v, "size")}
     if not shapes:
         raise ConfigError("key", key, f"the checkpoint has no '{key}' entry with tensors")
+    if getattr(config, "tie_embeddings", False) and not _tied_in_checkpoint(reader, meta, prefix):
+        config = dataclasses.replace(config, tie_embeddings=False)  # trained untied: export untied
     cfg = hf_config(config, family, base_config)  # first: a model the family cannot express fails before any write
     if isinstance(config, MoEConfig):
         _check_no_routing_bias(reader, meta, prefix, [n for n in shapes if n.endswith(".expert_bias")])
         shapes = {n: v for n, v in shapes.items() if not n.endswith((".expert_bias", ".expert_load"))}
     plan = hf_tensor_plan(family, {k: v for k, v in shapes.items()})
+    if getattr(config, "tie_embeddings", False):
+        plan.pop("lm_head.weight", None)  # transformers ties it to the embedding, as saved models omit it
     # one output tensor per entry: (HF name, its DTorch tensors' rules and names, the expert or None);
     # a stacked expert weight [n_experts, ...] becomes one HF tensor per expert
     entries: list[tuple[str, list[tuple[Rule, str]], int | None]] = []
@@ -745,6 +791,22 @@ def export_hf(
     return outdir
 
 
+def _tied_in_checkpoint(reader, meta, prefix: str) -> bool:
+    """The checkpoint's head equals its token embedding (or is absent): a tied model's."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    names = [prefix + "tok_embeddings.weight", prefix + "output.weight"]
+    if names[1] not in meta:
+        return True
+    if names[0] not in meta:
+        return False
+    wanted = {n: torch.empty(tuple(meta[n].size), dtype=meta[n].properties.dtype) for n in names}
+    dcp_load(wanted, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    return torch.equal(*wanted.values())
+
+
 def _check_no_routing_bias(reader, meta, prefix: str, names: list[str]) -> None:
     """ConfigError if an auxiliary-loss-free routing bias (`MoE.expert_bias`) in the checkpoint is not
     zero: Hugging Face's Mixtral and Qwen-MoE select experts without one, so the export would route
@@ -777,7 +839,8 @@ def write_seed_checkpoint(model, out: str | os.PathLike, *, max_shard_bytes: int
     from dtorch.parallel.materialize import clean_name
 
     model = adapt(model)
-    items = [(clean_name(n), t) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    # every name of a tied parameter: a pipeline stage may hold (and read) its second name only
+    items = [(clean_name(n), t) for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]]
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     groups: list[list[tuple[str, Any]]] = [[]]
@@ -799,6 +862,6 @@ def write_seed_checkpoint(model, out: str | os.PathLike, *, max_shard_bytes: int
     return outdir
 
 
-__all__ = ["ADAPTERS", "HFWeights", "Rule", "check_shapes", "dtorch_config", "export_hf",
+__all__ = ["ADAPTERS", "HFWeights", "Rule", "check_shapes", "dtorch_config", "export_hf", "export_hf_files",
            "hf_config", "load_model_config", "model_shapes", "read_config", "tensor_shapes",
            "write_seed_checkpoint"]

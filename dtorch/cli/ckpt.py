@@ -3,7 +3,7 @@
     dtorch ckpt ls runs/a                       committed steps, size, world size, LATEST
     dtorch ckpt verify runs/a [--step N]        hash every file (all steps unless --step); exit 1 if damaged
     dtorch ckpt export runs/a out.safetensors [--step N] [--key model]
-    dtorch ckpt export runs/a OUT_DIR --hf [--model SPEC | --config HF_DIR] [--dtype bfloat16]
+    dtorch ckpt export runs/a OUT_DIR --hf [--model SPEC | --config HF_DIR] [--tokenizer DIR] [--dtype bfloat16]
                                                 a Hugging Face directory transformers loads
     dtorch ckpt trust runs/a [--step N]         vouch for checkpoints: re-sign their manifests with your key
 """
@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                     "config the run started from, saved in its checkpoint directory)")
     ex.add_argument("--config", default=None, help="with --hf: a Hugging Face directory or config.json to "
                     "take the architecture and token ids from")
+    ex.add_argument("--tokenizer", default=None, help="with --hf: a directory whose tokenizer files and "
+                    "generation_config.json go beside the weights (default: --config's directory, else those "
+                    "of the directory the run started from)")
     ex.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="with --hf: cast the weights (default: as trained)")
     ex.add_argument("--shard-mb", type=int, default=2000, help="with --hf: largest shard file (default 2000 MB)")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             from dtorch.checkpoint.export import export_hf_dir
 
             out = export_hf_dir(mgr, args.step, args.out, model=args.model, config=args.config, dtype=args.dtype,
-                                shard_bytes=args.shard_mb * 10**6)
+                                shard_bytes=args.shard_mb * 10**6, tokenizer=args.tokenizer)
             print(f"wrote {out}")
             return 0
         if args.ckpt_command == "export":

@@ -35,7 +35,7 @@ def _check_positive(cfg: Any, names: tuple[str, ...]) -> None:
 
 @dataclass
 class LlamaConfig:
-    """A Llama-3 style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm, untied head."""
+    """A Llama-3 style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm, head untied by default."""
 
     dim: int = 4096
     """Model (hidden) width."""
@@ -57,6 +57,9 @@ class LlamaConfig:
     rope_scaling: tuple[float, float, float, int] | None = None
     """Llama 3.1 RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings), as in Llama 3.1/3.2 checkpoints; None: plain RoPE."""
+    tie_embeddings: bool = False
+    """The output head shares the token embedding's weight (one Parameter): Hugging Face's
+    tie_word_embeddings (GPT-2, Llama 3.2 1B/3B, small Qwen2)."""
 
     family = "llama"
 
@@ -87,7 +90,7 @@ class LlamaConfig:
 
 @dataclass
 class GPTConfig:
-    """A GPT-2 style decoder: learned positions, LayerNorm, GeLU MLP (4*dim), biases, untied head."""
+    """A GPT-2 style decoder: learned positions, LayerNorm, GeLU MLP (4*dim), biases, head untied by default."""
 
     dim: int = 768
     n_layers: int = 12
@@ -100,6 +103,9 @@ class GPTConfig:
     dropout: float = 0.0
     """Dropout probability on embeddings, attention weights and residual branches."""
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    """The output head shares the token embedding's weight (one Parameter): Hugging Face's
+    tie_word_embeddings (GPT-2, Llama 3.2 1B/3B, small Qwen2)."""
 
     family = "gpt"
 
@@ -264,8 +270,8 @@ class MoEConfig:
 
 ModelConfig = LlamaConfig | GPTConfig | MoEConfig
 
-# Published shapes. Llama 3.2 1B and GPT-2 tie the output head to the token embedding; our
-# reference models never tie (the head and the embedding sit on different pipeline stages), so
+# Published shapes. Llama 3.2 1B and GPT-2 tie the output head to the token embedding; these
+# presets do not (tie_embeddings=False; loading such a checkpoint ties), so
 # their parameter counts are larger than the published ones (llama3-1b 1.50e9 vs 1.24e9,
 # gpt2-small 163M vs 124M). The 8B/70B/405B counts match (8.03e9, 70.6e9, 405.9e9).
 # RoPE scaling of Llama 3.1 long context is not modelled; max_seq_len defaults to 8192.

@@ -110,6 +110,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(config.dim, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:  # one Parameter; pipeline stages keep their copies equal (parallel/ties.py)
+            self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
     def init_buffers(self) -> None:

@@ -134,6 +134,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:  # one Parameter; pipeline stages keep their copies equal (parallel/ties.py)
+            self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from the config, recomputed by init_buffers() after to_empty().
         self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)

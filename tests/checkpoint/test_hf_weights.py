@@ -189,7 +189,7 @@ def _worker(case: tuple[str, dict], rank: int) -> dict:
         from dtorch.parallel.materialize import clean_name
 
         out["weights"] = {clean_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().tolist()
-                          for part in pm.model_parts for n, p in part.named_parameters()}
+                          for part in pm.model_parts for n, p in part.named_parameters(remove_duplicate=False)}
     if spec.get("save"):
         dcp.save({"model": pm.state_dict_for_checkpoint()}, checkpoint_id=spec["save"])
         tuned = _logits(pm, _tokens()[:, :-1])
