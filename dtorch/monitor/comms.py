@@ -83,7 +83,9 @@ class CommTimer:
     # ---- tracing --------------------------------------------------------------------------------
     def trace_to(self, path: str | os.PathLike) -> None:
         """Append every launch (and per-step summaries) to `path`, one JSON object a line."""
-        self._trace_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        from dtorch import trust
+
+        self._trace_fd = trust.open_append(path, "trace_comms")  # private, never through a planted link
 
     def _write(self, rec: dict[str, Any]) -> None:
         os.write(self._trace_fd, (json.dumps(rec, default=str) + "\n").encode())

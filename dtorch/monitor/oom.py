@@ -164,15 +164,12 @@ def describe(exc: BaseException, *, rank: int, phase: str, step: int, stages: li
 
 def record(rec: dict[str, Any], log_dir: str | os.PathLike | None) -> None:
     """Append to <log_dir>/oom.jsonl and the elastic event log (one write each, O_APPEND)."""
-    if log_dir is not None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        fd = os.open(Path(log_dir, OOM_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(rec, default=str) + "\n").encode())
-        finally:
-            os.close(fd)
     from dtorch import eventlog
 
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        # private, never through a planted link, dropped (not raised) on a full disk
+        eventlog.append_line(Path(log_dir, OOM_FILE), (json.dumps(rec, default=str) + "\n").encode(), "oom")
     eventlog.log("oom", **{k: v for k, v in rec.items() if k != "t"})
 
 

@@ -343,7 +343,10 @@ class MonitorServer:
             return
         info = {"url": self.url, "host": self.host, "port": self.port, "token_required": bool(self.token),
                 "pid": os.getpid()}
-        Path(log_dir, "monitor.json").write_text(json.dumps(info) + "\n")
+        from dtorch import trust
+
+        # private (it names the port), replaced atomically: a planted link is replaced, not followed
+        trust.replace_file(Path(log_dir, "monitor.json"), (json.dumps(info) + "\n").encode(), durable=False)
 
     def close(self) -> None:
         self.httpd.shutdown()
