@@ -55,7 +55,7 @@ from dtorch.errors import ConfigError
 from dtorch.model.structure import block_items, find_blocks
 from dtorch.parallel.rng import has_random_ops
 
-FULLGRAPH_MODULES = ("dtorch.models.", "dtorch.parallel.hf")
+FULLGRAPH_MODULES = ("dtorch.models.", "dtorch.model.hf")
 """Blocks whose class lives here trace without a graph break: compiled with fullgraph=True."""
 
 

@@ -1,0 +1,245 @@
+"""Tensor-parallel roles of a model's layers: the one rule the profiler (is TP offered, and why not)
+and the executor (dtorch.parallel.tp: how each layer is split) share.
+
+Roles (Megatron's column -> row chain): q/k/v and MLP up/gate are column-wise (each rank owns whole
+heads / a slice of the hidden units), the attention output and MLP down projections are row-wise.
+They come from layer names (DTorch reference models, Hugging Face families, ROLE_BY_NAME) or from
+`annotate(module, role)`; a Linear without a role is an error that names it, and so is a fused
+projection (q|k|v or gate|up side by side, FUSED) whose layout is not per head.
+
+`mark_region` finds the parameters left whole inside the TP region (between a column-wise layer and
+the row-wise layer that reduces its output), whose gradient is a sum over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from dtorch.errors import ConfigError
+from dtorch.model.structure import ANNOTATION_HELP, block_items, find_blocks
+
+ROLES = ("colwise", "rowwise", "embedding", "output", "replicate")
+ROLE_BY_NAME = {
+    # DTorch reference models (torchtitan names)
+    "wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise",
+    "w1": "colwise", "w3": "colwise", "w2": "rowwise",
+    # mixtures of experts (dtorch.models.moe): the router is small and must see whole tokens; the
+    # routed experts are not Linear layers and are split by dtorch.parallel.expert instead
+    "router": "replicate", "shared_expert_gate": "replicate",
+    # DeepSeek's latent attention: the low-rank down-projections stay whole (their output is the
+    # shared latent every head reads), the up-projections split by heads
+    "wq_a": "replicate", "wkv_a": "replicate", "wq_b": "colwise", "wkv_b": "colwise",
+    # Hugging Face Llama and relatives (Mistral, Qwen, Gemma, OLMo, Mixtral's and Qwen-MoE's attention)
+    "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+    "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise",
+    # GPT-NeoX: query_key_value is fused per head ([head][q|k|v] rows, viewed as (-1, 3 * head_dim)),
+    # so a contiguous column split gives each rank whole heads of q, k and v
+    "attention.query_key_value": "colwise", "attention.dense": "rowwise",
+    "dense_h_to_4h": "colwise", "dense_4h_to_h": "rowwise",
+}
+FUSED = ("qkv_proj", "gate_up_proj", "qkv", "Wqkv", "W_pack", "c_attn", "query_key_value", "c_fc")
+"""Fused projections of several tensors (q|k|v, gate|up) side by side: a column split would give one
+rank all of q and another all of v. Without a role (ROLE_BY_NAME: those whose layout is per head)
+tensor parallelism is not offered for the model, naming the layer."""
+TOP_ROLE_BY_NAME = {
+    "tok_embeddings": "embedding", "embed_tokens": "embedding",
+    "output": "output", "lm_head": "output",
+}
+
+
+def annotate(module: nn.Module, role: str) -> nn.Module:
+    """Declare the tensor-parallel role of a layer the executor cannot name: one of ROLES.
+    'colwise' splits output features, 'rowwise' input features (it must follow a colwise layer),
+    'replicate' keeps the layer whole on every TP rank."""
+    if role not in ROLES:
+        raise ConfigError("role", role, "use one of {" + ", ".join(ROLES) + "}")
+    module._dtorch_tp_role = role
+    return module
+
+
+def _role(name: str, module: nn.Module, table: dict[str, str]) -> str | None:
+    parts = name.split(".")
+    return (getattr(module, "_dtorch_tp_role", None) or table.get(".".join(parts[-2:]))
+            or table.get(parts[-1]))
+
+
+def check_block(block: nn.Module, block_name: str) -> dict[str, str]:
+    """{layer name: role} of the block's Linear (and annotated) layers; ConfigError naming the first
+    layer that has none, or a fused projection that cannot be split per head."""
+    roles: dict[str, str] = {}
+    for name, mod in block.named_modules():
+        if type(mod).__name__ == "Conv1D" and not getattr(mod, "_dtorch_tp_role", None):
+            # transformers' Conv1D stores the weight transposed, and GPT-2 fuses q, k, v in one:
+            # no column split of it is head-aligned.
+            raise ConfigError(
+                "tp", f"{block_name}.{name}",
+                "this fused Conv1D projection cannot be split head-aligned; use tp=1 (FSDP, DDP and PP work)",
+            )
+        if isinstance(mod, nn.Linear) or getattr(mod, "_dtorch_tp_role", None):
+            role = _role(name, mod, ROLE_BY_NAME)
+            if role is None and name.rsplit(".", 1)[-1] in FUSED:
+                raise ConfigError(
+                    "tp", f"{block_name}.{name}",
+                    "a fused projection (q|k|v or gate|up side by side) whose layout is not split per head; "
+                    "use tp=1 (FSDP, DDP and PP work)",
+                )
+            if role is None:
+                raise ConfigError(
+                    "model", f"{block_name}.{name}",
+                    f"no tensor-parallel role for this {type(mod).__name__}; {ANNOTATION_HELP}",
+                )
+            roles[name] = role
+    return roles
+
+
+# ---- replicated parameters inside the tensor-parallel region ------------------------------------
+# Between a column-wise layer and the row-wise layer that reduces its output, each rank computes on
+# its own heads / hidden units only. A parameter left whole there (Qwen3's and Gemma 3's per-head
+# q/k norms, a scale on the attention output) gets from each rank the gradient of that rank's part:
+# its true gradient is the SUM over the TP group. Parameters before the column-wise layer (the
+# block's input norm) already get the whole gradient (ColwiseParallel reduces its input's), and so do
+# those after the row-wise reduction. Which side a parameter is on is data flow, not structure
+# (DeepSeek's latent attention has norms between two column-wise layers, on the replicated side), so
+# it is found by one forward of the model on its own device (meta: free) that follows the values
+# computed from column-wise outputs until a row-wise layer sums them. The module holding such a
+# parameter is then run as data parallel over the TP group: its input, this rank's part, is taken
+# as shard 0 of a tensor the group holds, its parameters become Replicate DTensors, and their
+# gradients come back Partial and are summed once per step (ParallelModel._reduce_partial_grads),
+# exactly as a sequence-parallel norm's. Valid for any module whose output rows depend only on the
+# same input rows (norms, scales, biases, linear maps): not for one that mixes the rows of dim 0.
+REGION_ATTR = "_dtorch_tp_region"
+_ANALYSED_ATTR = "_dtorch_tp_region_analysed"
+
+
+def layer_roles(block: nn.Module) -> dict[str, str]:
+    """{layer name: role} of the block's layers that have one (annotation or ROLE_BY_NAME)."""
+    return {name: role for name, mod in block.named_modules()
+            if (isinstance(mod, nn.Linear) or getattr(mod, "_dtorch_tp_role", None))
+            and (role := _role(name, mod, ROLE_BY_NAME)) is not None}
+
+
+def _region_candidates(block: nn.Module) -> list[str]:
+    """Modules with parameters of their own, no role, under a module that owns a column-wise layer."""
+    roles = layer_roles(block)
+    owners = {n.rpartition(".")[0] for n, r in roles.items() if r == "colwise"}
+    inside = [n for n in roles]
+    out = []
+    for name, mod in block.named_modules():
+        if (name in roles or any(name.startswith(r + ".") for r in inside)
+                or not any(True for _ in mod.parameters(recurse=False))):
+            continue
+        if any(o == "" or name.startswith(o + ".") for o in owners):
+            out.append(name)
+    return out
+
+
+class _Flow(TorchFunctionMode):
+    """Follows tensors computed from column-wise outputs (`hot`), recording for every nn.Parameter
+    that meets one, directly or through values computed from it alone (`self.weight.float()`), the
+    shapes of the hot tensors it met."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep: list[torch.Tensor] = []  # every tensor seen stays alive, so that ids stay unique
+        self.hot: set[int] = set()
+        self.origin: dict[int, set[int]] = {}  # tensor id -> the parameters it was computed from, alone
+        self.met: dict[int, list[torch.Size]] = {}
+
+    def heat(self, value, on: bool = True) -> None:
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                self.keep.append(t)
+                (self.hot.add if on else self.hot.discard)(id(t))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        hot = [t.shape for t in leaves if id(t) in self.hot]
+        params = {i for t in leaves
+                  for i in ({id(t)} if isinstance(t, nn.Parameter) else self.origin.get(id(t), set()))}
+        if hot:
+            for i in params:
+                self.met.setdefault(i, []).extend(hot)
+            self.heat(out)
+        elif params and all(isinstance(t, nn.Parameter) or id(t) in self.origin for t in leaves):
+            # computed from parameters alone (no activation): still "the parameter" where it meets one
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    self.keep.append(t)
+                    self.origin[id(t)] = params
+        return out
+
+
+def mark_region(model: nn.Module, seq_len: int = 8) -> None:
+    """Set REGION_ATTR on every block module whose parameters are used inside the TP region (see
+    above), once per model. Raises ConfigError naming a module where that rule cannot hold: one that
+    also has submodules with parameters, or whose parameter spans all heads' features of a
+    column-wise output (OLMo 2's q_norm normalises over all heads: no rank holds them)."""
+    if getattr(model, _ANALYSED_ATTR, False):
+        return
+    path, blocks = find_blocks(model)
+    items = block_items(blocks)
+    candidates = {name: _region_candidates(block) for name, block in items}
+    if not any(candidates.values()):
+        object.__setattr__(model, _ANALYSED_ATTR, True)
+        return
+    first = next(f"{path}.{b}.{c[0]}" for b, c in candidates.items() if c)
+    embedding = next((m for n, m in model.named_children() if _role(n, m, TOP_ROLE_BY_NAME) == "embedding"), None)
+    if embedding is None:
+        raise ConfigError("tp", first, "a replicated parameter inside a tensor-parallel block, in a model part "
+                          "without its token embedding: analyse the whole model (check_roles) before splitting it")
+    flow = _Flow()
+    reached: set[int] = set()
+    hooks = []
+    for bname, block in items:
+        for name, role in layer_roles(block).items():
+            if role in ("colwise", "rowwise"):
+                hooks.append(block.get_submodule(name).register_forward_hook(
+                    lambda m, a, out, on=role == "colwise": flow.heat(out, on)))
+        for cname in candidates[bname]:
+            hooks.append(block.get_submodule(cname).register_forward_hook(lambda m, a, out: reached.add(id(m))))
+    device = next(model.parameters()).device
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+    error = None
+    try:
+        with torch.no_grad(), flow:
+            model(tokens)
+    except Exception as e:  # noqa: BLE001 - meta cannot run everything (a MoE's grouped matmul): what ran counts
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        for h in hooks:
+            h.remove()
+    # a module the forward did not reach takes the verdict of the same module of a block it reached
+    verdict: dict[str, list[torch.Size]] = {}
+    for bname, block in items:
+        for cname in candidates[bname]:
+            mod = block.get_submodule(cname)
+            if id(mod) in reached:
+                met = [shape for p in mod.parameters(recurse=False) for shape in flow.met.get(id(p), [])]
+                verdict[cname] = verdict.get(cname, []) + met
+    for bname, block in items:
+        widths = {mod.out_features for n, mod in block.named_modules()
+                  if isinstance(mod, nn.Linear) and layer_roles(block).get(n) == "colwise"}
+        for cname in candidates[bname]:
+            mod = block.get_submodule(cname)
+            where = f"{path}.{bname}.{cname}"
+            if cname not in verdict:
+                raise ConfigError("tp", where, "cannot tell whether this parameter is inside the tensor-parallel "
+                                  f"region: a forward of token ids on {device} did not reach it ({error}); use tp=1")
+            met = verdict[cname]
+            if not met:
+                continue
+            if any(len(shape) and shape[-1] in widths and p.shape and p.shape[-1] == shape[-1]
+                   for p in mod.parameters(recurse=False) for shape in met):
+                raise ConfigError("tp", where, "its parameter spans the features of all heads of a column-wise "
+                                  "layer (e.g. a q/k norm over the whole projection), which no rank holds under "
+                                  "tensor parallelism; use tp=1 (FSDP, DDP and PP work)")
+            if any(True for c in mod.children() for _ in c.parameters()):
+                raise ConfigError("tp", where, "a module with parameters of its own and in its submodules, used "
+                                  "inside the tensor-parallel region; use tp=1 or annotate its layers")
+            object.__setattr__(mod, REGION_ATTR, True)
+    object.__setattr__(model, _ANALYSED_ATTR, True)
