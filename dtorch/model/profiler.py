@@ -47,7 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
-from dtorch.model.structure import BLOCKS_ATTR, find_blocks, find_structure
+from dtorch.model.structure import BLOCKS_ATTR, block_items, find_blocks, find_structure
 
 aten = torch.ops.aten
 
@@ -397,6 +397,11 @@ def _derive_roles(model: nn.Module, block: nn.Module, block_path: str, io: dict,
         roles[row] = "rowwise"
         if pname in attention_modules and pname:
             roles[pname] = "attention"
+    refused = _executor_refuses_tp(model)
+    if refused:
+        return {}, refused
+    if not roles and (adapted := _adapted_roles(model)):
+        return adapted, ""
     if not roles:
         kinds = sorted({type(m).__name__ for m in block.modules() if m is not block})
         return {}, (f"no column->row pair of nn.Linear layers found in block '{block_path}.0' "
@@ -412,3 +417,38 @@ def _derive_roles(model: nn.Module, block: nn.Module, block_path: str, io: dict,
         elif _is_norm(m):
             roles[n] = "norm"
     return roles, ""
+
+
+def _executor_refuses_tp(model: nn.Module) -> str:
+    """The tensor-parallel executor's own verdict (dtorch.model.tp_rules, on the model as the executor
+    sees it): a fused projection it cannot split per head, or a replicated parameter inside
+    the TP region it cannot reduce, names the layer; '' when it accepts. (Layers it finds no role for
+    are left to the annotation message at apply time.)"""
+    from dtorch.model.hf import adapt
+    from dtorch.model.tp_rules import check_block, mark_region
+
+    try:
+        adapted = adapt(model)
+        path, blocks = find_blocks(adapted)
+        for name, block in block_items(blocks):
+            check_block(block, f"{path}.{name}")
+        mark_region(adapted)
+    except ConfigError as e:
+        return f"{e.value}: {e.fix}" if e.field == "tp" else ""
+    return ""
+
+
+def _adapted_roles(model: nn.Module) -> dict[str, str]:
+    """Block roles of a transformers model the executor rebuilds for TP (GPT-2's fused Conv1D become
+    q/k/v Linears, dtorch.parallel.hf), by the executor's names; {} for any other model."""
+    from dtorch.model.hf import adapt, is_transformers_model
+    from dtorch.model.tp_rules import layer_roles
+
+    if not is_transformers_model(model):
+        return {}
+    try:
+        _, blocks = find_blocks(adapt(model))
+        block = block_items(blocks)[0][1]
+    except (ConfigError, IndexError):
+        return {}
+    return {**layer_roles(block), **{n: "norm" for n, m in block.named_modules() if n and _is_norm(m)}}
