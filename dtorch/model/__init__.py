@@ -5,8 +5,9 @@ A spec is one of
   profiled by formula (`dtorch.model.analytic`), instantly and without importing torch;
 - a factory `pkg.module:function` returning an nn.Module: measured on meta/fake tensors
   (`dtorch.model.profiler`);
-- a path to a Hugging Face `config.json` (Llama or GPT-2 architectures): the transformers model is
-  built from the config on meta and measured (needs the optional extra `hf`: transformers).
+- a path to a Hugging Face `config.json` of any causal LM transformers knows (`AutoModelForCausalLM`:
+  Llama, Mistral, Qwen, Gemma, Phi-3, GPT-2, GPT-NeoX, OLMo, ...): the model is built from the
+  config on meta and measured (needs the optional extra `hf`: transformers).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from dtorch.models.configs import FAMILIES, PRESETS, SPEC_FORMS, model_config
 __all__ = ["ModelProfile", "profile", "profile_from_config", "profile_module"]
 
 SPEC_HELP = (SPEC_FORMS + ", a factory 'pkg.module:function' returning an nn.Module, "
-             "or a path to a Hugging Face config.json (LlamaForCausalLM / GPT2LMHeadModel)")
+             "or a path to a Hugging Face config.json of a causal LM (AutoModelForCausalLM)")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+HF_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+"""How a causal LM's class name ends in a config's `architectures` (any model_type transformers maps
+to AutoModelForCausalLM is accepted too)."""
 
 
 def __getattr__(name: str) -> Any:
@@ -77,21 +80,24 @@ def _profile_hf_config(path: Path, seq_len: int) -> ModelProfile:
     except (OSError, ValueError) as e:
         raise ConfigError("model", str(path), f"not a readable JSON config ({e})") from None
     archs = data.get("architectures") or []
-    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
-    if arch is None and data.get("model_type") in HF_ARCHITECTURES.values():
-        arch = {v: k for k, v in HF_ARCHITECTURES.items()}[data["model_type"]]
-    if arch is None:
-        raise ConfigError("model", str(path), f"architectures={archs} model_type={data.get('model_type')!r}: "
-                          "supported Hugging Face models are " + ", ".join(HF_ARCHITECTURES))
     try:
         import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         raise ConfigError("model", str(path), "Hugging Face configs need transformers: "
                           "pip install 'dtorch-os[hf]'") from None
+    kind = data.get("model_type")
+    arch = next((a for a in archs if a.endswith(HF_ARCHITECTURES) and hasattr(transformers, a)), None)
+    if arch is None and kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]
+    if arch is None:
+        raise ConfigError("model", str(path), f"architectures={archs} model_type={kind!r}: not a causal language "
+                          "model transformers knows (AutoModelForCausalLM); DTorch adapts any of those")
     config = transformers.AutoConfig.for_model(**{k: v for k, v in data.items() if k != "architectures"})
-    # SDPA attention, as a training run would use (eager attention would keep the s x s scores).
-    config._attn_implementation = "sdpa"
     model_cls = getattr(transformers, arch)
+    # SDPA attention, as a training run would use (eager attention would keep the s x s scores),
+    # where the model has an SDPA kernel (Gemma 2 has none: its attention soft-capping)
+    config._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
     from dtorch.model.profiler import profile_module
 
     return profile_module(lambda: model_cls(config), seq_len, name=str(path))
