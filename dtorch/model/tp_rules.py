@@ -13,6 +13,9 @@ the row-wise layer that reduces its output), whose gradient is a sum over the TP
 
 from __future__ import annotations
 
+import inspect
+from functools import partial
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -121,21 +124,6 @@ def layer_roles(block: nn.Module) -> dict[str, str]:
             and (role := _role(name, mod, ROLE_BY_NAME)) is not None}
 
 
-def _region_candidates(block: nn.Module) -> list[str]:
-    """Modules with parameters of their own, no role, under a module that owns a column-wise layer."""
-    roles = layer_roles(block)
-    owners = {n.rpartition(".")[0] for n, r in roles.items() if r == "colwise"}
-    inside = [n for n in roles]
-    out = []
-    for name, mod in block.named_modules():
-        if (name in roles or any(name.startswith(r + ".") for r in inside)
-                or not any(True for _ in mod.parameters(recurse=False))):
-            continue
-        if any(o == "" or name.startswith(o + ".") for o in owners):
-            out.append(name)
-    return out
-
-
 class _Flow(TorchFunctionMode):
     """Follows tensors computed from column-wise outputs (`hot`), recording for every nn.Parameter
     that meets one, directly or through values computed from it alone (`self.weight.float()`), the
@@ -174,18 +162,66 @@ class _Flow(TorchFunctionMode):
         return out
 
 
-def mark_region(model: nn.Module, seq_len: int = 8) -> None:
+def is_sp_norm(name: str, module: nn.Module) -> bool:
+    """A norm that sequence parallelism runs on sequence shards itself (SequenceParallel)."""
+    return "norm" in name.rsplit(".", 1)[-1] and not list(module.children())
+
+
+def _region_candidates(block: nn.Module, sp: bool) -> list[str]:
+    """Modules with parameters of their own and no role, under a module that owns a column-wise layer
+    or, with sequence parallelism, anywhere in the block but the sequence-parallel norms."""
+    roles = layer_roles(block)
+    owners = {n.rpartition(".")[0] for n, r in roles.items() if r == "colwise"}
+    out = []
+    for name, mod in block.named_modules():
+        if (name in roles or any(name.startswith(r + ".") for r in roles)
+                or not any(True for _ in mod.parameters(recurse=False))):
+            continue
+        if any(o == "" or name.startswith(o + ".") for o in owners) or (sp and not is_sp_norm(name, mod)):
+            out.append(name)
+    return out
+
+
+def _first_input_cooled(flow: _Flow, module: nn.Module, args: tuple, kwargs: dict):
+    """The executor gathers the whole sequence on entry to a module owning a column-wise layer
+    (tp.gather_sequence_on_entry): from there on its first input is no longer a shard."""
+    def cool(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        y = x.view_as(x)
+        flow.heat(y, False)
+        return y
+
+    if args:
+        return (cool(args[0]), *args[1:]), kwargs
+    first = next(iter(inspect.signature(module.forward).parameters))
+    return args, {**kwargs, first: cool(kwargs[first])} if first in kwargs else kwargs
+
+
+def _entered(flow: _Flow, entered: dict, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    entered[id(module)] = (len(tensors), any(id(t) in flow.hot for t in tensors))
+
+
+def mark_region(model: nn.Module, sp: bool = False, seq_len: int = 8) -> None:
     """Set REGION_ATTR on every block module whose parameters are used inside the TP region (see
-    above), once per model. Raises ConfigError naming a module where that rule cannot hold: one that
-    also has submodules with parameters, or whose parameter spans all heads' features of a
-    column-wise output (OLMo 2's q_norm normalises over all heads: no rank holds them)."""
-    if getattr(model, _ANALYSED_ATTR, False):
+    above), once per model and `sp`. With sequence parallelism the region also holds what runs on
+    the block's sequence shards outside the column-wise modules (Gemma's norms after the attention,
+    a mixture of experts' router). Raises ConfigError ("tp", or "sp" for what only sequence
+    parallelism puts in the region) naming a module where the rule cannot hold: one that also has
+    submodules with parameters, one that takes more than one tensor, or one whose parameter spans all
+    heads' features of a column-wise output (OLMo 2's q_norm normalises over all heads)."""
+    if getattr(model, _ANALYSED_ATTR, None) == sp:
         return
     path, blocks = find_blocks(model)
     items = block_items(blocks)
-    candidates = {name: _region_candidates(block) for name, block in items}
+    for _, block in items:  # a new analysis (another sp) starts from no marks
+        for mod in block.modules():
+            if getattr(mod, REGION_ATTR, False):
+                object.__setattr__(mod, REGION_ATTR, False)
+    candidates = {name: _region_candidates(block, sp) for name, block in items}
     if not any(candidates.values()):
-        object.__setattr__(model, _ANALYSED_ATTR, True)
+        object.__setattr__(model, _ANALYSED_ATTR, sp)
         return
     first = next(f"{path}.{b}.{c[0]}" for b, c in candidates.items() if c)
     embedding = next((m for n, m in model.named_children() if _role(n, m, TOP_ROLE_BY_NAME) == "embedding"), None)
@@ -194,14 +230,23 @@ def mark_region(model: nn.Module, seq_len: int = 8) -> None:
                           "without its token embedding: analyse the whole model (check_roles) before splitting it")
     flow = _Flow()
     reached: set[int] = set()
+    entered: dict[int, tuple[int, bool]] = {}  # module id -> (tensor inputs, any of them hot)
     hooks = []
     for bname, block in items:
-        for name, role in layer_roles(block).items():
+        roles = layer_roles(block)
+        for name, role in roles.items():
             if role in ("colwise", "rowwise"):
                 hooks.append(block.get_submodule(name).register_forward_hook(
                     lambda m, a, out, on=role == "colwise": flow.heat(out, on)))
         for cname in candidates[bname]:
+            hooks.append(block.get_submodule(cname).register_forward_pre_hook(partial(_entered, flow, entered),
+                                                                               with_kwargs=True))
             hooks.append(block.get_submodule(cname).register_forward_hook(lambda m, a, out: reached.add(id(m))))
+        if sp:  # the block runs on sequence shards, the modules owning column-wise layers on whole ones
+            hooks.append(block.register_forward_pre_hook(lambda m, a, kw: flow.heat(a[:1] or kw), with_kwargs=True))
+            for owner in {n.rpartition(".")[0] for n, r in roles.items() if r == "colwise"} - {""}:
+                hooks.append(block.get_submodule(owner).register_forward_pre_hook(
+                    partial(_first_input_cooled, flow), with_kwargs=True))
     device = next(model.parameters()).device
     tokens = torch.zeros(1, seq_len, dtype=torch.long, device=device)
     error = None
@@ -218,28 +263,34 @@ def mark_region(model: nn.Module, seq_len: int = 8) -> None:
     for bname, block in items:
         for cname in candidates[bname]:
             mod = block.get_submodule(cname)
+            met = [shape for p in mod.parameters(recurse=False) for shape in flow.met.get(id(p), [])]
             if id(mod) in reached:
-                met = [shape for p in mod.parameters(recurse=False) for shape in flow.met.get(id(p), [])]
                 verdict[cname] = verdict.get(cname, []) + met
+            elif entered.get(id(mod), (0, False))[1]:  # the forward failed inside it, on region inputs
+                verdict[cname] = verdict.get(cname, []) + (met or [torch.Size()])
     for bname, block in items:
         widths = {mod.out_features for n, mod in block.named_modules()
                   if isinstance(mod, nn.Linear) and layer_roles(block).get(n) == "colwise"}
         for cname in candidates[bname]:
             mod = block.get_submodule(cname)
             where = f"{path}.{bname}.{cname}"
+            field = "sp" if sp and cname not in _region_candidates(block, False) else "tp"
             if cname not in verdict:
-                raise ConfigError("tp", where, "cannot tell whether this parameter is inside the tensor-parallel "
-                                  f"region: a forward of token ids on {device} did not reach it ({error}); use tp=1")
+                raise ConfigError(field, where, "cannot tell whether this parameter is inside the tensor-parallel "
+                                  f"region: a forward of token ids on {device} did not reach it ({error}); "
+                                  f"use {field}={'false' if field == 'sp' else '1'}")
             met = verdict[cname]
             if not met:
                 continue
-            if any(len(shape) and shape[-1] in widths and p.shape and p.shape[-1] == shape[-1]
+            if field == "tp" and any(len(shape) and shape[-1] in widths and p.shape and p.shape[-1] == shape[-1]
                    for p in mod.parameters(recurse=False) for shape in met):
-                raise ConfigError("tp", where, "its parameter spans the features of all heads of a column-wise "
+                raise ConfigError(field, where, "its parameter spans the features of all heads of a column-wise "
                                   "layer (e.g. a q/k norm over the whole projection), which no rank holds under "
                                   "tensor parallelism; use tp=1 (FSDP, DDP and PP work)")
-            if any(True for c in mod.children() for _ in c.parameters()):
-                raise ConfigError("tp", where, "a module with parameters of its own and in its submodules, used "
-                                  "inside the tensor-parallel region; use tp=1 or annotate its layers")
+            if any(True for c in mod.children() for _ in c.parameters()) or entered.get(id(mod), (1, False))[0] > 1:
+                raise ConfigError(field, where, "a module with parameters used inside the tensor-parallel region "
+                                  "(on this rank's heads or sequence shard only) that DTorch cannot run as data "
+                                  "parallel over the TP group (it takes several tensors, or has submodules with "
+                                  f"parameters); use {field}={'false' if field == 'sp' else '1'}")
             object.__setattr__(mod, REGION_ATTR, True)
-    object.__setattr__(model, _ANALYSED_ATTR, True)
+    object.__setattr__(model, _ANALYSED_ATTR, sp)

@@ -40,6 +40,7 @@ from dtorch.model.tp_rules import (  # noqa: F401 - annotate, ROLES: the public 
     _role,
     annotate,
     check_block,
+    is_sp_norm,
     layer_roles,
     mark_region,
 )
@@ -66,8 +67,10 @@ def block_plan(block: nn.Module, block_name: str, sp: bool) -> dict[str, object]
             # inside the region: this rank's part taken as shard 0 of the group's (tp_rules.mark_region);
             # the Partial gradients of its Replicate parameters are summed once per step
             plan[name] = SequenceParallel(sequence_dim=0, use_local_output=True)
-        elif role is None and sp and "norm" in name.rsplit(".", 1)[-1] and not list(mod.children()):
-            plan[name] = SequenceParallel()
+        elif role is None and sp and is_sp_norm(name, mod):
+            # local output: what follows a norm may be a residual add on this rank's shard (Gemma's
+            # norm after the attention); a module needing whole sequences gathers on entry
+            plan[name] = SequenceParallel(use_local_output=True)
     return plan
 
 
@@ -77,7 +80,7 @@ def check_roles(model: nn.Module, sp: bool) -> None:
     path, blocks = find_blocks(model)
     for name, block in block_items(blocks):
         block_plan(block, f"{path}.{name}", sp)
-    mark_region(model)
+    mark_region(model, sp)
 
 
 def gather_sequence_on_entry(block: nn.Module, plan: dict[str, object], tp_mesh: DeviceMesh) -> None:
@@ -167,7 +170,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
         parallelize_module(model, tp_mesh, top)
     for out, emb in tied:
         out.weight = emb.weight
-    mark_region(model)
+    mark_region(model, sp)
     path, blocks = find_blocks(model)
     items = block_items(blocks)
     for name, block in items:
