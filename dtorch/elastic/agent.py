@@ -97,7 +97,8 @@ class ExitDetector:
         if error is not None:
             r = error["rank"]
             err = f"{error['error']}: {error['message']}" if error.get("message") else str(error["error"])
-            where = f"at step {error['step']}" if (error.get("step") or -1) >= 0 else "before the first step"
+            step = error.get("step")
+            where = f"at step {step}" if isinstance(step, int) and step >= 0 else "before the first step"
             log = error.get("log") or os.path.join(a.run_dir, events.EVENTS_FILE)
             self.cause = f"rank {r} raised {err} ({where}); full traceback: {log}"
             why[r] = f"{why.get(r, 'exit code 1')}: {err}"
@@ -181,7 +182,7 @@ class HangDetector:
         line, fields = heartbeat.diagnose(hang, beats, a.local_pids, states, dump)
         culprit = fields.pop("rank")
         return Detection("hang", "restart", line=line, ranks=[culprit], detect_t=t_detect,
-                         fields={"diagnosis": line, **fields})
+                         fields={"diagnosis": line, "limit_s": hang.limit, **fields})
 
 
 class NodeLossDetector:

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ def mark(step: int | None = None, phase: str | None = None, committed_step: int 
         publish = step is not None and int(step) != _state["step"]
         if step_done:
             _state["steps_done"] += 1
+            _state["step_done_t"] = time.time()
         if step is not None:
             _state["step"] = int(step)
         if phase is not None:
@@ -267,26 +269,73 @@ class Hang:
 
     ranks: dict[int, float]
     epoch: int
+    limit: float | None = None
+    """The limit a running rank was judged against (seconds): the timeout stretched to the job's
+    own pace and the machine's load (a stopped rank is judged against the timeout itself)."""
+
+
+def load_factor() -> float:
+    """How much slower than alone a CPU-bound process runs here now: the 1-minute load average
+    per CPU, at least 1 (at most 10: a hang must still be found on a machine that is swamped)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return min(10.0, max(1.0, load / (os.cpu_count() or 1)))
+
+
+def _stopped(pid: int) -> bool:
+    return proc_state(pid) in ("T", "t")
 
 
 class HangWatch:
-    """Judges the local workers of one epoch.
+    """Judges the local workers of one epoch: tells a hung rank from a slow one.
 
     Until every local rank has finished a step in this epoch the group is starting (imports,
     process-group init, loading, compiling, peers on slower nodes): then only `startup_timeout`
     applies, counted from the group's start. Afterwards each rank must make progress within
-    `timeout` seconds. A script that never beats is never judged."""
+    `timeout` seconds.
 
-    def __init__(self, run_dir: str, timeout: float, startup_timeout: float, period: float = 0.25):
+    A rank that is stopped (SIGSTOP, a tracer: process state T) cannot be slow: it is judged
+    against those limits as they are. A rank that runs may only be slow: its limit is stretched
+    to the job's own pace, `slow_factor` times the longest recent step of this group (steps
+    finished since it started, as the workers report them), and by the machine's load
+    (`load_factor`, CPUs over-subscribed by other programs). A busy loop or a collective that never
+    returns is still found, later on a slow or loaded machine. Each group (`reset`, after a
+    restart or a resize) starts a fresh window: its own start time and step history, nothing of
+    the group before. A script that never beats is never judged."""
+
+    def __init__(self, run_dir: str, timeout: float, startup_timeout: float, period: float = 0.25,
+                 slow_factor: float = 3.0, load: Any = load_factor, stopped: Any = _stopped, window: int = 20):
         self.run_dir, self.timeout, self.startup_timeout, self.period = run_dir, timeout, startup_timeout, period
+        self.slow_factor, self.load, self.stopped = slow_factor, load, stopped
         self.epoch = -1
         self.local: dict[int, int] = {}
         self.t_start = time.time()
         self._next = 0.0
+        self._done: dict[int, tuple[int, float]] = {}
+        self.step_s: deque[float] = deque(maxlen=window)
+        """Seconds per step of this group's recent steps (every local rank's), as reported."""
 
     def reset(self, epoch: int, local: dict[int, int]) -> None:
-        """New worker group: `local` maps global rank -> pid."""
+        """New worker group: `local` maps global rank -> pid. A fresh detection window."""
         self.epoch, self.local, self.t_start, self._next = epoch, dict(local), time.time(), 0.0
+        self._done = {}
+        self.step_s.clear()
+
+    def _observe(self, beats: dict[int, dict[str, Any]]) -> None:
+        """Record the step times the ranks reported since the last look (a rank that finished n
+        steps between two looks: n steps of their mean)."""
+        for rank, b in beats.items():
+            n, t = int(b.get("steps_done", 0)), b.get("step_done_t")
+            if not n or t is None:
+                continue
+            prev = self._done.get(rank)
+            if prev is not None and n > prev[0]:
+                per = (float(t) - prev[1]) / (n - prev[0])
+                self.step_s.extend([per] * min(n - prev[0], self.step_s.maxlen or 1))
+            if prev is None or n > prev[0]:
+                self._done[rank] = (n, float(t))
 
     def check(self) -> Hang | None:
         now = time.time()
@@ -296,17 +345,24 @@ class HangWatch:
         beats = read_local_beats(self.run_dir, self.epoch, self.local)
         if not any(b.get("beats", 0) > 0 for b in beats.values()):
             return None
+        self._observe(beats)
         steady = all(beats.get(r, {}).get("steps_done", 0) > 0 for r in self.local)
+        base = self.timeout if steady else self.startup_timeout
+        # a running rank: the job's own pace and the machine's load stretch the limit
+        pace = max(base, self.slow_factor * max(self.step_s, default=0.0)) if steady else base
+        limit = pace * self.load()
         stuck = {}
-        for rank in self.local:
+        for rank, pid in self.local.items():
             b = beats.get(rank, {})
             if steady:
-                age, limit = now - b["progress_t"], self.timeout
+                age = now - b["progress_t"]
+            elif b.get("steps_done", 0) > 0:
+                continue  # done its first step: waits for the others
             else:
-                age, limit = now - self.t_start, self.startup_timeout
-            if age > limit and not (not steady and b.get("steps_done", 0) > 0):
+                age = now - self.t_start
+            if age > limit or (age > base and self.stopped(pid)):
                 stuck[rank] = age
-        return Hang(stuck, self.epoch) if stuck else None
+        return Hang(stuck, self.epoch, limit) if stuck else None
 
 
 def dump_and_kill(run_dir: str, epoch: int, pids: dict[int, int], states: dict[int, str | None],

@@ -93,12 +93,48 @@ def _beat(run_dir, rank, **kw):
 
 def test_hang_watch_judges_progress_not_liveness_after_the_first_step(tmp_path):
     d = str(tmp_path)
-    w = heartbeat.HangWatch(d, timeout=3.0, startup_timeout=100.0, period=0)
+    w = heartbeat.HangWatch(d, timeout=3.0, startup_timeout=100.0, period=0, load=lambda: 1.0)
     w.reset(0, {0: 1000, 1: 1001})
     _beat(d, 0)
     _beat(d, 1, progress_t=time.time() - 5)  # its thread may still write; its loop made no progress
     hang = w.check()
     assert hang is not None and list(hang.ranks) == [1]
+
+
+def test_hang_watch_tells_a_slow_job_from_a_hang_and_a_stopped_rank_from_a_slow_one(tmp_path):
+    """Steps of 4 s against a 3 s timeout: a running rank 5 s without progress is slow, not hung
+    (its limit is 3 x the job's recent step time); 13 s is a hang. The machine's load stretches a
+    running rank's limit the same way. A stopped rank (state T) is hung at the timeout itself,
+    whatever the pace or the load. A new group starts with no step history."""
+    d = str(tmp_path)
+    load = [1.0]
+    stopped: set[int] = set()
+    w = heartbeat.HangWatch(d, timeout=3.0, startup_timeout=100.0, period=0, load=lambda: load[0],
+                            stopped=lambda pid: pid in stopped)
+    w.reset(0, {0: 1000, 1: 1001})
+    now = time.time()
+    for n, t in ((1, now - 8), (2, now - 4)):  # the workers report step 2 took 4 s
+        for r in (0, 1):
+            _beat(d, r, steps_done=n, step_done_t=t, progress_t=now)
+        assert w.check() is None
+    assert list(w.step_s) == [4.0, 4.0]
+    _beat(d, 1, steps_done=2, step_done_t=now - 4, progress_t=now - 5)
+    assert w.check() is None  # slow: 5 s < 3 x 4 s
+    _beat(d, 1, steps_done=2, step_done_t=now - 4, progress_t=now - 13)
+    hang = w.check()
+    assert hang is not None and list(hang.ranks) == [1] and hang.limit == 12.0
+    stopped.add(1001)
+    _beat(d, 1, steps_done=2, step_done_t=now - 4, progress_t=now - 3.5)
+    assert list(w.check().ranks) == [1]  # stopped: the timeout itself
+    w.reset(1, {0: 1000, 1: 1001})  # the recovered group: a fresh window, no step history
+    assert not w.step_s
+    stopped.clear()
+    load[0] = 3.0
+    for r in (0, 1):
+        _beat(d, r, epoch=1, steps_done=1, step_done_t=now, progress_t=now - 5)
+    assert w.check() is None  # loaded machine: 5 s < 3 s x load 3
+    _beat(d, 1, epoch=1, steps_done=1, step_done_t=now, progress_t=now - 10)
+    assert list(w.check().ranks) == [1]
 
 
 def test_hang_watch_gives_a_starting_group_the_startup_timeout(tmp_path):
