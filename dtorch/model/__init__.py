@@ -69,7 +69,23 @@ def _profile_factory(spec: str, seq_len: int) -> ModelProfile:
         raise ConfigError("model", spec, f"'{module_name}' has no callable '{func_name}'")
     from dtorch.model.profiler import profile_module
 
-    return profile_module(factory, seq_len, name=spec)
+    return profile_module(factory, seq_len, name=spec, sample=_example_input(module, spec))
+
+
+def _example_input(module: Any, spec: str) -> tuple[Any, Any] | None:
+    """The factory module's `example_input()`: (inputs, target) of one batch, or inputs alone (the
+    profile then uses the mean of the output as its loss); None when the module defines none."""
+    example = getattr(module, "example_input", None)
+    if example is None:
+        return None
+    if not callable(example):
+        raise ConfigError("example_input", spec, "must be a function returning (inputs, target) of one batch")
+    try:
+        value = example()
+    except Exception as e:  # noqa: BLE001 - the user's code: one line, not a traceback
+        raise ConfigError("example_input", spec, f"it raised {type(e).__name__}: {' '.join(str(e).split())[:200]}; "
+                          "it must return (inputs, target) of one batch") from None
+    return tuple(value) if isinstance(value, (tuple, list)) and len(value) == 2 else (value, None)
 
 
 def _profile_hf_config(path: Path, seq_len: int) -> ModelProfile:

@@ -1,10 +1,15 @@
 """ModelProfile of an arbitrary nn.Module, measured on the meta device / under FakeTensorMode.
 
 No weights are allocated and nothing is computed: the model is built on `meta`, its repeated
-blocks are found (the largest nn.ModuleList / nn.ModuleDict whose children are structurally
-identical), parameters are counted, and then a copy that keeps only the first block is run once
-forward on fake CPU tensors (16-bit by default) with a next-token cross-entropy loss, while we
-measure inside the first block and outside it (the "head": embeddings, final norm, output, loss):
+blocks are found (`dtorch.model.structure`), parameters are counted, and then a copy that keeps
+only the first block (every block, when they differ) is run once forward on fake copies of ONE
+REAL BATCH of the user's data (`sample`; 16-bit by default) followed by the user's loss, while we
+measure inside the blocks and outside them (the "head": embeddings, stem, final norm, output,
+loss). Only a language model (first layer an nn.Embedding) may be profiled without a sample, on
+token ids. A forward that branches on tensor values cannot run on fake tensors: it is measured on
+a real CPU copy when that is small (`REAL_FALLBACK_BYTES`). A model that has no repeated blocks is
+measured as one block. Any failure of the user's forward is a one-line ConfigError naming the
+module and the op:
 
 - FLOPs with `torch.utils.flop_counter.FlopCounterMode` (forward; training = 3x forward, i.e.
   backward = 2x forward). SDPA is counted over the full s x s scores, like torchtitan's MFU
@@ -32,22 +37,29 @@ module uses only FlopCounterMode, fake tensors and saved-tensor hooks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from dtorch.errors import ConfigError
+from dtorch.model.outputs import batch_size, call_model, is_token_input, logits_of
 from dtorch.model.profile import ModelProfile
-from dtorch.model.structure import BLOCKS_ATTR, block_items, find_blocks, find_structure
+from dtorch.model.structure import block_items, find_blocks, find_structure, join
 
 aten = torch.ops.aten
 
@@ -108,9 +120,9 @@ def _fused_rms_forward(self: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
 def _keep_first_block(container: nn.Module) -> None:
     if isinstance(container, nn.ModuleList):
         del container[1:]
-    else:
-        for key in list(container.keys())[1:]:
-            del container[key]
+    else:  # a ModuleDict, or a Sequential whose run of blocks is part of its children
+        for name, _ in block_items(container)[1:]:
+            delattr(container, name)
 
 
 # ---- the measuring run -------------------------------------------------------------------------
@@ -123,8 +135,8 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 class _Recorder(TorchDispatchMode):
-    """Tracks which block-0 submodule is running; sums selective-policy op outputs inside the block;
-    notes SDPA calls (head counts, and which modules do attention)."""
+    """Tracks which block-0 submodule is running; sums selective-policy op outputs inside the
+    blocks; notes SDPA calls (head counts, and which modules do attention) and the op that failed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -136,9 +148,14 @@ class _Recorder(TorchDispatchMode):
         self.heads: tuple[int, int] | None = None
         self.ops_block = 0
         self.ops_other = 0
+        self.failed_op: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            self.failed_op = self.failed_op or str(func)
+            raise
         if func.namespace == "aten":  # prim.* are metadata queries (fake tensors), not kernels
             if self.in_block:
                 self.ops_block += 1
@@ -157,142 +174,135 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _as_logits(out: Any) -> torch.Tensor:
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
-
-
 def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.lower().endswith("norm")
 
 
+Sample = tuple[Any, Any]
+"""(model input, target) of one batch, as `dtorch.train.data.batch_for` gives it."""
+
+SAMPLE_HELP = ("give DTorch one real batch: the Trainer passes its data; for `dtorch plan --model pkg.module:factory` "
+               "define `example_input()` in that module, returning (inputs, target) of one batch (docs/models.md)")
+
+# Fake tensors cannot decide a branch on values: such a model is measured on real CPU tensors, when
+# a copy this size is cheap to build.
+REAL_FALLBACK_BYTES = 2 * 2**30
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
 def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_len: int, batch: int = 1,
-                   *, name: str | None = None, dtype: torch.dtype = torch.bfloat16) -> ModelProfile:
-    """Measure a causal LM: `model(tokens LongTensor[batch, seq_len])` must return logits [b, s, V]
-    (or an object with `.logits`, or a tuple starting with them).
+                   *, sample: Sample | None = None, loss: Callable[[Any, Any], torch.Tensor] | None = None,
+                   name: str | None = None, dtype: torch.dtype = torch.bfloat16) -> ModelProfile:
+    """Measure a model's FLOPs, activation bytes and parameters on one batch, allocating nothing.
+
+    `sample`: (inputs, target) of one real batch (the Trainer's data, collated: a tensor, a tuple or
+    a dict of tensors; docs/models.md). The model runs once on fake copies of it, then
+    `loss(logits_of(output), target)` (without `loss`: the mean of the output). Token input (one
+    integer tensor [b, s]) gives per-token figures at s tokens; any other input gives per-sample
+    figures (`seq_len` = 1, `input_kind` = "other": a sample counts as one token).
+    Without `sample` the model must be a language model whose first layer is an nn.Embedding:
+    `model(tokens LongTensor[batch, seq_len])` returning logits [b, s, V] (or `.logits`, or a tuple
+    starting with them), measured with next-token cross entropy.
 
     `factory_or_module`: a zero-argument callable building the model (called under
     `torch.device("meta")`), or a module (deep-copied to meta; pass a factory for large models).
-    Per-token figures divide by batch * seq_len. Activation bytes are at `dtype` (16-bit default)."""
+    Activation bytes are at `dtype` (16-bit default). A model that fails to run raises a one-line
+    ConfigError naming the module and the op."""
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ConfigError("seq_len", seq_len, "must be a positive integer (tokens per sequence)")
-    if isinstance(factory_or_module, nn.Module):
-        model = copy.deepcopy(factory_or_module).to("meta")
-    else:
-        with torch.device("meta"):
-            model = factory_or_module()
-    if not isinstance(model, nn.Module):
-        raise ConfigError("model", factory_or_module, "the factory must return an nn.Module")
+    label = name or getattr(factory_or_module, "__name__", None) or type(factory_or_module).__name__
+    model = _meta_model(factory_or_module, label)
+    label = name or type(model).__name__
+    if sample is None:
+        _require_embedding(model, label)
+        # (targets flat already: the analytic profile's op count is of this loss)
+        sample = (torch.zeros(batch, seq_len, dtype=torch.long), torch.zeros(batch * seq_len, dtype=torch.long))
+        loss = loss or _next_token
+    inputs, target = sample
+    tokens_input = is_token_input(inputs)
+    batch = batch_size(inputs) or 1
+    seq = int(inputs.shape[1]) if tokens_input else 1
+    tokens_n = batch * seq
 
     # -- parameters (whole model, shared parameters counted once) --
     block_path, container = find_blocks(model)
-    if not find_structure(model).uniform:
-        raise ConfigError("model", type(model).__name__,
-                          f"the blocks in '{block_path}' are not identical (modules or parameter shapes differ): the "
-                          f"profile measures one block and multiplies; set `model.{BLOCKS_ATTR}` to a container of "
-                          "identical blocks")
-    blocks = list(container.children())
-    num_layers = len(blocks)
+    items = block_items(container)
+    blocks = [m for _, m in items]
+    block_paths = tuple(join(block_path, n) for n, _ in items)
+
+    def outside(n: str) -> bool:
+        return not any(n == b or n.startswith(b + ".") for b in block_paths)
+
+    uniform = find_structure(model).uniform
+    num_layers = max(1, len(blocks))
     params_total = sum(p.numel() for p in model.parameters())
-    params_block = sum(p.numel() for p in blocks[0].parameters())
-    tensors_block = len(list(blocks[0].parameters()))
-    tensors_other = len(list(model.parameters())) - num_layers * tensors_block
-    block_param_ids = {id(p) for b in blocks for p in b.parameters()}
-    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)
-                  and not n.startswith(block_path + ".")]
-    emb_params = {id(m.weight): m.weight.numel() for _, m in embeddings if id(m.weight) not in block_param_ids}
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and outside(n)]
+    if blocks:
+        block_param_ids = {id(p) for b in blocks for p in b.parameters()}
+        params_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+        tensors_blocks = sum(len(list(b.parameters())) for b in blocks)
+        emb_params = {id(m.weight): m.weight.numel() for _, m in embeddings if id(m.weight) not in block_param_ids}
+    else:  # no repeated blocks: the whole model is its one unit
+        params_blocks, tensors_blocks, emb_params = params_total, len(list(model.parameters())), {}
+    params_block = params_blocks // num_layers
+    tensors_block = tensors_blocks // num_layers
+    tensors_other = len(list(model.parameters())) - tensors_blocks
     params_embedding = sum(emb_params.values())
-    params_head = params_total - num_layers * params_block - params_embedding
+    params_head = params_total - params_blocks - params_embedding
     vocab = max((m.num_embeddings for _, m in embeddings), default=0)
     outputs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
-               and not n.startswith(block_path + ".") and m.out_features == vocab]
+               and outside(n) and m.out_features == vocab]
     tied = any(id(m.weight) in emb_params for _, m in outputs)
+    experts = _expert_shapes(blocks[0]) if blocks else None
 
-    experts = _expert_shapes(blocks[0])
+    # -- can the blocks be cut into pipeline stages: one meta forward of the whole model (dtorch.model.split) --
+    if not blocks:
+        split_reason = "the model has no repeated blocks to cut into stages"
+    elif not tokens_input:
+        split_reason = "the model input is not a token sequence (pipeline stages pass token tensors)"
+    else:
+        split_reason = ""
 
-    # -- one forward of a one-block copy on fake tensors --
-    _keep_first_block(container)
-    block = next(container.children())
-    assignments = _install_balanced_routing(model)
-    model.to(dtype)
-    for m in model.modules():
-        if type(m) is nn.RMSNorm:
-            m.forward = _fused_rms_forward.__get__(m)
-    excluded: set = set()
-    rec = _Recorder()
-    saved: dict[StorageWeakRef, tuple[int, str]] = {}
-    io: dict[str, tuple[list, list]] = {}
-    linear_calls: list[str] = []
-    flops_at: dict[str, int] = {}
-    block_input: list[torch.Tensor] = []
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    counter = FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS)
-    names = {m: n for n, m in block.named_modules()}
-
-    def pre(mod, args, kwargs):
-        n = names[mod]
-        if mod is block:
-            flops_at["start"] = counter.get_total_flops()
-            block_input.extend(t for t in _tensors((args, kwargs)) if t.is_floating_point())
-            rec.in_block = True
-        rec.stack.append(n)
-        io[n] = ([_storage(t) for t in _tensors((args, kwargs))], [])
-        if isinstance(mod, nn.Linear):
-            linear_calls.append(n)
-
-    def post(mod, args, kwargs, out):
-        n = names[mod]
-        io[n][1].extend(_storage(t) for t in _tensors(out))
-        rec.stack.pop()
-        if mod is block:
-            flops_at["end"] = counter.get_total_flops()
-            rec.in_block = False
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ref = _storage(t)
-        if ref not in excluded and ref not in saved:
-            saved[ref] = (t.untyped_storage().nbytes(), "block" if rec.in_block else "head")
-        return t
-
-    handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in block.modules()]
-    handles += [m.register_forward_hook(post, with_kwargs=True) for m in block.modules()]
+    # -- one forward of a one-block copy (every block if they differ) on fake tensors --
     try:
-        with fake:
-            model.to_empty(device="cpu")
-            excluded.update(_storage(t) for t in (*model.parameters(), *model.buffers()))
-            model.train()
-            tokens = torch.zeros(batch, seq_len, dtype=torch.long)
-            targets = torch.zeros(batch * seq_len, dtype=torch.long)
-            with counter, rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                logits = _as_logits(model(tokens))
-                loss = F.cross_entropy(logits.flatten(0, -2).float(), targets)
-            assert loss.dim() == 0
-    finally:
-        for h in handles:
-            h.remove()
-    if "end" not in flops_at:
-        raise ConfigError("model", type(model).__name__, f"the blocks in '{block_path}' were never called")
+        m = _measure(copy.deepcopy(model), sample, loss, dtype, uniform, fake=True, label=label)
+    except _DataDependent:
+        # a branch on values (a block that picks a branch by its input): measure on real tensors
+        real = _real_model(factory_or_module, params_total, label)
+        m = _measure(real, sample, loss, dtype, uniform, fake=False, label=label)
+    rec, block = m.rec, m.block
+    assignments = list(m.assignments)  # (as measured: the routing hook stays on the copy)
+    measured = max(1, m.block_calls)
+    in_bytes = sum(t.untyped_storage().nbytes() for t in m.block_input[:1])
+    block_input = m.block_input[0] if m.block_input else None
+    if block_input is None:
+        hidden = 0
+    elif tokens_input:
+        hidden = int(block_input.shape[-1])
+    else:  # per sample: the width of one sample's block input
+        hidden = int(block_input.numel() // max(1, block_input.shape[0])) if block_input.dim() else 1
+    block_saved = m.by_region["block"] / measured / tokens_n
+    if blocks:
+        act_block = {"none": block_saved, "selective": (in_bytes + rec.selective_bytes / measured) / tokens_n,
+                     "full": in_bytes / tokens_n}
+    else:  # nothing to checkpoint: activation checkpointing has no block to wrap
+        act_block = {"none": block_saved, "selective": block_saved, "full": block_saved}
 
-    tokens_n = batch * seq_len
-    block_fwd = flops_at["end"] - flops_at["start"]
-    head_fwd = counter.get_total_flops() - block_fwd
-    in_bytes = sum(t.untyped_storage().nbytes() for t in block_input[:1])
-    by_region = {"block": 0, "head": 0}
-    for nbytes, region in saved.values():
-        by_region[region] += nbytes
-    hidden = block_input[0].shape[-1] if block_input else 0
-
-    roles, reason = _derive_roles(model, block, block_path, io, linear_calls, rec.attention_modules, hidden, vocab)
+    if blocks:
+        width = int(block_input.shape[-1]) if block_input is not None and block_input.dim() else 0
+        roles, reason = _derive_roles(m.model, block, block_path, m.io, m.linear_calls, rec.attention_modules,
+                                      width, vocab)
+    else:
+        roles, reason = {}, "the model has no repeated blocks (tensor parallelism splits blocks)"
     cfg = getattr(model, "config", None)
     heads, kv_heads = rec.heads or (0, 0)
+    if not heads and block is not None:  # nn.MultiheadAttention and look-alikes
+        heads = next((h for sub in block.modules() if isinstance(h := getattr(sub, "num_heads", None), int)), 0)
     num_heads = _cfg(cfg, "n_heads", "num_attention_heads", "n_head") or heads
     num_kv_heads = _cfg(cfg, "n_kv_heads", "num_key_value_heads") or kv_heads or num_heads
     ffn = _cfg(cfg, "ffn_hidden", "intermediate_size", "n_inner") or 4 * _cfg(cfg, "n_embd") or max(
-        (m.out_features for m in block.modules() if isinstance(m, nn.Linear) and m.out_features != hidden),
-        default=0)
+        (sub.out_features for sub in (block.modules() if block is not None else ())
+         if isinstance(sub, nn.Linear) and sub.out_features != hidden), default=0)
     family = {"Llama": "llama", "LlamaForCausalLM": "llama", "GPT": "gpt", "GPT2LMHeadModel": "gpt",
               "MoETransformer": "moe"}.get(type(model).__name__, "custom")
     moe = {}
@@ -302,8 +312,11 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         moe = dict(num_experts=num_experts, experts_per_token=top_k, params_per_expert=per_expert,
                    expert_hidden=expert_hidden, num_shared_experts=int(_cfg(cfg, "n_shared_experts")),
                    params_active=params_total - num_layers * (num_experts - top_k) * per_expert)
+    context_reason = "" if tokens_input else (
+        f"the model input is not a token sequence ({_describe(inputs)}): context parallelism shards a token "
+        "sequence")
     return ModelProfile(
-        name=name or type(model).__name__,
+        name=label,
         family=family,
         num_layers=num_layers,
         hidden=hidden,
@@ -311,31 +324,218 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         num_kv_heads=int(num_kv_heads),
         ffn_hidden=int(ffn),
         vocab_size=vocab,
-        seq_len=seq_len,
+        seq_len=seq,
         params_total=params_total,
         params_per_block=params_block,
         params_embedding=params_embedding,
         params_head=params_head,
-        flops_per_token_block=3.0 * block_fwd / tokens_n,
-        flops_per_token_head=3.0 * head_fwd / tokens_n,
-        act_bytes_per_token_block={
-            "none": by_region["block"] / tokens_n,
-            "selective": (in_bytes + rec.selective_bytes) / tokens_n,
-            "full": in_bytes / tokens_n,
-        },
-        act_bytes_per_token_head=by_region["head"] / tokens_n,
+        flops_per_token_block=3.0 * m.block_flops / measured / tokens_n,
+        flops_per_token_head=3.0 * (m.total_flops - m.block_flops) / tokens_n,
+        act_bytes_per_token_block=act_block,
+        act_bytes_per_token_head=m.by_region["head"] / tokens_n,
         tp_roles=roles,
         tied_embeddings=tied,
         block_path=block_path,
         tp_roles_reason=reason,
+        pipeline_reason=split_reason,
+        context_reason=context_reason,
+        input_kind="tokens" if tokens_input else "other",
         source="measured",
         max_seq_len=int(_cfg(cfg, "max_seq_len", "max_position_embeddings", "n_positions") or 0),
-        ops_per_block=rec.ops_block,
+        ops_per_block=rec.ops_block // measured,
         ops_head=rec.ops_other,
         tensors_per_block=tensors_block,
         tensors_other=tensors_other,
         **moe,
     )
+
+
+class _DataDependent(Exception):
+    """The fake run met a branch on tensor values."""
+
+
+@dataclass
+class _Measurement:
+    model: nn.Module
+    block: nn.Module | None
+    """The first measured block (the whole model when it has no repeated blocks)."""
+    rec: _Recorder
+    io: dict
+    linear_calls: list[str]
+    block_input: list[torch.Tensor]
+    by_region: dict[str, int]
+    block_flops: int
+    total_flops: int
+    block_calls: int
+    assignments: list[int]
+
+
+def _meta_model(factory_or_module: Any, label: str) -> nn.Module:
+    try:
+        if isinstance(factory_or_module, nn.Module):
+            model = copy.deepcopy(factory_or_module).to("meta")
+        else:
+            with torch.device("meta"):
+                model = factory_or_module()
+    except Exception as e:  # noqa: BLE001 - the user's code: one line, not a traceback
+        raise ConfigError("model", label, f"building it on the meta device failed: {_one_line(e)}; the factory must "
+                          "take no arguments and build the module without reading tensor values") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", label, "the factory must return an nn.Module")
+    return model
+
+
+def _real_model(factory_or_module: Any, params: int, label: str) -> nn.Module:
+    """The model built for real on the CPU (seeded), for a model the fake run cannot measure."""
+    if params * 4 > REAL_FALLBACK_BYTES:
+        raise ConfigError("model", label, "its forward branches on tensor values, which DTorch measures on real "
+                          f"tensors, but {params:,} parameters are too many to build for that; profile it with a "
+                          "smaller config of the same shape")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if isinstance(factory_or_module, nn.Module):
+            model = copy.deepcopy(factory_or_module).to("cpu")
+            if any(t.is_meta for t in model.parameters()):
+                model.to_empty(device="cpu")
+                for p in model.parameters():
+                    nn.init.normal_(p, std=0.02)
+        else:
+            with torch.device("cpu"):
+                model = factory_or_module()
+    return model
+
+
+def _require_embedding(model: nn.Module, label: str) -> None:
+    """Token ids are invented only for a language model (its first layer is an nn.Embedding)."""
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if not isinstance(first, nn.Embedding):
+        kind = type(first).__name__ if first is not None else "no parameter"
+        raise ConfigError("model", label, f"its first layer is {kind}, not an nn.Embedding, so DTorch cannot invent "
+                          f"token ids for it; {SAMPLE_HELP}")
+
+
+def _next_token(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+
+def _describe(inputs: Any) -> str:
+    if isinstance(inputs, torch.Tensor):
+        return f"{inputs.dtype} {list(inputs.shape)}"
+    if isinstance(inputs, dict):
+        return "a dict of " + ", ".join(inputs)
+    return type(inputs).__name__
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype, uniform: bool, *, fake: bool,
+             label: str) -> _Measurement:
+    """One forward + loss of `model` (blocks reduced to the first when `uniform`) on `sample`,
+    on fake tensors (`fake`) or on real CPU tensors, measuring FLOPs, saved bytes and dataflow."""
+    block_path, container = find_blocks(model)
+    blocks = [b for _, b in block_items(container)]
+    if blocks and uniform:
+        _keep_first_block(container)
+        blocks = blocks[:1]
+    measured = blocks or [model]
+    block = measured[0]
+    assignments = _install_balanced_routing(model)
+    model.to(dtype)
+    for sub in model.modules():
+        if type(sub) is nn.RMSNorm:
+            sub.forward = _fused_rms_forward.__get__(sub)
+    excluded: set = set()
+    rec = _Recorder()
+    saved: dict[StorageWeakRef, tuple[int, str]] = {}
+    io: dict[str, tuple[list, list]] = {}
+    linear_calls: list[str] = []
+    block_input: list[torch.Tensor] = []
+    counter = FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS)
+    names = {sub: n for n, sub in block.named_modules()}
+    paths = {sub: n for n, sub in model.named_modules()}
+    measured_set = set(measured)
+    starts: list[int] = []
+    running: list[str] = []  # the user's modules being run, innermost last (named in an error)
+    totals = {"block": 0, "calls": 0}
+
+    def pre(mod, args, kwargs):
+        running.append(paths.get(mod, "?"))
+        if mod in measured_set:
+            starts.append(counter.get_total_flops())
+            if not block_input:
+                block_input.extend(t for t in _tensors((args, kwargs)) if t.is_floating_point())
+            rec.in_block = True
+        n = names.get(mod)
+        if n is not None:
+            rec.stack.append(n)
+            io[n] = ([_storage(t) for t in _tensors((args, kwargs))], [])
+            if isinstance(mod, nn.Linear):
+                linear_calls.append(n)
+
+    def post(mod, args, kwargs, out):
+        running.pop()
+        n = names.get(mod)
+        if n is not None:
+            io[n][1].extend(_storage(t) for t in _tensors(out))
+            rec.stack.pop()
+        if mod in measured_set:
+            totals["block"] += counter.get_total_flops() - starts.pop()
+            totals["calls"] += 1
+            rec.in_block = False
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = _storage(t)
+        if ref not in excluded and ref not in saved:
+            saved[ref] = (t.untyped_storage().nbytes(), "block" if rec.in_block else "head")
+        return t
+
+    handles = [sub.register_forward_pre_hook(pre, with_kwargs=True) for sub in model.modules()]
+    handles += [sub.register_forward_hook(post, with_kwargs=True) for sub in model.modules()]
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    try:
+        with mode:
+            if fake:
+                model.to_empty(device="cpu")
+            excluded.update(_storage(t) for t in (*model.parameters(), *model.buffers()))
+            model.train()
+            inputs, target = tree_map_only(
+                torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, _cpu(sample))
+            with counter, rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = logits_of(call_model(model, inputs))
+                if loss_fn is not None:
+                    loss = loss_fn(out, target)
+                else:  # no loss given: the output's mean stands in (its cost is the head's)
+                    loss = sum(t.float().mean() for t in _tensors(out) if t.is_floating_point())
+    except _DATA_DEPENDENT:
+        raise _DataDependent() from None
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's forward: one line naming where it failed
+        where = running[-1] if running else ""
+        module = f"'{where}' ({type(model.get_submodule(where)).__name__})" if where else "the loss"
+        op = f" at {rec.failed_op}" if rec.failed_op else ""
+        raise ConfigError("model", label, f"running it on one batch ({_describe(sample[0])}) failed in {module}{op}: "
+                          f"{_one_line(e)}; check that the data's items match the model's forward "
+                          "(docs/models.md)") from None
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ConfigError("loss", label, "the loss must return a 0-d tensor (the mean loss of the batch)")
+    if blocks and not totals["calls"]:
+        raise ConfigError("model", label, f"the blocks in '{block_path}' were never called by its forward")
+    by_region = {"block": 0, "head": 0}
+    for nbytes, region in saved.values():
+        by_region[region] += nbytes
+    return _Measurement(model, block if blocks else None, rec, io, linear_calls, block_input, by_region,
+                        totals["block"], counter.get_total_flops(), totals["calls"], assignments)
+
+
+def _cpu(sample: Sample) -> Sample:
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), sample)
 
 
 # ---- mixtures of experts -----------------------------------------------------------------------

@@ -17,6 +17,13 @@ matrix multiplications run in param_dtype while norms, softmax and the loss stay
 weights are cast once per step (autocast's cache spans the micro-batches) and no second copy of
 the model is kept. DDP's gradient buckets are reduced by `reduce_in_dtype` (a communication hook):
 cast to reduce_dtype, all-reduce, divide by the group size, cast back.
+
+Unused parameters: a data-dependent branch (a block that picks a branch by its input) leaves some
+parameters without a gradient on one rank and not on another, and the ranks' reductions would then
+differ in size (gloo aborts on the mismatch). Every FSDP2 / replicate unit therefore reduces a
+zero gradient for a parameter it did not use (`set_reduce_scatter_unused_params`; free when every
+parameter was used), and classic DDP runs with `find_unused_parameters=True`. A unit must still run
+on every rank: a block that one rank skips entirely is not supported.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, last_stage:
         reshard = plan.reshard_after_forward and not (last_stage and i == len(items) - 1 and plan.pp == 1)
         fully_shard(block, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=plan.reshard_after_forward and plan.pp > 1, **kw)
+    model.set_reduce_scatter_unused_params(True)  # type: ignore[union-attr]  (unused parameters: module doc)
 
 
 def uses_fsdp(plan: Plan) -> bool:
@@ -101,8 +109,11 @@ def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, plan: 
     group = dp_mesh.get_group()
     # forward_sync_buffers, not the deprecated broadcast_buffers (a FutureWarning on every rank);
     # with init_sync=False neither syncs at init, so the two are the same here.
+    # find_unused_parameters: a data-dependent branch leaves parameters without a gradient on some
+    # ranks (see reduce_unused); DDP then reduces zeros for them, and a parameter no rank used keeps
+    # grad None as in one process. The cost is one walk of the autograd graph per forward.
     ddp = DistributedDataParallel(model, device_ids=ids, process_group=group,
-                                  forward_sync_buffers=False, init_sync=False)
+                                  forward_sync_buffers=False, init_sync=False, find_unused_parameters=True)
     ddp.register_comm_hook((group, getattr(torch, plan.reduce_dtype)), reduce_in_dtype)
     return ddp
 
@@ -116,3 +127,4 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:
         if sum(p.numel() * p.element_size() for p in block.parameters()) >= DDP_BUCKET_BYTES:
             replicate(block, mesh=dp_mesh, mp_policy=mp_policy(plan))
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy(plan))
+    model.set_reduce_scatter_unused_params(True)  # type: ignore[union-attr]  (unused parameters: module doc)

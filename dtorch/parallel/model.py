@@ -3,7 +3,8 @@
 - `model_parts`: this rank's modules (one, or `virtual_stages` pipeline stages), already sharded;
   call them only through `forward_backward`.
 - `dp_rank`, `dp_size`: this rank's data shard. Feed every step a local batch of
-  `local_batch` samples (``[local_batch, seq]`` token ids and labels, same shape): TP, CP and PP
+  `local_batch` samples (``[local_batch, seq]`` token ids and labels, or any nested tensors with
+  the samples on dim 0: `forward_backward`): TP, CP and PP
   ranks of one data-parallel group get the SAME local batch (whole sequences: with context
   parallelism each rank keeps its own sequence shard of it). `local_batch` is
   ``plan.microbatch_size * num_local_microbatches``: `plan.num_microbatches`, or this data-parallel
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map_only
 
+from dtorch.model.outputs import batch_size, call_model, logits_of
 from dtorch.model.structure import ModelStructure, blocks_of
 from dtorch.parallel.cp import ContextParallel
 from dtorch.parallel.fsdp import uses_fsdp
@@ -44,6 +48,21 @@ from dtorch.plan.plan import Plan
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """Every tensor of a nested batch moved to `device` (None stays None)."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+
+
+def _chunks(batch: Any, n: int) -> list[Any]:
+    """`n` micro-batches of a nested batch: dim 0 of every tensor chunked alike (as torch.chunk:
+    fewer when the batch has fewer samples). None gives n Nones."""
+    if batch is None:
+        return [None] * n
+    size = batch_size(batch)
+    count = len(range(0, size, math.ceil(size / n))) if size else 1
+    return [tree_map_only(torch.Tensor, lambda t, i=i: t.chunk(n)[i] if t.dim() else t, batch) for i in range(count)]
 
 
 def uneven_shares(plan: Plan) -> bool:
@@ -146,15 +165,28 @@ class ParallelModel:
             stack.enter_context(torch.autocast(self.device.type, dtype=getattr(torch, self.plan.param_dtype)))
         return stack
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.uneven and inputs.shape[0] != self.local_batch:
+    def forward_backward(self, inputs: Any, labels: Any) -> torch.Tensor:
+        """`inputs`: this rank's local batch of model input, a tensor or a tuple / list / dict of
+        tensors (positional / keyword arguments, `dtorch.model.outputs.call_model`), each with the
+        samples on dim 0; `labels`: the target in the same form, or None. Each micro-batch is the
+        matching slice of dim 0 of every tensor; the loss is `loss_fn(logits_of(output), target)`.
+        Pipeline and context parallelism take token tensors only."""
+        samples = batch_size(inputs)
+        if self.uneven and samples != self.local_batch:
             from dtorch.errors import ConfigError
 
-            raise ConfigError("local batch", f"{inputs.shape[0]} samples on data-parallel rank {self.dp_rank}",
+            raise ConfigError("local batch", f"{samples} samples on data-parallel rank {self.dp_rank}",
                               f"this rank runs {self.num_local_microbatches} micro-batches of "
                               f"{self.plan.microbatch_size}: feed ParallelModel.local_batch = {self.local_batch} "
                               "samples (GlobalSampler.local_indices with the plan's shares)")
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        if (self.schedule is not None or self.context is not None) and not (
+                isinstance(inputs, torch.Tensor) and isinstance(labels, torch.Tensor)):
+            from dtorch.errors import ConfigError
+
+            raise ConfigError("plan", "pp > 1" if self.schedule is not None else "cp > 1",
+                              f"pipeline and context parallelism take one tensor of token ids, not a "
+                              f"{type(inputs).__name__} input; use a plan with pp=1 and cp=1")
+        inputs, labels = _to(inputs, self.device), _to(labels, self.device)
         if self.context is not None:
             inputs, labels = self.context.shard(inputs), self.context.shard(labels)
         with self._compute_context():
@@ -177,7 +209,7 @@ class ParallelModel:
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
 
-    def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, inputs: Any, labels: Any) -> torch.Tensor:
         (model,) = self.model_parts
         n = self.num_local_microbatches
         # Every micro-batch's mean loss is divided by the MEAN share m = num_microbatches: after the
@@ -185,7 +217,7 @@ class ParallelModel:
         # batch), whichever rank ran it, so uneven shares give the gradient of the global-batch mean.
         m = self.plan.num_microbatches
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(zip(inputs.chunk(n), labels.chunk(n))):
+        for i, (x, y) in enumerate(zip(_chunks(inputs, n), _chunks(labels, n))):
             last = i == n - 1
             # FSDP2 reduce-scatters every micro-batch's gradients into the sharded ones (as torchtitan
             # does): deferring it to the last would hold a full unsharded gradient copy per rank
@@ -195,7 +227,7 @@ class ParallelModel:
             elif self.uneven and isinstance(model, FSDPModule):
                 self._hold_unsharded(model, last)
             with sync:
-                loss = self.loss_fn(model(x), y) / m
+                loss = self.loss_fn(logits_of(call_model(model, x)), y) / m
                 loss.backward()
             total += _local(loss.detach()).float()
         return total

@@ -179,36 +179,96 @@ class ByteTokenizer:
 
 
 # ---- batching ----------------------------------------------------------------------------------
-def _split_sample(sample: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(sample, dict):
-        if "input_ids" in sample and "labels" in sample:
-            return torch.as_tensor(sample["input_ids"]), torch.as_tensor(sample["labels"])
-        if "input_ids" in sample:
-            w = torch.as_tensor(sample["input_ids"])
-            return w[:-1], w[1:]
-    elif isinstance(sample, (tuple, list)) and len(sample) == 2:
-        return torch.as_tensor(sample[0]), torch.as_tensor(sample[1])
-    elif isinstance(sample, (torch.Tensor, np.ndarray)) and np.ndim(sample) == 1:
-        w = torch.as_tensor(sample)
-        return w[:-1], w[1:]
-    raise ConfigError(
-        "data",
-        f"sample {index} of type {type(sample).__name__}",
-        "a dataset item must be (input, target), a 1-D tensor of seq_len+1 tokens, "
-        "or a dict with 'input_ids' (and optionally 'labels')",
-    )
+TARGET_KEYS = ("labels", "label", "target", "targets")
+"""Keys of a dict item that hold the target (the first present wins); the other keys are the model's
+keyword arguments."""
 
 
-def batch_for(dataset: Any, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather samples `indices` of a map-style dataset into (inputs, labels), int64 [b, s] each."""
+def stack(items: Sequence[Any]) -> Any:
+    """The default collate: stack the items' tensors along a new dim 0, recursing into tuples,
+    lists and dicts (numbers and numpy arrays become tensors; None stays None). Raises ConfigError
+    naming the shapes when the items of a batch differ."""
+    first = items[0]
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return {k: stack([it[k] for it in items]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(stack([it[i] for it in items]) for i in range(len(first)))
+    if not isinstance(first, (torch.Tensor, np.ndarray, int, float, bool, np.number)):
+        raise ConfigError("data", f"an item holding {type(first).__name__}",
+                          "a dataset item must be a tensor, a tuple or a dict of tensors (or numbers); "
+                          "tokenize text first, or pass collate= to build tensors yourself")
+    tensors = [torch.as_tensor(it) for it in items]
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise ConfigError("data", sorted(shapes), "all samples of a batch must have one shape; "
+                          "pass collate= (a function from a list of items to a batch) to pad or pack them")
+    return torch.stack(tensors)
+
+
+def _is_tokens(t: Any, dim: int) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dim() == dim and not t.is_floating_point()
+            and not t.is_complex() and t.dtype != torch.bool)
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """(model input, target) of a collated batch, by the rules of docs/models.md:
+
+    - a tensor [b, seq_len+1] of integers: a token window, (tokens[:, :-1], tokens[:, 1:]);
+    - another tensor: the input, no target (None);
+    - a tuple / list: (x, y) -> x and y; (x,) -> x, no target; (x1, ..., xk, y) -> the positional
+      arguments (x1, ..., xk) and y;
+    - a dict: {"input_ids": window} alone -> a token window; {"input_ids", "labels"} alone -> input
+      and labels; otherwise the target is the first of TARGET_KEYS present (None if none) and the
+      remaining keys are the model's keyword arguments.
+    Token ids (integer input and target of one shape [b, s]) become int64."""
+    if isinstance(batch, dict):
+        keys = set(batch)
+        if keys == {"input_ids"} and _is_tokens(batch["input_ids"], 2):
+            batch = batch["input_ids"]
+        elif keys == {"input_ids", "labels"}:
+            return _tokens(batch["input_ids"], batch["labels"])
+        else:
+            key = next((k for k in TARGET_KEYS if k in batch), None)
+            return {k: v for k, v in batch.items() if k != key}, (batch[key] if key else None)
+    if isinstance(batch, torch.Tensor):
+        if _is_tokens(batch, 2):
+            return batch[:, :-1].long(), batch[:, 1:].long()
+        return batch, None
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 1:
+            return batch[0], None
+        if len(batch) == 2:
+            return _tokens(batch[0], batch[1])
+        if len(batch) > 2:
+            return tuple(batch[:-1]), batch[-1]
+    raise ConfigError("data", f"a batch of type {type(batch).__name__}",
+                      "a dataset item must be a tensor, a tuple (input, target) or a dict of tensors")
+
+
+def _tokens(x: Any, y: Any) -> tuple[Any, Any]:
+    if _is_tokens(x, 2) and _is_tokens(y, 2) and x.shape == y.shape:
+        return x.long(), y.long()  # (token files store uint8/uint16: embeddings index with int64)
+    return x, y
+
+
+def batch_for(dataset: Any, indices: Sequence[int], collate: Any = None) -> tuple[Any, Any]:
+    """Gather samples `indices` of a map-style dataset, collate them (`collate(list of items) ->
+    batch`, default `stack`) and split the batch into (model input, target) (`split_batch`).
+    Token data gives int64 [b, s] input and labels."""
     if not indices:
         raise ConfigError("indices", list(indices), "a batch needs at least one sample index")
-    inputs, labels = [], []
-    for i in indices:
-        x, y = _split_sample(dataset[int(i)], int(i))
-        inputs.append(x.long())
-        labels.append(y.long())
-    lengths = {t.shape for t in inputs} | {t.shape for t in labels}
-    if len(lengths) != 1:
-        raise ConfigError("data", sorted(str(s) for s in lengths), "all samples of a batch must have one length")
-    return torch.stack(inputs), torch.stack(labels)
+    items = [dataset[int(i)] for i in indices]
+    return split_batch((collate or stack)(items))
+
+
+def is_token_data(dataset: Any, collate: Any = None) -> bool:
+    """Whether the dataset's items are token sequences (the model input is an integer [b, s]
+    tensor): then `seq_len` is the sequence length; for any other data a sample counts as one
+    "token" in throughput and cost figures."""
+    from dtorch.model.outputs import is_token_input
+
+    if dataset is None:
+        return True
+    return is_token_input(batch_for(dataset, [0], collate)[0])

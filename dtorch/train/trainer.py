@@ -73,13 +73,20 @@ class Trainer:
         Qwen2, GPT-2) or a DTorch seed checkpoint: the initial weights, each rank reading only its
         slices (dtorch.checkpoint.hf_weights). Without `model`, the reference model is built from
         its config.json. A checkpoint in `checkpoint_dir` still wins (the run resumes).
-      data: a map-style dataset whose items are (input, target), a 1-D tensor of seq_len+1 tokens
-        or a dict with input_ids; None = the default byte-level corpus (no download).
-      loss: `loss(logits, labels) -> mean loss of a micro-batch`.
+      data: a map-style dataset whose items are a tensor, a tuple or a dict of tensors of any dtype
+        and shape: a 1-D integer tensor of seq_len+1 tokens or (input, target) token pairs (language
+        models), (x, y) or (x1, ..., xk, y) tuples, dicts whose "labels"/"label"/"target" key is the
+        target and whose other keys are the model's keyword arguments (docs/models.md);
+        None = the default byte-level corpus (no download).
+      collate: `collate(list of items) -> batch` (default: stack every tensor along a new dim 0).
+      loss: `loss(output, target) -> mean loss of a micro-batch`, called with the model's logits
+        (`.logits` / a dict's "logits" / a tuple's first element, else the output) and the target;
+        default: cross entropy over the last dimension (next-token or classification).
       optimizer: an optimizer spec with `build(params)` (dtorch.optim.AdamW, SGD).
       lr_schedule: a schedule spec with `build(optimizer, total_steps)`; default warm-up + cosine.
       global_batch: samples per optimizer step over all data-parallel ranks.
-      seq_len: tokens per sample.
+      seq_len: tokens per sample of token data; ignored for any other data (a sample then counts
+        as one token in throughput and in the planner's figures).
       checkpoint_dir: where checkpoints live; the run resumes from it automatically. None = none.
       checkpoint_every: steps between checkpoints (and one at the end of `fit`).
       plan: "auto" | Plan | path to a plan JSON/YAML | dict of fixed fields (e.g. {"tp": 2}).
@@ -121,6 +128,7 @@ class Trainer:
         lr_schedule: Any = None,
         global_batch: int = 8,
         seq_len: int = 128,
+        collate: Callable[[list], Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 50,
         plan: str | Plan | dict | os.PathLike = "auto",
@@ -153,10 +161,15 @@ class Trainer:
         self.data = data
         self._check_vocab(data)
         self.loss_fn = loss
+        self.collate = collate
         self.optimizer_spec = optimizer or AdamW()
         self.lr_spec = lr_schedule or WarmupCosine()
         self.global_batch = int(global_batch)
-        self.seq_len = int(seq_len)
+        from dtorch.train.data import is_token_data
+
+        # a sample of other data (images, features) is the planner's "token": seq_len is 1 for it
+        self.seq_len = int(seq_len) if is_token_data(data, collate) else 1
+        self._sample_batch = None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = int(checkpoint_every)
         self.plan_request = plan
@@ -273,6 +286,16 @@ class Trainer:
             return default_corpus(self.seq_len)
         return self.data
 
+    def _sample(self) -> tuple[Any, Any]:
+        """One real batch of the run's data (two samples, collated), which the profiler measures the
+        model on (docs/models.md)."""
+        if self._sample_batch is None:
+            from dtorch.train.data import batch_for
+
+            dataset = self._dataset()
+            self._sample_batch = batch_for(dataset, list(range(min(2, len(dataset)))), self.collate)
+        return self._sample_batch
+
     def _agreed_plan(self) -> Plan:
         """Rank 0 chooses the plan and every rank receives it: the search reads measurements (the
         capability cache, the probe's calibration, runtime feedback) that two ranks could see
@@ -308,7 +331,8 @@ class Trainer:
             # which the out-of-memory budget is measured against); a reused plan profiles nowhere
             from dtorch.model import profile_module
 
-            self._profile = profile_module(self.model_factory, self.seq_len)
+            self._profile = profile_module(self.model_factory, self.seq_len, sample=self._sample(),
+                                           loss=self.loss_fn)
         return Plan.from_dict(doc["plan"])
 
     def _plan_doc(self) -> dict[str, Any]:
@@ -414,7 +438,7 @@ class Trainer:
         from dtorch.model import profile_module
         from dtorch.plan.search import search
 
-        profile = profile_module(self.model_factory, self.seq_len)
+        profile = profile_module(self.model_factory, self.seq_len, sample=self._sample(), loss=self.loss_fn)
         self._profile = profile
         workload = (profile.hidden, profile.num_heads, profile.seq_len)
         cluster = (load_cluster(self.cluster_spec, workload=workload) if self.cluster_spec
@@ -700,7 +724,7 @@ class Trainer:
                 if samples_log is not None:
                     samples_log.write(json.dumps({"step": self.step + 1, "dp_rank": self.parallel.dp_rank,
                                                   "indices": idx}) + "\n")
-                inputs, labels = batch_for(self.dataset, idx)
+                inputs, labels = batch_for(self.dataset, idx, self.collate)
                 t_data = time.perf_counter()
                 comm0 = mon.comm_snapshot() if mon is not None else None
                 phase = "forward_backward"

@@ -88,10 +88,14 @@ def test_unknown_layer_role_names_the_module_and_the_annotation_that_fixes_it() 
     check_roles(model, sp=False)  # no error once annotated
 
 
-def test_model_without_a_block_container_is_told_how_to_declare_one() -> None:
-    with pytest.raises(ConfigError) as err:
-        parallelize(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(), loss_fn=next_token)
-    assert "_dtorch_blocks" in str(err.value)
+def test_model_without_repeated_blocks_runs_as_one_unit() -> None:
+    # (docs/models.md: an MLP has no blocks; data parallelism treats the whole model as one unit)
+    pm = parallelize(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(), loss_fn=torch.nn.functional.mse_loss)
+    loss = pm.forward_backward(torch.ones(2, 2), torch.zeros(2, 2))
+    assert loss.dim() == 0 and all(p.grad is not None for p in pm.parameters())
+    with pytest.raises(ConfigError) as err:  # tensor parallelism needs heads
+        parallelize(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(tp=2), loss_fn=next_token)
+    assert err.value.field == "tp"
 
 
 def test_context_parallel_transformers_model_is_refused_before_any_process_group() -> None:
