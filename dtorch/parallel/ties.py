@@ -90,7 +90,10 @@ def stage_ties(model: nn.Module, groups: list[list[str]], plan: Plan, parts: lis
         group, src = None, -1
         for column in columns:
             ranks = [column[r] for r in pp_ranks]
-            g = dist.new_group(ranks) if len(ranks) > 1 else None  # collective: every rank, same order
+            if len(ranks) == plan.pp:  # every pipeline rank holds a copy: the mesh's own pp group
+                g = mesh["pp"].get_group()
+            else:  # collective: every rank creates every column's group, in the same order
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
             if me in column:
                 group, src = g, column[holders[0] % plan.pp]
         params = []

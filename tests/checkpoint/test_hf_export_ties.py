@@ -18,7 +18,7 @@ from dtorch.checkpoint.export import export_hf_dir  # noqa: E402
 from dtorch.checkpoint.hf_weights import RUN_FILES, HFWeights, load_model_config, save_run_config  # noqa: E402
 from dtorch.checkpoint.manager import CheckpointManager  # noqa: E402
 from dtorch.models import build_from_config  # noqa: E402
-from dtorch.parallel import parallelize  # noqa: E402
+from dtorch.parallel.parallelize import parallelize  # noqa: E402
 from dtorch.plan.plan import Plan  # noqa: E402
 from dtorch.train.losses import next_token  # noqa: E402
 

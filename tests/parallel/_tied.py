@@ -136,7 +136,7 @@ def _param(pm, name: str):
 
 def train(name: str, plan: Plan, rank: int, seed: int = 0):
     """5 AdamW steps of `name` under `plan`: (ParallelModel, per-step losses)."""
-    from dtorch.parallel import parallelize
+    from dtorch.parallel.parallelize import parallelize
 
     pm = parallelize(partial(factory, name), plan, loss_fn=next_token, seed=seed, seq_len=SEQ)
     opt = torch.optim.AdamW(list(pm.parameters()), lr=LR, foreach=False)
@@ -165,7 +165,7 @@ def worker(case: tuple[str, dict], rank: int) -> dict:
     loading `load_from` (a checkpoint of another plan: resharded by DCP)."""
     import torch.distributed.checkpoint as dcp
 
-    from dtorch.parallel import parallelize
+    from dtorch.parallel.parallelize import parallelize
 
     key, spec = case
     plan = Plan(**spec["plan"])

@@ -109,7 +109,7 @@ def test_tied_model_on_the_one_process_plan_trains_like_a_plain_loop(model: str,
     """The default plan at world 1 (no process group): it used to fail with a KeyError at start."""
     import torch.distributed.checkpoint as dcp
 
-    from dtorch.parallel import parallelize
+    from dtorch.parallel.parallelize import parallelize
     from dtorch.train.losses import next_token
 
     pm, losses, grads = _tied.train(model, Plan(), rank=0)
@@ -132,3 +132,16 @@ def test_a_tied_module_passed_as_an_instance_stays_tied_on_meta() -> None:
 
     meta = meta_model(_tied.NanoGPT())
     assert meta.lm_head.weight is meta.wte.weight and meta.wte.weight.is_meta
+
+
+def test_tensor_x_pipeline_parallel_of_a_tied_model_is_refused_before_any_process_group() -> None:
+    from functools import partial
+
+    from dtorch.errors import ConfigError
+    from dtorch.parallel.parallelize import parallelize
+    from dtorch.train.losses import next_token
+
+    with pytest.raises(ConfigError, match="tok_embeddings.weight and output.weight are one tied parameter"):
+        parallelize(partial(_tied.factory, "hf-gpt2"), Plan(tp=2, pp=2, num_microbatches=2), loss_fn=next_token,
+                    seq_len=_tied.SEQ)
+    assert not torch.distributed.is_initialized()
