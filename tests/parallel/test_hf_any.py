@@ -67,13 +67,60 @@ def test_a_config_is_the_causal_lm_config_of_its_arch() -> None:
     assert config("mistral").sliding_window == 6 and config("gpt2").n_layer == 2
 
 
-# ---- world 2: DDP and TP against a plain single-process loop ------------------------------------
-# A representative subset, all in ONE group of 2 gloo processes: per-head q/k norms inside the TP
-# region (qwen3, gemma3 with sliding windows, qwen3_moe with replicated experts), GPT-NeoX's per-head
-# fused query_key_value, Mistral's sliding window, and DTorch's own MoETransformer with Qwen3's q/k
-# norms (the reference-model path of an --init-from Qwen3-MoE).
+# ---- tensor parallelism: derived from the model, or refused naming the layer ---------------------
+def _meta(arch: str):
+    with torch.device("meta"):
+        return adapt(factory(arch, "eager" if arch in EAGER_ONLY else "sdpa"))
+
+
+@pytest.mark.parametrize("arch,layer,field", [
+    ("phi3", "layers.0.self_attn.qkv_proj", "tp"),  # q|k|v side by side, sliced by the config's head counts
+    ("olmo2", "layers.0.self_attn.q_norm", "tp"),  # normalises over all heads' features at once
+    ("qwen3_moe", "layers.0.mlp.experts", "sp"),  # sequence shards into experts taking several tensors
+])
+def test_tensor_parallelism_is_refused_naming_the_layer(arch: str, layer: str, field: str) -> None:
+    from dtorch.errors import ConfigError
+    from dtorch.parallel.tp import check_roles
+
+    with pytest.raises(ConfigError) as err:
+        check_roles(_meta(arch), sp=field == "sp")
+    assert (err.value.field, err.value.value) == (field, layer)
+    if field == "tp":
+        from dtorch.model.profiler import profile_module
+
+        profile = profile_module(lambda: factory(arch), SEQ)  # the planner's view: TP not offered, same reason
+        assert profile.tp_roles == {} and profile.tp_roles_reason.startswith(layer)
+
+
+def test_the_region_rule_follows_the_data_not_the_names() -> None:
+    """Qwen3's q/k norms act on this rank's heads (inside the region); DeepSeek's latent-attention
+    norms, between two column-wise layers too, act on the replicated latent (outside); under
+    sequence parallelism the input norms stay sequence-parallel norms."""
+    from dtorch.models import build_model
+    from dtorch.parallel.tp import REGION_ATTR, check_roles
+
+    def marked(model, sp=False):
+        check_roles(model, sp=sp)
+        return sorted(n for n, m in model.named_modules() if getattr(m, REGION_ATTR, False))
+
+    assert marked(_meta("qwen3")) == [f"layers.{i}.self_attn.{x}_norm" for i in (0, 1) for x in "kq"]
+    assert marked(_meta("qwen3"), sp=True) == marked(_meta("qwen3"))
+    with torch.device("meta"):
+        deepseek = build_model("deepseek-tiny")
+    assert marked(deepseek) == []
+    assert marked(_meta("llama")) == marked(_meta("gpt_neox")) == []
+
+
+# ---- world 2: DDP, FSDP, TP (+SP) and PP against a plain single-process loop ---------------------
+# A representative subset, all in ONE group of 2 gloo processes (about 40 s): per-head q/k norms inside
+# the TP region (qwen3, gemma3 with sliding windows, also under SP with Gemma's norms after the
+# attention, qwen3_moe with replicated experts), GPT-NeoX's per-head fused query_key_value, Mistral's
+# sliding window, the models TP is refused for on the plans they do get (phi3, olmo2), and DTorch's own
+# MoETransformer with Qwen3's q/k norms (the reference-model path of an --init-from Qwen3-MoE). Every
+# case also compares each gradient of the first step with the single-process one.
 WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager", "tp"),
-          ("gpt_neox", "sdpa", "tp"), ("gpt_neox", "eager", "ddp"), ("mistral", "eager", "tp"),
+          ("gemma3", "sdpa", "tp_sp"), ("gpt_neox", "sdpa", "tp"), ("gpt_neox", "eager", "fsdp"),
+          ("mistral", "eager", "tp"), ("phi3", "eager", "ddp"), ("olmo2", "sdpa", "pp"),
           ("qwen3_moe", "sdpa", "tp"), ("dtorch-moe-qk-norm", "", "tp")]
 
 
