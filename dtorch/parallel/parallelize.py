@@ -82,12 +82,6 @@ def parallelize(
     # TP shards it once (tp.py), materialisation re-ties it, and when the pipeline puts its uses on
     # two stages their copies are kept in sync (ties.py)
     ties = tied_groups(model)
-    if ties and plan.pp > 1 and plan.tp > 1:
-        # the copies' gradient all-reduce races the pipeline's last sends under TP x PP (gloo: a
-        # collective mismatch); DDP/FSDP x PP are exact (tests/parallel/test_tied.py)
-        raise ConfigError("tp", plan.tp, f"{' and '.join(ties[0])} are one tied parameter, which pipeline stages "
-                          "cannot yet share under tensor parallelism; use tp=1 (data parallelism and pp keep the "
-                          "tie) or pp=1")
     structure = find_structure(model)  # once, on the whole model: carried to the monitor
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)

@@ -32,7 +32,8 @@ class StageTies:
     Contract: call `sync_weights()` once after the parts are materialised and `sync_grads()` after
     every step's backward, before clipping and the optimizer, on every rank (they are collectives
     over the ranks holding a tie). Copies on different ranks must be sharded alike (the same data-
-    and tensor-parallel placements: an embedding and a head both shard the vocabulary dimension).
+    and tensor-parallel placements: an embedding and a head both shard the vocabulary dimension; a
+    gradient is laid out as its parameter first).
     """
 
     def __init__(self, groups: list[tuple[list[nn.Parameter], object, int]], copies: set[int]):
@@ -57,6 +58,10 @@ class StageTies:
             for p in params:
                 if p.grad is None:  # a stage that did not use its copy this step contributes zeros
                     p.grad = torch.zeros_like(p)
+                elif hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+                    # a row-wise (vocabulary-sharded) embedding's gradient comes back replicated:
+                    # laid out as its parameter (a local slice), every copy's local block matches
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             grads = [_local(p.grad) for p in params]
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             if group is not None:

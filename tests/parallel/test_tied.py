@@ -133,15 +133,3 @@ def test_a_tied_module_passed_as_an_instance_stays_tied_on_meta() -> None:
     meta = meta_model(_tied.NanoGPT())
     assert meta.lm_head.weight is meta.wte.weight and meta.wte.weight.is_meta
 
-
-def test_tensor_x_pipeline_parallel_of_a_tied_model_is_refused_before_any_process_group() -> None:
-    from functools import partial
-
-    from dtorch.errors import ConfigError
-    from dtorch.parallel.parallelize import parallelize
-    from dtorch.train.losses import next_token
-
-    with pytest.raises(ConfigError, match="tok_embeddings.weight and output.weight are one tied parameter"):
-        parallelize(partial(_tied.factory, "hf-gpt2"), Plan(tp=2, pp=2, num_microbatches=2), loss_fn=next_token,
-                    seq_len=_tied.SEQ)
-    assert not torch.distributed.is_initialized()
