@@ -315,6 +315,9 @@ class Case:
     kind: str = "lm"
     """"lm" (token windows: input = window[:-1], target = window[1:]) or "pairs" ((input, target))."""
     tags: set[str] = field(default_factory=set)
+    batch_dependent: bool = False
+    """The output for one sample depends on the others in its batch: the reference accumulates over
+    the micro-batches each plan runs (`plain_loop(microbatch=...)`)."""
 
 
 def cases() -> list[Case]:
@@ -324,7 +327,7 @@ def cases() -> list[Case]:
         Case("cnn", SmallCNN, images, classification_loss, "pairs", {"vision"}),
         Case("vit", TinyViT, images, classification_loss, "pairs", {"vision", "fused-qkv"}),
         Case("branchy", BranchyNet, lambda: features(classes=4), classification_loss, "pairs",
-             {"branch", "autograd-function"}),
+             {"branch", "autograd-function"}, batch_dependent=True),
         Case("mlp-regressor", mlp_regressor, lambda: features(dim=8), mse_loss, "pairs", {"regression"}),
     ]
     out += [Case(f"hf-{arch}", hf_factory(arch), TokenWindows, lm_loss, "lm", {"transformers"})
@@ -339,8 +342,13 @@ def split(case: Case, item: Any) -> tuple[Any, torch.Tensor]:
     return item
 
 
-def plain_loop(case: Case, steps: int, global_batch: int, seed: int = 0) -> list[float]:
-    """Per-step losses of the reference: one process, the user's own model, data and AdamW."""
+def plain_loop(case: Case, steps: int, global_batch: int, seed: int = 0, microbatch: int | None = None) -> list[float]:
+    """Per-step losses of the reference: one process, the user's own model, data and AdamW.
+
+    `microbatch`: accumulate gradients over consecutive chunks of that many samples (the mean of the
+    chunks' mean losses) instead of one forward of the whole global batch. A model whose output for a
+    sample depends on the rest of its batch (BranchyNet picks its branch by the batch mean) is then
+    compared on the batches it really sees under a plan with that micro-batch size."""
     from dtorch.train.sampler import GlobalSampler
 
     torch.manual_seed(seed)
@@ -348,14 +356,18 @@ def plain_loop(case: Case, steps: int, global_batch: int, seed: int = 0) -> list
     data = case.dataset()
     sampler = GlobalSampler(len(data), global_batch, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    chunk = microbatch or global_batch
     losses = []
     for step in range(steps):
         pairs = [split(case, data[i]) for i in sampler.global_indices(step)]
-        x = torch.stack([p[0] for p in pairs])
-        y = torch.stack([p[1] for p in pairs])
-        loss = case.loss(model(x), y)
-        loss.backward()
+        total = 0.0
+        for lo in range(0, global_batch, chunk):
+            x = torch.stack([p[0] for p in pairs[lo:lo + chunk]])
+            y = torch.stack([p[1] for p in pairs[lo:lo + chunk]])
+            loss = case.loss(model(x), y) / (global_batch // chunk)
+            loss.backward()
+            total += float(loss.detach())
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(total)
     return losses
