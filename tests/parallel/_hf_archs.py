@@ -136,3 +136,40 @@ def _adapt(model):
     from dtorch.parallel.hf import adapt
 
     return adapt(model)
+
+
+def _matrix() -> None:
+    """The full matrix, benchmark-style (the suite runs a representative subset): every architecture
+    x attention x {ddp, fsdp, tp, tp_sp, pp} at world 2, one group of gloo processes; prints each
+    case's worst relative loss difference and worst gradient, or the one-line refusal. ~4 min.
+
+        .venv/bin/python tests/parallel/_hf_archs.py [arch,arch,...]
+    """
+    import sys
+    import time
+
+    from _harness import run_group
+
+    archs = sys.argv[1].split(",") if len(sys.argv) > 1 else list(ARCHS)
+    cases = [[a, attn, p] for a in archs for attn in ("eager", "sdpa") if not (attn == "sdpa" and a in EAGER_ONLY)
+             for p in PLANS]
+    start = time.time()
+    for case, ranks in zip(cases, run_group(2, cases, world2_worker)):
+        errors = [r["error"].strip().splitlines()[-1] for r in ranks if "error" in r]
+        if errors:
+            print(f"{'/'.join(case):28s} {errors[0][:160]}")
+            continue
+        loss = max(abs(a - b) / abs(b) for r in ranks for a, b in zip(r["losses"], r["ref"]))
+        grad = max(r["worst_grad"][0] for r in ranks)
+        print(f"{'/'.join(case):28s} loss {loss:.1e}  grad {grad:.1e}  {'ok' if max(loss, grad) < 1e-5 else 'FAIL'}")
+    print(f"{len(cases)} cases in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _hf_archs  # the workers must be importable by this name in the spawned ranks
+
+    _hf_archs._matrix()
