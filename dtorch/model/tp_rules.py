@@ -223,11 +223,6 @@ def mark_region(model: nn.Module, sp: bool = False, seq_len: int = 8) -> None:
     if not any(candidates.values()):
         object.__setattr__(model, _ANALYSED_ATTR, sp)
         return
-    first = next(f"{path}.{b}.{c[0]}" for b, c in candidates.items() if c)
-    embedding = next((m for n, m in model.named_children() if _role(n, m, TOP_ROLE_BY_NAME) == "embedding"), None)
-    if embedding is None:
-        raise ConfigError("tp", first, "a replicated parameter inside a tensor-parallel block, in a model part "
-                          "without its token embedding: analyse the whole model (check_roles) before splitting it")
     flow = _Flow()
     reached: set[int] = set()
     entered: dict[int, tuple[int, bool]] = {}  # module id -> (tensor inputs, any of them hot)
