@@ -96,3 +96,54 @@ def check_executable(plan: Plan) -> None:
     ranks only runnable plans."""
     strategies.check_executable(plan)
 
+
+# ---- does each strategy apply to this model: the planner's rule, on facts read off the model ----
+def check_applies(plan: Plan, profile) -> None:
+    """ConfigError naming the field when `plan` uses a strategy that cannot apply to the model
+    (`Strategy.unsupported_for` over `profile`: the measured ModelProfile, or `model_facts`). The
+    same rule the planner's search follows, so a plan it ranked is never refused here."""
+    strategies.check_applies(plan, profile)
+
+
+def model_facts(model: nn.Module, plan: Plan, sample: tuple | None = None, seq_len: int | None = None):
+    """The model-side facts the strategies' `unsupported_for` reads, read off `model` (meta is fine)
+    as a ModelProfile whose sizes are 0: head and expert counts and ties always; whether TP roles,
+    context parallelism and a pipeline cut apply only when `plan` asks for tp, cp or pp > 1 (the
+    pipeline cut runs the model forward once on meta: `dtorch.model.split`). `sample`: one
+    micro-batch of model inputs (a tuple); default token ids [microbatch_size, seq_len]."""
+    import torch
+
+    from dtorch.model.profile import ModelProfile
+    from dtorch.model.split import pipeline_reason
+    from dtorch.model.structure import block_items, find_blocks
+    from dtorch.parallel.cp import check_cp
+    from dtorch.parallel.tp import block_plan
+
+    dims = model_dims(model)
+    if sample is None:
+        sample = (torch.zeros(plan.microbatch_size, seq_len or 8, dtype=torch.long, device="meta"),)
+    first = next((t for t in sample if isinstance(t, torch.Tensor)), None)
+    tokens = first is not None and not first.is_floating_point() and first.dim() == 2
+    tp_reason = cp_reason = pp_reason = ""
+    if plan.tp > 1 and dims.num_heads:
+        try:
+            path, blocks = find_blocks(model)
+            for name, block in block_items(blocks):
+                block_plan(block, f"{path}.{name}", plan.sp)
+        except ConfigError as e:
+            tp_reason = e.fix
+    if plan.cp > 1:
+        try:
+            check_cp(plan, model)
+        except ConfigError as e:
+            cp_reason = e.fix
+    if plan.pp > 1:
+        pp_reason = pipeline_reason(model, sample)
+    return ModelProfile(
+        name=type(model).__name__, family="custom", num_layers=dims.num_layers, hidden=0,
+        num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, ffn_hidden=0, vocab_size=dims.vocab_size or 0,
+        seq_len=seq_len or 0, params_total=0, params_per_block=0, params_embedding=0, params_head=0,
+        flops_per_token_block=0.0, flops_per_token_head=0.0, num_experts=dims.num_experts,
+        tp_roles_reason=tp_reason, context_reason=cp_reason, pipeline_reason=pp_reason,
+        input_kind="tokens" if tokens else "other",
+    )

@@ -22,7 +22,7 @@ from torch import nn
 from dtorch.errors import ConfigError
 from dtorch.model.structure import find_structure
 from dtorch.parallel.ac import apply_ac
-from dtorch.parallel.check import check_plan, model_dims
+from dtorch.parallel.check import check_applies, check_plan, model_dims, model_facts
 from dtorch.parallel.compile import apply_compile, check_compile, compile_enabled
 from dtorch.parallel.cp import apply_cp, check_cp
 from dtorch.parallel.expert import apply_expert_parallel, apply_fsdp_with_experts, expert_mesh
@@ -31,7 +31,7 @@ from dtorch.parallel.hf import adapt
 from dtorch.parallel.materialize import Startup, materialize, retie, tied_groups
 from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
 from dtorch.parallel.model import ParallelModel, local_microbatches, uneven_shares
-from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule
+from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule, stage_layout
 from dtorch.parallel.rng import seed_rank_streams, shard_attention_streams
 from dtorch.parallel.ties import stage_ties
 from dtorch.parallel.tp import apply_tp, check_roles
@@ -54,6 +54,11 @@ def meta_model(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Modu
     return adapt(model)
 
 
+def _token_sample(plan: Plan, seq_len: int | None) -> tuple:
+    """What DTorch feeds a language model by default: token ids [microbatch_size, seq_len] (meta)."""
+    return (torch.zeros(plan.microbatch_size, seq_len or 8, dtype=torch.long, device="meta"),)
+
+
 def parallelize(
     model_or_factory: nn.Module | Callable[[], nn.Module],
     plan: Plan,
@@ -63,6 +68,8 @@ def parallelize(
     seed: int = 0,
     seq_len: int | None = None,
     weights: Any = None,
+    profile: Any = None,
+    sample: tuple | None = None,
 ) -> ParallelModel:
     """Shard `model_or_factory` as `plan` says, on this process's rank; see ParallelModel.
 
@@ -73,7 +80,10 @@ def parallelize(
     initialised with `seed`. Raises ConfigError before any process group exists if the plan cannot
     run this model (or `seq_len`, when given). `weights`: fill the parameters from a checkpoint
     instead (e.g. `dtorch.checkpoint.hf_weights.HFWeights`; see materialize.py); what start-up
-    cost is in `ParallelModel.startup`.
+    cost is in `ParallelModel.startup`. `profile`: the model's ModelProfile when the caller has it
+    (the planner's facts: which strategies apply); else they are read off the meta model
+    (`check.model_facts`). `sample`: one micro-batch of model inputs (a tuple) for the pipeline cut
+    of a model that does not declare its stages; default token ids [microbatch_size, seq_len].
     """
     if isinstance(model_or_factory, nn.Module):
         model_or_factory = adapt(model_or_factory)
@@ -84,7 +94,11 @@ def parallelize(
     ties = tied_groups(model)
     structure = find_structure(model)  # once, on the whole model: carried to the monitor
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
+    # the planner's rule: a strategy that cannot apply to this model is refused with its reason
+    sample = sample or _token_sample(plan, seq_len)
+    check_applies(plan, profile if profile is not None else model_facts(model, plan, sample, seq_len))
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
+    layout = stage_layout(model, sample) if plan.pp > 1 else None
     check_cp(plan, model)
     if plan.tp > 1:
         check_roles(model, plan.sp)
@@ -112,7 +126,7 @@ def parallelize(
     seed_rank_streams(plan, mesh, seed, device)
 
     pp_rank = sub_mesh(mesh, "pp").get_local_rank() if plan.pp > 1 else 0
-    parts = apply_pipeline_split(model, plan, pp_rank) if plan.pp > 1 else [(0, model)]
+    parts = apply_pipeline_split(model, plan, pp_rank, layout) if plan.pp > 1 else [(0, model)]
     loss_par = plan.tp > 1
     context = None
     for stage, part in parts:
@@ -147,7 +161,7 @@ def parallelize(
                 part.load_all_reduce = partial(dist.all_reduce, group=group)
     init_device = torch.device("cpu") if plan.offload == "params" else device
     startup_stats = materialize([m for _, m in parts], startup, init_device)
-    split_ties = stage_ties(model, ties, plan, parts, mesh) if plan.pp > 1 and ties else None
+    split_ties = stage_ties(model, ties, plan, parts, mesh, layout) if plan.pp > 1 and ties else None
     if split_ties is not None:
         split_ties.sync_weights()
     if classic_ddp(plan) and emesh is None:  # (with EP, replicas are HSDP units: apply_fsdp_with_experts)

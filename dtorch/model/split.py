@@ -1,0 +1,261 @@
+"""Can a model be cut into pipeline stages between its blocks, as it is written?
+
+A pipeline stage of a model DTorch did not write runs the model's own forward
+(`dtorch.parallel.pipeline`): the blocks of other stages are skipped, the stage's first block takes
+the activation the previous stage sent, the stage stops at the first block it does not hold, and
+the parameters outside the blocks live on the stage that uses them (the embedding on the first,
+the head on the last). Other stages keep the parameter-free code around the blocks (positions,
+masks, rotary tables), which recomputes the same values from the model's inputs; what the
+parameters of another stage would have produced is zeros there and must reach nothing that counts.
+
+`split_layout(model, inputs)` runs one forward on the meta device and checks exactly that from
+the dataflow (every tensor is tagged with the parameters outside the blocks and the blocks it
+depends on):
+
+- each block's first input is the previous block's output, and its other inputs depend on no
+  parameter (they are recomputed on every stage);
+- inside a block, nothing is read from outside but its arguments, its own parameters and values
+  that depend on no parameter;
+- after the last block, everything that depends on a parameter depends on the last block's
+  output (the head reads the last block, not an earlier value);
+- a parameter outside the blocks is used either before the first block or after the last,
+  not both, and never inside a block; blocks share no parameter.
+
+The answer is a `SplitLayout` (which outside parameters the first / last stage holds) or the
+first reason it cannot be split, one line naming the module.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dtorch.errors import ConfigError
+from dtorch.model.structure import block_items, find_blocks, get_submodule
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """Where a model's parameters outside the blocks go when it is cut between blocks."""
+
+    block_path: str
+    block_names: tuple[str, ...]
+    first: tuple[str, ...] = ()
+    """Parameters (names as `named_parameters` spells them) outside the blocks used before the first
+    block: held by the first stage only."""
+    last: tuple[str, ...] = ()
+    """Used after the last block (or never): held by the last stage only."""
+    called: tuple[str, ...] = field(default=())
+    """Modules outside the blocks that the forward called (a module holding only parameters of
+    another stage can be replaced whole there)."""
+    block_output_tuple: bool = False
+    """Whether a block returns a tuple (hidden, non-tensors...) rather than a tensor."""
+
+
+class _Unsplittable(Exception):
+    pass
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Dataflow(TorchDispatchMode):
+    """Tags every tensor the forward computes with the regions it depends on: -1 for a parameter
+    outside the blocks (the head's own count as well), k for block k. Checks the rules of the
+    module docstring op by op."""
+
+    def __init__(self, outside: dict[int, str], block_params: dict[int, int], names: list[str], path: str):
+        super().__init__()
+        self.outside, self.block_params, self.names, self.path = outside, block_params, names, path
+        self.tags: dict[int, frozenset[int]] = {}
+        self.block: int | None = None  # the block running, None outside the blocks
+        self.block_args: set[int] = set()
+        self.block_made: set[int] = set()
+        self.done = -1  # the last block that has returned
+        self.used_before: set[str] = set()
+        self.used_after: set[str] = set()
+
+    def tag(self, t: torch.Tensor) -> frozenset[int]:
+        return self.tags.get(_storage(t), frozenset())
+
+    def _where(self) -> str:
+        return f"block '{self.path}.{self.names[self.block]}'" if self.block is not None else "the model's forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ins = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        tag: set[int] = set()
+        for t in ins:
+            s = _storage(t)
+            name = self.outside.get(s)
+            if name is not None:
+                if self.block is not None:
+                    raise _Unsplittable(f"{self._where()} uses the parameter '{name}' that lives outside the blocks")
+                (self.used_before if self.done < 0 else self.used_after).add(name)
+                tag.add(-1)
+                continue
+            owner = self.block_params.get(s)
+            if owner is not None and owner != self.block:
+                raise _Unsplittable(f"{self._where()} uses a parameter of block "
+                                    f"'{self.path}.{self.names[owner]}'")
+            t_tag = self.tag(t)
+            if self.block is not None and t_tag and s not in self.block_args and s not in self.block_made:
+                raise _Unsplittable(f"{self._where()} reads a tensor computed outside it that is not one of its "
+                                    "arguments")
+            if self.block is None and self.done == len(self.names) - 1 and t_tag and self.done not in t_tag:
+                raise _Unsplittable(f"after the last block the forward reads a value computed before block "
+                                    f"'{self.path}.{self.names[self.done]}' returned (a skip around the blocks)")
+            tag |= t_tag
+        if self.block is not None:
+            tag.add(self.block)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = _storage(t)
+                if tag:
+                    self.tags[s] = frozenset(tag) | self.tags.get(s, frozenset())
+                if self.block is not None:
+                    self.block_made.add(s)
+        return out
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    return next((t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)), None)
+
+
+def split_layout(model: nn.Module, inputs: tuple) -> SplitLayout:
+    """The layout of `model` cut between its blocks, checked on one meta forward of `inputs` (a tuple
+    of positional model inputs; any device, only shapes and dtypes are used). ConfigError(model,
+    ..., reason) naming the module when it cannot be cut (see the module docstring)."""
+    meta = model if all(t.is_meta for t in model.parameters()) else copy.deepcopy(model).to("meta")
+    path, container = find_blocks(meta)
+    items = block_items(container)
+    names = [n for n, _ in items]
+    if len(items) < 2:
+        raise ConfigError("model", type(model).__name__, "pipeline parallelism cuts a model between repeated blocks, "
+                          f"and {'it has none' if not items else 'it has one'}")
+    try:
+        return _check(meta, path, items, tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs))
+    except _Unsplittable as e:
+        raise ConfigError("model", type(model).__name__,
+                          f"pipeline parallelism cannot cut it between the blocks of '{path}': {e}") from None
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own forward failed on meta: say so in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("model", type(model).__name__,
+                          f"pipeline parallelism cannot cut it between the blocks of '{path}' "
+                          f"({len(names)} blocks): its forward did not run on the meta device ({first})") from None
+
+
+def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], inputs: tuple) -> SplitLayout:
+    names = [n for n, _ in items]
+    blocks = [b for _, b in items]
+    block_params: dict[int, int] = {}
+    for k, b in enumerate(blocks):
+        for p in b.parameters():
+            if _storage(p) in block_params:
+                raise _Unsplittable(f"blocks '{path}.{names[block_params[_storage(p)]]}' and '{path}.{names[k]}' "
+                                    "share a parameter")
+            block_params[_storage(p)] = k
+    outside = {_storage(p): n for n, p in meta.named_parameters() if _storage(p) not in block_params}
+    flow = _Dataflow(outside, block_params, names, path)
+    called: list[str] = []
+    block_paths = [f"{path}.{n}" if path else n for n in names]
+
+    def in_blocks(n: str) -> bool:
+        return n == path or any(n == b or n.startswith(b + ".") for b in block_paths)
+
+    module_names = {m: n for n, m in meta.named_modules() if n and not in_blocks(n)}
+    outputs: list[Any] = [None] * len(blocks)
+    tuple_out = [False]
+
+    def pre(k: int, mod, args, kwargs):
+        first = _first_tensor(args) if args else _first_tensor(kwargs)
+        if first is None:
+            raise _Unsplittable(f"block '{path}.{names[k]}' takes no tensor")
+        if k > 0:
+            prev = _first_tensor(outputs[k - 1])
+            if prev is None or _storage(prev) != _storage(first) or prev.shape != first.shape:
+                raise _Unsplittable(f"block '{path}.{names[k]}' does not take the output of block "
+                                    f"'{path}.{names[k - 1]}' as its first input (blocks do not run in sequence)")
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t is not first and flow.tag(t):
+                raise _Unsplittable(f"block '{path}.{names[k]}' takes an argument computed from parameters "
+                                    "outside it besides its input")
+        flow.block, flow.block_args, flow.block_made = k, {_storage(t) for t in tree_flatten((args, kwargs))[0]
+                                                           if isinstance(t, torch.Tensor)}, set()
+
+    def post(k: int, mod, args, kwargs, out):
+        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not isinstance(out, torch.Tensor):
+            if not (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and len(leaves) == 1):
+                raise _Unsplittable(f"block '{path}.{names[k]}' returns {type(out).__name__} with {len(leaves)} "
+                                    "tensors; a stage boundary carries one (a tensor, or a tuple starting with it)")
+            tuple_out[0] = True
+        outputs[k] = out
+        flow.block, flow.done = None, k
+
+    def mark_called(mod, args):
+        called.append(module_names[mod])
+
+    handles = []
+    for k, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(lambda m, a, kw, k=k: pre(k, m, a, kw), with_kwargs=True))
+        handles.append(b.register_forward_hook(lambda m, a, kw, o, k=k: post(k, m, a, kw, o), with_kwargs=True))
+    handles += [m.register_forward_pre_hook(mark_called) for m in module_names]
+    try:
+        with flow:
+            out = meta(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if flow.done != len(blocks) - 1 or any(o is None for o in outputs):
+        missing = next(n for n, o in zip(names, outputs) if o is None)
+        raise _Unsplittable(f"block '{path}.{missing}' was never called")
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and flow.tag(t) and len(blocks) - 1 not in flow.tag(t):
+            raise _Unsplittable("the model's output does not depend on the last block")
+    both = flow.used_before & flow.used_after
+    if both:
+        name = sorted(both)[0]
+        raise _Unsplittable(f"the parameter '{name}' is used both before the first block and after the last "
+                            "(tied input/output weights across pipeline stages)")
+    first = tuple(n for n, p in meta.named_parameters() if n in flow.used_before)
+    last = tuple(n for n, p in meta.named_parameters() if _storage(p) in outside and n not in flow.used_before)
+    return SplitLayout(path, tuple(names), first, last, tuple(dict.fromkeys(called)), tuple_out[0])
+
+
+def pipeline_reason(model: nn.Module, inputs: tuple) -> str:
+    """Why `model` cannot be cut into pipeline stages between its blocks, '' if it can (see
+    `split_layout`). Models that declare their first- and last-stage modules (DTorch's reference
+    models and adapters: `input_modules` / `output_modules`) are written to be cut: ''."""
+    if declares_stages(model):
+        return ""
+    try:
+        split_layout(model, inputs)
+    except ConfigError as e:
+        return e.fix
+    return ""
+
+
+def declares_stages(model: nn.Module) -> bool:
+    """Whether the model says which modules its first and last pipeline stages hold, and keeps its
+    blocks in an nn.ModuleDict, so that a stage is the model with the others' modules set to None
+    (DTorch's reference models and transformers adapters)."""
+    try:
+        _, container = find_blocks(model)
+    except ConfigError:
+        return False
+    return hasattr(model, "input_modules") and hasattr(model, "output_modules") and isinstance(container, nn.ModuleDict)
+
+
+def submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """`model` itself for the empty path, else the submodule at `path` (None if absent)."""
+    return model if not path else get_submodule(model, path)

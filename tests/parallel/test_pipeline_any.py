@@ -1,0 +1,98 @@
+"""Pipeline parallelism for models DTorch did not write, cut between their blocks as they are.
+
+A hand-written GPT (blocks in an nn.ModuleList `h`, its own names, untied) and an MLP regressor
+(an nn.Sequential of identical residual blocks, MSE loss on float features) train 5 AdamW steps
+under pp=2 at world 2, one stage per rank and two stages per rank (the interleaved schedule, whose
+middle stages receive and send), with per-step losses within 1e-5 relative of one process training
+the same model on the same batches. A model whose head reads a value from before the blocks
+cannot be cut: PP is refused, with the same one line from the profiler and from the executor.
+One group of 2 gloo processes runs every case.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _pipeline_models as models  # noqa: E402
+from _harness import run_group  # noqa: E402
+
+from dtorch.errors import ConfigError  # noqa: E402
+from dtorch.plan.plan import Plan  # noqa: E402
+from dtorch.train.losses import next_token  # noqa: E402
+
+REL = 1e-5
+CASES = {
+    "gpt_1f1b": dict(model="gpt", pp=2, schedule="1f1b", num_microbatches=2, microbatch_size=2),
+    "gpt_interleaved": dict(model="gpt", pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=2,
+                            microbatch_size=2),
+    "mlp_gpipe": dict(model="mlp", pp=2, schedule="gpipe", num_microbatches=2, microbatch_size=2),
+}
+
+
+@cache
+def _results() -> dict:
+    out = run_group(2, list(CASES.items()), models.train_parallel)
+    return dict(zip(CASES, out))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_any_model_trains_under_pipeline_like_one_process(name):
+    ranks = _results()[name]
+    for r in ranks:
+        assert "error" not in r, r["error"]
+    ref = models.train_single(CASES[name]["model"])
+    got = ranks[0]["losses"]
+    assert ranks[1]["losses"] == got  # the loss is the last stage's, shared with every rank
+    for a, b in zip(got, ref):
+        assert abs(a - b) <= REL * abs(b), (name, got, ref)
+
+
+def test_model_that_cannot_be_cut_is_refused_with_one_reason():
+    from dtorch.model.profiler import profile_module
+    from dtorch.parallel import parallelize
+
+    prof = profile_module(models.hand_gpt_skip, models.SEQ, dtype=torch.float32)
+    assert "a skip around the blocks" in prof.pipeline_reason and "'h.3'" in prof.pipeline_reason
+    plan = Plan(pp=2, schedule="gpipe", num_microbatches=2)
+    with pytest.raises(ConfigError) as err:  # no process group: refused before one exists
+        parallelize(models.hand_gpt_skip, plan, loss_fn=next_token, seq_len=models.SEQ)
+    assert err.value.field == "pp" and prof.pipeline_reason in err.value.fix
+    assert profile_module(models.hand_gpt, models.SEQ, dtype=torch.float32).pipeline_reason == ""
+
+
+def test_stages_keep_the_whole_model_parameter_names():
+    from dtorch.model.split import split_layout
+    from dtorch.parallel.pipeline import split_stage
+
+    with torch.device("meta"):
+        net = models.hand_gpt()
+    layout = split_layout(net, (torch.zeros(2, models.SEQ, dtype=torch.long),))
+    assert layout.first == ("wte.weight", "wpe.weight")
+    assert layout.last == ("ln_f.weight", "ln_f.bias", "lm_head.weight")
+    plan = Plan(pp=2, schedule="gpipe", num_microbatches=2)
+    names = [{n for n, _ in split_stage(net, plan, s, layout).named_parameters()} for s in range(2)]
+    assert names[0] | names[1] == {n for n, _ in net.named_parameters()} and not names[0] & names[1]
+    assert "wte.weight" in names[0] and "lm_head.weight" in names[1] and "h.3.ln_1.weight" in names[1]
+
+
+def test_split_refuses_blocks_that_do_not_run_in_sequence():
+    from dtorch.model.split import pipeline_reason
+
+    class Parallel(models.HandGPT):  # every block reads the embedding, not the previous block
+        def forward(self, idx):
+            emb = self.wte(idx)
+            return self.lm_head(sum(block(emb) for block in self.h))
+
+    with torch.device("meta"):
+        net = Parallel()
+    reason = pipeline_reason(net, (torch.zeros(1, models.SEQ, dtype=torch.long),))
+    assert "block 'h.1' does not take the output of block 'h.0'" in reason
+    with torch.device("meta"):
+        tied = models.hand_gpt_tied()
+    assert "tied" in pipeline_reason(tied, (torch.zeros(1, models.SEQ, dtype=torch.long),))
