@@ -163,7 +163,7 @@ def run(args) -> int:
     if not result.ranked:
         if args.json:
             print(json.dumps({"error": "no plan fits in memory", "suggestions": result.suggestions,
-                              "rejected": result.rejected}, indent=2))
+                              "rejected": result.rejected, "not_offered": result.refused}, indent=2))
         else:
             print(explain(result))
         return 1

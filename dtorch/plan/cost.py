@@ -403,7 +403,7 @@ def float8_cast_bytes_per_token_block(profile: ModelProfile, compiled: bool) -> 
     kernel that produced the tensor (-2). Weights are cast once per micro-batch on their shard
     (negligible per token)."""
     h, f = float(profile.hidden), float(profile.ffn_hidden)
-    kv = h * profile.num_kv_heads / profile.num_heads
+    kv = h * profile.num_kv_heads / profile.num_heads if profile.num_heads else 0.0  # (0: no attention)
     if profile.family == "llama":  # inputs: x (q, k, v), attention out, x (w1, w3), w2's; grads of q k v o w1 w3 w2
         elements = (3 * h + f) + (3 * h + 2 * kv + 2 * f)
     else:  # qkv, proj, fc1, fc2
@@ -455,7 +455,8 @@ class StepShape:
                                     if self.dtype == "float8" else 1.0)
         self.attn_fwd = 4.0 * self.h * self.s  # per token per block, full s^2 (selective recompute; float8 leaves it bf16)
         # the attention kernel at its own measured speed (probe), else at the GEMMs'
-        self.attn_speed = self.dev.attention_speed(self.compute_dtype, self.h / prof.num_heads, self.s) or self.speed
+        self.attn_speed = (self.dev.attention_speed(self.compute_dtype, self.h / prof.num_heads, self.s)
+                           if prof.num_heads else None) or self.speed  # (no heads: a model without attention)
         passes = c.elementwise_passes * (c.compile_elementwise_factor if self.compiled else 1.0)
         # element-wise seconds per 16-bit activation byte: memory-bound on a GPU (a float32 element costs
         # twice a bf16 one), converted and computed in float32 on a CPU (measured per dtype)

@@ -128,6 +128,16 @@ def apportioned(result: SearchResult, plan: Plan, est: Estimate) -> list[str]:
     return out
 
 
+def not_offered(result: SearchResult) -> list[str]:
+    """One line per strategy that cannot apply to this model, with why (`Strategy.unsupported_for`)."""
+    if not result.refused:
+        return []
+    fields = {s.name: ", ".join(s.refusal_fields) for s in strategies.REGISTRY}
+    labels = {name: f"{name} ({fields[name]})" for name in result.refused}
+    width = max(map(len, labels.values()))
+    return ["", "not offered for this model:"] + [f"  {labels[n]:{width}s}  {why}" for n, why in result.refused.items()]
+
+
 def explain(result: SearchResult, *, show_families: bool = True) -> str:
     """The whole explanation as text (see module doc)."""
     prof, cl = result.profile, result.cluster
@@ -150,6 +160,7 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
             out.append("families tried:")
             for fam, why in result.rejected.items():
                 out.append(f"  {fam}: {why}")
+        out += not_offered(result)
         return "\n".join(out)
     out.append(table(result))
     plan, est = result.ranked[0]
@@ -188,4 +199,5 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
                        f"{p.describe()}): {why_slower(p, e, est)}")
         for fam, why in result.rejected.items():
             out.append(f"  {fam:20s} {why}")
+    out += not_offered(result)
     return "\n".join(out)

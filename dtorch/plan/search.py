@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 from dtorch.cluster.spec import Cluster, NodeGroup
@@ -94,6 +95,8 @@ class SearchResult:
     ranked by step time alone (`strategies.amortised_s`)."""
     constants: Any = None
     """The cost model's constants the plans were priced with (e.g. whether the run clips gradients)."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Strategies that cannot apply to this model -> why (`strategies.refusals`): never searched."""
 
     @property
     def best(self) -> tuple[Plan, Estimate] | None:
@@ -131,6 +134,8 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
     the fixed mesh degrees, then what only a partial plan can break (products dividing the world
     size and the global batch)."""
     W = cluster.world_size
+    strategies.check_applies(SimpleNamespace(**{f: fixed.get(f, 1) for f in strategies.refused_fields(profile)}),
+                             profile)
     mesh = {a: fixed[a] for a in ("tp", "pp", "cp") if a in fixed}
     partial = Plan(**mesh, num_microbatches=max(mesh.get("pp", 1), 1), schedule="gpipe",
                    virtual_stages=1, sp=False)
@@ -238,13 +243,16 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
     data-parallel split of the rest (dp dividing the global batch)."""
     W = cluster.world_size
 
+    refused = strategies.refused_fields(profile)
+
     def pick(axis: str, candidates: list[int]) -> list[int]:
-        return [fixed[axis]] if axis in fixed else candidates
+        # a strategy that cannot apply to this model is never tried (a fixed degree of it was refused)
+        return [fixed[axis]] if axis in fixed else [1] if axis in refused else candidates
 
     out = []
     # MoE meshes search tp=1 unless tp is fixed (`--fix tp=2` runs: expert-tensor parallelism): with tp
     # free the DeepSeek-V3 search on 256 GPUs grows from ~500 to ~20,000 plans (4 s against 0.05 s)
-    tps = [1] if profile.num_experts else valid_tp(profile, cluster)
+    tps = [1] if profile.num_experts or "tp" in refused else valid_tp(profile, cluster)
     for tp in pick("tp", tps):
         if W % tp:
             continue
@@ -304,7 +312,7 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     step = StepShape(plan, profile, group, c, "bfloat16", peak, elem, async_tp=True)
     # the attention kernel at the fastest speed any precision's plan could see (its measured speed or the GEMMs')
     step.attn_speed = max([step.speed] + [dev.attention_speed(p, step.h / profile.num_heads, step.s) or 0.0
-                                          for p, _ in precisions])
+                                          for p, _ in precisions if profile.num_heads])
     step.fs, step.st_fs = m.dp_shard, m.tp * m.cp  # the shard group without its context-parallel ranks
     load = ideal_load(m.pp, profile.num_layers, profile.num_dense_layers)
     r = RankShare(p_stage=step.p_stage(load))
@@ -396,7 +404,7 @@ def search(
         rejected=book.rejected(), suggestions=suggestions, profile=profile,
         cluster=cluster, global_batch=global_batch, seq_len=profile.seq_len, fixed=fixed,
         evaluated=book.evaluated, meshes=len(meshes), meshes_pruned=book.pruned, constants=constants,
-        seconds=time.perf_counter() - t0, closest=closest, notes=notes,
+        seconds=time.perf_counter() - t0, closest=closest, notes=notes, refused=strategies.refusals(profile),
         best_by_precision=dict(sorted(book.best_precision.items(), key=lambda kv: kv[1][1].step_time_s)), steps=steps,
     )
 

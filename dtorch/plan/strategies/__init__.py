@@ -51,6 +51,7 @@ TIMED = tuple(s for s in REGISTRY if type(s).rank_time is not Strategy.rank_time
 """The strategies with time terms, in registry order: the cost model keeps those whose `prepare`
 says they apply to the plan, and adds their `rank_time` on every pipeline rank."""
 _LIMITED = tuple(s for s in REGISTRY if type(s).limits is not Strategy.limits)
+_REFUSING = tuple(s for s in REGISTRY if type(s).unsupported_for is not Strategy.unsupported_for)
 _FAMILY_KEY = attrgetter(*dict.fromkeys(f for s in REGISTRY for f in s.family_fields))
 _FAMILIES: dict[tuple, str] = {}
 FIXABLE: tuple[str, ...] = (*MESH_AXES, *(n for n, f in FIELDS.items() if f.fixable and n not in MESH_AXES))
@@ -64,7 +65,8 @@ _ONCE = tuple(s for s in REGISTRY if type(s).once_s is not Strategy.once_s)
 
 __all__ = ["REGISTRY", "FIELDS", "MESH_AXES", "FIXABLE", "FIX_ALIASES", "Dims", "Field", "Limit", "RankLoad",
            "RankShare", "Strategy", "Violation", "AC_POLICIES", "OFFLOAD_POLICIES", "SCHEDULES", "DTYPES",
-           "validate", "check", "limits", "unsupported", "check_executable", "family", "describe",
+           "validate", "check", "limits", "unsupported", "check_executable", "refusals", "refused_fields",
+           "check_applies", "family", "describe",
            "normalize_fixed", "penalty", "DECLARED", "declare_fields", "pinned", "variants", "notes", "once_s",
            "amortised_s"]
 
@@ -169,6 +171,27 @@ def check_executable(plan: Any) -> None:
     lim = first_limit(plan)
     if lim:
         raise lim.error()
+
+
+def refusals(profile: Any) -> dict[str, str]:
+    """Strategy name -> why it cannot apply to the model `profile` describes (`Strategy.unsupported_for`),
+    in registry order; the strategies absent apply."""
+    return {s.name: why for s in _REFUSING if (why := s.unsupported_for(profile))}
+
+
+def refused_fields(profile: Any) -> dict[str, str]:
+    """Plan field -> why it must stay 1 for this model (the `refusal_fields` of every refused strategy)."""
+    return {f: why for s in _REFUSING if (why := s.unsupported_for(profile)) for f in s.refusal_fields}
+
+
+def check_applies(plan: Any, profile: Any) -> None:
+    """ConfigError naming the field when `plan` uses a strategy that cannot apply to this model: the
+    one rule the planner's search (which never tries such a degree) and the executor
+    (`dtorch.parallel.check.check_applies`, before any process group) share."""
+    for name, why in refused_fields(profile).items():
+        value = getattr(plan, name)
+        if value != 1:
+            raise ConfigError(name, value, f"{why}; use {name}=1")
 
 
 def family(plan: Any) -> str:

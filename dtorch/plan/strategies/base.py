@@ -9,6 +9,9 @@ for the planner and the executor alike:
   with `dims` None only the plan itself is checked, with `Dims` the model and world too;
 - `limits(plan)`: what this DTorch's executor cannot run (the planner never ranks such plans,
   `dtorch.parallel.check` refuses them before any process group exists);
+- `unsupported_for(profile)`: why it cannot apply to this model at all (from the model-side facts of
+  its `ModelProfile`), None if it can; the search then never tries a degree > 1 of its
+  `refusal_fields`, `dtorch plan` lists it as not offered, and the executor refuses such a plan;
 - `family(plan)` / `describe(plan)`: its part of the strategy family name and the one-line form;
 - `degrees(...)`: the search's candidates for its mesh axis;
 - `rank_time(step, load, r)`: its time terms over the shared step shape (`StepShape`), filled into
@@ -162,11 +165,22 @@ class Strategy:
     family_fields: tuple[str, ...] = ()
     """The Plan fields `family` reads (the registry memoises family names on them)."""
 
+    refusal_fields: tuple[str, ...] = ()
+    """The fields that must stay 1 when `unsupported_for` refuses the model (its mesh degree)."""
+
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
         return iter(())
 
     def limits(self, plan: Any) -> Iterator[Limit]:
         return iter(())
+
+    def unsupported_for(self, profile: Any) -> str | None:
+        """Why this strategy cannot apply to the model `profile` (a `ModelProfile`) describes, in one
+        line naming what is missing, or None if it can. Reads only the profile's model-side facts
+        (`tp_roles_reason`, `pipeline_reason`, `context_reason`, `input_kind`, `num_heads`,
+        `num_experts`, ...), so the planner (from the profile) and the executor (from the same facts
+        read off the model, `dtorch.parallel.check`) give the same answer."""
+        return None
 
     def family(self, plan: Any) -> str | None:
         return None

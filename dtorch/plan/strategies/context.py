@@ -27,6 +27,16 @@ class Context(Strategy):
     executor = "dtorch.parallel.cp"
     fields = (Field("cp", "degree", mesh_position=3),)
     family_fields = ("cp",)
+    refusal_fields = ("cp",)
+
+    def unsupported_for(self, profile: Any) -> str | None:
+        if profile.context_reason:
+            return profile.context_reason
+        if profile.input_kind != "tokens":
+            return "the model's input is not a token sequence (context parallelism splits the sequence)"
+        if not profile.num_heads:
+            return "no attention found (context parallelism splits attention over the sequence)"
+        return None
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
         if dims is None or dims.seq_len is None or plan.cp == 1:

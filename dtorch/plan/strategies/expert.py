@@ -234,6 +234,7 @@ class Expert(Strategy):
     executor = "dtorch.parallel.expert"
     fields = (Field("ep", "int", aliases=("expert_parallel",)),)
     family_fields = ("ep",)
+    refusal_fields = ("ep",)
     load_imbalance: float = LOAD_IMBALANCE
     dispatcher: Dispatcher = EXECUTOR_DISPATCH
     """What the all-to-alls cost (see Dispatcher); replaced only inside `what_if`."""
@@ -248,6 +249,9 @@ class Expert(Strategy):
             yield
         finally:
             self.dispatcher = saved
+
+    def unsupported_for(self, profile: Any) -> str | None:
+        return None if profile.num_experts else "a dense model: no routed experts to spread"
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
         ep = plan.ep

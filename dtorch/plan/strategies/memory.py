@@ -93,7 +93,7 @@ def matmuls_saved_act_bytes(profile: Any) -> float:
     h kv_heads / heads). GPT: x h, q/k/v 3 h, attention out h, o h, w1 f, w2 h. Other modules: the
     profiler's measurement with the same op list (`act_bytes_per_token_block['selective']`)."""
     h, f, a = float(profile.hidden), float(profile.ffn_hidden), float(profile.num_heads)
-    kv = h * profile.num_kv_heads / profile.num_heads
+    kv = h * profile.num_kv_heads / profile.num_heads if profile.num_heads else 0.0  # (0: no attention)
     lse = 4.0 * a
     if profile.family == "llama":
         return 2.0 * (3 * h + 2 * h + 2 * kv + 2 * f) + lse

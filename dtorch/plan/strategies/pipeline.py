@@ -47,6 +47,16 @@ class Pipeline(Strategy):
         Field("layer_partition", "list", fixable=False),
     )
     family_fields = ("pp",)
+    refusal_fields = ("pp",)
+
+    def unsupported_for(self, profile: Any) -> str | None:
+        # the profiler tries the cut on the meta model (dtorch.model.split), ties across the first
+        # and last stage included: a tie the executor cannot keep in sync is a reason there
+        if profile.pipeline_reason:
+            return profile.pipeline_reason
+        if profile.num_layers < 2:
+            return f"{profile.num_layers} repeated block(s): nothing to cut into stages"
+        return None
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
         pp, v, m = plan.pp, plan.virtual_stages, plan.num_microbatches

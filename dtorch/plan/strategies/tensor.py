@@ -38,6 +38,12 @@ class Tensor(Strategy):
         Field("sp", "bool"),
     )
     family_fields = ("tp", "sp")
+    refusal_fields = ("tp",)
+
+    def unsupported_for(self, profile: Any) -> str | None:
+        if not profile.num_heads:
+            return "no attention heads found (tensor parallelism splits attention by heads)"
+        return profile.tp_roles_reason or None
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
         if plan.sp and plan.tp == 1:
