@@ -28,7 +28,7 @@ from dtorch.train.losses import next_token  # noqa: E402
 
 REL = 1e-5
 CASES = {
-    "gpt_1f1b": dict(model="gpt", pp=2, schedule="1f1b", num_microbatches=2, microbatch_size=2),
+    "gpt_zero_bubble": dict(model="gpt", pp=2, schedule="zero_bubble", num_microbatches=2, microbatch_size=2),
     "gpt_interleaved": dict(model="gpt", pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=2,
                             microbatch_size=2),
     "mlp_gpipe": dict(model="mlp", pp=2, schedule="gpipe", num_microbatches=2, microbatch_size=2),
