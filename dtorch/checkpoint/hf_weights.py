@@ -7,7 +7,8 @@ maps onto a DTorch reference model:
     family     transformers class      DTorch model
     llama      LlamaForCausalLM        Llama (Llama 3 RoPE scaling supported)
     mistral    MistralForCausalLM      Llama (sliding window: full causal attention, exact while
-                                              the sequence is no longer than the window)
+                                              the sequence is no longer than the window: a
+                                              longer seq_len is refused, `check_window`)
     qwen2      Qwen2ForCausalLM        Llama with q/k/v biases
     gpt2       GPT2LMHeadModel         GPT
 
@@ -239,6 +240,21 @@ def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelCo
                        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                        rope_theta=float(theta if theta is not None else 10000.0),
                        qkv_bias=kind == "qwen2", rope_scaling=scaling, tie_embeddings=_tied(hf, kind))
+
+
+def check_window(hf: dict[str, Any] | None, seq_len: int) -> None:
+    """ConfigError when the checkpoint's attention has a sliding window shorter than `seq_len`:
+    DTorch's Llama attends over the whole causal context, so training would silently differ from
+    the model that is loaded and exported (a transformers factory models the window)."""
+    if not hf or model_type(hf) not in ("mistral", "qwen2"):
+        return
+    window = hf.get("sliding_window")
+    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window"):
+        return
+    if window and seq_len > window:
+        raise ConfigError("seq_len", seq_len, f"longer than this {hf.get('model_type')} checkpoint's sliding_window="
+                          f"{window}, which DTorch's Llama does not model; use seq_len <= {window}, or pass the "
+                          "model as a transformers factory (AutoModelForCausalLM), which applies the window")
 
 
 def _tied(hf: dict[str, Any], kind: str) -> bool:

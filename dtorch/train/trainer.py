@@ -169,6 +169,10 @@ class Trainer:
 
         # a sample of other data (images, features) is the planner's "token": seq_len is 1 for it
         self.seq_len = int(seq_len) if is_token_data(data, collate) else 1
+        if self.hf_config is not None:  # a window the reference model would ignore: refused here, at start
+            from dtorch.checkpoint.hf_weights import check_window
+
+            check_window(self.hf_config, self.seq_len)
         self._sample_batch = None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = int(checkpoint_every)

@@ -140,3 +140,18 @@ def test_world_2_losses_and_gradients_equal_the_single_process_loop(world2: dict
         print(f"{case} rank {r}: losses {rel:.1e} relative, worst gradient {res['worst_grad']}")
         assert rel < 1e-5
         assert res["worst_grad"][0] < 1e-5, res["worst_grad"]
+
+
+def test_init_from_a_checkpoint_whose_window_is_shorter_than_the_sequence_is_refused_at_start(tmp_path) -> None:
+    """--init-from builds DTorch's Llama, which attends over the whole causal context: a Mistral
+    checkpoint whose sliding window is shorter than seq_len is refused in one line at start."""
+    from dtorch import Trainer
+    from dtorch.errors import ConfigError
+
+    torch.manual_seed(0)
+    factory("mistral").save_pretrained(tmp_path)  # sliding_window=6
+    data = [torch.randint(0, VOCAB, (SEQ + 1,)) for _ in range(8)]
+    with pytest.raises(ConfigError) as err:
+        Trainer(init_from=str(tmp_path), data=data, global_batch=2, seq_len=SEQ)
+    assert err.value.field == "seq_len" and "sliding_window=6" in str(err.value)
+    Trainer(init_from=str(tmp_path), data=[t[:7] for t in data], global_batch=2, seq_len=6)  # within it: fine
