@@ -34,11 +34,13 @@ def _check_inputs(args: JobConfig) -> None:
 
     vocab = None
     if args.init_from:
-        from dtorch.checkpoint.hf_weights import HFWeights, model_shapes
+        from dtorch.checkpoint.hf_weights import HFWeights, check_window, model_shapes, read_config
 
         weights = HFWeights(args.init_from)
         config = weights.config if not weights.seed else model_config(args.model)
         weights.check(model_shapes(meta_model(lambda: build_from_config(config))))
+        if not weights.seed:  # a sliding window shorter than the sequence: the reference model ignores it
+            check_window(read_config(args.init_from), args.seq_len)
         vocab = config.vocab_size
     if args.tokenizer:
         from dtorch.errors import ConfigError
