@@ -131,7 +131,7 @@ def model_facts(model: nn.Module, plan: Plan, sample: tuple | None = None, seq_l
             for name, block in block_items(blocks):
                 block_plan(block, f"{path}.{name}", plan.sp)
         except ConfigError as e:
-            tp_reason = e.fix
+            tp_reason = f"{e.value}: {e.fix}"  # (the layer, and what it lacks)
     if plan.cp > 1:
         try:
             check_cp(plan, model)

@@ -80,7 +80,7 @@ def test_unknown_layer_role_names_the_module_and_the_annotation_that_fixes_it() 
     model = _Custom()
     with pytest.raises(ConfigError) as err:
         parallelize(model, Plan(tp=2), loss_fn=next_token)
-    assert err.value.value == "layers.0.proj_in"
+    assert err.value.field == "tp" and "layers.0.proj_in: " in err.value.fix  # (refused as not applying)
     assert "dtorch.parallel.annotate(module" in str(err.value)
     assert not dist.is_initialized()
     annotate(model.layers["0"].proj_in, "colwise")
