@@ -22,8 +22,10 @@ Unused parameters: a data-dependent branch (a block that picks a branch by its i
 parameters without a gradient on one rank and not on another, and the ranks' reductions would then
 differ in size (gloo aborts on the mismatch). Every FSDP2 / replicate unit therefore reduces a
 zero gradient for a parameter it did not use (`set_reduce_scatter_unused_params`; free when every
-parameter was used), and classic DDP runs with `find_unused_parameters=True`. A unit must still run
-on every rank: a block that one rank skips entirely is not supported.
+parameter was used), and classic DDP runs with `find_unused_parameters=True`. A parameter no rank
+used keeps grad None, as in one process (DDP does this itself; for FSDP2 / replicate
+`UnusedParameters` tracks it). A unit must still run on every rank: a block that one rank skips
+entirely is not supported.
 """
 
 from __future__ import annotations
@@ -128,3 +130,62 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:
             replicate(block, mesh=dp_mesh, mp_policy=mp_policy(plan))
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy(plan))
     model.set_reduce_scatter_unused_params(True)  # type: ignore[union-attr]  (unused parameters: module doc)
+
+
+class UnusedParameters:
+    """Which parameters of an FSDP2 / replicate model no data-parallel rank used in a step, so that
+    their gradient is None as in one process (the zero gradient such units reduce for an unused
+    parameter would otherwise let AdamW move it by its momentum and weight decay).
+
+    Each parameter-holding module gets a forward pre-hook that, while its unit is gathered, puts a
+    post-accumulate-grad hook on each unsharded parameter (FSDP2 keeps one unsharded parameter
+    object per parameter for the whole run) and removes itself once all are hooked. Per step:
+    `reset()` before the first micro-batch; `flags()` after backward, summed over the data-parallel
+    ranks (it rides on the loss's all-reduce); `drop(summed)` sets grad None where a parameter was
+    seen gathered on some rank but got a gradient on none. A parameter only ever used outside its
+    own module's forward is never seen and keeps its (zero) gradient. Every rank must hold the same
+    parameters (pp == 1)."""
+
+    def __init__(self, model: nn.Module):
+        # one slot per parameter (a tied one once, whichever module names it); between forwards FSDP
+        # registers the sharded parameters, the ones the optimizer holds
+        self.params: list[nn.Parameter] = []
+        slot: dict[int, int] = {}
+        per_module: dict[nn.Module, list[tuple[str, int]]] = {}
+        for mod in model.modules():
+            for name, p in mod.named_parameters(recurse=False):
+                if id(p) not in slot:
+                    slot[id(p)] = len(self.params)
+                    self.params.append(p)
+                per_module.setdefault(mod, []).append((name, slot[id(p)]))
+        self._sharded = set(slot)
+        self.seen = torch.zeros(len(self.params))
+        self.used = torch.zeros(len(self.params))
+        self._hooked: set[int] = set()
+        self._pre = {mod: mod.register_forward_pre_hook(lambda m, args, slots=slots: self._hook(m, slots))
+                     for mod, slots in per_module.items()}
+
+    def _hook(self, mod: nn.Module, slots: list[tuple[str, int]]) -> None:
+        done = True
+        for name, i in slots:
+            p = mod._parameters.get(name)
+            if p is None or id(p) in self._sharded:
+                done = False  # not gathered (a module outside any unit's forward): look again next call
+                continue
+            if id(p) not in self._hooked and p.requires_grad:
+                self._hooked.add(id(p))
+                p.register_post_accumulate_grad_hook(lambda _, i=i: self.used.__setitem__(i, 1.0))
+            self.seen[i] = 1.0
+        if done:
+            self._pre.pop(mod).remove()
+
+    def reset(self) -> None:
+        self.used.zero_()
+
+    def flags(self) -> torch.Tensor:
+        return torch.cat([self.seen, self.used])
+
+    def drop(self, summed: torch.Tensor) -> None:
+        n = len(self.params)
+        for i in ((summed[:n] > 0) & (summed[n:] == 0)).nonzero().flatten().tolist():
+            self.params[i].grad = None

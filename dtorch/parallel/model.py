@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_map_only
 from dtorch.model.outputs import batch_size, call_model, logits_of
 from dtorch.model.structure import ModelStructure, blocks_of
 from dtorch.parallel.cp import ContextParallel
-from dtorch.parallel.fsdp import uses_fsdp
+from dtorch.parallel.fsdp import UnusedParameters, uses_fsdp
 from dtorch.plan.plan import Plan
 
 
@@ -110,6 +110,10 @@ class ParallelModel:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.distributed = mesh is not None and dist.is_initialized()
+        # (not with per-block torch.compile: its hooks would run inside the compiled graphs)
+        self.unused = (UnusedParameters(model_parts[0]) if self.distributed and plan.pp == 1
+                       and isinstance(model_parts[0], FSDPModule) and not getattr(plan, "compile", False) else None)
+        """Under FSDP2 / replicate: parameters no rank used in a step get grad None (fsdp.py)."""
         self.stage_ties = None
         """Parameters tied across pipeline stages (`dtorch.parallel.ties.StageTies`), or None."""
         self.uneven = uneven_shares(plan)
@@ -187,6 +191,8 @@ class ParallelModel:
                               f"pipeline and context parallelism take one tensor of token ids, not a "
                               f"{type(inputs).__name__} input; use a plan with pp=1 and cp=1")
         inputs, labels = _to(inputs, self.device), _to(labels, self.device)
+        if self.unused is not None:
+            self.unused.reset()
         if self.context is not None:
             inputs, labels = self.context.shard(inputs), self.context.shard(labels)
         with self._compute_context():
@@ -266,7 +272,12 @@ class ParallelModel:
         if not self.distributed:
             return local.detach().cpu()
         buf = local.detach().clone()
+        if self.unused is not None:  # the unused-parameter flags ride on this all-reduce
+            buf = torch.cat([buf.reshape(1), self.unused.flags().to(buf.device, buf.dtype)])
         dist.all_reduce(buf)
+        if self.unused is not None:
+            self.unused.drop(buf[1:].cpu())
+            buf = buf[0]
         return (buf / (dist.get_world_size() // self.plan.pp)).cpu()
 
     @torch.no_grad()
