@@ -36,9 +36,10 @@ param)` copies into a parameter (a DTensor or a tensor) the block this rank stor
 the safetensors files with `safe_open(...).get_slice` only the rows and columns that block needs
 (for a rope tensor: the whole heads it overlaps). No rank ever reads the full checkpoint.
 Tied input/output embeddings (``tie_word_embeddings``: GPT-2 by default, small Llama 3.2 / Qwen2)
-load tied (`tie_embeddings` of the reference model: one Parameter on every plan) and export tied:
-no ``lm_head.weight``, ``tie_word_embeddings: true``. (Mixture-of-experts families load a tied head
-as an untied copy and export it untied.) `export_hf_files` copies the tokenizer files and
+still load into an untied head, a copy of the embedding (`_tied`: resuming a tied run loses the tied
+parameter's optimizer state today). A reference model built tied (`tie_embeddings`: one Parameter
+on every plan) exports tied: no ``lm_head.weight``, ``tie_word_embeddings: true``; a checkpoint whose
+head differs from its embedding exports untied. `export_hf_files` copies the tokenizer files and
 generation_config.json of the source directory beside an export; `save_run_config` keeps them next
 to a run's checkpoints.
 
@@ -258,6 +259,14 @@ def check_window(hf: dict[str, Any] | None, seq_len: int) -> None:
 
 
 def _tied(hf: dict[str, Any], kind: str) -> bool:
+    """Whether the reference model ties its head: not yet, whatever Hugging Face's
+    tie_word_embeddings says. A tied run's checkpoint lacks the tied parameter's optimizer state
+    on resume (torch's state_dict helpers under FSDP, tests/train/test_text_data.py), so a tied
+    checkpoint still loads as an untied copy and exports untied. `hf_tied` is the source's flag."""
+    return False
+
+
+def hf_tied(hf: dict[str, Any], kind: str) -> bool:
     """Hugging Face's tie_word_embeddings, with transformers' default when config.json omits it
     (True for GPT-2, False for the Llama family)."""
     return bool(hf.get("tie_word_embeddings", kind == "gpt2"))
@@ -748,8 +757,11 @@ def export_hf(
     shapes = {k[len(prefix):]: tuple(v.size) for k, v in meta.items() if k.startswith(prefix) and hasattr(v, "size")}
     if not shapes:
         raise ConfigError("key", key, f"the checkpoint has no '{key}' entry with tensors")
-    if getattr(config, "tie_embeddings", False) and not _tied_in_checkpoint(reader, meta, prefix):
-        config = dataclasses.replace(config, tie_embeddings=False)  # trained untied: export untied
+    # tied out when the model was tied (its config, or the source's tie_word_embeddings) and the
+    # checkpoint's head still equals its embedding; a head trained apart exports untied
+    tied = getattr(config, "tie_embeddings", False) or (base_config is not None and hf_tied(base_config, family))
+    if hasattr(config, "tie_embeddings") and config.tie_embeddings != (tied and _tied_in_checkpoint(reader, meta, prefix)):
+        config = dataclasses.replace(config, tie_embeddings=not config.tie_embeddings)
     cfg = hf_config(config, family, base_config)  # first: a model the family cannot express fails before any write
     if isinstance(config, MoEConfig):
         _check_no_routing_bias(reader, meta, prefix, [n for n in shapes if n.endswith(".expert_bias")])

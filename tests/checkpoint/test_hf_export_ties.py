@@ -1,11 +1,13 @@
-"""Tied in, tied out: a Hugging Face model with tie_word_embeddings loads into DTorch's reference
-model with its head and embedding one Parameter, trains tied, and exports tied (no lm_head.weight,
+"""Tied in, tied out: a tied Hugging Face checkpoint loads into DTorch's reference model built tied
+(head and embedding one Parameter), trains tied, and exports tied (no lm_head.weight,
 tie_word_embeddings true) with the source's tokenizer files and generation_config.json beside the
 weights; transformers loads the export (model and tokenizer) and gives the trained model's logits.
-A checkpoint whose head differs from its embedding exports untied."""
+A checkpoint whose head differs from its embedding exports untied. (`--init-from` itself still
+loads tied checkpoints untied: hf_weights._tied.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -63,7 +65,7 @@ def test_tied_model_loads_tied_trains_and_exports_tied_with_tokenizer(family: st
 
     src = _source(family, tmp_path / "src")
     _, cfg = load_model_config(src)
-    assert cfg.tie_embeddings
+    cfg = dataclasses.replace(cfg, tie_embeddings=True)  # what --init-from will build once resume keeps the tie
     pm = parallelize(lambda: build_from_config(cfg), Plan(), loss_fn=next_token, weights=HFWeights(src))
     (model,) = pm.model_parts
     assert model.output.weight is model.tok_embeddings.weight
@@ -107,7 +109,7 @@ def test_checkpoint_with_a_separate_head_exports_untied(tmp_path: Path) -> None:
 
     src = _source("gpt2", tmp_path / "src")
     _, cfg = load_model_config(src)
-    model = build_from_config(cfg)
+    model = build_from_config(dataclasses.replace(cfg, tie_embeddings=True))
     model.init_weights(5)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["output.weight"] += 0.01
