@@ -226,7 +226,7 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
     if both:
         name = sorted(both)[0]
         raise _Unsplittable(f"the parameter '{name}' is used both before the first block and after the last "
-                            "(tied input/output weights across pipeline stages)")
+                            "(tied input/output embeddings across pipeline stages)")
     first = tuple(n for n, p in meta.named_parameters() if n in flow.used_before)
     last = tuple(n for n, p in meta.named_parameters() if _storage(p) in outside and n not in flow.used_before)
     return SplitLayout(path, tuple(names), first, last, tuple(dict.fromkeys(called)), tuple_out[0])
