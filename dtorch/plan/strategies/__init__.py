@@ -191,7 +191,7 @@ def check_applies(plan: Any, profile: Any) -> None:
     for name, why in refused_fields(profile).items():
         value = getattr(plan, name)
         if value != 1:
-            raise ConfigError(name, value, f"{why}; use {name}=1")
+            raise ConfigError(name, value, why if f"use {name}=1" in why else f"{why}; use {name}=1")
 
 
 def family(plan: Any) -> str:
