@@ -19,7 +19,10 @@ depends on):
 - after the last block, everything that depends on a parameter depends on the last block's
   output (the head reads the last block, not an earlier value);
 - a parameter outside the blocks is used either before the first block or after the last,
-  not both, and never inside a block; blocks share no parameter.
+  not both, and never inside a block; blocks share no parameter. One tensor registered under two
+  names (a head tied to the embedding) may be used before the blocks under one name and after
+  them under the other: the first stage holds the one, the last stage the other, and the executor
+  keeps the two copies in sync (`dtorch.parallel.ties`).
 
 The answer is a `SplitLayout` (which outside parameters the first / last stage holds) or the
 first reason it cannot be split, one line naming the module.
@@ -71,7 +74,7 @@ class _Dataflow(TorchDispatchMode):
     outside the blocks (the head's own count as well), k for block k. Checks the rules of the
     module docstring op by op."""
 
-    def __init__(self, outside: dict[int, str], block_params: dict[int, int], names: list[str], path: str):
+    def __init__(self, outside: dict[int, list[str]], block_params: dict[int, int], names: list[str], path: str):
         super().__init__()
         self.outside, self.block_params, self.names, self.path = outside, block_params, names, path
         self.tags: dict[int, frozenset[int]] = {}
@@ -81,6 +84,7 @@ class _Dataflow(TorchDispatchMode):
         self.done = -1  # the last block that has returned
         self.used_before: set[str] = set()
         self.used_after: set[str] = set()
+        self.modules: list[str] = []  # the modules outside the blocks running, outermost first
 
     def tag(self, t: torch.Tensor) -> frozenset[int]:
         return self.tags.get(_storage(t), frozenset())
@@ -93,8 +97,12 @@ class _Dataflow(TorchDispatchMode):
         tag: set[int] = set()
         for t in ins:
             s = _storage(t)
-            name = self.outside.get(s)
-            if name is not None:
+            aliases = self.outside.get(s)
+            if aliases is not None:
+                # the name this use goes through: the one under the innermost module running (a
+                # tied head's weight is 'lm_head.weight' inside lm_head, 'wte.weight' inside wte)
+                name = next((n for m in reversed(self.modules) for n in aliases if n.startswith(m + ".")),
+                            aliases[0])
                 if self.block is not None:
                     raise _Unsplittable(f"{self._where()} uses the parameter '{name}' that lives outside the blocks")
                 (self.used_before if self.done < 0 else self.used_after).add(name)
@@ -164,7 +172,10 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
                 raise _Unsplittable(f"blocks '{path}.{names[block_params[_storage(p)]]}' and '{path}.{names[k]}' "
                                     "share a parameter")
             block_params[_storage(p)] = k
-    outside = {_storage(p): n for n, p in meta.named_parameters() if _storage(p) not in block_params}
+    outside: dict[int, list[str]] = {}
+    for n, p in meta.named_parameters(remove_duplicate=False):
+        if _storage(p) not in block_params:
+            outside.setdefault(_storage(p), []).append(n)
     flow = _Dataflow(outside, block_params, names, path)
     called: list[str] = []
     block_paths = [f"{path}.{n}" if path else n for n in names]
@@ -204,12 +215,17 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
 
     def mark_called(mod, args):
         called.append(module_names[mod])
+        flow.modules.append(module_names[mod])
+
+    def unmark(mod, args, out):
+        flow.modules.pop()
 
     handles = []
     for k, b in enumerate(blocks):
         handles.append(b.register_forward_pre_hook(lambda m, a, kw, k=k: pre(k, m, a, kw), with_kwargs=True))
         handles.append(b.register_forward_hook(lambda m, a, kw, o, k=k: post(k, m, a, kw, o), with_kwargs=True))
     handles += [m.register_forward_pre_hook(mark_called) for m in module_names]
+    handles += [m.register_forward_hook(unmark) for m in module_names]
     try:
         with flow:
             out = meta(*inputs)
@@ -227,8 +243,9 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
         name = sorted(both)[0]
         raise _Unsplittable(f"the parameter '{name}' is used both before the first block and after the last "
                             "(tied input/output embeddings across pipeline stages)")
-    first = tuple(n for n, p in meta.named_parameters() if n in flow.used_before)
-    last = tuple(n for n, p in meta.named_parameters() if _storage(p) in outside and n not in flow.used_before)
+    every = [n for names in outside.values() for n in names]
+    first = tuple(n for n in every if n in flow.used_before)
+    last = tuple(n for n in every if n not in flow.used_before)
     return SplitLayout(path, tuple(names), first, last, tuple(dict.fromkeys(called)), tuple_out[0])
 
 

@@ -118,12 +118,12 @@ def small_cnn() -> nn.Module:
     return SmallCNN()
 
 
-FACTORIES = {"gpt": hand_gpt, "mlp": mlp_stack}
+FACTORIES = {"gpt": hand_gpt, "gpt_tied": hand_gpt_tied, "mlp": mlp_stack}
 
 
 def batch(model: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    if model == "gpt":
+    if model.startswith("gpt"):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 1, generator=g)
@@ -132,7 +132,7 @@ def batch(model: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_fn(model: str):
     from dtorch.train.losses import next_token
 
-    return next_token if model == "gpt" else F.mse_loss
+    return next_token if model.startswith("gpt") else F.mse_loss
 
 
 def train_single(model: str) -> list[float]:

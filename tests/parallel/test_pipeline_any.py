@@ -1,6 +1,7 @@
 """Pipeline parallelism for models DTorch did not write, cut between their blocks as they are.
 
-A hand-written GPT (blocks in an nn.ModuleList `h`, its own names, untied) and an MLP regressor
+A hand-written GPT (blocks in an nn.ModuleList `h`, its own names; untied, and tied: each end
+stage holds one name of the shared weight, kept in sync) and an MLP regressor
 (an nn.Sequential of identical residual blocks, MSE loss on float features) train 5 AdamW steps
 under pp=2 at world 2, one stage per rank and two stages per rank (the interleaved schedule, whose
 middle stages receive and send), with per-step losses within 1e-5 relative of one process training
@@ -32,6 +33,8 @@ CASES = {
     "gpt_interleaved": dict(model="gpt", pp=2, virtual_stages=2, schedule="interleaved_1f1b", num_microbatches=2,
                             microbatch_size=2),
     "mlp_gpipe": dict(model="mlp", pp=2, schedule="gpipe", num_microbatches=2, microbatch_size=2),
+    # the head shares the embedding's weight: one copy on each end stage, kept in sync (ties.py)
+    "gpt_tied_1f1b": dict(model="gpt_tied", pp=2, schedule="1f1b", num_microbatches=2, microbatch_size=2),
 }
 
 
@@ -93,6 +96,26 @@ def test_split_refuses_blocks_that_do_not_run_in_sequence():
         net = Parallel()
     reason = pipeline_reason(net, (torch.zeros(1, models.SEQ, dtype=torch.long),))
     assert "block 'h.1' does not take the output of block 'h.0'" in reason
+
+
+def test_a_tie_is_cut_by_name_and_refused_when_one_name_is_used_at_both_ends():
+    from dtorch.model.split import pipeline_reason, split_layout
+
+    tokens = (torch.zeros(1, models.SEQ, dtype=torch.long),)
     with torch.device("meta"):
         tied = models.hand_gpt_tied()
-    assert "tied" in pipeline_reason(tied, (torch.zeros(1, models.SEQ, dtype=torch.long),))
+    layout = split_layout(tied, tokens)  # wte.weight is lm_head.weight: used by wte, then by lm_head
+    assert "wte.weight" in layout.first and "lm_head.weight" in layout.last
+
+    class ReusesEmbedding(models.HandGPT):  # the head multiplies by the embedding's own weight
+        def forward(self, idx):
+            x = self.wte(idx)
+            for block in self.h:
+                x = block(x)
+            return torch.nn.functional.linear(self.ln_f(x), self.wte.weight)
+
+    with torch.device("meta"):
+        reuse = ReusesEmbedding()
+    reason = pipeline_reason(reuse, tokens)
+    assert "'wte.weight' is used both before the first block and after the last" in reason
+    assert "tied input/output embeddings across pipeline stages" in reason
