@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dtorch.errors import ConfigError
+from dtorch.model.hf import adapt, is_transformers_model
 from dtorch.model.structure import block_items, find_blocks, get_submodule
 
 
@@ -63,6 +64,15 @@ class SplitLayout:
 
 class _Unsplittable(Exception):
     pass
+
+
+_aten = torch.ops.aten
+_SHAPE_ONLY = frozenset(getattr(_aten, n).default for n in (
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty", "new_zeros",
+    "new_ones", "new_full", "new_empty_strided") if hasattr(_aten, n))
+"""Ops whose output does not depend on their input's values (only its shape, dtype and device): a
+mask or position table built this way from the embedding's output is recomputed alike on every
+stage, so it carries no dependence on the embedding's parameters."""
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -93,6 +103,8 @@ class _Dataflow(TorchDispatchMode):
         return f"block '{self.path}.{self.names[self.block]}'" if self.block is not None else "the model's forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SHAPE_ONLY:
+            return func(*args, **(kwargs or {}))
         ins = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
         tag: set[int] = set()
         for t in ins:
@@ -123,9 +135,14 @@ class _Dataflow(TorchDispatchMode):
         if self.block is not None:
             tag.add(self.block)
         out = func(*args, **(kwargs or {}))
+        # a view shares its input's storage and values: it must not tag that storage with this block
+        # (RoPE's cos table viewed inside block 0 is still the table every block reads)
+        read = {_storage(t) for t in ins} if not func._schema.is_mutable else set()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 s = _storage(t)
+                if s in read:
+                    continue
                 if tag:
                     self.tags[s] = frozenset(tag) | self.tags.get(s, frozenset())
                 if self.block is not None:
@@ -196,10 +213,11 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
             if prev is None or _storage(prev) != _storage(first) or prev.shape != first.shape:
                 raise _Unsplittable(f"block '{path}.{names[k]}' does not take the output of block "
                                     f"'{path}.{names[k - 1]}' as its first input (blocks do not run in sequence)")
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor) and t is not first and flow.tag(t):
-                raise _Unsplittable(f"block '{path}.{names[k]}' takes an argument computed from parameters "
-                                    "outside it besides its input")
+        named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"'{n}'", a) for n, a in kwargs.items()]
+        for what, value in named:
+            if any(isinstance(t, torch.Tensor) and t is not first and flow.tag(t) for t in tree_flatten(value)[0]):
+                raise _Unsplittable(f"block '{path}.{names[k]}' takes {what} computed from parameters (of earlier "
+                                    "blocks or outside them) besides its input")
         flow.block, flow.block_args, flow.block_made = k, {_storage(t) for t in tree_flatten((args, kwargs))[0]
                                                            if isinstance(t, torch.Tensor)}, set()
 
@@ -253,6 +271,11 @@ def pipeline_reason(model: nn.Module, inputs: tuple) -> str:
     """Why `model` cannot be cut into pipeline stages between its blocks, '' if it can (see
     `split_layout`). Models that declare their first- and last-stage modules (DTorch's reference
     models and adapters: `input_modules` / `output_modules`) are written to be cut: ''."""
+    if is_transformers_model(model):
+        try:  # the executor cuts a transformers causal LM through its adapter (declared stages)
+            model = adapt(model)
+        except ConfigError:
+            pass
     if declares_stages(model):
         return ""
     try:
