@@ -95,6 +95,9 @@ class _Dataflow(TorchDispatchMode):
         self.used_before: set[str] = set()
         self.used_after: set[str] = set()
         self.modules: list[str] = []  # the modules outside the blocks running, outermost first
+        self.alive: list[Any] = []
+        """Every storage seen, kept alive for the forward: a freed storage's address would be reused
+        by a new one and carry its tags (meta storages hold no data: this costs nothing)."""
 
     def tag(self, t: torch.Tensor) -> frozenset[int]:
         return self.tags.get(_storage(t), frozenset())
@@ -104,7 +107,7 @@ class _Dataflow(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _SHAPE_ONLY:
-            return func(*args, **(kwargs or {}))
+            return self._record(func(*args, **(kwargs or {})), set(), set())
         ins = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
         tag: set[int] = set()
         for t in ins:
@@ -135,16 +138,22 @@ class _Dataflow(TorchDispatchMode):
         if self.block is not None:
             tag.add(self.block)
         out = func(*args, **(kwargs or {}))
+        inputs = {_storage(t) for t in ins}
         # a view shares its input's storage and values: it must not tag that storage with this block
         # (RoPE's cos table viewed inside block 0 is still the table every block reads)
-        read = {_storage(t) for t in ins} if not func._schema.is_mutable else set()
+        return self._record(out, tag, inputs if not func._schema.is_mutable else set(), inputs)
+
+    def _record(self, out: Any, tag: set[int], views_of: set[int], inputs: frozenset | set = frozenset()) -> Any:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 s = _storage(t)
-                if s in read:
+                self.alive.append(t.untyped_storage())
+                if s in views_of:
                     continue
-                if tag:
+                if s in inputs:  # written in place: its values now depend on this op's inputs too
                     self.tags[s] = frozenset(tag) | self.tags.get(s, frozenset())
+                else:  # a new storage (its address may be a freed one's: forget that one's tags)
+                    self.tags[s] = frozenset(tag)
                 if self.block is not None:
                     self.block_made.add(s)
         return out

@@ -119,3 +119,19 @@ def test_a_tie_is_cut_by_name_and_refused_when_one_name_is_used_at_both_ends():
     reason = pipeline_reason(reuse, tokens)
     assert "'wte.weight' is used both before the first block and after the last" in reason
     assert "tied input/output embeddings across pipeline stages" in reason
+
+
+def test_a_raw_transformers_llama_can_be_cut_as_written():
+    """RoPE's cos/sin, computed once before the blocks and viewed inside each, depend on no
+    parameter: a view inside block 0 must not make them block 0's (nor a mask built with new_zeros
+    from the embedding's output the embedding's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dtorch.model.split import split_layout
+
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    layout = split_layout(hf, (torch.zeros(1, models.SEQ, dtype=torch.long),))
+    assert layout.block_path == "model.layers" and layout.first == ("model.embed_tokens.weight",)
+    assert set(layout.last) == {"model.norm.weight", "lm_head.weight"}
