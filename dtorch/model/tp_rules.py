@@ -114,6 +114,9 @@ def check_block(block: nn.Module, block_name: str) -> dict[str, str]:
 # exactly as a sequence-parallel norm's. Valid for any module whose output rows depend only on the
 # same input rows (norms, scales, biases, linear maps): not for one that mixes the rows of dim 0.
 REGION_ATTR = "_dtorch_tp_region"
+SP_WHOLE_ATTR = "_dtorch_sp_whole"
+"""On a block's child under sequence parallelism: it gathers the whole sequence on entry and keeps
+this rank's shard of its output (tp.apply_tp), so its parameters see every token on every rank."""
 _ANALYSED_ATTR = "_dtorch_tp_region_analysed"
 
 
@@ -198,6 +201,25 @@ def _first_input_cooled(flow: _Flow, module: nn.Module, args: tuple, kwargs: dic
     return args, {**kwargs, first: cool(kwargs[first])} if first in kwargs else kwargs
 
 
+def _unwrappable(mod: nn.Module, entered: tuple[int, bool] | None) -> bool:
+    return any(True for c in mod.children() for _ in c.parameters()) or (entered or (1, False))[0] > 1
+
+
+def _whole_children(block: nn.Module, candidates: list[str], verdict: dict, entered: dict) -> set[str]:
+    """Under SP, the block children (a mixture of experts: a router and experts taking several tensors)
+    holding a sequence-shard parameter that cannot run as data parallel over the TP group: they run
+    on the whole sequence instead, when they take one tensor and hold no tensor-parallel layer.
+    (`entered`: by module name within a block, from the blocks the forward reached.)"""
+    roles = layer_roles(block)
+    out = set()
+    for cname in candidates:
+        top = cname.split(".")[0]
+        if (cname != top and verdict.get(cname) and _unwrappable(block.get_submodule(cname), entered.get(cname))
+                and entered.get(top) == (1, True) and not any(n == top or n.startswith(top + ".") for n in roles)):
+            out.add(top)
+    return out
+
+
 def _entered(flow: _Flow, entered: dict, module: nn.Module, args: tuple, kwargs: dict) -> None:
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     entered[id(module)] = (len(tensors), any(id(t) in flow.hot for t in tensors))
@@ -217,8 +239,9 @@ def mark_region(model: nn.Module, sp: bool = False, seq_len: int = 8) -> None:
     items = block_items(blocks)
     for _, block in items:  # a new analysis (another sp) starts from no marks
         for mod in block.modules():
-            if getattr(mod, REGION_ATTR, False):
-                object.__setattr__(mod, REGION_ATTR, False)
+            for attr in (REGION_ATTR, SP_WHOLE_ATTR):
+                if getattr(mod, attr, False):
+                    object.__setattr__(mod, attr, False)
     candidates = {name: _region_candidates(block, sp) for name, block in items}
     if not any(candidates.values()):
         object.__setattr__(model, _ANALYSED_ATTR, sp)
@@ -239,6 +262,8 @@ def mark_region(model: nn.Module, sp: bool = False, seq_len: int = 8) -> None:
             hooks.append(block.get_submodule(cname).register_forward_hook(lambda m, a, out: reached.add(id(m))))
         if sp:  # the block runs on sequence shards, the modules owning column-wise layers on whole ones
             hooks.append(block.register_forward_pre_hook(lambda m, a, kw: flow.heat(a[:1] or kw), with_kwargs=True))
+            for _, child in block.named_children():
+                hooks.append(child.register_forward_pre_hook(partial(_entered, flow, entered), with_kwargs=True))
             for owner in {n.rpartition(".")[0] for n, r in roles.items() if r == "colwise"} - {""}:
                 hooks.append(block.get_submodule(owner).register_forward_pre_hook(
                     partial(_first_input_cooled, flow), with_kwargs=True))
@@ -254,6 +279,11 @@ def mark_region(model: nn.Module, sp: bool = False, seq_len: int = 8) -> None:
         for h in hooks:
             h.remove()
     # a module the forward did not reach takes the verdict of the same module of a block it reached
+    by_name: dict[str, tuple[int, bool]] = {}
+    for _, block in items:
+        for n, m in block.named_modules():
+            if id(m) in entered:
+                by_name.setdefault(n, entered[id(m)])
     verdict: dict[str, list[torch.Size]] = {}
     for bname, block in items:
         for cname in candidates[bname]:
@@ -266,7 +296,12 @@ def mark_region(model: nn.Module, sp: bool = False, seq_len: int = 8) -> None:
     for bname, block in items:
         widths = {mod.out_features for n, mod in block.named_modules()
                   if isinstance(mod, nn.Linear) and layer_roles(block).get(n) == "colwise"}
+        whole = _whole_children(block, candidates[bname], verdict, by_name) if sp else set()
+        for top in whole:
+            object.__setattr__(block.get_submodule(top), SP_WHOLE_ATTR, True)
         for cname in candidates[bname]:
+            if cname.split(".")[0] in whole:
+                continue  # runs on the whole sequence, as on one process: its gradients are complete
             mod = block.get_submodule(cname)
             where = f"{path}.{bname}.{cname}"
             field = "sp" if sp and cname not in _region_candidates(block, False) else "tp"
@@ -282,7 +317,7 @@ def mark_region(model: nn.Module, sp: bool = False, seq_len: int = 8) -> None:
                 raise ConfigError(field, where, "its parameter spans the features of all heads of a column-wise "
                                   "layer (e.g. a q/k norm over the whole projection), which no rank holds under "
                                   "tensor parallelism; use tp=1 (FSDP, DDP and PP work)")
-            if any(True for c in mod.children() for _ in c.parameters()) or entered.get(id(mod), (1, False))[0] > 1:
+            if _unwrappable(mod, by_name.get(cname)):
                 raise ConfigError(field, where, "a module with parameters used inside the tensor-parallel region "
                                   "(on this rank's heads or sequence shard only) that DTorch cannot run as data "
                                   "parallel over the TP group (it takes several tensors, or has submodules with "

@@ -36,6 +36,7 @@ from dtorch.model.tp_rules import (  # noqa: F401 - annotate, ROLES: the public 
     REGION_ATTR,
     ROLE_BY_NAME,
     ROLES,
+    SP_WHOLE_ATTR,
     TOP_ROLE_BY_NAME,
     _role,
     annotate,
@@ -94,15 +95,39 @@ def gather_sequence_on_entry(block: nn.Module, plan: dict[str, object], tp_mesh:
         mod.register_forward_pre_hook(partial(_gather_first_input, mesh=tp_mesh, name=first), with_kwargs=True)
 
 
-def _gather_first_input(module: nn.Module, args: tuple, kwargs: dict, *, mesh: DeviceMesh, name: str):
+def _gather_first_input(module: nn.Module, args: tuple, kwargs: dict, *, mesh: DeviceMesh, name: str,
+                        local: bool = False):
     def gather(x):
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
-        return x.redistribute(mesh, (Replicate(),))
+        x = x.redistribute(mesh, (Replicate(),))
+        return x.to_local() if local else x
 
     if args:
         return (gather(args[0]), *args[1:]), kwargs
     return args, {**kwargs, name: gather(kwargs[name])}
+
+
+def run_whole_sequence(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Block children marked by mark_region (SP_WHOLE_ATTR: a mixture of experts under SP) take the
+    whole sequence (all-gathered on entry) and return this rank's shard of their output. Every TP
+    rank computes the same whole thing, so their parameters' gradients are complete (the backward
+    of taking the shard gathers the output gradient; that of the gather keeps this rank's part)."""
+    for _, child in block.named_children():
+        if getattr(child, SP_WHOLE_ATTR, False):
+            first = next(iter(inspect.signature(child.forward).parameters))
+            child.register_forward_pre_hook(partial(_gather_first_input, mesh=tp_mesh, name=first, local=True),
+                                            with_kwargs=True)
+            child.register_forward_hook(partial(_keep_sequence_shard, mesh=tp_mesh))
+
+
+def _keep_sequence_shard(module: nn.Module, args: tuple, output, *, mesh: DeviceMesh):
+    def shard(x):
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False).redistribute(mesh, (Shard(1),)).to_local()
+
+    if isinstance(output, tuple):
+        return (shard(output[0]), *output[1:])
+    return shard(output)
 
 
 class _AllReduceGradTail(torch.autograd.Function):
@@ -179,6 +204,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
         fix_latent_attention(block, tp_mesh)
         if sp:
             gather_sequence_on_entry(block, bplan, tp_mesh)
+            run_whole_sequence(block, tp_mesh)
     if sp:
         # every random draw inside a sequence-parallel block is on a TP-sharded tensor (rng.py);
         # a block that draws nothing needs no stream switch (and stays traceable by torch.compile)

@@ -76,7 +76,6 @@ def _meta(arch: str):
 @pytest.mark.parametrize("arch,layer,field", [
     ("phi3", "layers.0.self_attn.qkv_proj", "tp"),  # q|k|v side by side, sliced by the config's head counts
     ("olmo2", "layers.0.self_attn.q_norm", "tp"),  # normalises over all heads' features at once
-    ("qwen3_moe", "layers.0.mlp.experts", "sp"),  # sequence shards into experts taking several tensors
 ])
 def test_tensor_parallelism_is_refused_naming_the_layer(arch: str, layer: str, field: str) -> None:
     from dtorch.errors import ConfigError
@@ -109,19 +108,25 @@ def test_the_region_rule_follows_the_data_not_the_names() -> None:
         deepseek = build_model("deepseek-tiny")
     assert marked(deepseek) == []
     assert marked(_meta("llama")) == marked(_meta("gpt_neox")) == []
+    # under SP a MoE's router and experts would see sequence shards: its block runs on whole sequences
+    from dtorch.parallel.tp import SP_WHOLE_ATTR
+
+    moe = _meta("mixtral")
+    assert marked(moe, sp=True) == []
+    assert [n for n, m in moe.named_modules() if getattr(m, SP_WHOLE_ATTR, False)] == ["layers.0.mlp", "layers.1.mlp"]
 
 
 # ---- world 2: DDP, FSDP, TP (+SP) and PP against a plain single-process loop ---------------------
 # A representative subset, all in ONE group of 2 gloo processes (about 40 s): per-head q/k norms inside
 # the TP region (qwen3, gemma3 with sliding windows, also under SP with Gemma's norms after the
-# attention, qwen3_moe with replicated experts), GPT-NeoX's per-head fused query_key_value, Mistral's
+# attention, qwen3_moe with replicated experts, mixtral under SP), GPT-NeoX's per-head fused query_key_value, Mistral's
 # sliding window, the models TP is refused for on the plans they do get (phi3, olmo2), and DTorch's own
 # MoETransformer with Qwen3's q/k norms (the reference-model path of an --init-from Qwen3-MoE). Every
 # case also compares each gradient of the first step with the single-process one.
 WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager", "tp"),
           ("gemma3", "sdpa", "tp_sp"), ("gpt_neox", "sdpa", "tp"), ("gpt_neox", "eager", "fsdp"),
           ("mistral", "eager", "tp"), ("phi3", "eager", "ddp"), ("olmo2", "sdpa", "pp"),
-          ("qwen3_moe", "sdpa", "tp"), ("dtorch-moe-qk-norm", "", "tp")]
+          ("qwen3_moe", "sdpa", "tp"), ("mixtral", "eager", "tp_sp"), ("dtorch-moe-qk-norm", "", "tp")]
 
 
 @pytest.fixture(scope="module")
