@@ -1,4 +1,4 @@
-"""Token datasets: memory-mapped token files and a default corpus present on every machine.
+"""Datasets and batching: token files, a default corpus present on every machine, and batches of any items.
 
 A token dataset is map-style: ``dataset[i] -> (input, target)``, two int64 tensors of
 ``seq_len`` tokens where ``target`` is ``input`` shifted by one. Sample ``i`` of a `TokenFile`
@@ -8,6 +8,10 @@ token that is both the last target and the next first input).
 The default corpus is byte-level (vocabulary 256): the Python standard library's own sources
 (code, docstrings and comments), read in a deterministic sorted order and capped in size. It needs
 no download; it is cached under ``$DTORCH_CACHE`` (default ``~/.cache/dtorch``), built atomically.
+
+Batching (`batch_for`) is not limited to tokens: any map-style dataset whose items are tensors,
+tuples or dicts of tensors is collated (`stack`, or the user's collate) and split into model input
+and target by one rule (`split_batch`; docs/models.md).
 """
 
 from __future__ import annotations
