@@ -36,10 +36,10 @@ param)` copies into a parameter (a DTensor or a tensor) the block this rank stor
 the safetensors files with `safe_open(...).get_slice` only the rows and columns that block needs
 (for a rope tensor: the whole heads it overlaps). No rank ever reads the full checkpoint.
 Tied input/output embeddings (``tie_word_embeddings``: GPT-2 by default, small Llama 3.2 / Qwen2)
-still load into an untied head, a copy of the embedding (`_tied`: resuming a tied run loses the tied
-parameter's optimizer state today). A reference model built tied (`tie_embeddings`: one Parameter
-on every plan) exports tied: no ``lm_head.weight``, ``tie_word_embeddings: true``; a checkpoint whose
-head differs from its embedding exports untied. `export_hf_files` copies the tokenizer files and
+load tied (`tie_embeddings` of the reference model: one Parameter on every plan) and export tied: no
+``lm_head.weight``, ``tie_word_embeddings: true``; a checkpoint whose head differs from its
+embedding (a run that loaded the checkpoint untied) exports untied. (Mixture-of-experts families
+load a tied head as an untied copy.) `export_hf_files` copies the tokenizer files and
 generation_config.json of the source directory beside an export; `save_run_config` keeps them next
 to a run's checkpoints.
 
@@ -207,7 +207,7 @@ def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelCo
                          vocab_size=hf["vocab_size"], max_seq_len=max_seq_len or hf["n_positions"],
                          ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
                          dropout=float(hf.get("resid_pdrop", 0.1)),
-                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), tie_embeddings=_tied(hf, kind))
+                         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), tie_embeddings=hf_tied(hf, kind))
     if kind in MOE_FAMILIES:
         return _moe_config(hf, kind, refuse, max_seq_len)
     if hf.get("hidden_act", "silu") != "silu":
@@ -240,7 +240,7 @@ def dtorch_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelCo
                        max_seq_len=max_seq_len or hf.get("max_position_embeddings", 8192),
                        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                        rope_theta=float(theta if theta is not None else 10000.0),
-                       qkv_bias=kind == "qwen2", rope_scaling=scaling, tie_embeddings=_tied(hf, kind))
+                       qkv_bias=kind == "qwen2", rope_scaling=scaling, tie_embeddings=hf_tied(hf, kind))
 
 
 def check_window(hf: dict[str, Any] | None, seq_len: int) -> None:
@@ -256,14 +256,6 @@ def check_window(hf: dict[str, Any] | None, seq_len: int) -> None:
         raise ConfigError("seq_len", seq_len, f"longer than this {hf.get('model_type')} checkpoint's sliding_window="
                           f"{window}, which DTorch's Llama does not model; use seq_len <= {window}, or pass the "
                           "model as a transformers factory (AutoModelForCausalLM), which applies the window")
-
-
-def _tied(hf: dict[str, Any], kind: str) -> bool:
-    """Whether the reference model ties its head: not yet, whatever Hugging Face's
-    tie_word_embeddings says. A tied run's checkpoint lacks the tied parameter's optimizer state
-    on resume (torch's state_dict helpers under FSDP, tests/train/test_text_data.py), so a tied
-    checkpoint still loads as an untied copy and exports untied. `hf_tied` is the source's flag."""
-    return False
 
 
 def hf_tied(hf: dict[str, Any], kind: str) -> bool:

@@ -1,9 +1,8 @@
-"""Tied in, tied out: a tied Hugging Face checkpoint loads into DTorch's reference model built tied
-(head and embedding one Parameter), trains tied, and exports tied (no lm_head.weight,
+"""Tied in, tied out: a tied Hugging Face checkpoint loads into DTorch's reference model tied (head
+and embedding one Parameter), trains tied, and exports tied (no lm_head.weight,
 tie_word_embeddings true) with the source's tokenizer files and generation_config.json beside the
 weights; transformers loads the export (model and tokenizer) and gives the trained model's logits.
-A checkpoint whose head differs from its embedding exports untied. (`--init-from` itself still
-loads tied checkpoints untied: hf_weights._tied.)"""
+A checkpoint whose head differs from its embedding exports untied."""
 
 from __future__ import annotations
 
@@ -65,7 +64,7 @@ def test_tied_model_loads_tied_trains_and_exports_tied_with_tokenizer(family: st
 
     src = _source(family, tmp_path / "src")
     _, cfg = load_model_config(src)
-    cfg = dataclasses.replace(cfg, tie_embeddings=True)  # what --init-from will build once resume keeps the tie
+    assert cfg.tie_embeddings  # what --init-from builds
     pm = parallelize(lambda: build_from_config(cfg), Plan(), loss_fn=next_token, weights=HFWeights(src))
     (model,) = pm.model_parts
     assert model.output.weight is model.tok_embeddings.weight
