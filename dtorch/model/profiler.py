@@ -59,6 +59,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from dtorch.errors import ConfigError
 from dtorch.model.outputs import batch_size, call_model, is_token_input, logits_of
 from dtorch.model.profile import ModelProfile
+from dtorch.model.split import pipeline_reason
 from dtorch.model.structure import block_items, find_blocks, find_structure, join
 
 aten = torch.ops.aten
@@ -261,7 +262,7 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
     elif not tokens_input:
         split_reason = "the model input is not a token sequence (pipeline stages pass token tensors)"
     else:
-        split_reason = ""
+        split_reason = pipeline_reason(model, (inputs.to("meta"),))
 
     # -- one forward of a one-block copy (every block if they differ) on fake tensors --
     try:
