@@ -102,14 +102,15 @@ def _tensor_bytes(t: torch.Tensor) -> Any:
     return flat.view(torch.uint8).numpy() if flat.numel() else b""
 
 
-def _mac(key: bytes, blob: bytes, tensors: list[torch.Tensor]) -> bytes:
-    """HMAC-SHA256 of a snapshot: its pickled header, then every tensor's bytes in buffer order
-    (`_refs`), so that the same snapshot has the same MAC in its own files, in a replica's flat
-    buffer and on the wire. hashlib drops the GIL while hashing large buffers."""
+def _mac(key: bytes, blob: bytes, chunks: Any) -> bytes:
+    """HMAC-SHA256 of a snapshot: its pickled header, then every tensor's bytes (`chunks`, from
+    `_tensor_bytes`) in buffer order (`_refs`), so that the same snapshot has the same MAC in its
+    own files, in a replica's flat buffer and on the wire. hashlib drops the GIL while hashing
+    large buffers."""
     h = hmac.new(key, len(blob).to_bytes(8, "little"), hashlib.sha256)
     h.update(blob)
-    for t in tensors:
-        h.update(_tensor_bytes(t))
+    for c in chunks:
+        h.update(c)
     return h.digest()
 
 
@@ -128,7 +129,7 @@ def _verify(key: bytes, raw: bytes, tensors: list[torch.Tensor]) -> None:
     """Raise SnapshotRejected unless `tensors` (in buffer order) and the header in `raw` are what
     was signed."""
     _, mac, blob = _parse_header(raw)
-    if not hmac.compare_digest(mac, _mac(key, blob, tensors)):
+    if not hmac.compare_digest(mac, _mac(key, blob, map(_tensor_bytes, tensors))):
         raise SnapshotRejected("its HMAC does not match its content (edited in memory, damaged, or signed "
                                "with another key)")
 
@@ -622,6 +623,8 @@ class Snapshotter:
         """Copy on the side thread (default); False: the whole take on the caller's thread, for
         comparison (`benchmarks/bench_failure_cost.py`) and where threads cost more than they save."""
         self._bufs: list[list[tuple[torch.Tensor, dict[str, Any]]]] = [[] for _ in range(_SLOTS)]
+        self._views: list[list[Any]] = [[] for _ in range(_SLOTS)]
+        """Per slot, each buffer's bytes (`_tensor_bytes`), for its MAC."""
         self._src: list[torch.Tensor] = []
         self._refs: list[dict[str, Any]] = []
         self._live_packs: list[dict[int, tuple[Any, ...]]] = [{} for _ in range(_SLOTS)]
@@ -651,11 +654,13 @@ class Snapshotter:
         name = f"rank{self.rank}-slot{slot}-{i}.bin"
         buf = _mapped(self.dir / name, list(t.shape), t.dtype)
         ref = {"__shm__": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        bufs = self._bufs[slot]
+        bufs, views = self._bufs[slot], self._views[slot]
         if i < len(bufs):
             bufs[i] = (buf, ref)
+            views[i] = _tensor_bytes(buf)
         else:
             bufs.append((buf, ref))
+            views.append(_tensor_bytes(buf))
 
     def _buffer(self, slot: int, t: torch.Tensor) -> dict[str, Any]:
         """The header reference of the next tensor in traversal order: an empty dict that the side
@@ -840,7 +845,8 @@ class Snapshotter:
         tmp = header.with_name(f".{header.name}.tmp")
         blob = pickle.dumps(doc, protocol=pickle.HIGHEST_PROTOCOL)
         # signed as written to shared memory: what a restore reads back must be this, byte for byte
-        raw = _MAGIC + _mac(self.key, blob, dst) + blob
+        views = self._views[slot]  # the buffers' bytes, made once per buffer (per-take views cost the GIL)
+        raw = _MAGIC + _mac(self.key, blob, (views[i] for i in range(len(dst)))) + blob
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
@@ -1109,6 +1115,7 @@ class Snapshotter:
                 pool.shutdown(wait=True)
         self._pool = self._repl_pool = None
         self._bufs = [[] for _ in range(_SLOTS)]
+        self._views = [[] for _ in range(_SLOTS)]
         self._matched = [None] * _SLOTS
         self._peer_flat = [None] * _SLOTS
         self._stage = [None] * _SLOTS
