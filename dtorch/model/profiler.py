@@ -60,7 +60,7 @@ from dtorch.errors import ConfigError
 from dtorch.model.outputs import batch_size, call_model, is_token_input, logits_of
 from dtorch.model.profile import ModelProfile
 from dtorch.model.split import pipeline_reason
-from dtorch.model.structure import block_items, find_blocks, find_structure, join
+from dtorch.model.structure import block_items, context_hooks_reason, find_blocks, find_structure, join
 
 aten = torch.ops.aten
 
@@ -259,8 +259,9 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
     # -- can the blocks be cut into pipeline stages: one meta forward of the whole model (dtorch.model.split) --
     if not blocks:
         split_reason = "the model has no repeated blocks to cut into stages"
-    elif not tokens_input:
-        split_reason = "the model input is not a token sequence (pipeline stages pass token tensors)"
+    elif not isinstance(inputs, torch.Tensor):
+        split_reason = (f"the model takes {_describe(inputs)}: pipeline stages pass one tensor from stage to "
+                        "stage")
     else:
         split_reason = pipeline_reason(model, (inputs.to("meta"),))
 
@@ -313,7 +314,7 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         moe = dict(num_experts=num_experts, experts_per_token=top_k, params_per_expert=per_expert,
                    expert_hidden=expert_hidden, num_shared_experts=int(_cfg(cfg, "n_shared_experts")),
                    params_active=params_total - num_layers * (num_experts - top_k) * per_expert)
-    context_reason = "" if tokens_input else (
+    context_reason = context_hooks_reason(model) if tokens_input else (
         f"the model input is not a token sequence ({_describe(inputs)}): context parallelism shards a token "
         "sequence")
     return ModelProfile(

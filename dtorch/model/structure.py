@@ -234,3 +234,22 @@ def blocks_of(parts: Iterable[nn.Module], structure: ModelStructure | None = Non
                               f"no blocks under '{structure.block_path}' in this model part; {ANNOTATION_HELP}")
         out += found
     return out
+
+
+CONTEXT_POSITIONS_HOOK = "token_positions"
+"""Model attribute context parallelism installs (dtorch.parallel.cp): the global positions of the
+local tokens."""
+CONTEXT_ATTENTION_HOOK = "core_attention"
+"""Attention-module attribute context parallelism installs: attention over the whole sequence."""
+
+
+def context_hooks_reason(model: nn.Module) -> str:
+    """Why context parallelism cannot be installed in `model` ('' when it can): the model must declare
+    the two hooks the executor fills (DTorch's Llama and GPT do). One rule for the profiler, and so
+    the planner, and for the executor's `check_cp`."""
+    model = unwrap(model)
+    if CONTEXT_POSITIONS_HOOK in dir(type(model)) and any(
+            CONTEXT_ATTENTION_HOOK in dir(type(m)) for m in model.modules()):
+        return ""
+    return (f"context parallelism needs a model that declares the `{CONTEXT_POSITIONS_HOOK}` and "
+            f"`{CONTEXT_ATTENTION_HOOK}` hooks (DTorch's Llama and GPT do; {type(model).__name__} does not)")

@@ -47,12 +47,13 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtorch.errors import ConfigError
+from dtorch.model.structure import CONTEXT_ATTENTION_HOOK, CONTEXT_POSITIONS_HOOK, context_hooks_reason
 from dtorch.plan.plan import Plan
 
-POSITIONS_HOOK = "token_positions"
+POSITIONS_HOOK = CONTEXT_POSITIONS_HOOK
 """Model attribute: None, or a callable local_len, device -> (global positions LongTensor[local_len],
 global sequence length)."""
-ATTENTION_HOOK = "core_attention"
+ATTENTION_HOOK = CONTEXT_ATTENTION_HOOK
 """Attention-module attribute: None, or a callable (q, k, v, *, dropout_p, enable_gqa) -> output,
 q/k/v [batch, heads, local_len, head_dim], replacing causal SDPA over the local sequence."""
 
@@ -62,16 +63,12 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def check_cp(plan: Plan, model: nn.Module) -> None:
-    """Raise ConfigError if `plan.cp > 1` and `model` does not declare the context-parallel hooks."""
+    """Raise ConfigError if `plan.cp > 1` and `model` does not declare the context-parallel hooks
+    (`dtorch.model.structure.context_hooks_reason`, the planner's rule too)."""
     if plan.cp == 1:
         return
-    if POSITIONS_HOOK not in dir(type(model)) or not _attention_modules(model):
-        raise ConfigError(
-            "cp", plan.cp,
-            f"context parallelism needs a model that declares the `{POSITIONS_HOOK}` and "
-            f"`{ATTENTION_HOOK}` hooks (DTorch's Llama and GPT do; {type(model).__name__} does not, "
-            "e.g. transformers models); use cp=1 and put the degree into dp_shard or tp",
-        )
+    if why := context_hooks_reason(model):
+        raise ConfigError("cp", plan.cp, f"{why}; use cp=1 and put the degree into dp_shard or tp")
 
 
 def shard_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:

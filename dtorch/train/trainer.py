@@ -290,6 +290,15 @@ class Trainer:
             return default_corpus(self.seq_len)
         return self.data
 
+    def _microbatch_sample(self) -> tuple[torch.Tensor] | None:
+        """One micro-batch of the run's model input on the meta device, for the executor's checks of
+        what applies (the pipeline cut traces it); None when the input is not one tensor (pipeline and
+        context parallelism refuse such input)."""
+        inputs = self._sample()[0]
+        if not isinstance(inputs, torch.Tensor):
+            return None
+        return (torch.empty((self.plan.microbatch_size, *inputs.shape[1:]), dtype=inputs.dtype, device="meta"),)
+
     def _sample(self) -> tuple[Any, Any]:
         """One real batch of the run's data (two samples, collated), which the profiler measures the
         model on (docs/models.md)."""
@@ -533,7 +542,8 @@ class Trainer:
                 # for `dtorch ckpt export --hf`: the config, tokenizer and generation config
                 save_run_config(self.checkpoint_dir, self.hf_config, self.init_from)
         self.parallel = parallelize(self.model_factory, self.plan, loss_fn=self.loss_fn,
-                                    device=self.device, seed=self.seed, seq_len=self.seq_len, weights=weights)
+                                    device=self.device, seed=self.seed, seq_len=self.seq_len, weights=weights,
+                                    sample=self._microbatch_sample())
         st = self.parallel.startup
         self.metrics.event("startup", path=st["path"], bytes_read=st["bytes_read"],
                            peak_rss_bytes=st["peak_rss_bytes"], init_from=str(self.init_from or ""))
