@@ -197,6 +197,9 @@ def test_bad_nvme_directory_fails_the_trainer_before_training(tmp_path):
         Trainer(model=lambda: None, offload="optimizer_nvme")  # no directory given
     with pytest.raises(ConfigError, match="offload"):
         Trainer(model=lambda: None, offload="disk")
+    # a directory the host tier would never use is an error, not silently ignored
+    with pytest.raises(ConfigError, match="offload_dir.*optimizer_nvme"):
+        Trainer(model=lambda: None, offload="optimizer", offload_dir=tmp_path)
     from dtorch.models import build_model
 
     tr = Trainer(model=lambda: build_model("llama-tiny"), plan=Plan(microbatch_size=2), global_batch=2, seq_len=16,

@@ -72,6 +72,11 @@ class OptimizerOffload:
         `offload=optimizer_nvme` the NVMe tier in `directory`."""
         if isinstance(value, OptimizerOffload):
             return value
+        if directory is not None and value in ("none", "optimizer"):
+            # nothing silently ignored: only the NVMe tier writes to a directory
+            raise ConfigError("offload_dir", str(directory),
+                              f"offload={value} keeps no files on disk; use offload=optimizer_nvme for the NVMe "
+                              "tier, or drop the directory")
         if value is None:
             if plan_offload == "optimizer_nvme":
                 if directory is None:
