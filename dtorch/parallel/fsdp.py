@@ -30,6 +30,8 @@ entirely is not supported.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -137,55 +139,37 @@ class UnusedParameters:
     their gradient is None as in one process (the zero gradient such units reduce for an unused
     parameter would otherwise let AdamW move it by its momentum and weight decay).
 
-    Each parameter-holding module gets a forward pre-hook that, while its unit is gathered, puts a
-    post-accumulate-grad hook on each unsharded parameter (FSDP2 keeps one unsharded parameter
-    object per parameter for the whole run) and removes itself once all are hooked. Per step:
+    A parameter counts as used in a step when the module that holds it ran a forward (a forward
+    pre-hook per parameter-holding module: one flag write, whatever FSDP has gathered). Per step:
     `reset()` before the first micro-batch; `flags()` after backward, summed over the data-parallel
-    ranks (it rides on the loss's all-reduce); `drop(summed)` sets grad None where a parameter was
-    seen gathered on some rank but got a gradient on none. A parameter only ever used outside its
-    own module's forward is never seen and keeps its (zero) gradient. Every rank must hold the same
-    parameters (pp == 1)."""
+    ranks (it rides on the loss's all-reduce); `drop(summed)` sets grad None where no rank ran the
+    parameter's module. A module that ran without its parameter reaching the loss keeps the (zero)
+    gradient its unit reduced. Every rank must hold the same parameters (pp == 1)."""
 
     def __init__(self, model: nn.Module):
-        # one slot per parameter (a tied one once, whichever module names it); between forwards FSDP
-        # registers the sharded parameters, the ones the optimizer holds
+        # one slot per parameter (a tied one once: it is used when either of its modules runs)
         self.params: list[nn.Parameter] = []
         slot: dict[int, int] = {}
-        per_module: dict[nn.Module, list[tuple[str, int]]] = {}
+        per_module: dict[nn.Module, list[int]] = {}
         for mod in model.modules():
-            for name, p in mod.named_parameters(recurse=False):
+            for p in mod.parameters(recurse=False):
                 if id(p) not in slot:
                     slot[id(p)] = len(self.params)
                     self.params.append(p)
-                per_module.setdefault(mod, []).append((name, slot[id(p)]))
-        self._sharded = set(slot)
-        self.seen = torch.zeros(len(self.params))
+                per_module.setdefault(mod, []).append(slot[id(p)])
         self.used = torch.zeros(len(self.params))
-        self._hooked: set[int] = set()
-        self._pre = {mod: mod.register_forward_pre_hook(lambda m, args, slots=slots: self._hook(m, slots))
-                     for mod, slots in per_module.items()}
+        for mod, slots in per_module.items():
+            mod.register_forward_pre_hook(partial(self._ran, torch.tensor(slots)))
 
-    def _hook(self, mod: nn.Module, slots: list[tuple[str, int]]) -> None:
-        done = True
-        for name, i in slots:
-            p = mod._parameters.get(name)
-            if p is None or id(p) in self._sharded:
-                done = False  # not gathered (a module outside any unit's forward): look again next call
-                continue
-            if id(p) not in self._hooked and p.requires_grad:
-                self._hooked.add(id(p))
-                p.register_post_accumulate_grad_hook(lambda _, i=i: self.used.__setitem__(i, 1.0))
-            self.seen[i] = 1.0
-        if done:
-            self._pre.pop(mod).remove()
+    def _ran(self, index: torch.Tensor, module: nn.Module, args: tuple) -> None:
+        self.used.index_fill_(0, index, 1.0)  # (a pre-hook's return value would replace the args)
 
     def reset(self) -> None:
         self.used.zero_()
 
     def flags(self) -> torch.Tensor:
-        return torch.cat([self.seen, self.used])
+        return self.used
 
     def drop(self, summed: torch.Tensor) -> None:
-        n = len(self.params)
-        for i in ((summed[:n] > 0) & (summed[n:] == 0)).nonzero().flatten().tolist():
+        for i in (summed == 0).nonzero().flatten().tolist():
             self.params[i].grad = None
