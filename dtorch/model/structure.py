@@ -253,3 +253,29 @@ def context_hooks_reason(model: nn.Module) -> str:
         return ""
     return (f"context parallelism needs a model that declares the `{CONTEXT_POSITIONS_HOOK}` and "
             f"`{CONTEXT_ATTENTION_HOOK}` hooks (DTorch's Llama and GPT do; {type(model).__name__} does not)")
+
+
+def may_leave_parameters_unused(model: nn.Module, inputs: tuple) -> bool:
+    """Whether a training step of `model` on inputs like `inputs` may leave a parameter without a
+    gradient (data parallelism must then reduce what each rank used): one forward on the meta device
+    with `inputs` (a tuple of tensors) says no only when every parameter-holding module ran and the
+    forward never needed a tensor's value (a branch on values, `if x.mean() > 0`, cannot run on
+    meta). Any failure of that forward answers yes: the safe side."""
+    import copy
+
+    import torch
+
+    model = unwrap(model)
+    meta = model if all(t.is_meta for t in model.parameters()) else copy.deepcopy(model).to("meta")
+    holders = {m for m in meta.modules() if any(True for _ in m.parameters(recurse=False))}
+    ran: set[nn.Module] = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args: ran.add(mod)) for m in holders]
+    try:
+        with torch.no_grad():
+            meta(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs))
+    except Exception:  # noqa: BLE001 - a value-dependent branch (or anything meta cannot run)
+        return True
+    finally:
+        for h in handles:
+            h.remove()
+    return not holders <= ran

@@ -104,7 +104,8 @@ def reduce_in_dtype(state, bucket):
     return fut.then(done)
 
 
-def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, plan: Plan) -> nn.Module:
+def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, plan: Plan, *,
+             find_unused: bool = True) -> nn.Module:
     """`model` (materialised, identical on every rank) under DistributedDataParallel, its gradients
     reduced in plan.reduce_dtype (the compute dtype comes from autocast, see the module doc)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -113,11 +114,11 @@ def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, plan: 
     group = dp_mesh.get_group()
     # forward_sync_buffers, not the deprecated broadcast_buffers (a FutureWarning on every rank);
     # with init_sync=False neither syncs at init, so the two are the same here.
-    # find_unused_parameters: a data-dependent branch leaves parameters without a gradient on some
-    # ranks (see reduce_unused); DDP then reduces zeros for them, and a parameter no rank used keeps
-    # grad None as in one process. The cost is one walk of the autograd graph per forward.
+    # find_unused (parallelize decides it: `may_leave_parameters_unused`): a data-dependent branch
+    # leaves parameters without a gradient on some ranks; DDP then reduces zeros for them, and a
+    # parameter no rank used keeps grad None as in one process. It costs a graph walk per forward.
     ddp = DistributedDataParallel(model, device_ids=ids, process_group=group,
-                                  forward_sync_buffers=False, init_sync=False, find_unused_parameters=True)
+                                  forward_sync_buffers=False, init_sync=False, find_unused_parameters=find_unused)
     ddp.register_comm_hook((group, getattr(torch, plan.reduce_dtype)), reduce_in_dtype)
     return ddp
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtorch.errors import ConfigError
-from dtorch.model.structure import find_structure
+from dtorch.model.structure import find_structure, may_leave_parameters_unused
 from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_applies, check_plan, model_dims, model_facts
 from dtorch.parallel.compile import apply_compile, check_compile, compile_enabled
@@ -99,6 +99,10 @@ def parallelize(
     check_applies(plan, profile if profile is not None else model_facts(model, plan, sample, seq_len))
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     layout = stage_layout(model, sample) if plan.pp > 1 else None
+    # classic DDP walks the autograd graph for unused parameters only where one meta forward says a
+    # step may leave some (a branch on values, a module that did not run): it costs a graph walk
+    # per step, and torch warns on every rank when it finds none
+    find_unused = classic_ddp(plan) and may_leave_parameters_unused(model, sample)
     check_cp(plan, model)
     if plan.tp > 1:
         check_roles(model, plan.sp)
@@ -165,7 +169,7 @@ def parallelize(
     if split_ties is not None:
         split_ties.sync_weights()
     if classic_ddp(plan) and emesh is None:  # (with EP, replicas are HSDP units: apply_fsdp_with_experts)
-        parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan))]
+        parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan, find_unused=find_unused))]
     for _, part in parts:
         part.train()
 

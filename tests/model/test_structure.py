@@ -123,3 +123,19 @@ def test_tied_parameters_are_named():
     m = _HFStyleLM(vocab=16)
     m.lm_head.weight = m.wte.weight
     assert find_structure(m).tied == (("wte.weight", "lm_head.weight"),)
+
+
+def test_a_step_may_leave_parameters_unused_only_where_a_meta_forward_says_so() -> None:
+    import torch
+    from torch import nn
+
+    from benchmarks import zoo
+    from dtorch.model.structure import may_leave_parameters_unused
+
+    with torch.device("meta"):
+        gpt, branchy = zoo.NanoGPT(), zoo.BranchyNet()
+        spare = nn.ModuleDict({"used": nn.Linear(4, 4), "spare": nn.Linear(4, 4)})
+    spare.forward = lambda x: spare["used"](x)  # a registered layer the forward never calls
+    assert not may_leave_parameters_unused(gpt, (torch.zeros(2, 8, dtype=torch.long),))
+    assert may_leave_parameters_unused(branchy, (torch.zeros(2, 16),))  # picks a branch by value
+    assert may_leave_parameters_unused(spare, (torch.zeros(2, 4),))
