@@ -126,8 +126,7 @@ def _check_checkpoint_model(args: JobConfig) -> None:
     from dtorch.checkpoint import files as F
     from dtorch.checkpoint import safe
     from dtorch.errors import ConfigError
-    from dtorch.parallel import parallelize  # noqa: F401 - first: binds the lazy name to the function,
-    from dtorch.parallel.parallelize import meta_model  # not to the submodule importing it would bind
+    from dtorch.parallel.parallelize import meta_model
 
     for _, path in F.committed_dirs(Path(args.checkpoint_dir)):
         try:

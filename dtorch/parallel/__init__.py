@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import importlib
 
+# Bound eagerly: the submodule of the same name, once imported directly
+# (`from dtorch.parallel.parallelize import meta_model`), would otherwise shadow the function.
+from dtorch.parallel.parallelize import parallelize
+
 _LAZY = {
-    "parallelize": "dtorch.parallel.parallelize",
     "ParallelModel": "dtorch.parallel.model",
     "check_plan": "dtorch.parallel.check",
     "model_dims": "dtorch.parallel.check",
@@ -27,4 +30,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'dtorch.parallel' has no attribute {name!r}")
 
 
-__all__ = list(_LAZY)
+__all__ = ["parallelize", *_LAZY]

@@ -506,7 +506,7 @@ class Trainer:
 
     def _setup(self, total_steps: int) -> None:
         from dtorch.monitor.metrics import MetricsLogger
-        from dtorch.parallel.parallelize import parallelize  # (the submodule may already shadow the name)
+        from dtorch.parallel import parallelize
 
         self.rank, self.world, self.device = self._join()
         self._fit_steps = total_steps  # the run's length: the search amortises one-off compile seconds over it
