@@ -267,7 +267,9 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
 
     # -- one forward of a one-block copy (every block if they differ) on fake tensors --
     try:
-        m = _measure(copy.deepcopy(model), sample, loss, dtype, uniform, fake=True, label=label)
+        # a fresh build, not a deep copy: a forward patched onto an instance (a closure over the
+        # original module) would run the original's meta weights beside the copy's fake ones
+        m = _measure(_meta_model(factory_or_module, label), sample, loss, dtype, uniform, fake=True, label=label)
     except _DataDependent:
         # a branch on values (a block that picks a branch by its input): measure on real tensors
         real = _real_model(factory_or_module, params_total, label)
