@@ -526,11 +526,15 @@ ends with its slowest). Ranks that share
     all_gather_tensor = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     node = groups[max(groups)]
     a, w = torch.randn(128, 128, device=device), torch.randn(128, 128, device=device)
+    # a gain above 1 keeps the values of order one however long the loop: a shrinking chain reaches
+    # subnormal floats, which some CPUs multiply ~30x slower, and the segment is then not the
+    # GEMM time the cost model prices
+    gain = 1.5 / 128**0.5
 
     def work(k: int) -> None:
         y = a
         for _ in range(k):
-            y = torch.tanh(y @ w * 0.01)
+            y = torch.tanh(y @ w * gain)
 
     def slowest(v: float) -> float:
         t = torch.tensor([v], dtype=torch.float64)
