@@ -98,8 +98,14 @@ class LaunchSpec:
     max_nodes: int = 1
     nproc_per_node: int = 1
     rdzv_backend: str = "c10d"
+    """"c10d" (elastic: nodes join and leave, ranks given at each rendezvous) or "static"
+    (torchrun's `--node-rank`/`--master-addr`/`--master-port`: a fixed set of nodes, each with the
+    rank it is given; see `StaticRendezvous`). Any other name goes to torch's registry."""
     rdzv_endpoint: str = "127.0.0.1:0"
-    """host:port of the rendezvous store. Port 0 = pick a free one (single node only)."""
+    """host:port of the rendezvous store. Port 0 = pick a free one (single node only). For the
+    static rendezvous: node 0's address and port (torchrun's master_addr:master_port)."""
+    node_rank: int | None = None
+    """This node's rank, static rendezvous only (torchrun's `--node-rank`; default 0)."""
     rdzv_id: str | None = None
     """Job id shared by all nodes. Default: a fresh id on one node; "none" (torchrun's) on many."""
     rdzv_conf: dict[str, Any] = field(default_factory=dict)
@@ -129,6 +135,16 @@ class LaunchSpec:
     start_method: str = "forkserver"
     """How workers start: "forkserver" forks them from a server that imported torch once (fast
     restarts); "spawn" runs a fresh interpreter per worker, as torchrun does for scripts."""
+    log_dir: str | None = None
+    """torchrun's `--log-dir`: the base directory of the workers' log files (a job directory named
+    after `rdzv_id` is made in it). Default: `<run_dir>/logs`."""
+    redirects: str = "0"
+    """torchrun's `--redirects`: which std streams of which local ranks go to a log file only
+    (0 none, 1 stdout, 2 stderr, 3 both; "3" for every rank or "0:1,1:2" per local rank)."""
+    tee: str = "0"
+    """torchrun's `--tee`: the same syntax, streams written to the log file and to the console."""
+    local_ranks_filter: str = ""
+    """torchrun's `--local-ranks-filter`: "0,1" shows only those local ranks' output on the console."""
 
     def __post_init__(self) -> None:
         if self.start_method not in START_METHODS:
@@ -143,7 +159,16 @@ class LaunchSpec:
             raise ConfigError("max_restarts", self.max_restarts, "use 0 or more")
         if self.heartbeat_timeout < 0:
             raise ConfigError("heartbeat_timeout", self.heartbeat_timeout, "use seconds > 0, or 0 to disable")
+        for name in ("redirects", "tee"):
+            std_streams(name, getattr(self, name))
+        ranks_filter(self.local_ranks_filter)
         host, port = split_endpoint(self.rdzv_endpoint)
+        if self.rdzv_backend == "static":
+            self._check_static(port)
+        elif self.node_rank is not None:
+            raise ConfigError("node_rank", self.node_rank,
+                              f"the {self.rdzv_backend} rendezvous ranks the nodes itself; --node-rank belongs to "
+                              "the static rendezvous (drop --rdzv-backend and --rdzv-endpoint, or drop --node-rank)")
         if self.rdzv_backend == "c10d" and port == 0 and self.max_nodes > 1:
             raise ConfigError("rdzv_endpoint", self.rdzv_endpoint,
                               "several nodes need a fixed port every node can reach, e.g. --rdzv-endpoint HOST:29400")
@@ -156,6 +181,99 @@ class LaunchSpec:
         if self.startup_timeout is None:
             self.startup_timeout = 10 * self.heartbeat_timeout
         chaos.parse(self.chaos)  # fail now, not in every worker
+
+    def _check_static(self, port: int) -> None:
+        if self.min_nodes != self.max_nodes:
+            raise ConfigError("nnodes", f"{self.min_nodes}:{self.max_nodes}",
+                              "a static rendezvous (--node-rank/--master-addr) has a fixed number of nodes: use "
+                              "--nnodes N, or the c10d rendezvous (--rdzv-endpoint HOST:PORT) to be elastic")
+        if self.node_rank is None:
+            self.node_rank = 0
+        if not 0 <= self.node_rank < self.max_nodes:
+            raise ConfigError("node_rank", self.node_rank, f"use 0 <= --node-rank < --nnodes ({self.max_nodes})")
+        if port == 0 and self.max_nodes > 1:
+            raise ConfigError("master_port", port, "the nodes of a static rendezvous need a fixed port, e.g. "
+                              "--master-port 29500")
+        if self.max_nodes > 1 and self.max_restarts > 0:
+            # each agent restarts only its own workers into a new round that the other nodes never
+            # join (torchrun's static rendezvous has the same limit): the job would hang, not recover
+            raise ConfigError("max_restarts", self.max_restarts,
+                              "a static rendezvous of several nodes cannot restart one node's workers into the "
+                              "others' group: use --max-restarts 0, or the c10d rendezvous (--rdzv-endpoint "
+                              "HOST:PORT, no --node-rank) to recover from failures")
+
+
+def std_streams(name: str, text: str) -> Any:
+    """torchrun's `--redirects`/`--tee` value as torch's `Std` (or a map local rank -> `Std`)."""
+    from torch.distributed.elastic.multiprocessing import Std
+
+    try:
+        return Std.from_str(text)
+    except ValueError:
+        raise ConfigError(name, text, "use 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every local "
+                          "rank or per rank as LOCAL_RANK:N,..., e.g. 3 or 0:3,1:2") from None
+
+
+def ranks_filter(text: str) -> set[int] | None:
+    """torchrun's `--local-ranks-filter` ("0,1") as a set of local ranks; None for no filter."""
+    if not text:
+        return None
+    try:
+        return {int(r) for r in text.split(",")}
+    except ValueError:
+        raise ConfigError("local_ranks_filter", text, "use comma-separated local ranks, e.g. 0,1") from None
+
+
+class StaticRendezvous:
+    """torchrun's static rendezvous: `nnodes` nodes, each with the rank it was given; node 0
+    serves the store at the endpoint (master_addr:master_port), bound to that address only
+    (`dtorch.process_group.tcp_store`, unlike torch's static handler, whose store listens on every
+    interface). Each round (the first start, and every restart on a single node) publishes a fresh
+    port on node 0 for the workers' own store (MASTER_ADDR is the endpoint's host), as the c10d
+    rendezvous does with TORCH_DISABLE_SHARE_RDZV_TCP_STORE."""
+
+    def __init__(self, endpoint: str, node_rank: int, nnodes: int, run_id: str, timeout_s: float = 600.0):
+        self.host, self.port = split_endpoint(endpoint)
+        self.rank, self.world_size, self.run_id = node_rank, nnodes, run_id
+        self.timeout_s = timeout_s
+        self._store: Any = None
+        self._round = 0
+
+    use_agent_store = False  # the workers build their own store (`dtorch.elastic.worker`)
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def next_rendezvous(self) -> Any:
+        from datetime import timedelta
+
+        from torch.distributed import PrefixStore
+        from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
+
+        from dtorch.process_group import tcp_store
+
+        if self._store is None:
+            self._store = tcp_store(self.host, self.port, self.rank == 0, timedelta(seconds=self.timeout_s),
+                                    multi_tenant=True)
+        store = PrefixStore(f"dtorch-static/{self.run_id}/{self._round}", self._store)
+        self._round += 1
+        info = RendezvousStoreInfo.build(self.rank, store, local_addr=self.host if self.rank == 0 else None)
+        return RendezvousInfo(store, self.rank, self.world_size, info)
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        return True
 
 
 
@@ -241,7 +359,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
 
     run_dir: str = spec.run_dir  # type: ignore[assignment]
     trust.private_dir(run_dir, "run_dir")  # 0700, ours, not a symlink
-    for name in (events.EVENTS_FILE, heartbeat.HB_DIR, heartbeat.DUMP_DIR, "logs"):
+    for name in (events.EVENTS_FILE, heartbeat.HB_DIR, heartbeat.DUMP_DIR, *(() if spec.log_dir else ("logs",))):
         if os.path.islink(os.path.join(run_dir, name)):
             raise ConfigError("run_dir", run_dir, f"{name} in it is a symlink (planted?); remove it or use another --run-dir")
     preemption.clear(run_dir)
@@ -292,7 +410,10 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     else:
         entrypoint = sys.executable
         wargs = ["-u", "-m", "dtorch.elastic.bootstrap", *(["-m"] if module else []), target, *args]
-    if spec.rdzv_backend == "c10d" and conf.get("store_type", "tcp") == "tcp":
+    if spec.rdzv_backend == "static":
+        inner: Any = StaticRendezvous(spec.rdzv_endpoint, spec.node_rank or 0, spec.max_nodes, str(spec.rdzv_id),
+                                      float(conf.get("timeout", 600)))
+    elif spec.rdzv_backend == "c10d" and conf.get("store_type", "tcp") == "tcp":
         inner = rdzv_store.rendezvous_handler(params)  # listens on the endpoint's address only
     else:
         inner = rdzv_registry.get_rendezvous_handler(params)
@@ -300,7 +421,10 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     wspec = WorkerSpec(role="dtorch", local_world_size=spec.nproc_per_node, entrypoint=entrypoint,
                        args=tuple(wargs), rdzv_handler=handler, max_restarts=spec.max_restarts,  # type: ignore[arg-type]
                        monitor_interval=spec.monitor_interval, local_addr=spec.local_addr)
-    agent = DTorchAgent(spec=wspec, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
+    logs = DefaultLogsSpecs(log_dir=spec.log_dir or os.path.join(run_dir, "logs"),
+                            redirects=std_streams("redirects", spec.redirects), tee=std_streams("tee", spec.tee),
+                            local_ranks_filter=ranks_filter(spec.local_ranks_filter))
+    agent = DTorchAgent(spec=wspec, logs_specs=logs,
                            start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
                            shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
