@@ -184,7 +184,10 @@ def run(args) -> int:
             doc["verify"] = verify_result
         print(json.dumps(doc, indent=2))
     else:
+        from dtorch.cluster.calibration_store import describe_calibration
+
         print(explain(result))
+        print(describe_calibration(cluster))
         if verify_result is not None:
             print()
             print(_format_verify(verify_result))

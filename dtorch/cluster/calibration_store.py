@@ -4,6 +4,10 @@ calibration before the planner sees the cluster, and `dtorch.monitor.feedback` a
 
 Where: $DTORCH_CALIBRATION_DIR, else ~/.cache/dtorch/calibration; $DTORCH_NO_CALIBRATION ignores
 every stored calibration. The document's fields: `dtorch.cluster.probe`.
+
+This store is shared by every job of the user: it changes only by `dtorch probe` or an explicit
+request (`adopt_feedback`). A run's own runtime feedback goes to its job directory
+(`dtorch.monitor.feedback`), so a chaos drill or a throttled run never moves the next plan.
 """
 
 from __future__ import annotations
@@ -246,6 +250,35 @@ def _link(d: dict, base: Link) -> Link:
 
 
 def with_stored_calibration(cluster: Cluster, name: str | None = None) -> Cluster:
-    """`cluster` with the calibration stored for `name` (default: its own name) applied, if any."""
+    """`cluster` with the calibration stored for `name` (default: its own name) applied, if any;
+    its file is kept as ``cluster.calibration["path"]`` (`describe_calibration`)."""
     doc = stored_calibration(name or cluster.name)
-    return apply_calibration(cluster, doc) if doc is not None else cluster
+    if doc is None:
+        return cluster
+    return apply_calibration(cluster, {**doc, "path": str(calibration_path(name or cluster.name))})
+
+
+def describe_calibration(cluster: Cluster) -> str:
+    """One line naming the calibration a plan was made with: the stored file (and how many runs'
+    feedback it holds), the cluster file's own section, or none (preset or detected figures)."""
+    doc = cluster.calibration or {}
+    if not doc:
+        why = f"disabled by ${ENV_DISABLE}; " if os.environ.get(ENV_DISABLE) else ""
+        return f"calibration: none ({why}preset or detected figures; `dtorch probe` measures this machine)"
+    fb = doc.get("feedback") or {}
+    extra = f", runtime feedback of {fb.get('samples', 0)} run(s)" if fb else ""
+    return f"calibration: {doc.get('path', 'from the cluster file')}{extra}"
+
+
+def adopt_feedback(job_calibration: str | Path, cluster_name: str) -> Path:
+    """Copy the runtime feedback a clean run wrote into its job directory (``calibration.json``,
+    `dtorch.monitor.feedback`) into the shared calibration of `cluster_name`: the explicit way a
+    run's measurements move the next plans. Returns the shared file's path."""
+    src = read_calibration(job_calibration)
+    if not src.get("feedback"):
+        raise ConfigError("job_calibration", str(job_calibration),
+                          "holds no runtime feedback; give the calibration.json of a finished clean run")
+    doc = stored_calibration(cluster_name) or {
+        "version": CALIBRATION_VERSION, "cluster": cluster_name, "device": {}, "links": {},
+    }
+    return write_calibration({**doc, "feedback": src["feedback"]}, calibration_path(cluster_name))

@@ -1,9 +1,18 @@
 """Runtime feedback: compare a run's measured step time and memory with the plan's prediction, log
-the gap, and refine the stored calibration so the next plan for that cluster starts from it.
+the gap, and refine a calibration so a later plan can start from it.
 
-The trainer calls `record(...)` once, on rank 0, after N steps (after warm-up, with the median step
-time of those steps). What is learned (stored under ``feedback`` in the cluster's calibration file,
-see `dtorch.cluster.probe`):
+The trainer calls `record(...)` once, on rank 0, at the end of a run (with the median step time
+after warm-up). Where it writes (calibration hygiene):
+
+- only a clean run writes: no chaos drill, no restart or membership change, no straggler flagged
+  (`unclean_reasons`); any other run measures something other than the plan, so its gap is logged
+  and returned but stored nowhere;
+- the trainer writes into the job's own directory (``<log_dir>/calibration.json``, a calibration
+  document of the same form), never into the shared calibration that `dtorch plan` reads
+  (`dtorch.cluster.calibration_store`): that changes only by `dtorch probe` or by an explicit
+  request (`calibration_store.adopt_feedback`, or `record(path=calibration_path(cluster))`).
+
+What is learned (stored under ``feedback``, see `dtorch.cluster.probe`):
 
 - ``compute_scale``: a multiplier of the device's matmul efficiency. The whole gap is attributed to
   compute (the predicted communication, bubble and optimizer times are kept): the multiplier that
@@ -21,11 +30,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from dtorch.cluster.calibration_store import (
     CALIBRATION_VERSION,
     calibration_path,
+    read_calibration,
     stored_calibration,
     write_calibration,
 )
@@ -41,6 +53,25 @@ def _ema_log(old: float, target: float, alpha: float) -> float:
     return math.exp((1.0 - alpha) * math.log(old) + alpha * math.log(target))
 
 
+def unclean_reasons(stragglers: int = 0) -> list[str]:
+    """Why this run's step times are not the plan's (empty: a clean run). Read from the launch
+    (`dtorch run` sets DTORCH_CHAOS for a drill; torchelastic counts restarts, DTorch the
+    membership epoch) and from the trainer (`stragglers`: straggler flags it raised)."""
+    env = os.environ
+    reasons = []
+    if env.get("DTORCH_CHAOS"):
+        reasons.append(f"chaos drill {env['DTORCH_CHAOS']!r}")
+    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts:
+        reasons.append(f"{restarts} restart(s)")
+    epoch = int(env.get("DTORCH_EPOCH", "0") or 0)
+    if epoch and not restarts:
+        reasons.append(f"membership changed (epoch {epoch})")
+    if stragglers:
+        reasons.append(f"{stragglers} straggler flag(s)")
+    return reasons
+
+
 def record(
     plan: Plan,
     measured_step_time_s: float,
@@ -49,15 +80,22 @@ def record(
     *,
     alpha: float = 0.5,
     save: bool = True,
+    path: str | Path | None = None,
+    unclean: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Compare one run with `plan.predicted`, log the gap and (when `save`) update the calibration
-    stored for `cluster_name` (the `Cluster.name` the plan was searched on, e.g. ``local:1x4``).
+    """Compare one run with `plan.predicted`, log the gap and (when `save` and the run is clean)
+    update a calibration for `cluster_name` (the `Cluster.name` the plan was searched on, e.g.
+    ``local:1x4``): the file at `path` (the job's own, e.g. ``<log_dir>/calibration.json``; it
+    starts from the shared calibration's feedback when new), or, when `path` is None, the shared
+    calibration `dtorch plan` reads - an explicit choice only the caller can make.
+    `unclean`: the reasons this run is not clean (`unclean_reasons`); any reason means nothing is
+    written, and the result says why under ``not_written``.
 
     `measured_step_time_s`: seconds per optimizer step (a median over steps after warm-up);
     `measured_peak_bytes`: peak memory of the fullest rank in bytes, or None if unknown.
     Returns the comparison: predicted/measured step time and memory, their ratios, the stored
     ``compute_scale`` / ``memory_scale`` after the update, and the calibration path (None when not
-    saved). A plan without a prediction returns ``{"skipped": reason}`` and stores nothing."""
+    written). A plan without a prediction returns ``{"skipped": reason}`` and stores nothing."""
     if not 0.0 < alpha <= 1.0:
         raise ConfigError("alpha", alpha, "an EMA weight in (0, 1]")
     if not (isinstance(measured_step_time_s, (int, float)) and measured_step_time_s > 0):
@@ -75,7 +113,9 @@ def record(
     m_compute = max(measured_step_time_s - p_other, 0.1 * p_compute, 1e-9)
     rel = p_compute / m_compute if p_compute > 0 else float(p_time) / measured_step_time_s
 
-    doc = stored_calibration(cluster_name) or {
+    target = Path(path) if path is not None else calibration_path(cluster_name)
+    own = read_calibration(target) if path is not None and target.is_file() else None
+    doc = own or stored_calibration(cluster_name) or {
         "version": CALIBRATION_VERSION, "cluster": cluster_name, "device": {}, "links": {},
     }
     fb = dict(doc.get("feedback") or {})
@@ -107,5 +147,8 @@ def record(
                 | ({"memory_ratio": out["memory_ratio"]} if "memory_ratio" in out else {}))
     fb["history"] = hist[-HISTORY:]
     doc = {**doc, "feedback": fb}
-    out["path"] = str(write_calibration(doc, calibration_path(cluster_name))) if save else None
+    if unclean:
+        out["not_written"] = "not a clean run: " + ", ".join(unclean)
+        log.info("calibration not updated: %s", out["not_written"])
+    out["path"] = str(write_calibration(doc, target)) if save and not unclean else None
     return out

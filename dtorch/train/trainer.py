@@ -702,6 +702,7 @@ class Trainer:
         reported_commit = self.ckpt.last_committed if self.ckpt is not None else None
         watch = None
         pending_shares = None  # the straggler response's shares, applied at the next checkpoint
+        stragglers = 0  # flags raised: a run with any does not feed the calibration
         dp_of_rank = None
         if self.rebalance and self.world > 1:
             dp_of_rank = [None] * self.world
@@ -786,6 +787,7 @@ class Trainer:
                 if report is not None and report.new:
                     ratio = [round(x, 3) for x in report.ratio]
                     self.metrics.event("straggler", step=self.step, ranks=report.new, ratio=ratio)
+                    stragglers += 1
                     if self.rank == 0:
                         print(report.warning(), file=sys.stderr, flush=True)
                         hooks.notice("straggler", step=self.step, ranks=report.new, ratio=ratio)
@@ -821,7 +823,7 @@ class Trainer:
             if self.ckpt is not None and (resumed is None or resumed < steps):
                 phase = "checkpoint"
                 self._save(final=True)
-            self._feedback(step_times)
+            self._feedback(step_times, stragglers)
             self.status.report("finished", step=self.step, checkpoint_step=self.step if self.ckpt else None,
                                total_steps=steps)
         except BaseException as e:
@@ -908,9 +910,10 @@ class Trainer:
                   + (f" (then {steady * 1e3:.0f} ms/step)" if steady is not None else ""), flush=True)
         return cost["seconds"]
 
-    def _feedback(self, step_times: list[float]) -> None:
+    def _feedback(self, step_times: list[float], stragglers: int = 0) -> None:
         """Compare the measured step time and peak memory with the plan's prediction, log the gap,
-        and refine the stored calibration of this cluster (rank 0) so the next plan starts from it."""
+        and (rank 0, a clean run only: `feedback.unclean_reasons`) refine the calibration in the
+        job's own directory, ``<log_dir>/calibration.json``; the shared one is left to `dtorch probe`."""
         if not (self.plan.predicted and self._cluster_name) or len(step_times) < 6:
             return
         from dtorch.monitor import feedback
@@ -922,12 +925,16 @@ class Trainer:
         if self.rank != 0:
             return
         measured = sorted(step_times[3:])[len(step_times[3:]) // 2]  # median after warm-up
-        gap = feedback.record(self.plan, measured, int(peak.item()), self._cluster_name)
+        gap = feedback.record(self.plan, measured, int(peak.item()), self._cluster_name,
+                              save=self.log_dir is not None,
+                              path=self.log_dir / "calibration.json" if self.log_dir is not None else None,
+                              unclean=feedback.unclean_reasons(stragglers))
         self.metrics.event("feedback", **{k: v for k, v in gap.items() if not isinstance(v, dict)})
         if self.console and "skipped" not in gap:
+            where = (f"written to {gap['path']}" if gap.get("path")
+                     else gap.get("not_written", "not written (no log directory)"))
             print(f"dtorch: measured {measured * 1e3:.0f} ms/step vs predicted "
-                  f"{self.plan.predicted['step_time_s'] * 1e3:.0f} ms; calibration of {self._cluster_name} updated",
-                  flush=True)
+                  f"{self.plan.predicted['step_time_s'] * 1e3:.0f} ms; feedback {where}", flush=True)
 
     def _device_peak(self) -> float | None:
         if self.device.type != "cuda":
