@@ -6,9 +6,9 @@
                                               # d planner, e checkpoint, f recovery, g mainjob, h compile,
                                               # i offload, j failure_cost, k hetero_plan, l hetero)
 
-Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md.
-Calibrations go to benchmarks/results/calibration/ (not the user's cache) unless
-$DTORCH_CALIBRATION_DIR is set. A section that fails is recorded with its traceback; the others run.
+Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md
+(with --out DIR: all of them under DIR, nothing in the checkout's results). Calibrations go to
+<out>/calibration/ (not the user's cache) unless $DTORCH_CALIBRATION_DIR is set. A section that fails is recorded with its traceback; the others run.
 """
 
 from __future__ import annotations
@@ -42,8 +42,15 @@ def log(msg: str) -> None:
     print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _out() -> Path:
+    """The results folder of this run (--out; `main` publishes it as DTORCH_BENCH_OUT)."""
+    return Path(os.environ.get("DTORCH_BENCH_OUT", RESULTS))
+
+
 def _call_run(module, **wanted) -> Any:
-    """module.run(**the wanted kwargs it accepts)."""
+    """module.run(**the wanted kwargs it accepts); a section that writes its own files is given
+    the results folder as `out_dir`."""
+    wanted.setdefault("out_dir", _out())
     params = inspect.signature(module.run).parameters
     return module.run(**{k: v for k, v in wanted.items() if k in params})
 
@@ -81,7 +88,7 @@ def section_gap(quick: bool) -> dict:
     """Op counts of the sweep's plans and the per-op fit (reads the sweep's last result)."""
     from benchmarks import bench_sweep
 
-    f = Path(os.environ.get("DTORCH_BENCH_OUT", RESULTS)) / "sweep.json"
+    f = _out() / "sweep.json"
     if not f.is_file():
         return {"skipped": "run the sweep first"}
     return bench_sweep.run_gap(json.loads(f.read_text()), log=log)
@@ -160,7 +167,7 @@ def section_hetero_plan(quick: bool) -> dict:
     """Mixed presets planned (issue 14): fits per group, throughput against uniform and fastest-only."""
     from benchmarks import bench_hetero_plan
 
-    return bench_hetero_plan.run(log=log)
+    return bench_hetero_plan.run(log=log, out_dir=_out())
 
 
 def section_hetero(quick: bool) -> dict:
@@ -198,13 +205,14 @@ def _markdown(name: str, result: dict) -> str:
         return bench_sweep.markdown_gap(result)
     mod = _optional(name) if name in ("planner", "checkpoint", "recovery", "failure_cost") else \
         importlib.import_module({"sweep": "benchmarks.bench_sweep", "overhead": "benchmarks.bench_overhead",
-                                 "mfu": "benchmarks.bench_mfu", "compile": "benchmarks.bench_compile"}[name])
+                                 "mfu": "benchmarks.bench_mfu", "compile": "benchmarks.bench_compile",
+                                 "hetero_plan": "benchmarks.bench_hetero_plan"}[name])
     if mod is not None and hasattr(mod, "markdown"):
         try:
             return mod.markdown(result)
         except Exception:  # noqa: BLE001 - a section's own formatter must not lose its numbers
             pass
-    own = RESULTS / f"{name}.md"  # a section module that writes its own report
+    own = _out() / f"{name}.md"  # a section module that writes its own report
     if name in OWN_FILES and own.is_file():
         letter = next(k for k, v in LETTERS.items() if v == name)
         return f"## ({letter}) {name}\n\n" + own.read_text()

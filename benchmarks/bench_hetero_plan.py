@@ -102,7 +102,8 @@ def case(preset: str, model: str, gb: int, seq: int, fix: str | None = None) -> 
     return out
 
 
-def run(log=None) -> dict:
+def run(log=None, out_dir: Path = RESULTS) -> dict:
+    """Every case planned; written to `out_dir`/hetero_plan.json and .md, and returned."""
     rows = []
     for preset, model, gb, seq, fix in [(p, *m, None) for p in PRESETS for m in MODELS] + list(EXTRA):
         rows.append(case(preset, model, gb, seq, fix))
@@ -110,9 +111,9 @@ def run(log=None) -> dict:
             log(f"hetero_plan {preset} {model}: {rows[-1]['auto']['plan']}")
     doc = {"cases": rows, "all_fit": all(r["all_fit"] for r in rows),
            "note": "cost-model predictions (no hardware)"}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "hetero_plan.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / "hetero_plan.md").write_text(markdown(doc))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "hetero_plan.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out_dir / "hetero_plan.md").write_text(markdown(doc))
     return doc
 
 

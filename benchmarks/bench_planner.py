@@ -37,8 +37,10 @@ def _cli_wall(args: list[str], repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def run(sizes: list[int] | None = None, models: list[str] | None = None, repeats: int = 2) -> dict:
-    """Search time per (model, GPUs) and CLI wall times; returns the results dict (also written)."""
+def run(sizes: list[int] | None = None, models: list[str] | None = None, repeats: int = 2,
+        out_dir: Path = RESULTS) -> dict:
+    """Search time per (model, GPUs) and CLI wall times; returns the results dict (also written to
+    `out_dir`/planner.json and .md)."""
     rows = []
     for model in models or MODELS:
         profile = get_profile(model, SEQ)
@@ -68,9 +70,9 @@ def run(sizes: list[int] | None = None, models: list[str] | None = None, repeats
     }
     result = {"machine": f"{platform.processor() or platform.machine()}, python {platform.python_version()}",
               "search": rows, "cli_wall_s": cli}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "planner.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "planner.md").write_text(markdown(result))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "planner.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "planner.md").write_text(markdown(result))
     return result
 
 
