@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by every node")
     g.add_argument("--rdzv-conf", "--rdzv_conf", default="", type=_conf,
                    help="KEY=VALUE,... rendezvous settings (override DTorch's fast defaults)")
-    g.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility (the default)")
+    g.add_argument("--standalone", action="store_true",
+                   help="one node, rendezvous on a free local port (the default without other rendezvous flags)")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
                    help="restarts of the worker group before the job fails (default 3; 0 for a static "
                         "rendezvous of several nodes, which cannot restart one node alone)")
@@ -112,6 +113,15 @@ def rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str | Non
     flag, a ConfigError. Endpoint None: not given (the allocation's or the default applies)."""
     static_flags = {k: v for k, v in (("node_rank", args.node_rank), ("master_addr", args.master_addr),
                                       ("master_port", args.master_port)) if v is not None}
+    if args.standalone:  # torchrun: a local c10d rendezvous on a free port, explicit values ignored
+        given = {**static_flags, "rdzv_backend": args.rdzv_backend, "rdzv_endpoint": args.rdzv_endpoint}
+        name, value = next(((k, v) for k, v in given.items() if v is not None), (None, None))
+        if name is not None:
+            raise ConfigError(name, value, "--standalone is one node on a free local port: drop "
+                              f"--{name.replace('_', '-')} or --standalone")
+        if max_nodes > 1:
+            raise ConfigError("nnodes", args.nnodes, "--standalone is one node: drop --standalone or use --nnodes 1")
+        return "c10d", "127.0.0.1:0"
     backend = args.rdzv_backend or ("static" if static_flags else "c10d")
     if backend != "static":
         if static_flags:

@@ -187,6 +187,8 @@ class LaunchSpec:
             raise ConfigError("nnodes", f"{self.min_nodes}:{self.max_nodes}",
                               "a static rendezvous (--node-rank/--master-addr) has a fixed number of nodes: use "
                               "--nnodes N, or the c10d rendezvous (--rdzv-endpoint HOST:PORT) to be elastic")
+        if "rank" in self.rdzv_conf:  # torchrun overrides it with --node-rank: one source, not two
+            raise ConfigError("rdzv_conf", f"rank={self.rdzv_conf['rank']}", "give this node's rank as --node-rank")
         if self.node_rank is None:
             self.node_rank = 0
         if not 0 <= self.node_rank < self.max_nodes:

@@ -47,12 +47,15 @@ def test_static_flags_choose_torchruns_static_rendezvous_at_master_addr_and_port
     assert rendezvous(_args("--node-rank", "0"), 1) == ("c10d", "127.0.0.1:0")
     # no static flag: DTorch's elastic default, endpoint left to the allocation or loopback
     assert rendezvous(_args(), 1) == ("c10d", None)
+    assert rendezvous(_args("--standalone"), 1) == ("c10d", "127.0.0.1:0")
 
 
 @pytest.mark.parametrize("argv,field", [
     (("--rdzv-backend", "c10d", "--node-rank", "1"), "node_rank"),  # torchrun warns and ignores it
     (("--rdzv-backend", "c10d", "--master-addr", "h"), "master_addr"),
     (("--rdzv-endpoint", "h:1", "--master-port", "29500"), "master_port"),  # two addresses for node 0
+    (("--standalone", "--node-rank", "1"), "node_rank"),  # torchrun ignores the explicit value
+    (("--standalone", "--rdzv-endpoint", "h:1"), "rdzv_endpoint"),
 ])
 def test_static_flags_that_cannot_be_honoured_are_config_errors(argv, field):
     with pytest.raises(ConfigError) as e:
@@ -66,6 +69,7 @@ def test_static_flags_that_cannot_be_honoured_are_config_errors(argv, field):
     ({"max_restarts": 1}, "max_restarts"),  # one node's restart would wait for the others forever
     ({"redirects": "4"}, "redirects"),
     ({"tee": "0:x"}, "tee"),
+    ({"rdzv_conf": {"rank": "1"}}, "rdzv_conf"),  # the node's rank has one source: --node-rank
 ])
 def test_static_launch_spec_mistakes_raise_config_error(kw, field):
     base = {"rdzv_backend": "static", "rdzv_endpoint": "127.0.0.1:29500", "min_nodes": 2, "max_nodes": 2,
