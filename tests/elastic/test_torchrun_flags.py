@@ -119,3 +119,14 @@ def test_two_static_nodes_get_their_given_ranks_and_log_where_told(tmp_path):
             assert f"hello from rank {node} of 2 sum 2" in f.read()
     assert "hello from rank 0 of 2" in out[0]  # tee: on the console too
     assert "hello from rank" not in out[1]  # redirect: in the file only
+
+
+def test_one_static_node_restarts_a_killed_worker_into_a_fresh_round(tmp_path, marker, dtorch_run):
+    """On one node a static rendezvous can restart: each round publishes a new workers' store."""
+    out = str(tmp_path / "out")
+    p = dtorch_run(out, marker, "--node-rank", "0", "--master-port", str(_free_port()), "--chaos",
+                   "kill:rank=1:step=3", steps=6, nproc=2, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "recovered from exit of rank(s) [1]" in p.stderr
+    with open(os.path.join(out, "steps.jsonl")) as f:
+        assert len(f.read().splitlines()) == 6
