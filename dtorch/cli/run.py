@@ -49,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     g.add_argument("--rdzv-conf", "--rdzv_conf", default="", type=_conf,
                    help="KEY=VALUE,... rendezvous settings (override DTorch's fast defaults)")
     g.add_argument("--standalone", action="store_true",
-                   help="one node, rendezvous on a free local port (the default without other rendezvous flags)")
+                   help="one node, rendezvous on a free local port (torchrun's --standalone; other "
+                        "rendezvous flags with it are an error)")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=None,
                    help="restarts of the worker group before the job fails (default 3; 0 for a static "
                         "rendezvous of several nodes, which cannot restart one node alone)")
