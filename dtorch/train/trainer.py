@@ -963,9 +963,11 @@ class Trainer:
 
         full: dict[str, torch.Tensor] = {}
         if dist.is_initialized():
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            # torch keeps a cpu-offloaded full state dict on rank 0 only: under PP every rank's stage
+            # is needed, so there each rank gathers its own and copies it to the CPU itself
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=self.plan.pp == 1)
             for part in self.parallel.model_parts:
-                full.update(get_model_state_dict(part, options=opts))
+                full.update({k: v.detach().cpu() for k, v in get_model_state_dict(part, options=opts).items()})
             if self.plan.pp > 1:  # each pipeline rank holds other blocks: gather them on rank 0
                 gathered: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, full if self.rank != 0 else {})
