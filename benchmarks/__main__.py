@@ -4,7 +4,7 @@
     python -m benchmarks --quick              # fewer plans, repetitions and sizes
     python -m benchmarks --only probe,sweep   # or by letter: --only a,b (a sweep, b overhead, c mfu,
                                               # d planner, e checkpoint, f recovery, g mainjob, h compile,
-                                              # i offload, j failure_cost, k hetero_plan, l hetero)
+                                              # i offload, j failure_cost, k hetero_plan, l hetero, m anymodel)
 
 Writes benchmarks/results/latest.json and latest.md, and each section's own <name>.json / <name>.md
 (with --out DIR: all of them under DIR, nothing in the checkout's results). Calibrations go to
@@ -29,9 +29,10 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = ("probe", "sweep", "gap", "overhead", "mfu", "planner", "checkpoint", "recovery", "failure_cost", "mainjob",
-         "compile", "offload", "hetero_plan", "hetero")
+         "compile", "offload", "hetero_plan", "hetero", "anymodel")
 LETTERS = {"a": "sweep", "b": "overhead", "c": "mfu", "d": "planner", "e": "checkpoint", "f": "recovery",
-           "g": "mainjob", "h": "compile", "i": "offload", "j": "failure_cost", "k": "hetero_plan", "l": "hetero"}
+           "g": "mainjob", "h": "compile", "i": "offload", "j": "failure_cost", "k": "hetero_plan", "l": "hetero",
+           "m": "anymodel"}
 OWN_FILES = ("planner", "checkpoint", "hetero_plan")
 """Sections whose modules write their own <name>.json/.md (kept as they are, never overwritten)."""
 TARGETS = {"spearman": 0.8, "regret": 1.10, "overhead": 1.03, "probe_s": 60.0, "recovery_s": 1.5,
@@ -177,6 +178,13 @@ def section_hetero(quick: bool) -> dict:
     return bench_hetero.run(quick=quick, log=log)
 
 
+def section_anymodel(quick: bool) -> dict:
+    """Models DTorch did not write on every plan offered them, against a plain loop (bench_anymodel)."""
+    from benchmarks import bench_anymodel
+
+    return bench_anymodel.run(steps=3 if quick else 5, speed=not quick, log=log)
+
+
 SECTIONS = {name: globals()[f"section_{name}"] for name in ORDER}
 
 
@@ -206,7 +214,8 @@ def _markdown(name: str, result: dict) -> str:
     mod = _optional(name) if name in ("planner", "checkpoint", "recovery", "failure_cost") else \
         importlib.import_module({"sweep": "benchmarks.bench_sweep", "overhead": "benchmarks.bench_overhead",
                                  "mfu": "benchmarks.bench_mfu", "compile": "benchmarks.bench_compile",
-                                 "hetero_plan": "benchmarks.bench_hetero_plan"}[name])
+                                 "hetero_plan": "benchmarks.bench_hetero_plan",
+                                 "anymodel": "benchmarks.bench_anymodel"}[name])
     if mod is not None and hasattr(mod, "markdown"):
         try:
             return mod.markdown(result)

@@ -75,6 +75,16 @@ def _worker(job: dict, rank: int) -> dict:
             "family": got.plan.family(), "wall_s": time.perf_counter() - t0}
 
 
+def _machine() -> str:
+    """The CPU model and core count (the figures are of this machine)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        model = "?"
+    return f"{model}, {os.cpu_count()} cores"
+
+
 def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
@@ -85,7 +95,8 @@ def run(only: list[str] | None = None, steps: int = 5, speed: bool = False, log=
     cases = [c for c in zoo.cases() if not only or c.name in only]
     cases_by_name = {c.name: c for c in cases}
     report: dict[str, Any] = {"world": WORLD, "global_batch": GLOBAL_BATCH, "steps": steps, "target_rel": REL,
-                              "cases": {}}
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
+                              "torch": torch.__version__, "cases": {}}
     jobs = []
     for case in cases:
         entry: dict[str, Any] = {"tags": sorted(case.tags)}
@@ -195,7 +206,9 @@ def markdown(report: dict) -> str:
     lines = ["# Any-model matrix", "",
              f"World {report['world']}, float32, global batch {report['global_batch']}, {report['steps']} AdamW "
              f"steps; each run's per-step losses against a plain single-process loop (target: within "
-             f"{report['target_rel']:g} relative, every rank the same). `python -m benchmarks.bench_anymodel`.", "",
+             f"{report['target_rel']:g} relative, every rank the same). `python -m benchmarks.bench_anymodel"
+             f"{' --speed' if 'speed' in report else ''}`, {report.get('date', '?')}, {report.get('machine', '?')}, "
+             f"torch {report.get('torch', '?')}.", "",
              f"**{s['within_target']} of {s['runs']} runs within target** over {s['cases']} models; "
              f"{s['failed']} runs failed; {s['planner_errors']} models the planner could not take.", "",
              "| model | plan | max rel. loss diff | |", "|---|---|---|---|"]
