@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
-
-class SmallCNN(nn.Module):
-    def __init__(self, classes: int = 10, c: int = 8, n_layer: int = 3):
-        super().__init__()
-        self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.ReLU()) for _ in range(n_layer))
-        self.fc = nn.Linear(c, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.fc(x.mean((2, 3)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from _pipeline_models import SmallCNN  # noqa: E402
 
 
 def cnn() -> nn.Module:
