@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtorch.cluster.timing import timeit
+
 
 def _rate(fn, work: float, min_time: float, device: Any = None) -> float:
     """`work` per second of `fn`: the probe's timing (the median of three blocks of back-to-back
     calls, each at least `min_time`; the throughput a rank gets, descheduled time included)."""
     import torch
 
-    from dtorch.cluster.probe import _timeit
-
-    return work / _timeit(fn, device if device is not None else torch.device("cpu"), min_time=min_time)
+    return work / timeit(fn, device if device is not None else torch.device("cpu"), min_time=min_time)
 
 
 def measure_host_optimizer(numel: int = 16 * 2**20, min_time: float = 0.1, device: Any = None) -> dict:

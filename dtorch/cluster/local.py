@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from dtorch.cluster.load import cpu_device, detect
+from dtorch.cluster.calibration_store import with_stored_calibration
+from dtorch.cluster.machine import cpu_device, detect
 from dtorch.cluster.spec import Cluster
 from dtorch.errors import ConfigError
 
@@ -55,7 +56,5 @@ def local_cluster(world_size: int, local_world_size: int | None = None, *, calib
                                 host_cores=os.cpu_count() or 1)
     cluster = Cluster([group], name=f"local:{world_size // local}x{local}", calibration=base.calibration)
     if calibrated:
-        from dtorch.cluster.calibration_store import with_stored_calibration
-
         cluster = with_stored_calibration(cluster)
     return cluster

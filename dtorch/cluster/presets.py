@@ -15,7 +15,7 @@ Numbers (dense, no sparsity) and their sources:
   NVLink5 1.8 TB/s per GPU both ways, 400 Gb/s ConnectX-7 per GPU (DGX B200 datasheet).
 - MI300X: 1307 TFLOP/s bf16, 2615 fp8, 163 fp32, 192 GB HBM3, 5.3 TB/s, Infinity Fabric 896 GB/s aggregate
   per GPU both ways (7 links x 64 GB/s), 400 Gb/s NIC per GPU (AMD MI300X datasheet; torchtitan peak table).
-- CPU: nominal numbers for a laptop/server socket; `Cluster.detect()` measures cores and memory instead.
+- CPU: nominal numbers for a laptop/server socket; `dtorch.cluster.detect()` measures cores and memory instead.
 
 Bandwidths in `Link` are bytes/s per device in one direction; link efficiencies are the usual nccl-tests
 bus bandwidth over line rate (about 0.8 on NVLink, 0.85-0.9 on InfiniBand); `dtorch probe` measures them.

@@ -83,6 +83,7 @@ from dtorch.cluster.calibration_store import (  # noqa: F401  (the store, re-exp
     write_calibration,
 )
 from dtorch.cluster.shape import shape_factor as _shape_factor
+from dtorch.cluster.timing import sync, timeit
 from dtorch.errors import ConfigError
 
 GEMM_ROWS = (128, 512, 2048)
@@ -160,13 +161,6 @@ def fit_gemm_efficiency(records: Sequence[dict], shape_factor: Callable[[float, 
 
 
 # ---- measurement (torch, inside a process group or single-process) ----------------------------------
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _barrier() -> None:
     import torch.distributed as dist
 
@@ -174,40 +168,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _timeit(fn: Callable[[], Any], device, *, min_time: float, max_reps: int = 10_000, blocks: int = 3) -> float:
-    """Seconds per call of `fn`: the median over `blocks` blocks of back-to-back calls, each block
-    at least `min_time` long. Timing whole blocks (not single calls) keeps the time a rank spends
-    descheduled while other ranks share its cores: that is the throughput a job's rank gets."""
-    fn()
-    _sync(device)
-    t = time.perf_counter()
-    fn()
-    _sync(device)
-    one = max(time.perf_counter() - t, 1e-7)
-    reps = max(1, min(max_reps, int(min_time / one) + 1))
-    per_call = []
-    for _ in range(blocks):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        _sync(device)
-        per_call.append((time.perf_counter() - t) / reps)
-    return statistics.median(per_call)
-
-
 def _timeit_collective(fn: Callable[[], Any], device, group, *, min_time: float, max_reps: int,
                        blocks: int = 3) -> float:
-    """Like `_timeit` for a collective. Every rank of `group` must run it the same number of times
+    """Like `timeit` for a collective. Every rank of `group` must run it the same number of times
     (a rank that stops early deadlocks the rest), so the count is agreed on first: the largest any
     rank asks for after timing one warm call."""
     import torch
     import torch.distributed as dist
 
     fn()
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     one = max(time.perf_counter() - t, 1e-7)
     reps = torch.tensor([min(max_reps, int(min_time / one) + 1)], dtype=torch.int64, device=device)
     dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
@@ -217,7 +190,7 @@ def _timeit_collective(fn: Callable[[], Any], device, group, *, min_time: float,
         t = time.perf_counter()
         for _ in range(n):
             fn()
-        _sync(device)
+        sync(device)
         per_call.append((time.perf_counter() - t) / n)
     return statistics.median(per_call)
 
@@ -236,7 +209,7 @@ def measure_gemm(device, dtypes: Sequence[str], rows: Sequence[int] = GEMM_ROWS,
                 a = torch.randn(r, k, device=device).to(dt)
                 b = torch.randn(k, w, device=device).to(dt)
                 _barrier()
-                sec = _timeit(lambda a=a, b=b: a @ b, device, min_time=min_time, blocks=5)
+                sec = timeit(lambda a=a, b=b: a @ b, device, min_time=min_time, blocks=5)
                 out.append({"dtype": dtype, "rows": r, "width": w, "k": k, "flops": 2.0 * r * w * k / sec})
     return out
 
@@ -266,7 +239,7 @@ def measure_attention(device, dtypes: Sequence[str], head_dims: Sequence[int] = 
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
                 _barrier()
-                sec = _timeit(fwd_bwd, device, min_time=min_time, blocks=3)
+                sec = timeit(fwd_bwd, device, min_time=min_time, blocks=3)
                 out.append({"dtype": dtype, "head_dim": d, "seq": s, "batch": b, "heads": heads,
                             "flops": 3 * 4.0 * b * heads * s * s * d / sec})
     return out
@@ -280,7 +253,7 @@ def measure_memory_bandwidth(device, nbytes: int = 64 * 2**20, min_time: float =
     src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
     _barrier()
-    sec = _timeit(lambda: dst.copy_(src), device, min_time=min_time)
+    sec = timeit(lambda: dst.copy_(src), device, min_time=min_time)
     return {"bytes": 2 * n * 4, "seconds": sec, "bytes_per_s": 2 * n * 4 / sec}
 
 
@@ -291,7 +264,7 @@ def measure_dispatch_overhead(device, min_time: float = 0.05) -> float:
     x = torch.ones(8, device=device)
     y = torch.ones(8, device=device)
     _barrier()
-    return _timeit(lambda: torch.add(x, y), device, min_time=min_time)
+    return timeit(lambda: torch.add(x, y), device, min_time=min_time)
 
 
 def count_ops(fn: Callable[[], Any]) -> int:
@@ -342,7 +315,7 @@ def measure_op_overhead(device, min_time: float = 0.05) -> float:
     step()
     n = count_ops(step)
     _barrier()
-    return _timeit(step, device, min_time=min_time) / max(n, 1)
+    return timeit(step, device, min_time=min_time) / max(n, 1)
 
 
 def measure_dtensor_overhead(device, min_time: float = 0.05) -> float:
@@ -361,8 +334,8 @@ def measure_dtensor_overhead(device, min_time: float = 0.05) -> float:
     y = distribute_tensor(torch.ones(8, device=device), mesh, [Replicate()])
     plain_x, plain_y = x.to_local(), y.to_local()
     _barrier()
-    dt = _timeit(lambda: torch.mul(torch.add(x, y), y), device, min_time=min_time) / 2
-    plain = _timeit(lambda: torch.mul(torch.add(plain_x, plain_y), plain_y), device, min_time=min_time) / 2
+    dt = timeit(lambda: torch.mul(torch.add(x, y), y), device, min_time=min_time) / 2
+    plain = timeit(lambda: torch.mul(torch.add(plain_x, plain_y), plain_y), device, min_time=min_time) / 2
     return max(0.0, dt - plain)
 
 
@@ -542,7 +515,7 @@ ends with its slowest). Ranks that share
         return float(t.item())
 
     # one unit of work, agreed over the node (every rank of a group must run as many collectives)
-    unit = torch.tensor([_timeit(lambda: work(1), device, min_time=0.01)], dtype=torch.float64)
+    unit = torch.tensor([timeit(lambda: work(1), device, min_time=0.01)], dtype=torch.float64)
     dist.all_reduce(unit, op=dist.ReduceOp.MAX, group=node)
     unit_s = float(unit.item())
     out = []

@@ -252,23 +252,3 @@ class Cluster:
         parts = [f"{g.num_nodes} node{'s' if g.num_nodes > 1 else ''} x {g.devices_per_node} {g.device.name}"
                  for g in self.groups]
         return " + ".join(parts) + f" ({self.world_size} devices)"
-
-    @classmethod
-    def detect(cls) -> Cluster:
-        """This machine: its CUDA/ROCm devices if present, else its CPU (see `dtorch.cluster.load.detect`)."""
-        from dtorch.cluster.load import detect
-
-        return detect()
-
-    @classmethod
-    def load(cls, spec: str) -> Cluster:
-        """A preset, shorthand (``h100:8x8``) or YAML/JSON file (see `dtorch.cluster.load_cluster`)."""
-        from dtorch.cluster.load import load_cluster
-
-        return load_cluster(spec)
-
-    def save(self, path) -> None:
-        """Write this cluster as YAML or JSON (by suffix); `Cluster.load` reads it back."""
-        from dtorch.cluster.load import save_cluster
-
-        save_cluster(self, path)

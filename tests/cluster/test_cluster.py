@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from dtorch.cluster import Cluster, load_cluster, save_cluster
+from dtorch.cluster import detect, load_cluster, save_cluster
 from dtorch.cluster.presets import DEVICES, preset_names
 from dtorch.errors import ConfigError
 
@@ -42,7 +42,7 @@ def test_cluster_file_round_trips(tmp_path, suffix):
     back = load_cluster(str(path))
     assert back.groups == c.groups
     assert back.calibration == c.calibration
-    assert Cluster.load(str(path)).world_size == 24
+    assert load_cluster(str(path)).world_size == 24
 
 
 def test_short_cluster_file_fills_preset_defaults(tmp_path):
@@ -95,7 +95,7 @@ def test_unknown_preset_lists_the_valid_ones():
 
 
 def test_detect_describes_this_machine():
-    c = Cluster.detect()
+    c = detect()
     g = c.groups[0]
     assert c.world_size >= 1 and g.device.memory_bytes > 0 and g.device.peak("float32") > 0
     if g.device.kind == "cpu":
