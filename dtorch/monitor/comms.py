@@ -31,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dtorch.monitor.jsonl import read_jsonl
+
 AXES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "other")
 """Axes reported, in a fixed order (the per-rank vector is gathered by position)."""
 
@@ -310,8 +312,6 @@ def find_mismatch(log_dir: str | os.PathLike) -> dict[str, Any] | None:
     Pipeline stages run different collectives by design: pass a run with pp=1, or read per stage."""
     import glob
     import re
-
-    from dtorch.monitor.report import read_jsonl
 
     seqs: dict[int, dict[int, list[tuple]]] = {}
     for f in glob.glob(os.path.join(log_dir, "comms-rank*.jsonl")):

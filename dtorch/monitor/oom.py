@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from dtorch.monitor.jsonl import read_jsonl
+
 OOM_FILE = "oom.jsonl"
 CAP_ENV = "DTORCH_TEST_MEMORY_CAP"
 SAFETY = 0.9
@@ -194,8 +196,6 @@ def message(rec: dict[str, Any]) -> str:
 def read(log_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     if log_dir is None:
         return []
-    from dtorch.monitor.report import read_jsonl
-
     return read_jsonl(Path(log_dir, OOM_FILE))
 
 

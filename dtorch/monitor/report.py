@@ -19,27 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from dtorch.errors import ConfigError
+from dtorch.monitor.comms import describe_mismatch, find_mismatch
+from dtorch.monitor.jsonl import read_jsonl
+from dtorch.monitor.oom import message as oom_message
 from dtorch.monitor.ranks import own_work
 
 COLORS = {"data": "#8d6e63", "compute": "#1e88e5", "comm_dp_replicate": "#43a047", "comm_dp_shard": "#7cb342",
           "comm_tp": "#e53935", "comm_cp": "#fb8c00", "comm_pp": "#8e24aa", "comm_other": "#9e9e9e",
           "optimizer": "#fdd835", "other": "#cfd8dc"}
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every whole JSON object line of `path`; torn or garbled lines are skipped."""
-    out = []
-    if not path.exists():
-        return out
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                rec = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
 
 
 def load_run(run_dir: str | Path, events: str | Path | None = None) -> dict[str, Any]:
@@ -111,8 +98,6 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
              "measured_s": statistics.fmean(w["mean"].get(k, 0.0) for w in windows)} for k, v in pred.items()]
     out["ooms"] = run.get("ooms") or [e for e in run["run_events"] if e.get("kind") == "oom"]
     out["failures"] = [e for e in run["run_events"] if "fail" in str(e.get("kind", ""))]
-    from dtorch.monitor.comms import describe_mismatch, find_mismatch
-
     mismatch = find_mismatch(run["run_dir"])
     out["comm_mismatch"] = mismatch
     if mismatch is not None:
@@ -251,12 +236,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
     if s.get("comm_mismatch_text"):
         parts.append(f"<h2>Communication</h2><p><b>HANG CAUSE:</b> {e(s['comm_mismatch_text'])}</p>")
     if s["ooms"]:
-        from dtorch.monitor.oom import message
-
         parts.append("<h2>Out of memory</h2><ul>")
         for o in s["ooms"]:
             try:
-                text = message(o)
+                text = oom_message(o)
             except (KeyError, TypeError):
                 text = json.dumps(o, default=str)
             parts.append(f"<li>{e(text)}<br><code>{e(json.dumps(o.get('measured'), default=str))}</code></li>")
