@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any
 
-from dtorch import trust
+from dtorch import env, trust
 
 EVENTS_FILE = "events.jsonl"
 RESERVE_FILE = ".dtorch-reserve"
@@ -38,7 +38,7 @@ _log = logging.getLogger("dtorch.eventlog")
 
 def events_path(run_dir: str | None = None) -> str | None:
     """Path of the event log in `run_dir` (default: `$DTORCH_RUN_DIR`), or None when not under `dtorch run`."""
-    run_dir = run_dir or os.environ.get("DTORCH_RUN_DIR")
+    run_dir = run_dir or env.current().run_dir
     return os.path.join(run_dir, EVENTS_FILE) if run_dir else None
 
 
@@ -52,10 +52,11 @@ def log(kind: str, path: str | None = None, **fields: Any) -> dict[str, Any] | N
     if path is None:
         return None
     rec: dict[str, Any] = {"kind": kind, "t": time.time(), "pid": os.getpid()}
-    if "RANK" in os.environ and "rank" not in fields:
-        rec["rank"] = int(os.environ["RANK"])
-    if "DTORCH_EPOCH" in os.environ and "epoch" not in fields:
-        rec["epoch"] = int(os.environ["DTORCH_EPOCH"])
+    e = env.current()
+    if e.rank is not None and "rank" not in fields:
+        rec["rank"] = e.rank
+    if e.epoch is not None and "epoch" not in fields:
+        rec["epoch"] = e.epoch
     rec.update(fields)
     append_line(path, (json.dumps(rec, default=str) + "\n").encode(), "events")
     return rec

@@ -15,11 +15,13 @@ for it. The rendezvous store of the agent is built on `tcp_store` too (`dtorch.e
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from dtorch.env import RuntimeEnv, current
+from dtorch.errors import ConfigError
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -51,7 +53,7 @@ def tcp_store(host: str, port: int, is_server: bool, timeout: timedelta, world_s
 
 
 def init_process_group(backend: str | None = None, timeout: float | None = None,
-                       wrap_store: Callable[[Any], Any] | None = None) -> None:
+                       wrap_store: Callable[[Any], Any] | None = None, env: RuntimeEnv | None = None) -> None:
     """`torch.distributed.init_process_group` from the launcher's environment, with its store
     listening on MASTER_ADDR only (torch's own env:// store listens on every interface). Backend
     default: nccl when CUDA is available, else gloo. `timeout` in seconds (default torch's: 30 min);
@@ -60,13 +62,16 @@ def init_process_group(backend: str | None = None, timeout: float | None = None,
     import torch
     import torch.distributed as dist
 
-    env = os.environ
-    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    env = env or current()
+    rank, world = env.rank or 0, env.world_size or 1
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(env.local_rank or 0)
+    if env.master_addr is None or env.master_port is None:
+        raise ConfigError("MASTER_ADDR" if env.master_addr is None else "MASTER_PORT", None,
+                          "start the process with `dtorch run` or torchrun, which set the rendezvous address")
     t = timedelta(seconds=timeout) if timeout is not None else timedelta(minutes=30)
-    s = tcp_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank == 0, t, world)
+    s = tcp_store(env.master_addr, env.master_port, rank == 0, t, world)
     if wrap_store is not None:
         s = wrap_store(s)
     kw: dict[str, Any] = {"timeout": t} if timeout is not None else {}

@@ -13,17 +13,18 @@ printed for a phase that ends within the first second. Importable from every sta
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import IO
 
+from dtorch import env
+
 
 def wanted(stream: IO[str] | None = None) -> bool:
     """Whether progress lines should be printed to `stream` (default stderr)."""
-    flag = os.environ.get("DTORCH_PROGRESS", "")
+    flag = env.current().progress
     if flag in ("0", "1"):
         return flag == "1"
     stream = stream if stream is not None else sys.stderr

@@ -33,6 +33,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from dtorch import env as _env
 from dtorch.errors import ConfigError
 
 _MIN_KEY = 16
@@ -41,10 +42,10 @@ _cache: dict[str, bytes] = {}
 
 def key_file() -> Path:
     """The key file in use (DTORCH_KEY_FILE, else the per-user default)."""
-    explicit = os.environ.get("DTORCH_KEY_FILE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    e = _env.current()
+    if e.key_file:
+        return Path(e.key_file)
+    base = e.config_home or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "dtorch" / "key"
 
 
@@ -83,11 +84,11 @@ def _create_key_file(path: Path) -> None:
 
 def secret() -> bytes:
     """This user's (or this job's) secret key, see the module docstring."""
-    env = os.environ.get("DTORCH_KEY")
-    if env:
-        if len(env) < _MIN_KEY:
+    given = _env.current().key
+    if given:
+        if len(given) < _MIN_KEY:
             raise ConfigError("DTORCH_KEY", "<hidden>", f"use a secret of at least {_MIN_KEY} characters")
-        return env.encode()
+        return given.encode()
     path = key_file()
     cached = _cache.get(str(path))
     if cached is not None:
@@ -95,7 +96,7 @@ def secret() -> bytes:
     try:
         key = _read_key_file(path)
     except FileNotFoundError:
-        if os.environ.get("DTORCH_KEY_FILE"):
+        if _env.current().key_file:
             raise ConfigError("DTORCH_KEY_FILE", str(path), "no such file; create it (mode 0600) on every node") from None
         try:
             _create_key_file(path)
@@ -123,7 +124,7 @@ def check_tag(purpose: str, data: bytes, expected: str | bytes, key: bytes | Non
 
 
 def trusted_dirs() -> list[Path]:
-    return [Path(p).resolve() for p in os.environ.get("DTORCH_TRUST", "").split(os.pathsep) if p]
+    return [p.resolve() for p in _env.current().trust]
 
 
 def untrusted_reason(path: str | os.PathLike, *, private: bool = False) -> str | None:
