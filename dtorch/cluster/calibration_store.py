@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dtorch import env
 from dtorch.cluster.spec import Cluster, Link
 from dtorch.docio import read_document
 from dtorch.errors import ConfigError
@@ -31,8 +32,8 @@ ENV_DISABLE = "DTORCH_NO_CALIBRATION"
 
 def calibration_dir() -> Path:
     """Where calibrations live: $DTORCH_CALIBRATION_DIR, else ~/.cache/dtorch/calibration."""
-    env = os.environ.get(ENV_DIR)
-    return Path(env) if env else Path.home() / ".cache" / "dtorch" / "calibration"
+    where = env.current().calibration_dir
+    return Path(where) if where else Path.home() / ".cache" / "dtorch" / "calibration"
 
 
 def calibration_path(cluster_name: str) -> Path:
@@ -147,7 +148,7 @@ def write_calibration(doc: dict, path: str | Path) -> Path:
 def stored_calibration(cluster_name: str) -> dict | None:
     """The stored calibration for `cluster_name`, or None (none stored, disabled by
     $DTORCH_NO_CALIBRATION, or unreadable: a broken cache file must not stop a job, so it is ignored)."""
-    if os.environ.get(ENV_DISABLE):
+    if env.current().no_calibration:
         return None
     p = calibration_path(cluster_name)
     if not p.is_file():
@@ -263,7 +264,7 @@ def describe_calibration(cluster: Cluster) -> str:
     feedback it holds), the cluster file's own section, or none (preset or detected figures)."""
     doc = cluster.calibration or {}
     if not doc:
-        why = f"disabled by ${ENV_DISABLE}; " if os.environ.get(ENV_DISABLE) else ""
+        why = f"disabled by ${ENV_DISABLE}; " if env.current().no_calibration else ""
         return f"calibration: none ({why}preset or detected figures; `dtorch probe` measures this machine)"
     fb = doc.get("feedback") or {}
     extra = f", runtime feedback of {fb.get('samples', 0)} run(s)" if fb else ""

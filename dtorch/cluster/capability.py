@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dtorch import env
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 # x86 flag names (Linux /proc/cpuinfo) and aarch64 feature names that mean native support
@@ -84,8 +86,8 @@ def nominal_ratios(flags: set[str] | None = None) -> dict[str, float]:
 
 
 def _cache_path() -> Path:
-    env = os.environ.get(ENV_CACHE)
-    return Path(env) if env else Path.home() / ".cache" / "dtorch" / "capability.json"
+    cache = env.current().capability_cache
+    return Path(cache) if cache else Path.home() / ".cache" / "dtorch" / "capability.json"
 
 
 def _torch_version() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from dtorch import env
 from dtorch.cluster.calibration_store import with_stored_calibration
 from dtorch.cluster.machine import cpu_device, detect
 from dtorch.cluster.spec import Cluster
@@ -34,7 +35,7 @@ def local_cluster(world_size: int, local_world_size: int | None = None, *, calib
 
     With `calibrated` (default), a calibration that `dtorch probe` stored for this cluster's name
     (``local:<nodes>x<ranks per node>``) is merged over the nominal numbers."""
-    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local = int(local_world_size or env.current().local_world_size or world_size)
     if world_size % local:
         raise ConfigError("world_size", world_size, f"must be a multiple of the ranks per node ({local})")
     base = detect()

@@ -69,6 +69,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dtorch import env
 from dtorch.cluster.calibration_store import (  # noqa: F401  (the store, re-exported: its old home)
     CALIBRATION_VERSION,
     ENV_DIR,
@@ -678,9 +679,11 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     distributed = dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
-    local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world))
+    e = env.current()
+    local = int(local_world_size or e.local_world_size or world)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % local))) if cuda else torch.device("cpu")
+    local_rank = e.local_rank if e.local_rank is not None else rank % local
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dtypes = list(dtypes or (("float32", "bfloat16") if not cuda else ("bfloat16", "float32")))
@@ -875,7 +878,7 @@ def _spawn_entry(rank: int, world: int, rdzv: str, out: str, quick: bool, dtypes
     import torch.distributed as dist
 
     torch.set_num_threads(_threads_per_rank(world))
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    env.export({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -911,7 +914,8 @@ def run_probe(nproc: int | None = None, *, quick: bool = False, out: str | Path 
     import torch
     import torch.distributed as dist
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+    e = env.current()
+    if e.rank is not None and e.world_size is not None and e.world_size > 1:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         doc = probe_in_group(quick=quick, dtypes=dtypes)
