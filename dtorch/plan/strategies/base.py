@@ -25,10 +25,11 @@ strategy reads a plan's fields by name.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch.errors import ConfigError
+from dtorch.plan.step import RankLoad, RankShare, StepShape  # noqa: F401  (re-exported: the terms' records)
 
 
 @dataclass(frozen=True)
@@ -102,59 +103,6 @@ class Dims:
     """Routed experts per MoE block (0: a dense model)."""
 
 
-@dataclass(frozen=True)
-class RankLoad:
-    """What one pipeline rank holds and runs: the blocks of all its (virtual) stages, and whether it
-    has the first stage (input embedding) and the last (final norm, output head, loss). The search's
-    lower bound uses an ideal rank: a fractional share of the blocks, embedding and head."""
-
-    pp_rank: int
-    blocks: float
-    embedding: float
-    head: float
-    dense_blocks: float = 0.0
-    """Of `blocks`, a MoE model's dense first blocks on this rank (smaller: no routed experts)."""
-
-
-@dataclass(slots=True)
-class RankShare:
-    """One pipeline rank's share of a step (seconds per micro-batch and per step, bytes)."""
-
-    compute: float = 0.0
-    recompute: float = 0.0
-    host: float = 0.0
-    tp: float = 0.0
-    cp: float = 0.0
-    ep: float = 0.0
-    """Expert-parallel all-to-all (dispatch and combine) per micro-batch."""
-    tp_step: float = 0.0
-    fsdp: float = 0.0
-    dp: float = 0.0
-    optimizer: float = 0.0
-    offload: float = 0.0
-    memory: dict = field(default_factory=dict)
-    host_bytes: float = 0.0
-    disk_bytes: float = 0.0
-    """Bytes of the rank's NVMe-tier files (offload=optimizer_nvme)."""
-    p_stage: float = 0.0
-    """Parameters the rank holds per TP rank."""
-    syncs: float = 0.0
-    """Blocking collectives per micro-batch, every strategy's (`Strategy.blocking_collectives`): the
-    rank's work between two of them is the stretch over which the ranks drift apart."""
-
-    def segment_s(self) -> float:
-        """Seconds of the rank's own work between two blocking collectives (0 without any)."""
-        return (self.compute + self.recompute + self.host) / self.syncs if self.syncs else 0.0
-
-    @property
-    def per_microbatch(self) -> float:
-        return self.compute + self.recompute + self.host + self.tp + self.cp + self.ep
-
-    @property
-    def per_step(self) -> float:
-        return self.fsdp + self.dp + self.optimizer + self.offload + self.tp_step
-
-
 class Strategy:
     """Defaults: a strategy that owns no fields and changes nothing. Subclasses override."""
 
@@ -189,16 +137,18 @@ class Strategy:
         """(position, text) parts of the one-line form."""
         return ()
 
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         """Whether `rank_time` has anything to add for this plan; if so, compute once per plan what
-        it needs for every rank (collectives whose size does not depend on the pipeline rank), as
-        attributes of the step shape."""
+        it needs for every rank (collectives whose size does not depend on the pipeline rank) as
+        the strategy's own typed record, ``return step.keep(Record(...))``, which `rank_time` reads
+        back with ``step.term(Record)``. A value another strategy reads is a declared field of
+        `StepShape` (`tp_act`), never an open attribute."""
         return True
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
 
-    def blocking_collectives(self, step: Any, load: RankLoad, counts: Any) -> float:
+    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: Any) -> float:
         """Collectives per micro-batch that stop the rank's compute until every peer has joined
         (issued inline in the forward or backward, nothing scheduled around them): each waits for
         the slowest peer (`Link.skew`). Asynchronous ones (gradient buckets, FSDP's prefetched

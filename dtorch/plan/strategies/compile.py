@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation
@@ -58,6 +59,13 @@ def measured(calibration: dict | None, family: str) -> dict | None:
     """The calibrated compile record of plan family `family` when it holds a speed-up above 1, else None."""
     fam = measurement(calibration, family)
     return fam if fam is not None and fam["speedup"] > 1.0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class CompileGain:
+    """The compile strategy's per-plan term (`Compile.prepare`): the measured speed-up it applies."""
+
+    speedup: float
 
 
 class Compile(Strategy):
@@ -88,8 +96,7 @@ class Compile(Strategy):
             return False
         rec = measurement(getattr(getattr(step, "cluster", None), "calibration", None), step.plan.family())
         if rec is not None:
-            step.compile_speedup = float(rec["speedup"])
-            return True
+            return step.keep(CompileGain(float(rec["speedup"])))
         if not step.compiled:  # (already priced so when the caller describes a published compiled run)
             step.compiled = True
             step.elem_s_per_byte *= step.c.compile_elementwise_factor
@@ -97,7 +104,7 @@ class Compile(Strategy):
 
     def rank_time(self, step: Any, load: Any, r: Any, counts: Any) -> None:
         """Divide the rank's compute, recompute and host seconds per micro-batch by the measured speed-up."""
-        s = step.compile_speedup
+        s = step.term(CompileGain).speedup
         r.compute, r.recompute, r.host = r.compute / s, r.recompute / s, r.host / s
 
     def once_s(self, plan: Any, cluster: Any) -> float:

@@ -12,14 +12,23 @@ micro-batch's tokens / cp (the step shape's `rows`); FSDP shards over dp_shard x
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.comm import functional_time, sync_skew
+from dtorch.plan.step import StepShape
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 from dtorch.plan.strategies.memory import recompute_reruns_collectives
 
 MAX_CP = 64
 """The largest context-parallel degree the search tries."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvGather:
+    """Context parallelism's per-plan term (`Context.prepare`): seconds of one K/V all-gather over cp."""
+
+    kv_s: float
 
 
 class Context(Strategy):
@@ -60,14 +69,13 @@ class Context(Strategy):
     def degrees(self, rest: int, seq_len: int, tp: int) -> list[int]:
         return [c for c in divisors(rest) if c <= MAX_CP and seq_len % (2 * c * tp) == 0 or c == 1]
 
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         plan = step.plan
         if plan.cp == 1:
             return False
         kv_dim = step.h * step.profile.num_kv_heads / step.profile.num_heads
-        step.cp_kv = functional_time("all_gather", 2.0 * step.tokens_mb * kv_dim * step.act_b / plan.tp, plan.cp,
-                                     step.st_cp, step.g)
-        return True
+        kv_bytes = 2.0 * step.tokens_mb * kv_dim * step.act_b / plan.tp
+        return step.keep(KvGather(functional_time("all_gather", kv_bytes, plan.cp, step.st_cp, step.g)))
 
     def blocking_collectives(self, step: Any, load: RankLoad, counts: Any) -> float:
         # K and V all-gathered forward (once more when full AC recomputes the block), their gradients
@@ -79,7 +87,7 @@ class Context(Strategy):
         n = self.blocking_collectives(step, load, counts)
         inside = step.st_cp * step.plan.cp <= step.g.devices_per_node
         # each exchange also waits for the slowest peer after the stretch of work since the last one
-        r.cp = n * (step.cp_kv + sync_skew(step.g.intra if inside else step.g.inter, r.segment_s(),
+        r.cp = n * (step.term(KvGather).kv_s + sync_skew(step.g.intra if inside else step.g.inter, r.segment_s(),
                                       step.plan.cp))
 
 

@@ -19,13 +19,23 @@ syncs each one, DDP's `no_sync` does not apply), once per step with PP (the sche
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.comm import collective_time, exposed
+from dtorch.plan.step import StepShape
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
 from dtorch.plan.strategies.expert import expert_groups, expert_shard, moe_blocks, stage_experts
 
 DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaUnit:
+    """Data parallelism's per-plan term (`DataParallel.prepare`): one latency-bound all-reduce over
+    the replicas (a DDP bucket's or an HSDP unit's fixed cost)."""
+
+    ar_unit: float
 
 
 class DataParallel(Strategy):
@@ -37,11 +47,10 @@ class DataParallel(Strategy):
     def family(self, plan: Any) -> str | None:
         return "DDP" if plan.dp_replicate > 1 and plan.dp_shard == 1 else None
 
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         if step.plan.dp_replicate == 1:
             return False
-        step.ar_unit = collective_time("all_reduce", 1.0, step.plan.dp_replicate, step.st_dpr, step.g)
-        return True
+        return step.keep(ReplicaUnit(collective_time("all_reduce", 1.0, step.plan.dp_replicate, step.st_dpr, step.g)))
 
     def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
         c, plan = step.c, step.plan
@@ -60,7 +69,7 @@ class DataParallel(Strategy):
         if (plan.ep == 1 or not step.profile.num_experts) and step.fs > 1:
             # HSDP: each FSDP2 unit all-reduces its reduce-scattered shard over the replicas
             t = collective_time("all_reduce", p_stage * step.red_b / step.fs, plan.dp_replicate, step.st_dpr, step.g)
-            return t + ((load.blocks + 1) * step.ar_unit if latency else 0.0)
+            return t + ((load.blocks + 1) * step.term(ReplicaUnit).ar_unit if latency else 0.0)
         if plan.ep == 1 or not step.profile.num_experts:
             return self.comm(step, p_stage * step.red_b / step.fs, bucket_latency=latency)
         g, st = step.g, step.st_dpr
@@ -69,7 +78,7 @@ class DataParallel(Strategy):
         t = collective_time("all_reduce", (p_stage - pe) * step.red_b / step.fs, plan.dp_replicate, st, g)
         t += collective_time("all_reduce", pe / expert_shard(plan) * step.red_b, e_rep, e_st, g)
         if latency:  # one all-reduce per unit: every block and the root, every block's experts
-            t += (load.blocks + 1) * step.ar_unit
+            t += (load.blocks + 1) * step.term(ReplicaUnit).ar_unit
             t += moe_blocks(load, step.profile) * collective_time("all_reduce", 1.0, e_rep, e_st, g)
         return t
 
@@ -81,7 +90,7 @@ class DataParallel(Strategy):
         if not bucket_latency:
             return ar
         # DDP all-reduces a small first bucket, then one per `ddp_bucket_bytes`
-        return ar + math.ceil(grad_bytes / step.c.ddp_bucket_bytes) * step.ar_unit
+        return ar + math.ceil(grad_bytes / step.c.ddp_bucket_bytes) * step.term(ReplicaUnit).ar_unit
 
     def buffers(self, plan: Any) -> float:
         if plan.dp_replicate > 1 and plan.dp_shard * plan.cp == 1:

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from dtorch.plan.step import StepShape, base_efficiency, mean_block_flops, mean_block_params  # noqa: F401  (re-exported: the average block)
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 
 LOAD_IMBALANCE = 1.0
@@ -77,22 +78,6 @@ _moe_blocks = moe_blocks  # (rank_time has a local of that name)
 def expert_params_per_block(profile: Any) -> float:
     """Routed-expert parameters of one MoE block."""
     return float(profile.num_experts * profile.params_per_expert)
-
-
-def mean_block_params(profile: Any) -> float:
-    """Parameters of an average block: a MoE model's dense first blocks are smaller (the even
-    mean is exact without PP; a pipeline stage holding the dense blocks is approximated by it)."""
-    if not profile.num_dense_layers:
-        return float(profile.params_per_block)
-    L, d = profile.num_layers, profile.num_dense_layers
-    return ((L - d) * profile.params_per_block + d * profile.params_per_dense_block) / L
-
-
-def mean_block_flops(profile: Any) -> float:
-    if not profile.num_dense_layers:
-        return float(profile.flops_per_token_block)
-    L, d = profile.num_layers, profile.num_dense_layers
-    return ((L - d) * profile.flops_per_token_block + d * profile.flops_per_token_dense_block) / L
 
 
 def all_to_all_time(nbytes: float, ep: int, stride: int, group: Any, *, node_limit: int | None = None,
@@ -229,6 +214,19 @@ def replicas_fit(plan: Any) -> bool:
     return s % ep == 0 or (ep % s == 0 and r % (ep // s) == 0)
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertExchange:
+    """The expert strategy's per-plan terms (`Expert.prepare`): the routed experts' GEMM speed and,
+    with ep > 1, the seconds of one combine, one dispatch and one count exchange per MoE block, and
+    the bytes a rank sends per all-to-all."""
+
+    speed: float
+    combine_s: float = 0.0
+    dispatch_s: float = 0.0
+    counts_s: float = 0.0
+    bytes_sent: float = 0.0
+
+
 class Expert(Strategy):
     name = "expert"
     executor = "dtorch.parallel.expert"
@@ -314,15 +312,14 @@ class Expert(Strategy):
         return [d for d in divisors(data) if profile.num_experts % d == 0]
 
     # ---- time --------------------------------------------------------------------------------
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         plan, prof = step.plan, step.profile
         if not prof.num_experts:
             return False
         ep, d = plan.ep, self.dispatcher
-        step.expert_speed = self._expert_speed(step)
+        speed = self._expert_speed(step)
         if ep == 1:
-            step.ep_a2a = step.ep_a2a_dispatch = step.ep_counts = step.ep_bytes = 0.0
-            return True
+            return step.keep(ExpertExchange(speed))
         # each rank's assignments of one micro-batch (its tokens / cp, top_k each), hidden wide
         rows = step.tokens_mb / plan.cp * prof.experts_per_token * step.h * self.load_imbalance
         st = step.st_fs  # ep is the innermost part of the FSDP (dp_shard x cp) group
@@ -330,21 +327,20 @@ class Expert(Strategy):
             rows, st = rows / plan.tp, 1
         nbytes = rows * step.act_b
         kw = dict(node_limit=d.node_limit, top_k=prof.experts_per_token)
-        step.ep_a2a = all_to_all_time(nbytes, ep, st, step.g, **kw)  # a combine
-        step.ep_a2a_dispatch = (all_to_all_time(rows * d.dispatch_bytes, ep, st, step.g, **kw)
-                                if d.dispatch_bytes else step.ep_a2a)
-        step.ep_counts = all_to_all_time(8.0 * prof.num_experts, ep, st, step.g)  # the count exchange
-        step.ep_bytes = nbytes * (ep - 1) / ep
-        return True
+        combine = all_to_all_time(nbytes, ep, st, step.g, **kw)
+        return step.keep(ExpertExchange(
+            speed, combine,
+            all_to_all_time(rows * d.dispatch_bytes, ep, st, step.g, **kw) if d.dispatch_bytes else combine,
+            all_to_all_time(8.0 * prof.num_experts, ep, st, step.g),  # the count exchange
+            nbytes * (ep - 1) / ep))
 
-    def _expert_speed(self, step: Any) -> float:
+    def _expert_speed(self, step: StepShape) -> float:
         """FLOP/s of the routed experts' GEMMs on one rank. The executor (`GroupedExperts.compute`)
         runs one dense GEMM chain per local expert, so each GEMM has that expert's rows, not the
         micro-batch's: tokens x top_k / (experts / ep) when balanced (1/tp of the tokens when the ep
         group takes in the TP ranks), under the cost model's own shape factor; a system whose expert
         kernel was measured (`Dispatcher.expert_gemm_efficiency`) at that efficiency."""
         from dtorch.cluster.shape import shape_factor
-        from dtorch.plan.cost import base_efficiency
 
         plan, prof, d, c = step.plan, step.profile, self.dispatcher, step.c
         measured = dict(d.expert_gemm_efficiency).get(step.dev.name)
@@ -355,14 +351,14 @@ class Expert(Strategy):
         width = step.h / (1 if d.ep_borrows_tp else plan.tp)
         return step.peak * base_efficiency(step.g, c) * shape_factor(width, rows, c.gemm_width_half, c.gemm_rows_half)
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
-        plan, prof = step.plan, step.profile
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+        plan, prof, x = step.plan, step.profile, step.term(ExpertExchange)
         moe_blocks = _moe_blocks(load, prof)
         # the routed experts' GEMMs at their own speed (the compute term priced them at the block's)
         routed_flops = step.tokens_mb / (plan.cp * plan.tp) * moe_blocks * 6.0 * prof.experts_per_token \
             * prof.params_per_expert
-        if step.dtype != "float8" and step.expert_speed > 0:  # (float8 published runs: left as priced)
-            extra = routed_flops * (1.0 / step.expert_speed - 1.0 / step.speed)
+        if step.dtype != "float8" and x.speed > 0:  # (float8 published runs: left as priced)
+            extra = routed_flops * (1.0 / x.speed - 1.0 / step.speed)
             r.compute += extra
             if plan.ac == "full":
                 r.recompute += extra / 3.0
@@ -370,11 +366,11 @@ class Expert(Strategy):
             return
         n_pairs = 2 + (1 if plan.ac == "full" else 0)  # (dispatch, combine) forward, backward (+ recompute)
         n_counts = 1 + (1 if plan.ac == "full" else 0)
-        r.ep = moe_blocks * (n_pairs * (step.ep_a2a + step.ep_a2a_dispatch) + n_counts * step.ep_counts)
+        r.ep = moe_blocks * (n_pairs * (x.combine_s + x.dispatch_s) + n_counts * x.counts_s)
         if self.dispatcher.overlap:  # hidden under the rank's compute, which loses the SMs that communicate
             busy, f = r.compute + r.recompute, self.dispatcher.comm_sm_share
             r.ep = max(0.0, r.ep - busy) + min(r.ep, busy) * f / (1.0 - f)
-        if plan.tp > 1 and getattr(step, "tp_act", 0.0) and not self.dispatcher.ep_borrows_tp:
+        if plan.tp > 1 and step.tp_act and not self.dispatcher.ep_borrows_tp:
             # expert-tensor parallelism (dtorch.parallel.expert): the routed output, one row per
             # assignment, is all-reduced over tp forward and its input gradient backward (+ recompute);
             # without shared experts that replaces the dense MLP's all-reduce the TP strategy counts
@@ -384,7 +380,7 @@ class Expert(Strategy):
         if self.load_imbalance > 1.0:  # the hottest rank's routed experts compute more than the mean
             routed = 6.0 * prof.experts_per_token * prof.params_per_expert * (1 + (plan.ac == "full") / 3.0)
             r.ep += (self.load_imbalance - 1.0) * step.tokens_mb / (plan.cp * plan.tp) * moe_blocks * routed \
-                / step.expert_speed
+                / x.speed
 
     # ---- memory and FSDP -----------------------------------------------------------------------
     def local_params(self, step: Any, load: RankLoad, p_stage: float) -> float:

@@ -14,11 +14,27 @@ when parameters stay gathered from forward to backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.comm import collective_time, exposed, unit_fixed
+from dtorch.plan.step import StepShape
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
 from dtorch.plan.strategies.expert import EXPERT, gathered_block_params
+
+
+@dataclass(frozen=True, slots=True)
+class FsdpUnits:
+    """FSDP's per-plan terms (`Sharded.prepare`): seconds of one unit's all-gather and
+    reduce-scatter beside their bytes, the probe's per-byte seconds where it timed FSDP2 on this CPU,
+    whether those fixed costs are paid apart from the overlap, and one block's gather."""
+
+    ag_unit: float
+    rs_unit: float
+    ag_byte: float
+    rs_byte: float
+    fixed_apart: bool
+    ag_block: float
 
 
 class Sharded(Strategy):
@@ -39,26 +55,25 @@ class Sharded(Strategy):
         if plan.dp_shard > 1 and not plan.reshard_after_forward:
             yield 50, "no-reshard"
 
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         fs, st, g = step.fs, step.st_fs, step.g
         if fs == 1:
             return False
         measured = unit_fixed(fs, st, g)
-        step.ag_byte = step.rs_byte = 0.0
+        ag_byte = rs_byte = 0.0
         if measured:
             # FSDP2's cost per unit as the probe timed it (hooks, copies, the collective's wait; and
             # per byte where measured); on a CPU it is paid by the thread that computes
-            step.ag_unit, step.rs_unit, ag_byte, rs_byte = measured
+            ag_unit, rs_unit, m_ag_byte, m_rs_byte = measured
             if step.cpu and step.plan.ep == 1:
-                step.ag_byte, step.rs_byte = ag_byte, rs_byte
+                ag_byte, rs_byte = m_ag_byte, m_rs_byte
         else:
-            step.ag_unit = collective_time("all_gather", 1.0, fs, st, g)
-            step.rs_unit = collective_time("reduce_scatter", 1.0, fs, st, g)
-        step.fsdp_fixed_apart = bool(measured) and step.cpu
+            ag_unit = collective_time("all_gather", 1.0, fs, st, g)
+            rs_unit = collective_time("reduce_scatter", 1.0, fs, st, g)
         # one block's gather: the one nothing hides
-        step.ag_block = collective_time("all_gather", gathered_block_params(step.profile, step.plan) * step.param_b,
-                                        fs, st, g)
-        return True
+        ag_block = collective_time("all_gather", gathered_block_params(step.profile, step.plan) * step.param_b,
+                                   fs, st, g)
+        return step.keep(FsdpUnits(ag_unit, rs_unit, ag_byte, rs_byte, bool(measured) and step.cpu, ag_block))
 
     def comm(self, step: Any, load: RankLoad, p_stage: float, unit_latency: bool = True) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of the `p_stage` parameters and their gradients of
@@ -78,20 +93,21 @@ class Sharded(Strategy):
             rs = collective_time("reduce_scatter", p_stage * step.red_b, fs, st, g)
         if unit_latency:
             # FSDP2 gathers and reduces one unit (block, and the root's rest) at a time: one latency each
-            ag += load.blocks * step.ag_unit
-            rs += load.blocks * step.rs_unit
+            u = step.term(FsdpUnits)
+            ag += load.blocks * u.ag_unit
+            rs += load.blocks * u.rs_unit
         return ag, rs
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
-        plan, c = step.plan, step.c
-        apart = step.fsdp_fixed_apart
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+        plan, c, u = step.plan, step.c, step.term(FsdpUnits)
+        apart = u.fixed_apart
         ag, rs = self.comm(step, load, r.p_stage, unit_latency=not apart)
         m, busy = plan.num_microbatches, r.compute + r.recompute
         units = load.blocks + 1  # every block and the stage's root (embedding, final norm, head)
-        if step.ag_byte or step.rs_byte:
+        if u.ag_byte or u.rs_byte:
             # the probe timed FSDP2's units with their bytes on this CPU: that, not the ring, is the cost
-            ag = units * step.ag_unit + step.ag_byte * r.p_stage * step.param_b
-            rs = units * step.rs_unit + step.rs_byte * r.p_stage * step.red_b
+            ag = units * u.ag_unit + u.ag_byte * r.p_stage * step.param_b
+            rs = units * u.rs_unit + u.rs_byte * r.p_stage * step.red_b
             if plan.pp == 1:
                 r.fsdp = m * ((2 if plan.reshard_after_forward else 1) * ag + rs)
             else:
@@ -100,16 +116,16 @@ class Sharded(Strategy):
         if plan.pp == 1:
             gathers = 2 if plan.reshard_after_forward else 1
             comm = m * (ag * gathers + rs)
-            r.fsdp = exposed(comm, m * busy, c) + m * step.ag_block
+            r.fsdp = exposed(comm, m * busy, c) + m * u.ag_block
             if apart:
-                r.fsdp += m * units * (gathers * step.ag_unit + step.rs_unit)
+                r.fsdp += m * units * (gathers * u.ag_unit + u.rs_unit)
         else:
             gathers = m * plan.virtual_stages * 2 if plan.reshard_after_forward else 1
-            r.fsdp = exposed(ag * gathers, m * busy, c) + step.ag_block
+            r.fsdp = exposed(ag * gathers, m * busy, c) + u.ag_block
             # gradients sync on the last micro-batch only: hidden behind its backward at best
             r.fsdp += exposed(rs, (2.0 / 3.0) * r.compute, c)
             if apart:
-                r.fsdp += units * (gathers * step.ag_unit + step.rs_unit)
+                r.fsdp += units * (gathers * u.ag_unit + u.rs_unit)
 
     def buffers(self, step: Any, p_stage: float) -> float:
         """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a

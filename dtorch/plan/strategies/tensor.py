@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.comm import functional_time, sync_skew
+from dtorch.plan.step import StepShape, activation_share
 from dtorch.plan.strategies.base import (
     Dims,
     Field,
@@ -28,6 +30,13 @@ from dtorch.plan.strategies.base import (
     divisors,
 )
 from dtorch.plan.strategies.memory import recompute_reruns_collectives
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSmall:
+    """The tensor strategy's per-plan term: seconds of one latency-bound TP collective."""
+
+    small_s: float
 
 
 class Tensor(Strategy):
@@ -78,13 +87,12 @@ class Tensor(Strategy):
         return [t for t in divisors(g) if devices_per_node % t == 0 and world_size % t == 0]
 
     # ---- time and memory -----------------------------------------------------------------------
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         tp, g = step.plan.tp, step.g
         if tp == 1:
             return False
-        step.tp_small = functional_time("all_gather", 64.0, tp, 1, g)  # latency-bound
-        step.tp_act = functional_time("all_gather", step.act_full, tp, 1, g)
-        return True
+        step.tp_act = functional_time("all_gather", step.act_full, tp, 1, g)  # (shared: expert's ETP term)
+        return step.keep(TensorSmall(functional_time("all_gather", 64.0, tp, 1, g)))  # latency-bound
 
     def _activation_collectives(self, step: Any) -> int:
         return 8 + (4 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0)
@@ -94,14 +102,14 @@ class Tensor(Strategy):
         # all-gathers with the matmul, not with the peers' arrival)
         return load.blocks * self._activation_collectives(step) + counts.tp_small_per_microbatch
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
-        c = step.c
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+        c, small = step.c, step.term(TensorSmall).small_s
         n_ops = self._activation_collectives(step)
-        r.tp = load.blocks * n_ops * step.tp_act + counts.tp_small_per_microbatch * step.tp_small  # norms, RoPE, loss
+        r.tp = load.blocks * n_ops * step.tp_act + counts.tp_small_per_microbatch * small  # norms, RoPE, loss
         r.tp *= c.tp_exposed * (c.async_tp_factor if step.async_tp else 1.0)
         # each waits for the slowest TP peer after the stretch of work since the last one
         r.tp += self.blocking_collectives(step, load, counts) * sync_skew(step.g.intra, r.segment_s(), step.plan.tp)
-        r.tp_step = counts.tp_small_per_step * step.tp_small * c.tp_exposed
+        r.tp_step = counts.tp_small_per_step * small * c.tp_exposed
 
     def small_collectives(self, plan: Any, blocks: float, head_share: float, c: Any,
                           selective: str = "matmuls_saved") -> tuple[float, float]:
@@ -116,9 +124,7 @@ class Tensor(Strategy):
 
     def activation_share(self, plan: Any) -> tuple[float, float]:
         """(share of a block's saved activations, share of a full-AC block input) on one TP rank."""
-        if plan.tp > 1 and not plan.sp:
-            return 10.0 / 34.0 + (24.0 / 34.0) / plan.tp, 1.0  # Korthikanti Table 2, "TP only"
-        return 1.0 / plan.tp, 1.0 / plan.tp
+        return activation_share(plan)
 
 
 TENSOR = Tensor()
