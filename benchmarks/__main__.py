@@ -286,7 +286,7 @@ def _targets(sections: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=None, help="comma list of sections: " + ", ".join(ORDER) + " (or letters a-h)")
+    p.add_argument("--only", default=None, help="comma list of sections: " + ", ".join(ORDER) + " (or their letters: " + ", ".join(f"{k} {v}" for k, v in LETTERS.items()) + ")")
     p.add_argument("--quick", action="store_true", help="fewer plans, repetitions and sizes")
     p.add_argument("--out", default=str(RESULTS), help="results folder")
     args = p.parse_args(argv)
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         for x in args.only.split(","):
             x = LETTERS.get(x.strip(), x.strip())
             if x not in SECTIONS:
-                p.error(f"--only: unknown section {x!r}; use {', '.join(ORDER)} or letters a-h")
+                p.error(f"--only: unknown section {x!r}; use {', '.join(ORDER)} or their letters")
             names.append(x)
         names = [n for n in ORDER if n in names]
     out = Path(args.out)
