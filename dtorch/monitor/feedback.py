@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from dtorch.cluster.calibration_store import (
     stored_calibration,
     write_calibration,
 )
+from dtorch.env import current
 from dtorch.errors import ConfigError
 from dtorch.plan.plan import Plan
 
@@ -57,14 +57,14 @@ def unclean_reasons(stragglers: int = 0) -> list[str]:
     """Why this run's step times are not the plan's (empty: a clean run). Read from the launch
     (`dtorch run` sets DTORCH_CHAOS for a drill; torchelastic counts restarts, DTorch the
     membership epoch) and from the trainer (`stragglers`: straggler flags it raised)."""
-    env = os.environ
+    env = current()
     reasons = []
-    if env.get("DTORCH_CHAOS"):
-        reasons.append(f"chaos drill {env['DTORCH_CHAOS']!r}")
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if env.chaos:
+        reasons.append(f"chaos drill {env.chaos!r}")
+    restarts = env.restart_count
     if restarts:
         reasons.append(f"{restarts} restart(s)")
-    epoch = int(env.get("DTORCH_EPOCH", "0") or 0)
+    epoch = env.epoch or 0
     if epoch and not restarts:
         reasons.append(f"membership changed (epoch {epoch})")
     if stragglers:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtorch.env import RuntimeEnv, current
 from dtorch.errors import ConfigError
 from dtorch.monitor.ranks import RankCollector, ranks_record
 
@@ -46,30 +46,21 @@ class MonitorConfig:
     @classmethod
     def resolve(cls, metrics_every: int | None = None, port: int | None = None, host: str | None = None,
                 token: str | None = None, allow_remote: bool | None = None,
-                trace_comms: bool | None = None) -> MonitorConfig:
-        """Arguments win over the environment; see the module docstring for the names."""
-        env = os.environ
-
-        def _int(name: str, value: Any) -> int | None:
-            if value in (None, ""):
-                return None
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                raise ConfigError(name, value, "use a whole number") from None
-
-        every = metrics_every if metrics_every is not None else _int("DTORCH_METRICS_EVERY",
-                                                                     env.get("DTORCH_METRICS_EVERY"))
+                trace_comms: bool | None = None, env: RuntimeEnv | None = None) -> MonitorConfig:
+        """Arguments win over the environment (`env`, default this process's); see the module
+        docstring for the names."""
+        env = env or current()
+        every = metrics_every if metrics_every is not None else env.metrics_every
         every = 10 if every is None else every
         if every < 0:
             raise ConfigError("metrics_every", every, "aggregate every N >= 1 steps, or 0 for never")
-        port = port if port is not None else _int("DTORCH_MONITOR_PORT", env.get("DTORCH_MONITOR_PORT"))
+        port = port if port is not None else env.monitor_port
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError("monitor_port", port, "use a TCP port 0..65535 (0 = any free port)")
-        remote = allow_remote if allow_remote is not None else env.get("DTORCH_MONITOR_ALLOW_REMOTE") == "1"
-        return cls(metrics_every=every, port=port, host=host or env.get("DTORCH_MONITOR_HOST") or "127.0.0.1",
-                   token=token or env.get("DTORCH_MONITOR_TOKEN") or None, allow_remote=remote,
-                   trace_comms=trace_comms if trace_comms is not None else env.get("DTORCH_TRACE_COMMS") == "1")
+        remote = allow_remote if allow_remote is not None else env.monitor_allow_remote
+        return cls(metrics_every=every, port=port, host=host or env.monitor_host or "127.0.0.1",
+                   token=token or env.monitor_token, allow_remote=remote,
+                   trace_comms=trace_comms if trace_comms is not None else env.trace_comms)
 
 
 class RunMonitor:
@@ -96,7 +87,7 @@ class RunMonitor:
                                        tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                                        peak_flops=peak_flops, comm=self.comm) if cfg.metrics_every else None
         self.profile = None
-        if self.collector is not None and os.environ.get("DTORCH_PROFILE_COMMS") == "1" and trace_dir is not None:
+        if self.collector is not None and current().profile_comms and trace_dir is not None:
             from dtorch.monitor.commprofile import CommProfile
 
             every = cfg.metrics_every

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dtorch.env import current
+
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
     """Peak memory of this process: CUDA allocator peak on GPU, else the resident-set high-water mark."""
@@ -196,4 +198,4 @@ def measured_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32,
 
 
 def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return current().rank or 0

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from dtorch.env import current
 from dtorch.monitor.jsonl import read_jsonl
 
 OOM_FILE = "oom.jsonl"
@@ -82,7 +83,7 @@ class MemoryCap:
     def __init__(self, rank: int, base_bytes: int):
         self.limit: int | None = None
         self.from_step = 1
-        spec = os.environ.get(CAP_ENV)
+        spec = current().memory_cap
         if not spec:
             return
         fields = dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)

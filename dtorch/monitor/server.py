@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from dtorch.env import current
 from dtorch.errors import ConfigError
 from dtorch.trust import is_loopback
 
@@ -186,7 +187,7 @@ def check_port(port: int | None, host: str | None = None) -> None:
     127.0.0.1; port None or 0 (any free port) is not checked."""
     if not port:
         return
-    host = host or os.environ.get("DTORCH_MONITOR_HOST") or "127.0.0.1"
+    host = host or current().monitor_host or "127.0.0.1"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds (TIME_WAIT is no conflict)
