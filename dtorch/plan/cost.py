@@ -74,6 +74,7 @@ from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's sha
     DTYPE_BYTES,
     CostConstants,
     GiB,
+    RankMemory,
     StepShape,
     _block_params,
     base_efficiency,
@@ -81,11 +82,9 @@ from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's sha
     mean_block_params,
     shape_factor,
 )
-from dtorch.plan.strategies import TIMED
+from dtorch.plan.strategies import HOLDING, MEMORY_TERMS, TIMED
 from dtorch.plan.strategies.base import RankLoad, RankShare
-from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import EXPERT, gathered_params, local_params
-from dtorch.plan.strategies.fsdp import FSDP
+from dtorch.plan.strategies.expert import gathered_params, local_params
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     MEMORY,
     SELECTIVE_POLICIES,
@@ -363,13 +362,13 @@ def host_time(step: StepShape, counts: StepCounts, r: RankShare) -> float:
     return counts.optimizer_ops * dev.op_overhead_s + counts.dtensor_optimizer_ops * dev.dtensor_op_overhead_s
 
 
-def optimizer_time(step: StepShape, load: RankLoad, r: RankShare, host_opt: float) -> None:
+def optimizer_time(step: StepShape, held: RankMemory, r: RankShare, host_opt: float) -> None:
     """The optimizer step on the device unless offloaded, plus its host overhead: on a GPU 28 bytes
     of Adam traffic per parameter at 80% of HBM bandwidth; on a CPU torch's CPU AdamW at the rate
     the probe measured for the kernel the executor runs (`host_adam_rate`: the per-tensor loop by
     default, several times slower than the bandwidth rule, which stays where unmeasured)."""
     if step.plan.offload == "none":
-        p_local = EXPERT.local_params(step, load, r.p_stage)  # (with EP: the rank's own experts)
+        p_local = held.p_local  # (with EP: the rank's own experts)
         if step.cpu:
             r.optimizer = p_local / host_adam_rate(step)
         else:
@@ -377,13 +376,20 @@ def optimizer_time(step: StepShape, load: RankLoad, r: RankShare, host_opt: floa
     r.optimizer += host_opt if step.cpu else max(0.0, host_opt - r.optimizer)
 
 
-def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
-    """Bytes of the rank: model states, activations in flight, communication buffers, margin; and
-    the host bytes of offloaded states."""
+def held_params(step: StepShape, load: RankLoad, p_stage: float) -> RankMemory:
+    """What the rank holds of its stage's `p_stage` parameters: the whole stage when gathered and
+    1/(dp_shard x cp) as its shard, as the strategies that change it say (`Strategy.held`)."""
+    m = RankMemory(p_stage, p_stage, p_stage / step.fs)
+    for s in HOLDING:
+        s.held(step, load, m)
+    return m
+
+
+def rank_memory(step: StepShape, load: RankLoad, r: RankShare, m: RankMemory) -> None:
+    """Bytes of the rank: model states, activations in flight, the strategies' buffers
+    (`Strategy.rank_memory`), margin; and the host and disk bytes of offloaded states."""
     plan, prof, c = step.plan, step.profile, step.c
-    p_stage = r.p_stage
-    p_gathered = EXPERT.gathered_stage_params(step, load, p_stage)  # with EP: 1/ep of the routed experts
-    states = _states(plan, p_stage, p_gathered, EXPERT.local_params(step, load, p_stage))
+    states = _states(plan, m.p_stage, m.p_gathered, m.p_local)
     a_none, shard_act = step.a_none, step.shard_act
     a_pol = act_bytes_per_token_block(prof, plan.ac, step.selective) * step.act_scale
     in_flight = activation_in_flight(plan, load.pp_rank)
@@ -392,24 +398,19 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare) -> None:
         acts += a_none * step.act_scale * step.rows * shard_act  # one block re-materialised during its backward
     if load.head:  # logits of every micro-batch the last stage holds (one under 1F1B, m under GPipe)
         acts += prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp * in_flight
-    if step.fs > 1:
-        buffers = FSDP.buffers(step, p_gathered)
-    elif plan.ep > 1:  # DDP x EP: FSDP2 units over one-rank shard groups, gathered for the step
-        buffers = EXPERT.replica_buffers(step, p_gathered)
-    else:
-        buffers = DATA.buffers(plan)
-    sub = sum(states.values()) + acts + buffers
+    for s in MEMORY_TERMS:
+        s.rank_memory(step, load, m)
+    sub = sum(states.values()) + acts + m.buffers
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
-    r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}
-    if plan.offload != "none":
-        r.host_bytes = MEMORY.host_bytes(plan, p_stage / step.fs, step, load)
-        r.disk_bytes = MEMORY.disk_bytes(plan, p_stage / step.fs)
+    r.memory = {**states, "activations": int(acts), "buffers": int(m.buffers), "margin": int(margin)}
+    r.host_bytes, r.disk_bytes = m.host_bytes, m.disk_bytes
 
 
 def rank_share(step: StepShape, load: RankLoad, timed) -> RankShare:
     """One pipeline rank's share of the step: compute, recompute and host, then the time terms of
     the strategies that apply (`timed`, in registry order), the optimizer, and the rank's memory."""
     r = RankShare(p_stage=step.p_stage(load))
+    held = held_params(step, load, r.p_stage)
     counts = step_counts(step.plan, step.profile, step.dev.kind, step.c, load, step.selective)
     flops_mb = compute_time(step, load, r)
     if step.plan.ac != "none":
@@ -418,8 +419,8 @@ def rank_share(step: StepShape, load: RankLoad, timed) -> RankShare:
     r.syncs = sum(s.blocking_collectives(step, load, counts) for s in timed)
     for s in timed:
         s.rank_time(step, load, r, counts)
-    optimizer_time(step, load, r, host_opt)
-    rank_memory(step, load, r)
+    optimizer_time(step, held, r, host_opt)
+    rank_memory(step, load, r, held)
     return r
 
 

@@ -74,6 +74,22 @@ class RankShare:
 
 
 
+@dataclass(slots=True)
+class RankMemory:
+    """What one pipeline rank holds, as the strategies' memory terms fill it in: the parameters
+    (per TP rank) of its stage, those it holds unsharded when its stage is gathered and those it
+    holds as its own shard (`Strategy.held`: the expert strategy's say), the gathered-parameter and
+    gradient buffers of the strategy that syncs them, and the host and disk bytes of offloaded
+    states (`Strategy.rank_memory`)."""
+
+    p_stage: float
+    p_gathered: float
+    p_local: float
+    buffers: float = 0.0
+    host_bytes: float = 0.0
+    disk_bytes: float = 0.0
+
+
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 

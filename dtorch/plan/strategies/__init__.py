@@ -50,6 +50,10 @@ _MESH_FIELDS = tuple(n for n in FIELDS if n in MESH_AXES)
 TIMED = tuple(s for s in REGISTRY if type(s).rank_time is not Strategy.rank_time)
 """The strategies with time terms, in registry order: the cost model keeps those whose `prepare`
 says they apply to the plan, and adds their `rank_time` on every pipeline rank."""
+HOLDING = tuple(s for s in REGISTRY if type(s).held is not Strategy.held)
+"""The strategies that change what a rank holds of its stage (`Strategy.held`), in registry order."""
+MEMORY_TERMS = tuple(s for s in REGISTRY if type(s).rank_memory is not Strategy.rank_memory)
+"""The strategies with memory terms (`Strategy.rank_memory`), in registry order."""
 _LIMITED = tuple(s for s in REGISTRY if type(s).limits is not Strategy.limits)
 _REFUSING = tuple(s for s in REGISTRY if type(s).unsupported_for is not Strategy.unsupported_for)
 _FAMILY_KEY = attrgetter(*dict.fromkeys(f for s in REGISTRY for f in s.family_fields))

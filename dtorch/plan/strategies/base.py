@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtorch.errors import ConfigError
-from dtorch.plan.step import RankLoad, RankShare, StepShape  # noqa: F401  (re-exported: the terms' records)
+from dtorch.plan.step import RankLoad, RankMemory, RankShare, StepShape  # noqa: F401  (re-exported: the terms' records)
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,15 @@ class Strategy:
 
     def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
+
+    def held(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        """Change what a rank holds of its stage (`m.p_gathered`, `m.p_local`; by default the whole
+        stage gathered and 1/(dp_shard x cp) of it as the rank's shard). Runs before every memory
+        and optimizer term."""
+
+    def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        """Add this strategy's bytes to the rank's `m`: the buffers of the strategy that syncs the
+        gradients (one of data, FSDP, expert applies), host and disk bytes of offloaded states."""
 
     def blocking_collectives(self, step: StepShape, load: RankLoad, counts: Any) -> float:
         """Collectives per micro-batch that stop the rank's compute until every peer has joined

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.comm import collective_time, exposed
-from dtorch.plan.step import StepShape
+from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
 from dtorch.plan.strategies.expert import expert_groups, expert_shard, moe_blocks, stage_experts
 
@@ -91,6 +91,10 @@ class DataParallel(Strategy):
             return ar
         # DDP all-reduces a small first bucket, then one per `ddp_bucket_bytes`
         return ar + math.ceil(grad_bytes / step.c.ddp_bucket_bytes) * step.term(ReplicaUnit).ar_unit
+
+    def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        if step.fs == 1 and step.plan.ep == 1:
+            m.buffers = self.buffers(step.plan)
 
     def buffers(self, plan: Any) -> float:
         if plan.dp_replicate > 1 and plan.dp_shard * plan.cp == 1:

@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from dtorch.plan.step import StepShape, base_efficiency, mean_block_flops, mean_block_params  # noqa: F401  (re-exported: the average block)
+from dtorch.plan.step import RankMemory, StepShape, base_efficiency, mean_block_flops, mean_block_params  # noqa: F401  (re-exported: the average block)
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 
 LOAD_IMBALANCE = 1.0
@@ -387,6 +387,15 @@ class Expert(Strategy):
         """Of the `p_stage` parameters of pipeline rank `load`, those a rank holds as sharded model
         states (and steps in the optimizer): `local_params`."""
         return local_params(step.plan, step.profile, load, p_stage)
+
+    def held(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        """With EP a rank gathers 1/ep of its stage's routed experts and holds its own shard of them."""
+        m.p_gathered = self.gathered_stage_params(step, load, m.p_stage)
+        m.p_local = self.local_params(step, load, m.p_stage)
+
+    def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        if step.fs == 1 and step.plan.ep > 1:  # DDP x EP: FSDP2 units over one-rank shard groups
+            m.buffers = self.replica_buffers(step, m.p_gathered)
 
     def replica_buffers(self, step: Any, p_gathered: float) -> float:
         """Gathered-parameter bytes of EP with DDP replicas (dp_shard = 1): the executor runs them as

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtorch.plan.comm import collective_time, exposed, unit_fixed
-from dtorch.plan.step import StepShape
+from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
 from dtorch.plan.strategies.expert import EXPERT, gathered_block_params
 
@@ -126,6 +126,10 @@ class Sharded(Strategy):
             r.fsdp += exposed(rs, (2.0 / 3.0) * r.compute, c)
             if apart:
                 r.fsdp += units * (gathers * u.ag_unit + u.rs_unit)
+
+    def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        if step.fs > 1:
+            m.buffers = self.buffers(step, m.p_gathered)
 
     def buffers(self, step: Any, p_stage: float) -> float:
         """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a

@@ -283,6 +283,12 @@ class Memory(Strategy):
         buffers = step.c.offload_buffers if step is not None else 3
         return MASTER_BYTES * p_local + buffers * 1.5 * block
 
+    def rank_memory(self, step: Any, load: RankLoad, m: Any) -> None:
+        """Host and disk bytes of the offloaded states (the rank's shard of its stage)."""
+        if step.plan.offload != "none":
+            m.host_bytes = self.host_bytes(step.plan, m.p_stage / step.fs, step, load)
+            m.disk_bytes = self.disk_bytes(step.plan, m.p_stage / step.fs)
+
     def disk_bytes(self, plan: Any, p_local: float) -> float:
         """Bytes of one rank's NVMe-tier files (the AdamW moments; `dtorch.train.offload.bytes_needed`)."""
         return STATE_BYTES * p_local if plan.offload == "optimizer_nvme" else 0.0
