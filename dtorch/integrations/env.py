@@ -6,8 +6,9 @@
 
 Read by `dtorch run` (nodes, rendezvous endpoint and id when no flag names them) and by the
 trainer (a process started once per rank, e.g. `srun -n 8 python -m dtorch.train.job`, gets
-RANK/WORLD_SIZE/MASTER_ADDR from the scheduler's variables). Pure standard library: the trainer
-and the launcher import it, so it imports nothing of DTorch but the errors.
+RANK/WORLD_SIZE/MASTER_ADDR from the scheduler's variables). Standard library and the floor: the
+trainer and the launcher import it, so it imports nothing of DTorch but `dtorch.env` (the process
+environment: these variables are read from `dtorch.env.environ()`, exported with `dtorch.env.export`).
 
 What each scheduler sets (and we read):
 - Slurm: SLURM_JOB_ID, SLURM_JOB_NODELIST (compressed hostlist), SLURM_NNODES, SLURM_NODEID;
@@ -26,12 +27,13 @@ What each scheduler sets (and we read):
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
+
+from dtorch import env as _env
 
 DEFAULT_PORT = 29500
 
@@ -147,8 +149,9 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
 def port_for_job(job_id: str | None) -> int:
     """A rendezvous port every node of the job derives alike: DTORCH_MASTER_PORT, else one
     spread by job id over 20000-29999 so that two jobs sharing a node rarely collide."""
-    if os.environ.get("DTORCH_MASTER_PORT"):
-        return int(os.environ["DTORCH_MASTER_PORT"])
+    override = _env.current().master_port_override
+    if override is not None:
+        return override
     digits = re.sub(r"\D", "", job_id or "")
     return 20000 + int(digits) % 10000 if digits else DEFAULT_PORT
 
@@ -191,11 +194,16 @@ def _skypilot(env: Mapping[str, str]) -> Allocation:
                       nodes=ips, gpus_per_node=gpus)
 
 
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The Slurm job this process runs in (SLURM_JOB_ID), or None outside Slurm."""
+    return (_env.environ() if env is None else env).get("SLURM_JOB_ID")
+
+
 def detect(env: Mapping[str, str] | None = None) -> Allocation | None:
     """The allocation this process runs in, or None outside any scheduler. Precedence: Kubeflow /
     Volcano (PET_*) over SkyPilot over Slurm over plain torchrun variables, so a container started
     by an operator inside a Slurm-managed node reads the operator's variables."""
-    env = os.environ if env is None else env
+    env = _env.environ() if env is None else env
     if env.get("PET_NNODES") or env.get("PET_MASTER_ADDR"):
         return _pet(env, "volcano" if env.get("VC_TASK_INDEX") is not None else "kubeflow")
     if env.get("SKYPILOT_NODE_RANK") is not None and env.get("SKYPILOT_NODE_IPS"):
@@ -228,18 +236,19 @@ def launch_defaults(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def export_rank_env(env: os._Environ | dict | None = None) -> Allocation | None:
+def export_rank_env(env: MutableMapping[str, str] | None = None) -> Allocation | None:
     """When a scheduler started this process as one rank (an srun task) and no launcher set the
     rank variables, derive RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT from its variables, so `init_process_group("env://")` works. Returns the
-    allocation it used, or None when nothing was set."""
-    env = os.environ if env is None else env
-    if env.get("RANK") is not None:
+    allocation it used, or None when nothing was set. `env` (a test's mapping) is updated in place;
+    by default this process's environment is read and exported to."""
+    view = _env.environ() if env is None else env
+    if view.get("RANK") is not None:
         return None
-    a = detect(env)
+    a = detect(view)
     if a is None or a.rank is None or not a.world_size:
         return None
-    env.update({"RANK": str(a.rank), "WORLD_SIZE": str(a.world_size), "LOCAL_RANK": str(a.local_rank or 0),
+    (_env.export if env is None else env.update)({"RANK": str(a.rank), "WORLD_SIZE": str(a.world_size), "LOCAL_RANK": str(a.local_rank or 0),
                 "LOCAL_WORLD_SIZE": str(a.local_world_size or 1), "MASTER_ADDR": a.master_addr,
                 "MASTER_PORT": str(a.master_port), "GROUP_RANK": str(a.node_rank)})
     return a

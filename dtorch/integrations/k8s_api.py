@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import queue
 import ssl
 import sys
@@ -37,7 +36,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
+
+from dtorch.env import environ
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 CHANNELS = ("annotations", "events")
@@ -116,8 +118,8 @@ class PodStatus:
         self.dropped = 0
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> PodStatus | None:
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PodStatus | None:
+        env = environ() if env is None else env
         channels = [c.strip() for c in env.get("DTORCH_K8S_STATUS", ",".join(CHANNELS)).split(",")]
         channels = [c for c in channels if c in CHANNELS]
         host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")

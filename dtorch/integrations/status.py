@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtorch.integrations.env import slurm_job_id
+
 STATUS_FILE = "status.json"
 HISTORY_FILE = "status-history.jsonl"
 STATES = ("planning", "recovering", "running", "checkpointed", "preempted", "finished", "failed")
@@ -176,7 +178,7 @@ class Reporter:
         self._last_write = -1e9
         self.file_interval = file_interval
         self._proc: subprocess.Popen | None = None
-        self.slurm_job = os.environ.get("SLURM_JOB_ID")
+        self.slurm_job = slurm_job_id()
         self._scontrol = shutil.which("scontrol") if self.slurm_job else None
         self.pod = None
         if self.enabled:
