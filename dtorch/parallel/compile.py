@@ -44,13 +44,13 @@ planner reads the gain and the compile time.
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from dtorch import env
 from dtorch.errors import ConfigError
 from dtorch.model.structure import block_items, find_blocks
 from dtorch.parallel.rng import has_random_ops
@@ -81,7 +81,7 @@ def _compiler_missing(device_type: str) -> str | None:
         except ImportError:
             return "Inductor needs Triton on CUDA (pip install triton)"
         return None
-    cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+    cxx = env.current().cxx or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
     if cxx is None or shutil.which(cxx.split()[0]) is None:
         return "Inductor needs a C++ compiler on CPU (g++ or clang++ on PATH, or $CXX)"
     return None

@@ -11,19 +11,18 @@ CPU, chosen from the environment, never from the plan.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dtorch import env
 from dtorch.plan.plan import MESH_AXES, Plan
 
 
 def default_device() -> torch.device:
     """cuda:LOCAL_RANK when CUDA is present, else cpu."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device("cuda", (env.current().local_rank or 0) % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -28,19 +28,19 @@ cost model prices (`selective:` policy, `compiled`, `async_tp`, `float8_recipe:`
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
+from dtorch import env
 from dtorch.cluster.load import load_cluster
 from dtorch.model.profile import ModelProfile
 from dtorch.plan.cost import DEFAULT_CONSTANTS, CostConstants, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.profiles import analytic_profile, get_profile
 
-PUBLISHED_DIR = Path(os.environ.get("DTORCH_PUBLISHED_DIR")
+PUBLISHED_DIR = Path(env.current().published_dir
                      or Path(__file__).resolve().parents[2] / "benchmarks" / "published")
 """Where the published tables are (the repository's benchmarks/published; $DTORCH_PUBLISHED_DIR overrides)."""
 
