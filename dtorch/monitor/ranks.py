@@ -132,7 +132,8 @@ class RankCollector:
                    float(torch.cuda.memory_reserved(self.device))]
             gpu = nvml.sample(self.device.index or 0) or {}
         else:
-            mem = [float(rss_bytes()), float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, float("nan")]
+            now = float(rss_bytes())  # statm counts pages ru_maxrss may not yet: the peak is never below now
+            mem = [now, max(now, float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024), float("nan")]
             gpu = {}
         nan = float("nan")
         return [float(self.n), step, self.max_step, *[self.sums[t] / n for t in TERMS], self.sums["fwd_blocks"] / n,

@@ -56,12 +56,16 @@ class MonitorState:
         self.session = os.urandom(6).hex()
         """Names this state: a page that polls with `since` gets only new steps while it is the same."""
         self._run_events: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
+        self.tokens_total = 0.0
+        """Tokens trained since this state started (a counter: it restarts with the process)."""
 
     def feed(self, record: dict[str, Any]) -> None:
         kind = record.get("event")
         with self.lock:
             if kind is None:
                 self.steps.append(record)
+                # tokens/s x seconds: this step's tokens, for a counter that rate() reads
+                self.tokens_total += float(record.get("tokens_per_s") or 0.0) * float(record.get("step_time_s") or 0.0)
                 if len(self.steps) > MAX_STEPS:
                     self.steps = self.steps[::2]
             elif kind == "ranks":
@@ -106,8 +110,17 @@ class MonitorState:
                     "started": self.started, "now": time.time()}
 
 
+GPU_READINGS = (("gpu_util", "dtorch_rank_gpu_utilization_ratio", "GPU busy fraction (NVML), 0..1", 0.01),
+                ("gpu_temp_c", "dtorch_rank_gpu_temperature_celsius", "GPU temperature (NVML)", 1.0),
+                ("gpu_sm_clock_mhz", "dtorch_rank_gpu_sm_clock_hertz", "GPU SM clock (NVML)", 1e6),
+                ("gpu_power_w", "dtorch_rank_gpu_power_watts", "GPU power draw (NVML)", 1.0))
+"""(ranks-record field, metric name, help, factor to the metric's base unit): one unit per name."""
+
+
 class _Collector:
-    """prometheus_client custom collector: the series are built at scrape time from the state."""
+    """prometheus_client custom collector: the series are built at scrape time from the state.
+    Names follow Prometheus' conventions: base units (seconds, bytes, hertz, celsius, watts), `_ratio`
+    for 0..1 fractions, `_total` for counters, one unit per name."""
 
     def __init__(self, state: MonitorState):
         self.state = state
@@ -119,15 +132,18 @@ class _Collector:
         with st.lock:
             last = st.steps[-1] if st.steps else None
             ranks = st.ranks
+            tokens = st.tokens_total
         if last is not None:
             yield CounterMetricFamily("dtorch_steps", "optimizer steps done", value=last["step"])
+            yield CounterMetricFamily("dtorch_tokens", "tokens trained by the whole job since this process "
+                                      "started (rate() gives tokens per second)", value=tokens)
             for key, name, help_text in (
                     ("loss", "dtorch_loss", "training loss (global mean)"),
                     ("grad_norm", "dtorch_grad_norm", "gradient norm"),
                     ("lr", "dtorch_learning_rate", "learning rate"),
                     ("step_time_s", "dtorch_step_seconds", "seconds per step (rank 0)"),
-                    ("tokens_per_s", "dtorch_tokens_per_second", "tokens per second, whole job"),
-                    ("mfu", "dtorch_mfu", "model FLOPs utilisation, 0..1")):
+                    ("tokens_per_s", "dtorch_tokens_per_second", "tokens per second, whole job, last step"),
+                    ("mfu", "dtorch_mfu_ratio", "model FLOPs utilisation, 0..1")):
                 yield GaugeMetricFamily(name, help_text, value=float(last[key]))
         if ranks is None:
             return
@@ -139,7 +155,8 @@ class _Collector:
                                 labels=["rank"])
         mem = GaugeMetricFamily("dtorch_rank_memory_bytes", "memory per rank: current, peak, reserved",
                                 labels=["rank", "kind"])
-        gpu = GaugeMetricFamily("dtorch_rank_gpu", "NVML readings per rank", labels=["rank", "reading"])
+        gpu = {field: GaugeMetricFamily(name, help_text, labels=["rank"])
+               for field, name, help_text, _ in GPU_READINGS}
         ratio = GaugeMetricFamily("dtorch_rank_own_time_ratio", "this rank's own work (data+compute+optimizer) "
                                   "over the fastest rank's", labels=["rank"])
         strag = GaugeMetricFamily("dtorch_rank_straggler", "1 when the rank is named a straggler", labels=["rank"])
@@ -154,12 +171,12 @@ class _Collector:
                 v = r.get(f"mem_{kind}_bytes")
                 if v is not None:
                     mem.add_metric([lab, kind], v)
-            for k in ("gpu_util", "gpu_temp_c", "gpu_sm_clock_mhz", "gpu_power_w"):
-                if r.get(k) is not None:
-                    gpu.add_metric([lab, k], r[k])
+            for field, _, _, factor in GPU_READINGS:
+                if r.get(field) is not None:
+                    gpu[field].add_metric([lab], r[field] * factor)
             ratio.add_metric([lab], r["own_ratio"])
             strag.add_metric([lab], 1.0 if r["rank"] in ranks["stragglers"] else 0.0)
-        yield from (term, step, tps, mem, gpu, ratio, strag)
+        yield from (term, step, tps, mem, *(g for g in gpu.values() if g.samples), ratio, strag)
         pred = ranks.get("predicted") or {}
         if pred:
             p = GaugeMetricFamily("dtorch_predicted_step_term_seconds", "the plan's predicted seconds per step "

@@ -80,13 +80,99 @@ def test_prometheus_scrape_during_a_two_worker_run_has_every_rank(live_run):
     text = _fetch(live_run["url"] + "metrics").decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert fams["dtorch_steps"].samples[0].value >= 8
+    assert fams["dtorch_tokens"].type == "counter" and fams["dtorch_tokens"].samples[0].value > 0
+    assert 0 < fams["dtorch_mfu_ratio"].samples[0].value <= 1
     for name in ("dtorch_rank_step_seconds", "dtorch_rank_tokens_per_second", "dtorch_rank_own_time_ratio"):
         assert {s.labels["rank"] for s in fams[name].samples} == {"0", "1"}, name
     mem = {(s.labels["rank"], s.labels["kind"]) for s in fams["dtorch_rank_memory_bytes"].samples}
     assert {("0", "current"), ("1", "current"), ("0", "peak"), ("1", "peak")} <= mem
+    mem_v = {(s.labels["rank"], s.labels["kind"]): s.value for s in fams["dtorch_rank_memory_bytes"].samples}
+    assert all(mem_v[(r, "peak")] >= mem_v[(r, "current")] for r in ("0", "1")), mem_v
     per_term = {(s.labels["rank"], s.labels["term"]): s.value for s in fams["dtorch_rank_step_term_seconds"].samples}
     assert per_term[("0", "compute")] > 0 and per_term[("1", "compute")] > 0
     assert all(v >= 0 for v in per_term.values())
+
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _metric_names(expr: str) -> set[str]:
+    """The dtorch_* series a PromQL expression reads (a counter's `_total` name as exposed)."""
+    import re
+
+    return set(re.findall(r"\bdtorch_[a-z_]+", expr))
+
+
+def test_a_real_prometheus_scrapes_both_ranks_and_answers_promql(live_run, tmp_path):
+    """Debian's `prometheus` server scrapes the job with the shipped alert rules loaded; PromQL
+    answers for both ranks' step time and the job's tokens; every series the Grafana dashboard and
+    the rules name is one the job exposes."""
+    import socket
+    from urllib.parse import quote, urlparse
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prom = shutil.which("prometheus")
+    if prom is None:
+        pytest.skip("Debian's prometheus is not installed (.ci/run installs it when run as root)")
+    target = urlparse(live_run["url"]).netloc
+    rules = DEPLOY / "prometheus" / "alerts.yml"
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                   f"rule_files:\n  - {rules}\n"
+                   f"scrape_configs:\n  - job_name: dtorch\n    static_configs:\n      - targets: ['{target}']\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([prom, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    api = f"http://127.0.0.1:{port}/api/v1/"
+
+    def query(q: str) -> list[dict]:
+        doc = json.loads(_fetch(api + "query?query=" + quote(q)))
+        assert doc["status"] == "success", doc
+        return doc["data"]["result"]
+
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+            try:
+                step = query("dtorch_rank_step_seconds")
+                rate = query("rate(dtorch_tokens_total[10s])")
+                if len(step) == 2 and rate and float(rate[0]["value"][1]) > 0:
+                    break
+            except OSError:
+                pass  # not listening yet
+            assert time.time() < deadline, "prometheus never had both ranks and a token rate"
+            time.sleep(1)
+        assert {r["metric"]["rank"] for r in step} == {"0", "1"}
+        assert all(float(r["value"][1]) > 0 for r in step)
+        by_rank = query("sum by (rank) (dtorch_rank_tokens_per_second)")
+        assert {r["metric"]["rank"] for r in by_rank} == {"0", "1"}
+        assert [r["value"][1] for r in query('up{job="dtorch"}')] == ["1"]
+        assert 0 < float(query("dtorch_mfu_ratio")[0]["value"][1]) <= 1
+        groups = json.loads(_fetch(api + "rules"))["data"]["groups"]
+        loaded = [r for g in groups for r in g["rules"]]
+        assert len(loaded) >= 5 and all(r["health"] == "ok" for r in loaded), loaded
+        assert not [r for r in loaded if r["name"] == "DTorchTargetDown" and r["state"] != "inactive"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    # every series the dashboard and the rules read is exposed (a renamed metric breaks them silently)
+    text = _fetch(live_run["url"] + "metrics").decode()
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dashboard = json.loads((DEPLOY / "grafana" / "dtorch.json").read_text())
+    wanted = {n for p in dashboard["panels"] for t in p["targets"] for n in _metric_names(t["expr"])}
+    wanted |= _metric_names(rules.read_text())
+    gpu_only = {n for n in wanted if n.startswith("dtorch_rank_gpu_")}  # NVML readings: GPU ranks only
+    assert wanted - gpu_only <= exposed, sorted(wanted - gpu_only - exposed)
+    assert gpu_only and all(n.endswith(("_ratio", "_celsius", "_hertz", "_watts")) for n in gpu_only)
 
 
 def _chromium() -> str | None:
