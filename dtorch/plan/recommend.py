@@ -207,38 +207,13 @@ def recommend(
     `deadline_s` in seconds. `global_batch` (sequences) fixes the batch for every size; otherwise
     tokens per step is chosen per size, at most `max_batch_tokens` (default:
     `default_max_batch_tokens(tokens)`)."""
-    if not tokens or tokens <= 0:
-        raise ConfigError("tokens", tokens, "give the training budget in tokens, e.g. --tokens 2e12 or 2T")
-    if deadline_s is not None and deadline_s <= 0:
-        raise ConfigError("deadline", deadline_s, "give a positive duration, e.g. --deadline 30d")
-    if global_batch is not None and max_batch_tokens is not None:
-        raise ConfigError("max-batch-tokens", max_batch_tokens,
-                          "give either a fixed --global-batch or a bound --max-batch-tokens, not both")
-    if not 0.0 <= batch_tolerance < 1.0:
-        raise ConfigError("batch_tolerance", batch_tolerance, "a fraction in [0, 1), e.g. 0.03")
+    _validate(tokens, deadline_s, global_batch, max_batch_tokens, batch_tolerance)
     seq = profile.seq_len
     group = preset_group(device)
     if devices_per_node:
         group = dataclasses.replace(group, devices_per_node=devices_per_node)
     rec = Recommendation(device=group.device.name, tokens=float(tokens), deadline_s=deadline_s)
-    if global_batch is None:
-        if max_batch_tokens is None:
-            bound = default_max_batch_tokens(tokens)
-            rec.batch_rule = (f"default rule: ~1M optimizer steps for {tokens:.3g} tokens, "
-                              f"within [4M, 16M] tokens per step")
-        else:
-            if max_batch_tokens < seq:
-                raise ConfigError("max-batch-tokens", max_batch_tokens,
-                                  f"must be at least one sequence ({seq} tokens), e.g. --max-batch-tokens 16M")
-            bound = int(max_batch_tokens)
-            rec.batch_rule = "--max-batch-tokens"
-        # the largest power-of-two number of sequences within the bound (data-parallel degrees are
-        # powers of two on power-of-two clusters); 5 % slack so that "16M" means 2**24 tokens
-        seqs_max = 2 ** int(math.floor(math.log2(bound * 1.05 / seq)))
-        rec.max_batch_tokens = seqs_max * seq
-    else:
-        seqs_max = global_batch
-        rec.batch_rule = "fixed by --global-batch"
+    seqs_max = _batch(rec, seq, tokens, global_batch, max_batch_tokens)
 
     # compute alone, at the best efficiency any plan can reach: no plan of W devices is faster
     dev = group.device
@@ -283,41 +258,97 @@ def recommend(
         nodes *= 2
 
     if deadline_s is not None:
-        for nodes in sizes:
-            W = nodes * group.devices_per_node
-            lb = lower_bound(W)
-            if lb > deadline_s:
-                rec.options.append(SizeOption(nodes, W, None, None, None, None, lower_bound_s=lb,
-                                              note=f"cannot meet the deadline: >= {_duration(lb)} at best"))
-                continue
-            if any(o.time_to_train_s is not None and o.time_to_train_s <= deadline_s for o in rec.options):
-                rec.options.append(SizeOption(nodes, W, None, None, None, None, lower_bound_s=lb,
-                                              note="not searched: a smaller cluster meets the deadline"))
-                continue
-            opt, more = evaluate(nodes)
-            rec.options.append(opt)
-            if not more:
-                break
-        if rec.options and all(o.estimate is None and o.note.startswith("cannot meet") for o in rec.options):
-            # not even the largest size can meet it: plan that one anyway, it is the fastest there is
-            opt, _ = evaluate(rec.options[-1].nodes)
-            if opt.estimate is not None:
-                rec.options[-1] = opt
+        _sweep_to_deadline(rec, sizes, group.devices_per_node, deadline_s, evaluate, lower_bound)
     else:
-        best_per_gpu = 0.0
-        falling = 0
-        for nodes in sizes:
-            opt, more = evaluate(nodes)
-            rec.options.append(opt)
-            if not more:
-                break
-            if opt.estimate is not None:
-                per_gpu = opt.estimate.tokens_per_s_per_gpu
-                falling = falling + 1 if per_gpu < 0.9 * best_per_gpu else 0
-                best_per_gpu = max(best_per_gpu, per_gpu)
-                if falling >= 2:
-                    break  # GPU-hours only grow from here on
+        _sweep_for_cost(rec, sizes, evaluate)
 
+    _choose(rec, tokens, deadline_s, global_batch)
+    return rec
+
+
+def _validate(tokens: float, deadline_s: float | None, global_batch: int | None, max_batch_tokens: float | None,
+              batch_tolerance: float) -> None:
+    if not tokens or tokens <= 0:
+        raise ConfigError("tokens", tokens, "give the training budget in tokens, e.g. --tokens 2e12 or 2T")
+    if deadline_s is not None and deadline_s <= 0:
+        raise ConfigError("deadline", deadline_s, "give a positive duration, e.g. --deadline 30d")
+    if global_batch is not None and max_batch_tokens is not None:
+        raise ConfigError("max-batch-tokens", max_batch_tokens,
+                          "give either a fixed --global-batch or a bound --max-batch-tokens, not both")
+    if not 0.0 <= batch_tolerance < 1.0:
+        raise ConfigError("batch_tolerance", batch_tolerance, "a fraction in [0, 1), e.g. 0.03")
+
+
+def _batch(rec: Recommendation, seq: int, tokens: float, global_batch: int | None,
+           max_batch_tokens: float | None) -> int:
+    """The sequences per step to search with (a fixed --global-batch, or the largest power of two
+    within the bound), recording the rule in `rec`."""
+    if global_batch is None:
+        if max_batch_tokens is None:
+            bound = default_max_batch_tokens(tokens)
+            rec.batch_rule = (f"default rule: ~1M optimizer steps for {tokens:.3g} tokens, "
+                              f"within [4M, 16M] tokens per step")
+        else:
+            if max_batch_tokens < seq:
+                raise ConfigError("max-batch-tokens", max_batch_tokens,
+                                  f"must be at least one sequence ({seq} tokens), e.g. --max-batch-tokens 16M")
+            bound = int(max_batch_tokens)
+            rec.batch_rule = "--max-batch-tokens"
+        # the largest power-of-two number of sequences within the bound (data-parallel degrees are
+        # powers of two on power-of-two clusters); 5 % slack so that "16M" means 2**24 tokens
+        seqs_max = 2 ** int(math.floor(math.log2(bound * 1.05 / seq)))
+        rec.max_batch_tokens = seqs_max * seq
+    else:
+        seqs_max = global_batch
+        rec.batch_rule = "fixed by --global-batch"
+    return seqs_max
+
+
+def _sweep_to_deadline(rec: Recommendation, sizes: list[int], devices_per_node: int, deadline_s: float,
+                       evaluate, lower_bound) -> None:
+    """Sizes in order until one meets the deadline (those that cannot even at the best efficiency
+    are listed, not searched)."""
+    for nodes in sizes:
+        W = nodes * devices_per_node
+        lb = lower_bound(W)
+        if lb > deadline_s:
+            rec.options.append(SizeOption(nodes, W, None, None, None, None, lower_bound_s=lb,
+                                          note=f"cannot meet the deadline: >= {_duration(lb)} at best"))
+            continue
+        if any(o.time_to_train_s is not None and o.time_to_train_s <= deadline_s for o in rec.options):
+            rec.options.append(SizeOption(nodes, W, None, None, None, None, lower_bound_s=lb,
+                                          note="not searched: a smaller cluster meets the deadline"))
+            continue
+        opt, more = evaluate(nodes)
+        rec.options.append(opt)
+        if not more:
+            break
+    if rec.options and all(o.estimate is None and o.note.startswith("cannot meet") for o in rec.options):
+        # not even the largest size can meet it: plan that one anyway, it is the fastest there is
+        opt, _ = evaluate(rec.options[-1].nodes)
+        if opt.estimate is not None:
+            rec.options[-1] = opt
+
+
+def _sweep_for_cost(rec: Recommendation, sizes: list[int], evaluate) -> None:
+    """Sizes in order until tokens/s per GPU has fallen below 90 % of the best twice in a row."""
+    best_per_gpu = 0.0
+    falling = 0
+    for nodes in sizes:
+        opt, more = evaluate(nodes)
+        rec.options.append(opt)
+        if not more:
+            break
+        if opt.estimate is not None:
+            per_gpu = opt.estimate.tokens_per_s_per_gpu
+            falling = falling + 1 if per_gpu < 0.9 * best_per_gpu else 0
+            best_per_gpu = max(best_per_gpu, per_gpu)
+            if falling >= 2:
+                break  # GPU-hours only grow from here on
+
+
+def _choose(rec: Recommendation, tokens: float, deadline_s: float | None, global_batch: int | None) -> None:
+    """The chosen size and why, and the note on batch-bound sizes."""
     feasible = [o for o in rec.options if o.estimate is not None]
     if not feasible:
         if deadline_s is not None and rec.options and all(o.note.startswith("cannot meet") for o in rec.options):
@@ -325,7 +356,7 @@ def recommend(
                           "device's best matmul efficiency; raise --max-nodes or the deadline")
         else:
             rec.reason = "no cluster size up to the limit fits the model; use devices with more memory or a smaller model"
-        return rec
+        return
     if deadline_s is not None:
         meets = [o for o in feasible if o.time_to_train_s <= deadline_s]
         if meets:
