@@ -108,20 +108,11 @@ def _bytes(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2)])
 
 
-def run(args) -> int:
-    from dtorch.cli.plan import parse_count
+def _checkpoint_dir(args, name: str) -> str:
+    """The job's checkpoint directory, after checking every value that goes into the script or the
+    manifests for its format (before anything is planned: a newline in an #SBATCH value would run
+    the rest of it as a command)."""
     from dtorch.integrations import request as rq
-    from dtorch.plan.profiles import get_profile
-
-    if args.grace < 10:
-        raise ConfigError("grace", args.grace, "give the checkpoint at least 10 seconds")
-    tokens = parse_count(args.tokens) if args.tokens is not None else None
-    deadline = _duration(args.deadline)
-    if deadline is not None and deadline <= 0:
-        raise ConfigError("deadline", args.deadline, "give a positive duration, e.g. 30d")
-    name = _job_name(args)
-    # Values that go into the script or the manifests are checked for their format before anything
-    # is planned: a newline in an #SBATCH value would run the rest of it as a command.
     from dtorch.integrations.slurm import check_sbatch_values
 
     check_sbatch_values(name=name, checkpoint_dir=args.checkpoint_dir)
@@ -140,10 +131,80 @@ def run(args) -> int:
         ckpt = args.checkpoint_dir or f"/ckpt/{name}"
         if not ckpt.startswith("/"):
             raise ConfigError("checkpoint-dir", ckpt, "give an absolute path inside the pod, under the --pvc mount /ckpt")
-    elif args.checkpoint_dir is None:
-        ckpt = os.path.abspath(os.path.join("dtorch-runs", name))
-    else:
-        ckpt = rq.check_checkpoint_dir(args.checkpoint_dir)
+        return ckpt
+    if args.checkpoint_dir is None:
+        return os.path.abspath(os.path.join("dtorch-runs", name))
+    return rq.check_checkpoint_dir(args.checkpoint_dir)
+
+
+def _plan_file(args):
+    """(the plan of --plan, or None; the --plan argument the job runs with)."""
+    if args.plan and args.scheduler == "k8s":
+        raise ConfigError("plan", args.plan, "the pods cannot read a local file: give --nodes (they plan at start, "
+                          "as the plan file's planner did)")
+    if not args.plan:
+        return None, "auto"
+    from dtorch.plan.plan import Plan
+
+    if not os.path.exists(args.plan):
+        raise ConfigError("plan", args.plan, "no such file; write one with dtorch plan ... --out plan.json")
+    return Plan.load(args.plan), os.path.abspath(args.plan)  # on the shared file system, like the checkpoints
+
+
+def _render(args, req) -> str:
+    """The manifests (YAML) or the sbatch script of the request."""
+    if args.scheduler == "k8s":
+        from dtorch.integrations import k8s
+
+        kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+        docs = k8s.manifests(req, kinds=kinds, image=args.image, namespace=args.namespace, pvc=args.pvc,
+                             queue=args.queue, topology=args.topology, runtime=args.runtime,
+                             with_rbac=args.rbac)
+        return k8s.to_yaml(docs)
+    from dtorch.integrations import slurm
+
+    req.python = args.python or sys.executable
+    return slurm.sbatch_script(req, partition=args.partition, account=args.account, qos=args.qos,
+                               constraint=args.constraint, gres_name=args.gres_name)
+
+
+def _emit(args, text: str, ckpt: str, name: str) -> None:
+    """Print and/or write the script or manifests; `slurm --now` submits the script."""
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        if not args.quiet:
+            print(f"written to {args.out}")
+    if args.quiet or not args.out:
+        if not args.quiet:
+            print(f"---- {'sbatch script' if args.scheduler == 'slurm' else 'manifests'} ----")
+        print(text, end="" if text.endswith("\n") else "\n")
+    if args.scheduler == "slurm" and args.now:
+        from dtorch.integrations import slurm
+
+        path = args.out or os.path.join(ckpt, f"{name}.sbatch")
+        if not args.out:
+            os.makedirs(ckpt, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        os.makedirs(ckpt, exist_ok=True)
+        job = slurm.submit(path)
+        print(f"submitted Slurm job {job}; follow it with: dtorch status {ckpt}")
+
+
+def run(args) -> int:
+    from dtorch.cli.plan import parse_count
+    from dtorch.integrations import request as rq
+    from dtorch.plan.profiles import get_profile
+
+    if args.grace < 10:
+        raise ConfigError("grace", args.grace, "give the checkpoint at least 10 seconds")
+    tokens = parse_count(args.tokens) if args.tokens is not None else None
+    deadline = _duration(args.deadline)
+    if deadline is not None and deadline <= 0:
+        raise ConfigError("deadline", args.deadline, "give a positive duration, e.g. 30d")
+    name = _job_name(args)
+    ckpt = _checkpoint_dir(args, name)
     max_time = None
     if args.scheduler == "slurm":
         from dtorch.integrations import slurm
@@ -153,18 +214,7 @@ def run(args) -> int:
     rq.device_group(args.device_type, args.gpus_per_node)
     if args.recommend and (args.nodes is not None or args.plan):
         raise ConfigError("recommend", True, "--recommend sizes the cluster itself: drop --nodes/--plan")
-    plan = None
-    plan_arg = "auto"
-    if args.plan and args.scheduler == "k8s":
-        raise ConfigError("plan", args.plan, "the pods cannot read a local file: give --nodes (they plan at start, "
-                          "as the plan file's planner did)")
-    if args.plan:
-        from dtorch.plan.plan import Plan
-
-        if not os.path.exists(args.plan):
-            raise ConfigError("plan", args.plan, "no such file; write one with dtorch plan ... --out plan.json")
-        plan = Plan.load(args.plan)
-        plan_arg = os.path.abspath(args.plan)  # on the shared file system, like the checkpoints
+    plan, plan_arg = _plan_file(args)
     profile = get_profile(args.model, args.seq_len)
     sizing = rq.size_request(profile, args.device_type, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              tokens=tokens, deadline_s=deadline, global_batch=args.global_batch,
@@ -177,38 +227,10 @@ def run(args) -> int:
                            extra_args=list(args.train_arg), python=args.python, plan_arg=plan_arg)
     if args.mem is not None:
         req.mem_per_node_bytes = _bytes(args.mem)
-    if args.scheduler == "k8s":
-        from dtorch.integrations import k8s
-
-        kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
-        docs = k8s.manifests(req, kinds=kinds, image=args.image, namespace=args.namespace, pvc=args.pvc,
-                             queue=args.queue, topology=args.topology, runtime=args.runtime,
-                             with_rbac=args.rbac)
-        text = k8s.to_yaml(docs)
-    else:
-        req.python = args.python or sys.executable
-        text = slurm.sbatch_script(req, partition=args.partition, account=args.account, qos=args.qos,
-                                   constraint=args.constraint, gres_name=args.gres_name)
+    text = _render(args, req)
     if not args.quiet:
         _print_plan(sizing, req)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        if not args.quiet:
-            print(f"written to {args.out}")
-    if args.quiet or not args.out:
-        if not args.quiet:
-            print(f"---- {'sbatch script' if args.scheduler == 'slurm' else 'manifests'} ----")
-        print(text, end="" if text.endswith("\n") else "\n")
-    if args.scheduler == "slurm" and args.now:
-        path = args.out or os.path.join(ckpt, f"{name}.sbatch")
-        if not args.out:
-            os.makedirs(ckpt, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text)
-        os.makedirs(ckpt, exist_ok=True)
-        job = slurm.submit(path)
-        print(f"submitted Slurm job {job}; follow it with: dtorch status {ckpt}")
+    _emit(args, text, ckpt, name)
     return 0
 
 

@@ -14,6 +14,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from dtorch.env import current
+
 if TYPE_CHECKING:
     from dtorch.train.job import JobConfig
 
@@ -202,11 +204,12 @@ def run(args: argparse.Namespace) -> int:
 
         if Path(config.data).is_dir() or Path(config.data).suffix in SUFFIXES:
             raise ConfigError("data", config.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
-    if os.environ.get("RANK") is None:
+    launched = current().launched
+    if not launched:
         if config.init_from or config.tokenizer:
             _check_inputs(config)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
         preflight(config, nproc)
-    if os.environ.get("RANK") is not None or (nproc == 1 and not config.chaos):
+    if launched or (nproc == 1 and not config.chaos):
         from dtorch.train.job import run as run_job
 
         return run_job(config)
