@@ -191,6 +191,11 @@ REAL_FALLBACK_BYTES = 2 * 2**30
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
+_FAMILIES = {"Llama": "llama", "LlamaForCausalLM": "llama", "GPT": "gpt", "GPT2LMHeadModel": "gpt",
+             "MoETransformer": "moe"}
+"""The profile's `family` by the model's class name (the cost model's per-family terms); else "custom"."""
+
+
 def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_len: int, batch: int = 1,
                    *, sample: Sample | None = None, loss: Callable[[Any, Any], torch.Tensor] | None = None,
                    name: str | None = None, dtype: torch.dtype = torch.bfloat16) -> ModelProfile:
@@ -229,116 +234,54 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
     block_path, container = find_blocks(model)
     items = block_items(container)
     blocks = [m for _, m in items]
-    block_paths = tuple(join(block_path, n) for n, _ in items)
-
-    def outside(n: str) -> bool:
-        return not any(n == b or n.startswith(b + ".") for b in block_paths)
-
     uniform = find_structure(model).uniform
     num_layers = max(1, len(blocks))
-    params_total = sum(p.numel() for p in model.parameters())
-    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and outside(n)]
-    if blocks:
-        block_param_ids = {id(p) for b in blocks for p in b.parameters()}
-        params_blocks = sum(p.numel() for b in blocks for p in b.parameters())
-        tensors_blocks = sum(len(list(b.parameters())) for b in blocks)
-        emb_params = {id(m.weight): m.weight.numel() for _, m in embeddings if id(m.weight) not in block_param_ids}
-    else:  # no repeated blocks: the whole model is its one unit
-        params_blocks, tensors_blocks, emb_params = params_total, len(list(model.parameters())), {}
-    params_block = params_blocks // num_layers
-    tensors_block = tensors_blocks // num_layers
-    tensors_other = len(list(model.parameters())) - tensors_blocks
-    params_embedding = sum(emb_params.values())
-    params_head = params_total - params_blocks - params_embedding
-    vocab = max((m.num_embeddings for _, m in embeddings), default=0)
-    outputs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
-               and outside(n) and m.out_features == vocab]
-    tied = any(id(m.weight) in emb_params for _, m in outputs)
+    pc = _count_parameters(model, blocks, tuple(join(block_path, n) for n, _ in items), num_layers)
     experts = _expert_shapes(blocks[0]) if blocks else None
 
     # -- can the blocks be cut into pipeline stages: one meta forward of the whole model (dtorch.model.split) --
-    if not blocks:
-        split_reason = "the model has no repeated blocks to cut into stages"
-    elif not isinstance(inputs, torch.Tensor):
-        split_reason = (f"the model takes {_describe(inputs)}: pipeline stages pass one tensor from stage to "
-                        "stage")
-    else:
-        split_reason = pipeline_reason(model, (inputs.to("meta"),))
+    split_reason = _split_reason(model, blocks, inputs)
 
     # -- one forward of a one-block copy (every block if they differ) on fake tensors --
-    try:
-        # a fresh build, not a deep copy: a forward patched onto an instance (a closure over the
-        # original module) would run the original's meta weights beside the copy's fake ones
-        m = _measure(_meta_model(factory_or_module, label), sample, loss, dtype, uniform, fake=True, label=label)
-    except _DataDependent:
-        # a branch on values (a block that picks a branch by its input): measure on real tensors
-        real = _real_model(factory_or_module, params_total, label)
-        m = _measure(real, sample, loss, dtype, uniform, fake=False, label=label)
+    m = _measure_any(factory_or_module, sample, loss, dtype, uniform, label, pc.total)
     rec, block = m.rec, m.block
     assignments = list(m.assignments)  # (as measured: the routing hook stays on the copy)
     measured = max(1, m.block_calls)
-    in_bytes = sum(t.untyped_storage().nbytes() for t in m.block_input[:1])
     block_input = m.block_input[0] if m.block_input else None
-    if block_input is None:
-        hidden = 0
-    elif tokens_input:
-        hidden = int(block_input.shape[-1])
-    else:  # per sample: the width of one sample's block input
-        hidden = int(block_input.numel() // max(1, block_input.shape[0])) if block_input.dim() else 1
-    block_saved = m.by_region["block"] / measured / tokens_n
-    if blocks:
-        act_block = {"none": block_saved, "selective": (in_bytes + rec.selective_bytes / measured) / tokens_n,
-                     "full": in_bytes / tokens_n}
-    else:  # nothing to checkpoint: activation checkpointing has no block to wrap
-        act_block = {"none": block_saved, "selective": block_saved, "full": block_saved}
+    hidden, act_block = _activations(m, bool(blocks), tokens_input, tokens_n)
 
     if blocks:
         width = int(block_input.shape[-1]) if block_input is not None and block_input.dim() else 0
         roles, reason = _derive_roles(m.model, block, block_path, m.io, m.linear_calls, rec.attention_modules,
-                                      width, vocab)
+                                      width, pc.vocab)
     else:
         roles, reason = {}, "the model has no repeated blocks (tensor parallelism splits blocks)"
     cfg = getattr(model, "config", None)
-    heads, kv_heads = rec.heads or (0, 0)
-    if not heads and block is not None:  # nn.MultiheadAttention and look-alikes
-        heads = next((h for sub in block.modules() if isinstance(h := getattr(sub, "num_heads", None), int)), 0)
-    num_heads = _cfg(cfg, "n_heads", "num_attention_heads", "n_head") or heads
-    num_kv_heads = _cfg(cfg, "n_kv_heads", "num_key_value_heads") or kv_heads or num_heads
-    ffn = _cfg(cfg, "ffn_hidden", "intermediate_size", "n_inner") or 4 * _cfg(cfg, "n_embd") or max(
-        (sub.out_features for sub in (block.modules() if block is not None else ())
-         if isinstance(sub, nn.Linear) and sub.out_features != hidden), default=0)
-    family = {"Llama": "llama", "LlamaForCausalLM": "llama", "GPT": "gpt", "GPT2LMHeadModel": "gpt",
-              "MoETransformer": "moe"}.get(type(model).__name__, "custom")
-    moe = {}
-    if experts is not None and assignments:
-        num_experts, per_expert, expert_hidden = experts
-        top_k = sum(assignments) // (tokens_n * len(assignments))  # assignments per token, per MoE layer
-        moe = dict(num_experts=num_experts, experts_per_token=top_k, params_per_expert=per_expert,
-                   expert_hidden=expert_hidden, num_shared_experts=int(_cfg(cfg, "n_shared_experts")),
-                   params_active=params_total - num_layers * (num_experts - top_k) * per_expert)
+    num_heads, num_kv_heads, ffn = _widths(cfg, rec, block, hidden)
+    moe = _moe_facts(experts, assignments, tokens_n, cfg, pc.total, num_layers)
     context_reason = context_hooks_reason(model) if tokens_input else (
         f"the model input is not a token sequence ({_describe(inputs)}): context parallelism shards a token "
         "sequence")
     return ModelProfile(
         name=label,
-        family=family,
+        family=_FAMILIES.get(type(model).__name__, "custom"),
         num_layers=num_layers,
         hidden=hidden,
         num_heads=int(num_heads),
         num_kv_heads=int(num_kv_heads),
         ffn_hidden=int(ffn),
-        vocab_size=vocab,
+        vocab_size=pc.vocab,
         seq_len=seq,
-        params_total=params_total,
-        params_per_block=params_block,
-        params_embedding=params_embedding,
-        params_head=params_head,
+        params_total=pc.total,
+        params_per_block=pc.block,
+        params_embedding=pc.embedding,
+        params_head=pc.head,
         flops_per_token_block=3.0 * m.block_flops / measured / tokens_n,
         flops_per_token_head=3.0 * (m.total_flops - m.block_flops) / tokens_n,
         act_bytes_per_token_block=act_block,
         act_bytes_per_token_head=m.by_region["head"] / tokens_n,
         tp_roles=roles,
-        tied_embeddings=tied,
+        tied_embeddings=pc.tied,
         block_path=block_path,
         tp_roles_reason=reason,
         pipeline_reason=split_reason,
@@ -348,8 +291,8 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         max_seq_len=int(_cfg(cfg, "max_seq_len", "max_position_embeddings", "n_positions") or 0),
         ops_per_block=rec.ops_block // measured,
         ops_head=rec.ops_other,
-        tensors_per_block=tensors_block,
-        tensors_other=tensors_other,
+        tensors_per_block=pc.tensors_block,
+        tensors_other=pc.tensors_other,
         **moe,
     )
 
@@ -372,6 +315,114 @@ class _Measurement:
     total_flops: int
     block_calls: int
     assignments: list[int]
+
+
+@dataclass(frozen=True)
+class _ParamCounts:
+    """Parameters of the whole model (shared ones counted once), per block, of the input embeddings
+    and of the rest (the head); parameter tensors per block and outside; the vocabulary; tied head."""
+
+    total: int
+    block: int
+    embedding: int
+    head: int
+    tensors_block: int
+    tensors_other: int
+    vocab: int
+    tied: bool
+
+
+def _count_parameters(model: nn.Module, blocks: list[nn.Module], block_paths: tuple[str, ...],
+                      num_layers: int) -> _ParamCounts:
+    def outside(n: str) -> bool:
+        return not any(n == b or n.startswith(b + ".") for b in block_paths)
+
+    params_total = sum(p.numel() for p in model.parameters())
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and outside(n)]
+    if blocks:
+        block_param_ids = {id(p) for b in blocks for p in b.parameters()}
+        params_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+        tensors_blocks = sum(len(list(b.parameters())) for b in blocks)
+        emb_params = {id(m.weight): m.weight.numel() for _, m in embeddings if id(m.weight) not in block_param_ids}
+    else:  # no repeated blocks: the whole model is its one unit
+        params_blocks, tensors_blocks, emb_params = params_total, len(list(model.parameters())), {}
+    params_embedding = sum(emb_params.values())
+    vocab = max((m.num_embeddings for _, m in embeddings), default=0)
+    outputs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+               and outside(n) and m.out_features == vocab]
+    return _ParamCounts(
+        total=params_total, block=params_blocks // num_layers, embedding=params_embedding,
+        head=params_total - params_blocks - params_embedding, tensors_block=tensors_blocks // num_layers,
+        tensors_other=len(list(model.parameters())) - tensors_blocks, vocab=vocab,
+        tied=any(id(m.weight) in emb_params for _, m in outputs))
+
+
+def _split_reason(model: nn.Module, blocks: list[nn.Module], inputs: Any) -> str | None:
+    """Why the blocks cannot be cut into pipeline stages (None: they can)."""
+    if not blocks:
+        return "the model has no repeated blocks to cut into stages"
+    if not isinstance(inputs, torch.Tensor):
+        return (f"the model takes {_describe(inputs)}: pipeline stages pass one tensor from stage to "
+                "stage")
+    return pipeline_reason(model, (inputs.to("meta"),))
+
+
+def _measure_any(factory_or_module: Any, sample: Sample, loss: Any, dtype: torch.dtype, uniform: bool, label: str,
+                 params_total: int) -> _Measurement:
+    """`_measure` on fake tensors, or on real ones where the model branches on values."""
+    try:
+        # a fresh build, not a deep copy: a forward patched onto an instance (a closure over the
+        # original module) would run the original's meta weights beside the copy's fake ones
+        return _measure(_meta_model(factory_or_module, label), sample, loss, dtype, uniform, fake=True, label=label)
+    except _DataDependent:
+        # a branch on values (a block that picks a branch by its input): measure on real tensors
+        real = _real_model(factory_or_module, params_total, label)
+        return _measure(real, sample, loss, dtype, uniform, fake=False, label=label)
+
+
+def _activations(m: _Measurement, has_blocks: bool, tokens_input: bool, tokens_n: int) -> tuple[int, dict]:
+    """(hidden width, saved activation bytes per token per block by AC policy) of a measurement."""
+    measured = max(1, m.block_calls)
+    in_bytes = sum(t.untyped_storage().nbytes() for t in m.block_input[:1])
+    block_input = m.block_input[0] if m.block_input else None
+    if block_input is None:
+        hidden = 0
+    elif tokens_input:
+        hidden = int(block_input.shape[-1])
+    else:  # per sample: the width of one sample's block input
+        hidden = int(block_input.numel() // max(1, block_input.shape[0])) if block_input.dim() else 1
+    block_saved = m.by_region["block"] / measured / tokens_n
+    if has_blocks:
+        act_block = {"none": block_saved, "selective": (in_bytes + m.rec.selective_bytes / measured) / tokens_n,
+                     "full": in_bytes / tokens_n}
+    else:  # nothing to checkpoint: activation checkpointing has no block to wrap
+        act_block = {"none": block_saved, "selective": block_saved, "full": block_saved}
+    return hidden, act_block
+
+
+def _widths(cfg: Any, rec: Any, block: nn.Module | None, hidden: int) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, MLP width): the model's config where it says, else measured."""
+    heads, kv_heads = rec.heads or (0, 0)
+    if not heads and block is not None:  # nn.MultiheadAttention and look-alikes
+        heads = next((h for sub in block.modules() if isinstance(h := getattr(sub, "num_heads", None), int)), 0)
+    num_heads = _cfg(cfg, "n_heads", "num_attention_heads", "n_head") or heads
+    num_kv_heads = _cfg(cfg, "n_kv_heads", "num_key_value_heads") or kv_heads or num_heads
+    ffn = _cfg(cfg, "ffn_hidden", "intermediate_size", "n_inner") or 4 * _cfg(cfg, "n_embd") or max(
+        (sub.out_features for sub in (block.modules() if block is not None else ())
+         if isinstance(sub, nn.Linear) and sub.out_features != hidden), default=0)
+    return num_heads, num_kv_heads, ffn
+
+
+def _moe_facts(experts: tuple[int, int, int] | None, assignments: list[int], tokens_n: int, cfg: Any,
+               params_total: int, num_layers: int) -> dict:
+    """The mixture-of-experts fields of the profile (empty for a dense model)."""
+    if experts is None or not assignments:
+        return {}
+    num_experts, per_expert, expert_hidden = experts
+    top_k = sum(assignments) // (tokens_n * len(assignments))  # assignments per token, per MoE layer
+    return dict(num_experts=num_experts, experts_per_token=top_k, params_per_expert=per_expert,
+                expert_hidden=expert_hidden, num_shared_experts=int(_cfg(cfg, "n_shared_experts")),
+                params_active=params_total - num_layers * (num_experts - top_k) * per_expert)
 
 
 def _meta_model(factory_or_module: Any, label: str) -> nn.Module:
@@ -435,22 +486,30 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
-def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype, uniform: bool, *, fake: bool,
-             label: str) -> _Measurement:
-    """One forward + loss of `model` (blocks reduced to the first when `uniform`) on `sample`,
-    on fake tensors (`fake`) or on real CPU tensors, measuring FLOPs, saved bytes and dataflow."""
+def _prepare_copy(model: nn.Module, uniform: bool, dtype: torch.dtype) -> tuple[str, list[nn.Module], list[int]]:
+    """Ready `model` (a copy) for `_measure`: its blocks reduced to the first when `uniform`, balanced
+    routing installed, cast to `dtype`, RMSNorms fused. Returns (block path, blocks, the routing's
+    assignment counts)."""
     block_path, container = find_blocks(model)
     blocks = [b for _, b in block_items(container)]
     if blocks and uniform:
         _keep_first_block(container)
         blocks = blocks[:1]
-    measured = blocks or [model]
-    block = measured[0]
     assignments = _install_balanced_routing(model)
     model.to(dtype)
     for sub in model.modules():
         if type(sub) is nn.RMSNorm:
             sub.forward = _fused_rms_forward.__get__(sub)
+    return block_path, blocks, assignments
+
+
+def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype, uniform: bool, *, fake: bool,
+             label: str) -> _Measurement:
+    """One forward + loss of `model` (blocks reduced to the first when `uniform`) on `sample`,
+    on fake tensors (`fake`) or on real CPU tensors, measuring FLOPs, saved bytes and dataflow."""
+    block_path, blocks, assignments = _prepare_copy(model, uniform, dtype)
+    measured = blocks or [model]
+    block = measured[0]
     excluded: set = set()
     rec = _Recorder()
     saved: dict[StorageWeakRef, tuple[int, str]] = {}
