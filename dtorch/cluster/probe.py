@@ -674,8 +674,6 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     import torch
     import torch.distributed as dist
 
-    from dtorch.cluster.local import local_cluster
-
     distributed = dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
@@ -688,6 +686,24 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         torch.cuda.set_device(device)
     dtypes = list(dtypes or (("float32", "bfloat16") if not cuda else ("bfloat16", "float32")))
     t0 = time.perf_counter()
+    mine = _measure_rank(device, dtypes, quick=quick, cuda=cuda, rank=rank, world=world, local=local,
+                         distributed=distributed)
+    gathered = [None] * world
+    if distributed and world > 1:
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
+    if rank != 0:
+        return None
+    backend = dist.get_backend() if distributed else ("nccl" if cuda else "gloo")
+    return _calibration_document(gathered, dtypes, cuda=cuda, world=world, local=local, backend=backend,
+                                 seconds=time.perf_counter() - t0)
+
+
+def _measure_rank(device, dtypes: list[str], *, quick: bool, cuda: bool, rank: int, world: int, local: int,
+                  distributed: bool) -> dict:
+    """This rank's measurements: GEMMs, attention, the links (all ranks at once) and the host-side
+    scalars in rounds; gathered on rank 0 by `probe_in_group`."""
     rows = GEMM_ROWS[::2] if quick else GEMM_ROWS
     widths = GEMM_WIDTHS[::2] if quick else GEMM_WIDTHS
     if cuda:  # GPU GEMMs need far larger shapes to approach peak
@@ -708,47 +724,11 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     # round (seen as 0.5-2x on shared VMs) does not become the calibration
     rounds = [measure_host_round(device, quick, cuda)]
     p.note = "collectives"
-    p.note = "collectives"
-
     colls: dict[str, dict] = {}
     links: dict[str, dict] = {}
     if distributed and world > 1:
-        sizes = COLL_SIZES[::2] if quick else COLL_SIZES
-        nodes = world // local
-        # every rank must create every group, in the same order
-        intra_groups = [list(range(i * local, (i + 1) * local)) for i in range(nodes)]
-        inter_groups = [list(range(j, world, local)) for j in range(local)]
-        pg_intra = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in intra_groups]
-        pg_inter = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in inter_groups] if nodes > 1 else []
-        # the smaller groups a TP or CP degree forms inside a node (consecutive ranks), for the skew
-        sub_groups = {}
-        for size in (d for d in range(2, local) if local % d == 0):
-            for start in range(0, world, size):
-                pg = dist.new_group(list(range(start, start + size)))
-                if start <= rank < start + size:
-                    sub_groups[size] = pg
-        node, lr = rank // local, rank % local
-        backend = dist.get_backend()
-        intra_kind = "shm" if not cuda else "nvlink"
-        if local > 1:
-            colls["intra"] = measure_collectives(pg_intra[node], intra_groups[node], device, sizes,
-                                                 min_time=0.005 if quick else 0.015)
-            links["intra"] = _link_fit(colls["intra"], local, intra_kind)
-            p.note = "FSDP units"
-            links["intra"].update(measure_fsdp_units(pg_intra[node], device, quick))
-            links["intra"].update(measure_functional_latency(pg_intra[node], device, quick))
-            if not cuda:  # a GPU's kernels run apart from the host's clock: not timed this way
-                p.note = "skew at collectives"
-                links["intra"].update(measure_sync_skew({local: pg_intra[node], **sub_groups}, device,
-                                                          links["intra"]["func_latency_s"], quick))
-            if not quick:
-                p.note = "host round 2"
-                rounds.append(measure_host_round(device, quick, cuda))
-        if nodes > 1:
-            colls["inter"] = measure_collectives(pg_inter[lr], inter_groups[lr], device, sizes,
-                                                 min_time=0.005 if quick else 0.015)
-            links["inter"] = _link_fit(colls["inter"], nodes, "ib" if backend == "nccl" else "ethernet")
-
+        colls, links = _measure_links(device, rank=rank, world=world, local=local, cuda=cuda, quick=quick,
+                                      ticker=p, rounds=rounds)
     p.note = f"host round {len(rounds) + 1}"
     while len(rounds) < (1 if quick else HOST_ROUNDS):
         rounds.append(measure_host_round(device, quick, cuda))
@@ -756,15 +736,62 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
     membw = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "host_opt"}
     host_opt = {k: statistics.median(r["host_opt"][k] for r in rounds) for k in rounds[0]["host_opt"]}
     membw["rounds_bytes_per_s"] = [r["bytes_per_s"] for r in rounds]
-    mine = {"gemm": gemm, "attention": attention, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt,
+    return {"gemm": gemm, "attention": attention, "membw": membw, "colls": colls, "links": links, "host_opt": host_opt,
             "memory_bytes": _usable_memory(device, local)}
-    gathered = [None] * world
-    if distributed and world > 1:
-        dist.all_gather_object(gathered, mine)
-    else:
-        gathered = [mine]
-    if rank != 0:
-        return None
+
+
+def _measure_links(device, *, rank: int, world: int, local: int, cuda: bool, quick: bool, ticker,
+                   rounds: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(collectives timed, links fitted) within this rank's node and across nodes; every rank of
+    the job calls it. A second host round runs between the two on a full probe (`rounds`)."""
+    import torch.distributed as dist
+
+    colls: dict[str, dict] = {}
+    links: dict[str, dict] = {}
+    sizes = COLL_SIZES[::2] if quick else COLL_SIZES
+    nodes = world // local
+    # every rank must create every group, in the same order
+    intra_groups = [list(range(i * local, (i + 1) * local)) for i in range(nodes)]
+    inter_groups = [list(range(j, world, local)) for j in range(local)]
+    pg_intra = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in intra_groups]
+    pg_inter = [dist.new_group(r) if len(r) < world else dist.group.WORLD for r in inter_groups] if nodes > 1 else []
+    # the smaller groups a TP or CP degree forms inside a node (consecutive ranks), for the skew
+    sub_groups = {}
+    for size in (d for d in range(2, local) if local % d == 0):
+        for start in range(0, world, size):
+            pg = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                sub_groups[size] = pg
+    node, lr = rank // local, rank % local
+    backend = dist.get_backend()
+    intra_kind = "shm" if not cuda else "nvlink"
+    if local > 1:
+        colls["intra"] = measure_collectives(pg_intra[node], intra_groups[node], device, sizes,
+                                             min_time=0.005 if quick else 0.015)
+        links["intra"] = _link_fit(colls["intra"], local, intra_kind)
+        ticker.note = "FSDP units"
+        links["intra"].update(measure_fsdp_units(pg_intra[node], device, quick))
+        links["intra"].update(measure_functional_latency(pg_intra[node], device, quick))
+        if not cuda:  # a GPU's kernels run apart from the host's clock: not timed this way
+            ticker.note = "skew at collectives"
+            links["intra"].update(measure_sync_skew({local: pg_intra[node], **sub_groups}, device,
+                                                      links["intra"]["func_latency_s"], quick))
+        if not quick:
+            ticker.note = "host round 2"
+            rounds.append(measure_host_round(device, quick, cuda))
+    if nodes > 1:
+        colls["inter"] = measure_collectives(pg_inter[lr], inter_groups[lr], device, sizes,
+                                             min_time=0.005 if quick else 0.015)
+        links["inter"] = _link_fit(colls["inter"], nodes, "ib" if backend == "nccl" else "ethernet")
+    return colls, links
+
+
+def _calibration_document(gathered: list[dict], dtypes: list[str], *, cuda: bool, world: int, local: int,
+                          backend: str, seconds: float) -> dict:
+    """The calibration document from every rank's measurements (see `validate_calibration`)."""
+    import torch
+
+    from dtorch.cluster.local import local_cluster
 
     # one curve for all ranks: the median over ranks per shape (the minimum would follow whichever
     # rank a neighbour's burst of load hit; on a dedicated machine the ranks agree anyway)
@@ -802,12 +829,12 @@ def probe_in_group(*, quick: bool = False, local_world_size: int | None = None,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "torch": torch.__version__,
-        "backend": dist.get_backend() if distributed else ("nccl" if cuda else "gloo"),
+        "backend": backend,
         "world_size": world,
         "local_world_size": local,
         "device_kind": base_dev.kind,
         "num_threads": torch.get_num_threads(),
-        "probe_seconds": round(time.perf_counter() - t0, 2),
+        "probe_seconds": round(seconds, 2),
         "device": {
             "name": base_dev.name,
             "device_kind": base_dev.kind,
