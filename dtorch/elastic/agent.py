@@ -40,6 +40,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from dtorch.elastic import events, heartbeat, preemption
 from dtorch.elastic import store as rdzv_store
 from dtorch.elastic import torch_compat as tc
+from dtorch.env import export
 
 ACTIONS = ("restart", "stop", "report")
 _EVENT_KIND = {"restart": "detected", "stop": "stopped", "report": "observed"}
@@ -355,7 +356,7 @@ class DTorchAgent(LocalElasticAgent):
                    nodes=worker_group.group_world_size, node_rank=worker_group.group_rank)
 
     def _start_workers(self, worker_group: Any) -> dict[int, Any]:
-        os.environ["DTORCH_EPOCH"] = str(self.epoch)  # for workers started as new processes
+        export({"DTORCH_EPOCH": str(self.epoch)})  # for workers started as new processes
         if callable(worker_group.spec.entrypoint):
             # forked workers inherit the forkserver's environment: pass what changes per start
             worker_group.spec.args = ({"DTORCH_EPOCH": str(self.epoch)}, *worker_group.spec.args[1:])

@@ -27,6 +27,8 @@ import os
 import runpy
 import sys
 
+from dtorch.env import current, export
+
 FATAL_EXIT = 2
 _FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
@@ -58,13 +60,16 @@ def _record_error(e: BaseException) -> None:
 
     from dtorch.elastic import events, heartbeat
 
-    run_dir = os.environ["DTORCH_RUN_DIR"]
+    env = current()
+    run_dir = env.run_dir
+    if run_dir is None:  # `_run` records errors only under `dtorch run`
+        return
     hb = heartbeat.snapshot()
     path = None
     try:
         d = os.path.join(run_dir, "errors")
         os.makedirs(d, mode=0o700, exist_ok=True)
-        name = f"epoch{os.environ.get('DTORCH_EPOCH', '0')}-rank{os.environ.get('RANK', '0')}-{os.getpid()}.txt"
+        name = f"epoch{env.epoch or 0}-rank{env.rank or 0}-{os.getpid()}.txt"
         fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("".join(traceback.format_exception(e)))
@@ -80,7 +85,7 @@ def _run(target: str, args: list[str], module: bool) -> None:
     try:
         _run_target(target, args, module)
     except Exception as e:
-        if not os.environ.get("DTORCH_RUN_DIR"):
+        if not current().run_dir:
             raise
         if not is_fatal(e):
             try:
@@ -112,7 +117,7 @@ def _run_target(target: str, args: list[str], module: bool) -> None:
 
 def run_target(env: dict[str, str], target: str, args: list[str], module: bool) -> None:
     """Entry point of a forked worker: `env` carries what changes per start (the epoch)."""
-    os.environ.update(env)
+    export(env)
     _run(target, list(args), module)
 
 

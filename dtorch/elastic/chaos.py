@@ -36,6 +36,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from dtorch.env import current
 from dtorch.errors import ConfigError
 
 KINDS = ("kill", "killnode", "hang", "slow")
@@ -150,8 +151,9 @@ class Injector:
 
         events.log("fault", fault=f.text, fault_kind=f.kind, rank=self.rank, step=step, phase=phase)
         heartbeat.flush()  # so the monitor's record shows this step and phase, not the previous beat
-        if f.kind == "killnode" and os.environ.get("DTORCH_AGENT_PID"):
-            os.kill(int(os.environ["DTORCH_AGENT_PID"]), signal.SIGKILL)  # its workers die with it
+        agent = current().agent_pid
+        if f.kind == "killnode" and agent:
+            os.kill(agent, signal.SIGKILL)  # its workers die with it
         if f.kind in ("kill", "killnode"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.mode == "stop":
@@ -168,8 +170,8 @@ def injector() -> Injector:
     """This worker's injector, built once from DTORCH_CHAOS, RANK, WORLD_SIZE, DTORCH_RUN_DIR."""
     global _injector
     if _injector is None:
-        _injector = Injector(parse(os.environ.get("DTORCH_CHAOS", "")), int(os.environ.get("RANK", "0")),
-                             int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("DTORCH_RUN_DIR"))
+        env = current()
+        _injector = Injector(parse(env.chaos), env.rank or 0, env.world_size or 1, env.run_dir)
     return _injector
 
 

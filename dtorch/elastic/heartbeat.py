@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from dtorch.env import current
+
 HB_DIR = "hb"
 DUMP_DIR = "dumps"
 NCCL_DUMP_DIR = "nccl"
@@ -116,7 +118,7 @@ class _Writer(threading.Thread):
         with self._write_lock:  # the loop's thread (new step) and the writer thread both publish
             rec = snapshot()
             rec.update(rank=self.rank, epoch=self.epoch, pid=os.getpid(), written_t=time.time(),
-                       local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                       local_rank=current().local_rank or 0)
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(rec, f)

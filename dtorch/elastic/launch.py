@@ -59,6 +59,7 @@ from typing import Any
 from dtorch import trust
 from dtorch.elastic import chaos, events, heartbeat, preemption
 from dtorch.elastic import store as rdzv_store
+from dtorch.env import current, environ, export, restore
 from dtorch.errors import ConfigError
 
 log = logging.getLogger("dtorch.elastic")
@@ -343,24 +344,10 @@ def parse_nnodes(text: str) -> tuple[int, int]:
         raise ConfigError("nnodes", text, "use N or MIN:MAX, e.g. --nnodes 1:4") from None
 
 
-def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False, no_python: bool = False) -> int:
-    """Run `target` (a script path, a module with `module=True`, or an executable with `no_python`)
-    on `spec.nproc_per_node` workers per node under the elastic agent. Returns the exit code:
-    0 when every worker succeeded, 1 when the job failed after its restarts, 2 when a worker met an
-    error no restart can fix (a `fatal` event: the agent prints its one line, no retries).
-
-    Called from your own script with the forkserver start method, that script must guard its
-    entry point with `if __name__ == "__main__":` (multiprocessing's forkserver imports the main
-    module). Sets the DTORCH_* variables in this process's environment while it runs."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-
-    from dtorch.elastic.agent import DTorchAgent, GatedRendezvous, QuietFatal
-
-    run_dir: str = spec.run_dir  # type: ignore[assignment]
-    trust.private_dir(run_dir, "run_dir")  # 0700, ours, not a symlink
+def _prepare_run_dir(spec: LaunchSpec, run_dir: str) -> None:
+    """The run directory private (0700, ours, not a symlink), no planted link in it, no stale
+    preemption marker; and torch._dynamo imported in the background."""
+    trust.private_dir(run_dir, "run_dir")
     for name in (events.EVENTS_FILE, heartbeat.HB_DIR, heartbeat.DUMP_DIR, *(() if spec.log_dir else ("logs",))):
         if os.path.islink(os.path.join(run_dir, name)):
             raise ConfigError("run_dir", run_dir, f"{name} in it is a symlink (planted?); remove it or use another --run-dir")
@@ -370,15 +357,23 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     # in the background, while the workers start.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
                      name="dtorch-preimport").start()
-    snap_dir = None
-    if spec.snapshot_every > 0:
-        # RAM (/dev/shm) when there is one: snapshots outlive workers, not the machine
-        # (DTORCH_SNAPSHOT_ROOT: another parent directory, e.g. for tests that kill agents)
-        shm = os.environ.get("DTORCH_SNAPSHOT_ROOT") or (
-            "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else run_dir)
-        sweep_stale_snapshots(shm)
-        snap_dir = str(trust.private_dir(os.path.join(shm, f"{SNAP_PREFIX}{_process_tag(os.getpid()) or 'nopid'}."
-                                                         f"{secrets.token_hex(8)}"), "snapshot_dir"))
+
+
+def _snapshot_dir(spec: LaunchSpec, run_dir: str) -> str | None:
+    """A fresh private directory for the in-memory snapshots, or None when they are off."""
+    if spec.snapshot_every <= 0:
+        return None
+    # RAM (/dev/shm) when there is one: snapshots outlive workers, not the machine
+    # (DTORCH_SNAPSHOT_ROOT: another parent directory, e.g. for tests that kill agents)
+    shm = current().snapshot_root or (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else run_dir)
+    sweep_stale_snapshots(shm)
+    return str(trust.private_dir(os.path.join(shm, f"{SNAP_PREFIX}{_process_tag(os.getpid()) or 'nopid'}."
+                                                   f"{secrets.token_hex(8)}"), "snapshot_dir"))
+
+
+def _worker_env(spec: LaunchSpec, run_dir: str, snap_dir: str | None) -> dict[str, str]:
+    """The variables the workers (and this agent) run with, see `dtorch.env.RuntimeEnv`."""
     env = {
         "DTORCH_SNAPSHOT_DIR": snap_dir or "",
         "DTORCH_SNAPSHOT_EVERY": str(spec.snapshot_every),
@@ -391,27 +386,36 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     }
     # The flight recorder (gloo and NCCL) is what names the collective a hung rank is in.
-    env.setdefault("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"))
-    saved = {k: os.environ.get(k) for k in [*env, "DTORCH_EPOCH"]}
-    os.environ.update(env)
+    env.setdefault("TORCH_FR_BUFFER_SIZE", current().flight_recorder_size or "2000")
+    return env
 
-    conf = {**FAST_RDZV_CONF, **spec.rdzv_conf}
-    params = RendezvousParameters(backend=spec.rdzv_backend, endpoint=spec.rdzv_endpoint, run_id=spec.rdzv_id,
-                                  min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-                                  local_addr=spec.local_addr, **conf)
-    entrypoint: Any
+
+def _entrypoint(spec: LaunchSpec, target: str, args: list[str], module: bool, no_python: bool) -> tuple[Any, list]:
+    """(what the agent starts per worker, its arguments): the executable itself, the forkserver's
+    `run_target`, or a fresh interpreter running `dtorch.elastic.bootstrap`."""
     if no_python:
-        entrypoint, wargs = target, list(args)
-    elif spec.start_method == "forkserver":
+        return target, list(args)
+    if spec.start_method == "forkserver":
         import multiprocessing
 
         from dtorch.elastic.bootstrap import run_target
 
         multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *spec.preload])
-        entrypoint, wargs = run_target, [{}, target, list(args), module]
-    else:
-        entrypoint = sys.executable
-        wargs = ["-u", "-m", "dtorch.elastic.bootstrap", *(["-m"] if module else []), target, *args]
+        return run_target, [{}, target, list(args), module]
+    return sys.executable, ["-u", "-m", "dtorch.elastic.bootstrap", *(["-m"] if module else []), target, *args]
+
+
+def _rendezvous(spec: LaunchSpec) -> Any:
+    """The rendezvous handler of `spec` (static, DTorch's TCP store, or torch's registry), gated."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from dtorch.elastic.agent import GatedRendezvous
+
+    conf = {**FAST_RDZV_CONF, **spec.rdzv_conf}
+    params = RendezvousParameters(backend=spec.rdzv_backend, endpoint=spec.rdzv_endpoint, run_id=spec.rdzv_id,
+                                  min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                                  local_addr=spec.local_addr, **conf)
     if spec.rdzv_backend == "static":
         inner: Any = StaticRendezvous(spec.rdzv_endpoint, spec.node_rank or 0, spec.max_nodes, str(spec.rdzv_id),
                                       float(conf.get("timeout", 600)))
@@ -419,7 +423,47 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         inner = rdzv_store.rendezvous_handler(params)  # listens on the endpoint's address only
     else:
         inner = rdzv_registry.get_rendezvous_handler(params)
-    handler = GatedRendezvous(inner)
+    return GatedRendezvous(inner)
+
+
+def _exit_code(agent: Any, result: Any, spec: LaunchSpec) -> int:
+    """The job's exit code from the agent's result, with the one line that names a failure's cause."""
+    if result is None:  # the rendezvous was closed by another node: nothing left to do here
+        return 0
+    if agent.fatal is not None:
+        print(f"dtorch: error: {agent.fatal}", file=sys.stderr, flush=True)
+        return agent.fatal_code
+    if result.is_failed():
+        ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(result.failures.items()))
+        # the last line names the cause: the first failing worker's exception and where its
+        # traceback is (not only an exit code)
+        cause = agent.cause or f"{ranks or 'unhealthy workers'}; events: {agent.events_path}"
+        print(f"dtorch: job failed after {spec.max_restarts} restarts: {cause}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False, no_python: bool = False) -> int:
+    """Run `target` (a script path, a module with `module=True`, or an executable with `no_python`)
+    on `spec.nproc_per_node` workers per node under the elastic agent. Returns the exit code:
+    0 when every worker succeeded, 1 when the job failed after its restarts, 2 when a worker met an
+    error no restart can fix (a `fatal` event: the agent prints its one line, no retries).
+
+    Called from your own script with the forkserver start method, that script must guard its
+    entry point with `if __name__ == "__main__":` (multiprocessing's forkserver imports the main
+    module). Sets the DTORCH_* variables in this process's environment while it runs."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+
+    from dtorch.elastic.agent import DTorchAgent, QuietFatal
+
+    run_dir: str = spec.run_dir  # type: ignore[assignment]
+    _prepare_run_dir(spec, run_dir)
+    snap_dir = _snapshot_dir(spec, run_dir)
+    # the agent exports DTORCH_EPOCH per start: restored with the rest when the job ends
+    saved = {"DTORCH_EPOCH": environ().get("DTORCH_EPOCH"), **export(_worker_env(spec, run_dir, snap_dir))}
+    entrypoint, wargs = _entrypoint(spec, target, args, module, no_python)
+    handler = _rendezvous(spec)
     wspec = WorkerSpec(role="dtorch", local_world_size=spec.nproc_per_node, entrypoint=entrypoint,
                        args=tuple(wargs), rdzv_handler=handler, max_restarts=spec.max_restarts,  # type: ignore[arg-type]
                        monitor_interval=spec.monitor_interval, local_addr=spec.local_addr)
@@ -427,8 +471,8 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
                             redirects=std_streams("redirects", spec.redirects), tee=std_streams("tee", spec.tee),
                             local_ranks_filter=ranks_filter(spec.local_ranks_filter))
     agent = DTorchAgent(spec=wspec, logs_specs=logs,
-                           start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
-                           shutdown_timeout=spec.shutdown_timeout, dspec=spec)
+                        start_method="forkserver" if spec.start_method == "forkserver" else "spawn",
+                        shutdown_timeout=spec.shutdown_timeout, dspec=spec)
     handler.gate = agent.grow_gate
     quiet = QuietFatal(agent.events_path, agent)
     torch_logs = [logging.getLogger(n) for n in ("torch.distributed.elastic.multiprocessing.api",
@@ -440,19 +484,7 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
         result = agent.run()
         agent.drain_reports()
         agent._maybe_report_recovery(force=True)
-        if result is None:  # the rendezvous was closed by another node: nothing left to do here
-            return 0
-        if agent.fatal is not None:
-            print(f"dtorch: error: {agent.fatal}", file=sys.stderr, flush=True)
-            return agent.fatal_code
-        if result.is_failed():
-            ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(result.failures.items()))
-            # the last line names the cause: the first failing worker's exception and where its
-            # traceback is (not only an exit code)
-            cause = agent.cause or f"{ranks or 'unhealthy workers'}; events: {agent.events_path}"
-            print(f"dtorch: job failed after {spec.max_restarts} restarts: {cause}", file=sys.stderr, flush=True)
-            return 1
-        return 0
+        return _exit_code(agent, result, spec)
     except SignalException as e:
         shutdown_rdzv = False  # closing the rendezvous would stop the other nodes from carrying on
         return 128 + int(e.sigval)
@@ -465,8 +497,4 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
             shutil.rmtree(snap_dir, ignore_errors=True)  # the agent owns the snapshots: gone with the job
         if shutdown_rdzv:
             handler.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore(saved)

@@ -13,6 +13,8 @@ import os
 import signal
 from typing import Any
 
+from dtorch.env import current
+
 
 def marker(run_dir: str, agent_pid: int | str) -> str:
     return os.path.join(run_dir, f"preempt.{agent_pid}")
@@ -56,5 +58,5 @@ def arm(run_dir: str) -> None:
 def agent_preempting() -> bool:
     """In a worker: whether its agent was told to stop from outside (see module doc). The launcher
     also names the marker in DTORCH_PREEMPT_MARKER, which is what `dtorch.train.preempt` reads."""
-    run_dir, agent = os.environ.get("DTORCH_RUN_DIR"), os.environ.get("DTORCH_AGENT_PID")
-    return bool(run_dir and agent and os.path.exists(marker(run_dir, agent)))
+    env = current()
+    return bool(env.run_dir and env.agent_pid and os.path.exists(marker(env.run_dir, env.agent_pid)))
