@@ -113,6 +113,8 @@ class RunMonitor:
             from dtorch.monitor.server import MonitorServer, MonitorState
 
             self.state = MonitorState(events_path())
+            # what this run logged before the server started (the plan) or before a restart (the steps)
+            self.state.replay(getattr(metrics, "path", None))
             self.server = MonitorServer(self.state, host=cfg.host, port=cfg.port, token=cfg.token,
                                         allow_remote=cfg.allow_remote)
             metrics.sinks.append(self.state.feed)

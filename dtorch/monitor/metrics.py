@@ -80,10 +80,15 @@ class MetricsLogger:
                 except Exception:  # noqa: BLE001 - tensorboard is optional
                     self._tb = None
 
+    @property
+    def path(self) -> Path | None:
+        """The JSONL log (rank 0 with a log_dir), else None."""
+        return self._jsonl_path
+
     def log(self, m: StepMetrics) -> None:
         if self.rank != 0:
             return
-        record = asdict(m)
+        record = {**asdict(m), "t": time.time()}  # wall time: the page places events between steps by it
         self._write(json.dumps(record))
         for sink in self.sinks:
             sink(record)

@@ -63,6 +63,9 @@ class MonitorState:
         kind = record.get("event")
         with self.lock:
             if kind is None:
+                if self.steps and record.get("step", 0) <= self.steps[-1].get("step", 0):
+                    # a resumed run trains these steps again: its records replace the lost ones
+                    self.steps = [r for r in self.steps if r.get("step", 0) < record.get("step", 0)]
                 self.steps.append(record)
                 # tokens/s x seconds: this step's tokens, for a counter that rate() reads
                 self.tokens_total += float(record.get("tokens_per_s") or 0.0) * float(record.get("step_time_s") or 0.0)
@@ -77,6 +80,24 @@ class MonitorState:
                     self.plan = record
                 self.events.append(record)
 
+    def replay(self, path: str | os.PathLike | None) -> int:
+        """Feed the records an earlier process of this run wrote to its metrics.jsonl (the steps
+        before a restart, the plan chosen before the server started); a torn last line is skipped.
+        Returns how many records were fed."""
+        if path is None or not os.path.exists(path):
+            return 0
+        n = 0
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    self.feed(record)
+                    n += 1
+        return n
+
     def run_events(self) -> list[dict[str, Any]]:
         """The elastic event log's records (recoveries, failures), when the run has one."""
         if not self.events_path or not os.path.exists(self.events_path):
@@ -87,7 +108,8 @@ class MonitorState:
         key = (st.st_size, st.st_mtime_ns)
         if self._run_events is not None and self._run_events[0] == key:  # not re-read on every poll
             return self._run_events[1]
-        keep = ("failure", "recovery", "rendezvous", "workers_started", "oom", "hang", "straggler", "fault")
+        keep = ("failure", "recovery", "rendezvous", "workers_started", "oom", "hang", "straggler", "fault",
+                "detected", "stopped")
         out = [e for e in read(self.events_path)[-2000:] if any(k in str(e.get("kind", "")) for k in keep)][-200:]
         self._run_events = (key, out)
         return out
@@ -251,8 +273,17 @@ def host_allowed(header: str | None, bound: str) -> bool:
     return name in names or (bound in ("0.0.0.0", "::") and name == "localhost")
 
 
+ASSETS = {"uPlot.iife.min.js": "text/javascript; charset=utf-8", "uPlot.min.css": "text/css; charset=utf-8",
+          "uPlot.LICENSE": "text/plain; charset=utf-8"}
+"""The page's vendored chart library (uPlot, MIT licence): static, served without the token."""
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("dtorch.monitor").joinpath("assets", name).read_bytes()
+
+
 def _page() -> bytes:
-    return resources.files("dtorch.monitor").joinpath("assets/page.html").read_bytes()
+    return _asset("page.html")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -288,6 +319,10 @@ class _Handler(BaseHTTPRequestHandler):
                        f"use http://{self.server.url_host}:{self.server.server_address[1]}/\n".encode(), "text/plain")
             return
         url = urlparse(self.path)
+        name = url.path.removeprefix("/assets/")
+        if url.path.startswith("/assets/") and name in ASSETS:  # public library code, no run data
+            self._send(200, _asset(name), ASSETS[name])
+            return
         if not self._authorised(parse_qs(url.query)):
             self._send(401, b"token required: Authorization: Bearer TOKEN or ?token=TOKEN\n", "text/plain")
             return

@@ -37,30 +37,31 @@ def _fetch(url: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
-    """A 2-worker `dtorch train` with the monitor on a free port; yields once the page has a
-    per-rank window; stopped (SIGTERM to its own process group) at teardown."""
+    """A 2-worker `dtorch train` with the monitor on a free port, whose rank 1 is killed at step 6
+    and recovered; yields once the restarted rank 0's page has a per-rank window and the recovery;
+    stopped (SIGTERM to its own process group) at teardown."""
     tmp = tmp_path_factory.mktemp("monitor")
     run_dir = tmp / "run"
     cmd = [sys.executable, "-m", "dtorch.cli", "train", "--nproc", "2", "--model", MODEL, "--seq-len", "64",
            "--global-batch", "4", "--steps", "100000", "--checkpoint-dir", str(run_dir), "--checkpoint-every",
            "100000", "--sample-tokens", "0", "--monitor-port", "0", "--metrics-every", "3", "--no-progress",
-           "--max-restarts", "0"]
+           "--chaos", "kill:rank=1:step=6", "--max-restarts", "1", "--run-dir", str(tmp / "events")]
     log = open(tmp / "log.txt", "w")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         info = run_dir / "monitor.json"
         deadline = time.time() + 240
-        while not info.exists():
-            assert proc.poll() is None, (tmp / "log.txt").read_text()[-3000:]
-            assert time.time() < deadline, "the monitor never started"
-            time.sleep(0.5)
-        url = json.loads(info.read_text())["url"]
         while True:
-            data = json.loads(_fetch(url + "api/data"))
-            if data["ranks"] is not None and len(data["steps"]) >= 8:
-                break
             assert proc.poll() is None, (tmp / "log.txt").read_text()[-3000:]
-            assert time.time() < deadline, "no per-rank window within the deadline"
+            assert time.time() < deadline, "no recovered run with a per-rank window within the deadline"
+            try:  # the restarted rank 0 serves on a port of its own and writes monitor.json again
+                url = json.loads(info.read_text())["url"]
+                data = json.loads(_fetch(url + "api/data"))
+            except (OSError, ValueError, KeyError):
+                data = None
+            if (data is not None and data["ranks"] is not None and len(data["steps"]) >= 8
+                    and any(e.get("kind") == "recovery" for e in data["run_events"])):
+                break
             time.sleep(1.0)
         yield {"url": url, "run_dir": run_dir, "proc": proc, "tmp": tmp}
     finally:
@@ -206,11 +207,22 @@ def test_live_page_in_headless_chromium_shows_this_runs_data(live_run):
     for step, loss, tps in zip(page["steps"], page["loss"], page["tokens_per_s"]):
         assert by_step[step]["loss"] == loss and by_step[step]["tokens_per_s"] == tps
     assert page["heat_rows"] == 2 and len(page["ranks"]) == 2
+    # the plan the run trains, the killed rank's failure and its recovery, placed on the charts
+    plan = next(r for r in records if r.get("event") == "plan")
+    assert page["plan_line"].startswith(f"plan: {plan['plan']} ({plan['family']}")
+    kinds = {e["cls"] for e in page["events"]}
+    assert {"failure", "recovery", "plan"} <= kinds, page["events"]
+    failure = next(e for e in page["events"] if e["cls"] == "failure")
+    assert failure["step"] is not None and failure["step"] <= 7 and page["markers"] >= 3
+    assert [e["t"] for e in page["events"] if e["t"]] == sorted(e["t"] for e in page["events"] if e["t"])
+    assert page["charts"] == 3 and page["axes_ticks"] >= 6  # three uPlot charts, each with two axes
+    # steps from before the restart are kept (replayed from the run's metrics.jsonl)
+    assert page["steps"][0] <= 6
     window = next(r for r in records if r.get("event") == "ranks" and r["step"] == page["ranks_step"])
     for drawn, logged in zip(page["ranks"], window["ranks"]):
         assert drawn["rank"] == logged["rank"] and drawn["compute"] == logged["compute"]
     shot = tmp / "monitor-page.png"
-    res = _browser(["--hide-scrollbars", "--window-size=1240,1000", f"--screenshot={shot}", url],
+    res = _browser(["--hide-scrollbars", "--window-size=1360,1100", f"--screenshot={shot}", url],
                    tmp / "profile-shot")
     assert res.returncode == 0 and shot.stat().st_size > 20_000, res.stderr[-2000:]
     if os.environ.get("DTORCH_SAVE_SCREENSHOT"):
