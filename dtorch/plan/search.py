@@ -599,7 +599,6 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
     if not mbss:
         return
     head_blocks = profile.flops_per_token_head / (profile.flops_per_token_block or 1.0)
-    pin = pinned(fixed)
     eps = EXPERT.degrees(profile, mesh.dp_replicate * mesh.dp_shard * mesh.cp, fixed)
     if book.executable_only:  # an ep this executor cannot run on the mesh is never ranked
         eps = [e for e in eps if e == 1 or not next(EXPERT.limits(Plan(
@@ -628,13 +627,9 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
                 parts = PIPELINE.partitions(mesh.pp, v, L, head_blocks) + hetero.stage_partitions(
                     mesh.pp, v, L, head_blocks, mesh.stage_weights)  # (uneven stages on a mixed cluster)
                 for (pdt, rdt), part, ep in itertools.product(precs, parts, eps):
-                    base = Plan(
-                        ep=ep, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp,
-                        tp=mesh.tp, sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1, microbatch_size=mbs,
-                        num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
-                        param_dtype=pdt, reduce_dtype=rdt, layer_partition=part, seq_len=profile.seq_len,
-                        global_batch=global_batch, **pin,
-                    )
+                    base = _plan_on(mesh, profile, fixed, global_batch, ep=ep, microbatch_size=mbs,
+                                    num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
+                                    param_dtype=pdt, reduce_dtype=rdt, layer_partition=part)
                     fitted |= _inner(base, fixed, book.consider, lambda t, f=fam: not book.worth(t, f))
         if fitted:
             return  # offloading is only worth it where nothing else fits on this mesh
@@ -653,15 +648,19 @@ def _leanest(mesh: _Mesh, local: int, offload: str, mbs: int, L: int, fixed: dic
     sched = _schedules(mesh.pp, nmb, L, fixed, profile)
     if not sched:
         return None
-    return Plan(
-        ep=ep, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
-        sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1, microbatch_size=mbs, num_microbatches=nmb,
-        schedule=sched[0][0], virtual_stages=sched[0][1], offload=offload,
-        ac=fixed.get("ac", "full"),
-        reshard_after_forward=fixed.get("reshard_after_forward", True) if mesh.dp_shard > 1 else False,
-        param_dtype=param_dtype, reduce_dtype="float32", seq_len=profile.seq_len, global_batch=global_batch,
-        **pinned(fixed),
-    )
+    return _plan_on(mesh, profile, fixed, global_batch, ep=ep, microbatch_size=mbs, num_microbatches=nmb,
+                    schedule=sched[0][0], virtual_stages=sched[0][1], offload=offload, ac=fixed.get("ac", "full"),
+                    reshard_after_forward=fixed.get("reshard_after_forward", True) if mesh.dp_shard > 1 else False,
+                    param_dtype=param_dtype, reduce_dtype="float32")
+
+
+def _plan_on(mesh: _Mesh, profile: ModelProfile, fixed: dict[str, Any], global_batch: int, **fields: Any) -> Plan:
+    """A plan on `mesh`: its degrees, sequence parallelism with TP (unless fixed; not for MoE
+    models), the model's sequence length and the batch, the declared fields `--fix` pins
+    (`strategies.pinned`), and `fields` (the search's choices)."""
+    return Plan(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
+                sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1,
+                seq_len=profile.seq_len, global_batch=global_batch, **pinned(fixed), **fields)
 
 
 def _max_non_dp(profile: ModelProfile, cluster: Cluster) -> int:
