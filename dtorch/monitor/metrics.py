@@ -72,6 +72,8 @@ class MetricsLogger:
             self._jsonl_path = path / "metrics.jsonl"
             self._jsonl = trust.open_append(self._jsonl_path, "metrics")  # closed in close()
             eventlog.reserve(path)
+            if eventlog.events_path() is not None:  # under `dtorch run`: where `dtorch report` finds failures
+                self.event("events_log", path=eventlog.events_path())
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter

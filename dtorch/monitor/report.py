@@ -37,6 +37,10 @@ def load_run(run_dir: str | Path, events: str | Path | None = None) -> dict[str,
                           "or log directory of the run)")
     recs = read_jsonl(run / "metrics.jsonl")
     ev_path = Path(events) if events else run / "events.jsonl"
+    if not events and not ev_path.exists():  # the launcher's run directory, as the run recorded it
+        logged = [r["path"] for r in recs if r.get("event") == "events_log" and r.get("path")]
+        if logged:
+            ev_path = Path(logged[-1])
     if not recs and not ev_path.exists():
         raise ConfigError("run_dir", str(run_dir), "it has no metrics.jsonl or events.jsonl: is this the run's "
                           "log directory?")
@@ -45,6 +49,53 @@ def load_run(run_dir: str | Path, events: str | Path | None = None) -> dict[str,
     others = [r for r in recs if "event" in r and r.get("event") != "ranks"]
     return {"steps": steps, "ranks": ranks, "events": others, "run_events": read_jsonl(ev_path),
             "ooms": read_jsonl(run / "oom.jsonl"), "run_dir": str(run)}
+
+
+FAILURE_KINDS = ("detected", "stopped", "hang", "fatal", "worker_error", "oom")
+"""Event-log kinds that record a failure (the agent's detections, a fatal error, an OOM)."""
+
+
+def event_kind(e: dict[str, Any]) -> str:
+    return str(e.get("event") or e.get("kind") or "?")
+
+
+def event_class(e: dict[str, Any]) -> str:
+    """failure, recovery, checkpoint, plan, or "" for the rest."""
+    k = event_kind(e)
+    if k == "fault":
+        return "fault"  # a chaos drill's injection: the failure it causes is recorded as detected
+    if k in FAILURE_KINDS or "fail" in k:
+        return "failure"
+    if k in ("recovery", "resume", "snapshot_restore"):
+        return "recovery"
+    return k if k in ("checkpoint", "plan") else ""
+
+
+def describe_event(e: dict[str, Any]) -> str:
+    """One line in words for an event record of metrics.jsonl or the event log."""
+    k = event_kind(e)
+    ranks = e.get("ranks")
+    who = f" rank(s) {', '.join(map(str, ranks))}" if isinstance(ranks, list) else (
+        f" rank {e['rank']}" if e.get("rank") is not None else "")
+    if k == "plan":
+        return f"plan {e.get('plan')} ({e.get('family') or '?'}, from {e.get('source') or '?'})"
+    if k == "checkpoint":
+        return f"checkpoint of step {e.get('step')}"
+    if k == "resume":
+        return f"resumed at step {e.get('step')}"
+    if k == "recovery":
+        who = f" node(s) {e['nodes']}" if e.get("nodes") else who
+        total = f" in {e['total']:.2f} s" if isinstance(e.get("total"), (int, float)) else ""
+        return f"recovered from {e.get('cause') or 'a failure'} of{who}{total} at world size {e.get('world_size')}"
+    if k in ("detected", "stopped", "observed"):
+        return (f"{'failure' if k != 'observed' else 'observed'}: {e.get('cause') or '?'} of{who}"
+                + (f" ({e['why']})" if e.get("why") else "") + ("; the job stopped" if k == "stopped" else ""))
+    if k == "fault":
+        return f"injected fault {e.get('fault') or '?'}"
+    if k == "oom":
+        return f"out of memory on rank {e.get('rank')} in {e.get('phase') or '?'} at step {e.get('step')}"
+    rest = {x: v for x, v in e.items() if x not in ("kind", "event", "t", "time_s", "wall", "pid")}
+    return f"{k}: " + " ".join(f"{x}={v}" for x, v in list(rest.items())[:6])
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +148,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
             {"term": k, "predicted_s": v,
              "measured_s": statistics.fmean(w["mean"].get(k, 0.0) for w in windows)} for k, v in pred.items()]
     out["ooms"] = run.get("ooms") or [e for e in run["run_events"] if e.get("kind") == "oom"]
-    out["failures"] = [e for e in run["run_events"] if "fail" in str(e.get("kind", ""))]
+    out["failures"] = [e for e in run["run_events"] if event_class(e) == "failure"]
+    out["recoveries"] = [e for e in run["run_events"] if event_class(e) == "recovery"]
     mismatch = find_mismatch(run["run_dir"])
     out["comm_mismatch"] = mismatch
     if mismatch is not None:
@@ -164,27 +216,43 @@ def _plots(run: dict[str, Any], s: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "predicted.png", dpi=110)
         plt.close(fig)
         made.append("predicted.png")
-    marks = [(e["t"], e.get("event") or e.get("kind")) for e in run["events"] + run["run_events"]
-             if isinstance(e.get("t"), (int, float)) and (e.get("event") or e.get("kind")) not in ("phase",)]
+    marks = [(e["t"], event_kind(e), event_class(e)) for e in run["events"] + run["run_events"]
+             if isinstance(e.get("t"), (int, float)) and event_kind(e) not in ("phase", "events_log")]
     prog = [(w["wall"], w["step"]) for w in run["ranks"] if "wall" in w]
     if marks or prog:
         t0 = min([m[0] for m in marks] + [p[0] for p in prog])
-        fig, ax = plt.subplots(figsize=(7, 3.2))
+        kinds = sorted({m[1] for m in marks}, key=lambda k: (k not in (*FAILURE_KINDS, "fault", "recovery"), k))
+        fig, ax = plt.subplots(figsize=(8, 1.6 + 0.32 * max(len(kinds), 1)))
+        colour = {"failure": "#c62828", "fault": "#e57373", "recovery": "#2e7d32", "checkpoint": "#757575",
+                  "plan": "#1565c0"}
+        for lane, k in enumerate(kinds):  # one lane per kind: the y axis names it
+            ms = [m for m in marks if m[1] == k]
+            ax.scatter([m[0] - t0 for m in ms], [lane] * len(ms), s=22, color=colour.get(ms[0][2], "#8d6e63"),
+                       marker="v" if ms[0][2] in ("failure", "fault") else "o", zorder=3)
+        for m in marks:  # failures and recoveries across every lane
+            if m[2] in ("failure", "recovery"):
+                ax.axvline(m[0] - t0, color=colour[m[2]], lw=0.8, alpha=0.5)
+        ax.set_yticks(range(len(kinds)), kinds, fontsize=8)
+        ax.set_ylim(-0.7, max(len(kinds), 1) - 0.3)
+        ax.set(xlabel="seconds since the first record", title="timeline (events by kind; grey: steps done)")
+        ax.grid(axis="x", alpha=0.3)
         if prog:
-            ax.plot([p[0] - t0 for p in prog], [p[1] for p in prog], color="#555", lw=1, label="step")
-        kinds = sorted({k for _, k in marks})
-        ymax = max([p[1] for p in prog] or [1])
-        for i, k in enumerate(kinds):
-            ts = [m[0] - t0 for m in marks if m[1] == k]
-            ax.scatter(ts, [ymax * (0.1 + 0.8 * (i + 0.5) / max(len(kinds), 1))] * len(ts), s=18, label=k,
-                       marker="v" if "fail" in k or "oom" in k else "o")
-        ax.set(xlabel="seconds since the first record", ylabel="step", title="timeline")
-        ax.legend(fontsize=7, ncol=3)
+            ax2 = ax.twinx()
+            ax2.plot([p[0] - t0 for p in prog], [p[1] for p in prog], color="#9e9e9e", lw=1)
+            ax2.set_ylabel("step", color="#757575")
         fig.tight_layout()
         fig.savefig(out / "timeline.png", dpi=110)
         plt.close(fig)
         made.append("timeline.png")
     return made
+
+
+def _clock(t: Any) -> str:
+    import datetime
+
+    if not isinstance(t, (int, float)):
+        return ""
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _ms(x: float | None) -> str:
@@ -200,7 +268,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
     images = _plots(run, s, out)
     e = html.escape
     rows = [("plan", f"{s.get('family') or '-'}: {s.get('plan') or '-'}"),
-            ("status", "finished" if s["finished"] else "did not finish (crashed, stopped or still running)"),
+            ("status", ("finished" if s["finished"] else "did not finish (crashed, stopped or still running)")
+             + f"; {len(s['failures'])} failure(s), {len(s['recoveries'])} recovery(ies)"),
             ("last step logged", s["last_step"]), ("final loss", s["final_loss"]),
             ("median step", f"{_ms(s.get('median_step_time_s'))} ms"),
             ("median tokens/s", f"{s.get('median_tokens_per_s', 0):,.0f}"),
@@ -212,10 +281,17 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
     parts = ["<!doctype html><meta charset=utf-8><title>DTorch run report</title>",
              "<style>body{font:14px system-ui,sans-serif;margin:20px;max-width:1100px}"
              "td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}table{border-collapse:collapse}"
-             "img{max-width:100%;border:1px solid #eee;margin:6px 0}</style>",
+             "img{max-width:100%;border:1px solid #eee;margin:6px 0}"
+             "tr.failure td,tr.fault td{background:#fdecea}tr.recovery td{background:#e8f5e9}</style>",
              f"<h1>Run report: {e(str(run_dir))}</h1><table>"]
     parts += [f"<tr><th>{e(str(k))}</th><td>{e(str(v))}</td></tr>" for k, v in rows]
     parts.append("</table>")
+    if s["failures"] or s["recoveries"]:
+        parts.append("<h2>Failures and recoveries</h2><table><tr><th>time</th><th>kind</th><th>what</th></tr>")
+        for x in sorted([x for x in run["run_events"] if event_class(x) in ("failure", "fault", "recovery")], key=lambda x: x.get("t") or 0):
+            parts.append(f"<tr class='{event_class(x)}'><td>{_clock(x.get('t'))}</td><td>{e(event_kind(x))}</td>"
+                         f"<td>{e(describe_event(x))}</td></tr>")
+        parts.append("</table>")
     if s.get("per_rank"):
         terms = [t for t in s["terms"] if any(p[t] > 0 for p in s["per_rank"])]
         parts.append("<h2>Per rank (ms per step, mean over windows)</h2><table><tr><th>rank</th>"
@@ -245,10 +321,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
             parts.append(f"<li>{e(text)}<br><code>{e(json.dumps(o.get('measured'), default=str))}</code></li>")
         parts.append("</ul>")
     parts += [f"<h2>{e(img[:-4])}</h2><img src='{img}' alt='{img}'>" for img in images]
-    notable = [x for x in run["events"] if x.get("event") not in ("plan",)] + [
-        x for x in run["run_events"] if x.get("kind") != "phase"]
-    parts.append("<h2>Events</h2><ul>" + "".join(
-        f"<li><code>{e(json.dumps(x, default=str)[:300])}</code></li>" for x in notable[-300:]) + "</ul>")
+    notable = sorted([x for x in run["events"] + run["run_events"] if event_kind(x) not in ("phase", "events_log")],
+                     key=lambda x: x.get("t") or 0)
+    parts.append("<h2>Events</h2><table><tr><th>time</th><th>kind</th><th>what</th></tr>" + "".join(
+        f"<tr class='{event_class(x)}'><td>{_clock(x.get('t'))}</td><td>{e(event_kind(x))}</td>"
+        f"<td>{e(describe_event(x)[:300])}</td></tr>" for x in notable[-300:]) + "</table>")
     index = out / "index.html"
     index.write_text("\n".join(parts))
     (out / "summary.json").write_text(json.dumps(s, indent=1, default=str))

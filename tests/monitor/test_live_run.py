@@ -247,4 +247,19 @@ def test_report_of_the_stopped_run(live_run):
     index = write_report(run_dir)
     for png in ("loss.png", "throughput.png", "ranks.png", "timeline.png"):
         assert (index.parent / png).stat().st_size > 5000, png
-    assert "slowest rank" in index.read_text()
+    text = index.read_text()
+    assert "slowest rank" in text
+    # the killed rank's failure and its recovery, listed in words (the event log found by itself)
+    assert s["failures"] and s["recoveries"], (s["failures"], s["recoveries"])
+    assert "Failures and recoveries" in text and "recovered from exit of rank(s) 1" in text
+    assert "1 recovery(ies)" in text and "failure: exit of rank(s) 1" in text
+    if _chromium() is not None:  # what a reader sees: the report rendered, plan and failure included
+        shot = live_run["tmp"] / "report.png"
+        res = _browser(["--hide-scrollbars", "--window-size=1100,900", f"--screenshot={shot}", index.as_uri()],
+                       live_run["tmp"] / "profile-report")
+        assert res.returncode == 0 and shot.stat().st_size > 30_000, res.stderr[-2000:]
+        dom = _browser(["--dump-dom", index.as_uri()], live_run["tmp"] / "profile-report-dom").stdout
+        assert s["plan"] in dom and "<tr class=\"failure\">" in dom.replace("'", '"') and "timeline.png" in dom
+        if os.environ.get("DTORCH_SAVE_SCREENSHOT"):
+            saved = Path(os.environ["DTORCH_SAVE_SCREENSHOT"])
+            shutil.copy(shot, saved.with_name(saved.stem + "-report.png"))
