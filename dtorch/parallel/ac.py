@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from dtorch.model.profiler import SELECTIVE_SAVE_OPS
 from dtorch.model.structure import block_items, find_blocks
+from dtorch.parallel.halves import Half
 
 _SAVE_OPS = frozenset(SELECTIVE_SAVE_OPS)
 """The ops whose outputs selective checkpointing keeps: matrix multiplications and every fused
@@ -58,3 +59,7 @@ def apply_ac(model: nn.Module, policy: str) -> None:
             blocks[name] = wrapped
         else:
             blocks[int(name)] = wrapped
+
+
+HALVES = (Half(40, apply=lambda part, meshes, plan: apply_ac(part, plan.ac)),)
+"""The executor half (dtorch.parallel.halves): every block checkpointed as the plan's `ac` says."""

@@ -48,6 +48,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtorch.errors import ConfigError
 from dtorch.model.structure import CONTEXT_ATTENTION_HOOK, CONTEXT_POSITIONS_HOOK, context_hooks_reason
+from dtorch.parallel.halves import Half, Meshes
+from dtorch.parallel.mesh import sub_mesh
 from dtorch.plan.plan import Plan
 
 POSITIONS_HOOK = CONTEXT_POSITIONS_HOOK
@@ -134,3 +136,12 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:
     for mod in _attention_modules(model):
         setattr(mod, ATTENTION_HOOK, cp.attention)
     return cp
+
+
+# ---- the executor half (dtorch.parallel.halves) ---------------------------------------------------
+def _apply(part: nn.Module, meshes: Meshes, plan: Plan) -> None:
+    if plan.cp > 1:  # one part: the context strategy's limits refuse cp with pp
+        meshes.context = apply_cp(part, sub_mesh(meshes.mesh, "cp"))
+
+
+HALVES = (Half(20, apply=_apply, check=lambda model, plan, device_type: check_cp(plan, model)),)

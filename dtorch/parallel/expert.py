@@ -54,6 +54,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtorch.errors import ConfigError
+from dtorch.parallel.fsdp import mp_policy
+from dtorch.parallel.halves import Half, Meshes
 
 __all__ = ["apply_expert_parallel", "expert_mesh", "expert_parameters", "all_reduce_gradients",
            "apply_fsdp_with_experts", "dispatch_bytes", "replica_split"]
@@ -322,3 +324,20 @@ def apply_fsdp_with_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -
     for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers or []):
         fully_shard(block, mesh=rest, **fsdp_kwargs)
     fully_shard(model, mesh=rest, **fsdp_kwargs)
+
+
+# ---- the executor half (dtorch.parallel.halves) ---------------------------------------------------
+def _apply(part: nn.Module, meshes: Meshes, plan) -> None:
+    if meshes.ep is not None or (meshes.moe and meshes.tp is not None):
+        # experts sharded over ep (all-to-all dispatcher) and/or their hidden units over tp
+        apply_expert_parallel(part, meshes.ep, meshes.tp)
+
+
+def _shard(part: nn.Module, meshes: Meshes, plan) -> None:
+    if meshes.ep is not None:  # experts FSDP'd over edp (gradients summed over ep), the rest over all ranks
+        # (a DDP plan's units shard over one rank: nothing to free, so they never reshard)
+        apply_fsdp_with_experts(part, meshes.ep, mp_policy=mp_policy(plan),
+                                reshard_after_forward=plan.reshard_after_forward and plan.dp_shard > 1)
+
+
+HALVES = (Half(30, apply=_apply), Half(60, apply=_shard))

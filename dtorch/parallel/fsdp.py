@@ -40,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from dtorch.model.structure import block_items, find_blocks
+from dtorch.parallel.halves import Half, Meshes
+from dtorch.parallel.mesh import fsdp_mesh, sub_mesh
 from dtorch.plan.plan import Plan
 
 
@@ -174,3 +176,18 @@ class UnusedParameters:
     def drop(self, summed: torch.Tensor) -> None:
         for i in (summed == 0).nonzero().flatten().tolist():
             self.params[i].grad = None
+
+
+# ---- the executor half (dtorch.parallel.halves) ---------------------------------------------------
+def _apply(part: nn.Module, meshes: Meshes, plan: Plan) -> None:
+    if meshes.ep is not None:  # (with EP the expert half shards: apply_fsdp_with_experts)
+        return
+    if uses_fsdp(plan):
+        apply_fsdp(part, fsdp_mesh(meshes.mesh), plan, last_stage=meshes.last_stage)
+    elif plan.dp_replicate > 1 and not classic_ddp(plan):
+        apply_ddp(part, sub_mesh(meshes.mesh, "dp_replicate"), plan)
+
+
+HALVES = (Half(60, apply=_apply),)
+"""FSDP2 / HSDP, or the FSDP-based replicate; classic DDP wraps the whole model after
+materialisation (`wrap_ddp`, in `parallelize`)."""

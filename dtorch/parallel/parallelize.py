@@ -1,8 +1,9 @@
 """`parallelize(model_or_factory, plan)`: apply a Plan with PyTorch's own distributed stack.
 
-Order (torchtitan's): check -> mesh -> pipeline split -> tensor/sequence parallel -> context
-parallel hooks -> expert parallelism (plan.ep) -> activation checkpointing -> torch.compile per block (plan.compile) -> FSDP2 /
-HSDP / DDP -> materialise from meta -> pipeline schedule. Everything up to materialisation runs
+Order (torchtitan's): check -> mesh -> pipeline split -> every strategy's executor half in the
+order of halves.py (tensor/sequence parallel -> context parallel hooks -> expert parallelism
+(plan.ep) -> activation checkpointing -> torch.compile per block (plan.compile) -> FSDP2 / HSDP /
+DDP) -> materialise from meta -> pipeline schedule. Everything up to materialisation runs
 on the meta device, so no rank ever holds more than its shard: reference models initialise
 rank-locally, pretrained weights are read slice by slice (`weights=`); see materialize.py for the
 seed path of other modules.
@@ -21,20 +22,18 @@ from torch import nn
 
 from dtorch.errors import ConfigError
 from dtorch.model.structure import find_structure, may_leave_parameters_unused
-from dtorch.parallel.ac import apply_ac
 from dtorch.parallel.check import check_applies, check_plan, model_dims, model_facts
 from dtorch.parallel.compile import apply_compile, check_compile, compile_enabled
-from dtorch.parallel.cp import apply_cp, check_cp
-from dtorch.parallel.expert import apply_expert_parallel, apply_fsdp_with_experts, expert_mesh
-from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, classic_ddp, mp_policy, uses_fsdp, wrap_ddp
+from dtorch.parallel.expert import expert_mesh
+from dtorch.parallel.fsdp import classic_ddp, wrap_ddp
+from dtorch.parallel.halves import Meshes, apply_all, check_all
 from dtorch.parallel.hf import adapt
 from dtorch.parallel.materialize import Startup, materialize, retie, tied_groups
-from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, fsdp_mesh, sub_mesh
+from dtorch.parallel.mesh import build_mesh, default_device, ensure_process_group, sub_mesh
 from dtorch.parallel.model import ParallelModel, local_microbatches, uneven_shares
 from dtorch.parallel.pipeline import apply_pipeline_split, build_schedule, stage_layout
-from dtorch.parallel.rng import seed_rank_streams, shard_attention_streams
+from dtorch.parallel.rng import seed_rank_streams
 from dtorch.parallel.ties import stage_ties
-from dtorch.parallel.tp import apply_tp, check_roles
 from dtorch.plan.plan import Plan
 
 
@@ -94,8 +93,42 @@ def parallelize(
     ties = tied_groups(model)
     structure = find_structure(model)  # once, on the whole model: carried to the monitor
     world = dist.get_world_size() if dist.is_initialized() else plan.world_size
-    # the planner's rule: a strategy that cannot apply to this model is refused with its reason
+    device = torch.device(device) if device is not None else default_device()
     sample = sample or _token_sample(plan, seq_len)
+    layout, find_unused = _check(model, plan, profile, sample, seq_len, world, device)
+    startup = Startup(model_or_factory, model, seed, weights)
+    meshes = _meshes(plan, model, device, world)
+    # Dropout's rule (rng.py): one stream per (pp, dp, cp) position, shared by the TP ranks.
+    seed_rank_streams(plan, meshes.mesh, seed, device)
+    pp_rank = sub_mesh(meshes.mesh, "pp").get_local_rank() if plan.pp > 1 else 0
+    parts = apply_pipeline_split(model, plan, pp_rank, layout) if plan.pp > 1 else [(0, model)]
+    for stage, part in parts:  # every strategy's executor half, in order (halves.py)
+        meshes.last_stage = stage == plan.num_stages - 1
+        apply_all(part, meshes, plan)
+        if compile_enabled(plan):  # after TP and AC, before FSDP: see compile.py
+            apply_compile(part)
+    _share_expert_loads(model, parts, meshes)
+    init_device = torch.device("cpu") if plan.offload == "params" else device
+    startup_stats = materialize([m for _, m in parts], startup, init_device)
+    split_ties = stage_ties(model, ties, plan, parts, meshes.mesh, layout) if plan.pp > 1 and ties else None
+    if split_ties is not None:
+        split_ties.sync_weights()
+    if classic_ddp(plan) and meshes.ep is None:  # (with EP, replicas are HSDP units: apply_fsdp_with_experts)
+        parts = [(0, wrap_ddp(model, sub_mesh(meshes.mesh, "dp_replicate"), device, plan, find_unused=find_unused))]
+    for _, part in parts:
+        part.train()
+    parallel = _parallel_model(plan, parts, meshes, loss_fn, device, structure)
+    parallel.startup = startup_stats
+    parallel.stage_ties = split_ties
+    return parallel
+
+
+def _check(model: nn.Module, plan: Plan, profile: Any, sample: tuple, seq_len: int | None, world: int,
+           device: torch.device) -> tuple[Any, bool]:
+    """Every check before any process group exists: the strategies that cannot apply to this model,
+    the plan against the model and world, every executor half's own check. Returns the pipeline
+    layout (pp > 1) and whether classic DDP looks for unused parameters."""
+    # the planner's rule: a strategy that cannot apply to this model is refused with its reason
     check_applies(plan, profile if profile is not None else model_facts(model, plan, sample, seq_len))
     check_plan(plan, model_dims(model), seq_len=seq_len, world_size=world)
     layout = stage_layout(model, sample) if plan.pp > 1 else None
@@ -103,18 +136,13 @@ def parallelize(
     # step may leave some (a branch on values, a module that did not run): it costs a graph walk
     # per step, and torch warns on every rank when it finds none
     find_unused = classic_ddp(plan) and may_leave_parameters_unused(model, sample)
-    check_cp(plan, model)
-    if plan.tp > 1:
-        check_roles(model, plan.sp)
-        if plan.sp and any(hasattr(type(m), "dispatcher") for m in model.modules()):
-            # a MoE block would receive sequence shards, route them apart and need the router's
-            # gradient reduced over tp: not built (expert.py)
-            raise ConfigError("sp", plan.sp, "sequence parallelism of a mixture-of-experts model is not implemented; "
-                              "use sp=false with tp > 1")
-    device = torch.device(device) if device is not None else default_device()
+    check_all(model, plan, device.type)
     check_compile(plan, model, device.type)
-    startup = Startup(model_or_factory, model, seed, weights)
+    return layout, find_unused
 
+
+def _meshes(plan: Plan, model: nn.Module, device: torch.device, world: int) -> Meshes:
+    """The meshes of this rank (joining the default process group when needed)."""
     mesh = None
     if plan.world_size > 1 or dist.is_initialized():
         ensure_process_group(device)
@@ -126,70 +154,38 @@ def parallelize(
              if plan.ep > 1 else None)
     tp_mesh = (emesh["tp"] if emesh is not None else sub_mesh(mesh, "tp")) if plan.tp > 1 else None
     moe = any(hasattr(type(m), "dispatcher") for m in model.modules())
-    # Dropout's rule (rng.py): one stream per (pp, dp, cp) position, shared by the TP ranks.
-    seed_rank_streams(plan, mesh, seed, device)
+    return Meshes(mesh, emesh, tp_mesh, moe)
 
-    pp_rank = sub_mesh(mesh, "pp").get_local_rank() if plan.pp > 1 else 0
-    parts = apply_pipeline_split(model, plan, pp_rank, layout) if plan.pp > 1 else [(0, model)]
-    loss_par = plan.tp > 1
-    context = None
-    for stage, part in parts:
-        last = stage == plan.num_stages - 1
-        if plan.tp > 1:
-            apply_tp(part, tp_mesh, sp=plan.sp, loss_parallel=loss_par, last_stage=last)
-        if plan.cp > 1:  # one part: check_plan refuses cp with pp
-            context = apply_cp(part, sub_mesh(mesh, "cp"))
-        if plan.tp > 1 and not plan.sp:  # (with sp, whole blocks run on shard streams: tp.py)
-            shard_attention_streams(part, sub_mesh(mesh, "tp"))
-        if emesh is not None or (moe and tp_mesh is not None):
-            # experts sharded over ep (all-to-all dispatcher) and/or their hidden units over tp (expert.py)
-            apply_expert_parallel(part, emesh, tp_mesh)
-        apply_ac(part, plan.ac)
-        if compile_enabled(plan):  # after TP and AC, before FSDP: see compile.py
-            apply_compile(part)
-        if emesh is not None:  # experts FSDP'd over edp (gradients summed over ep), the rest over all ranks
-            # (a DDP plan's units shard over one rank: nothing to free, so they never reshard)
-            apply_fsdp_with_experts(part, emesh, mp_policy=mp_policy(plan),
-                                    reshard_after_forward=plan.reshard_after_forward and plan.dp_shard > 1)
-        elif uses_fsdp(plan):
-            apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=last)
-        elif plan.dp_replicate > 1 and not classic_ddp(plan):
-            apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
-    if mesh is not None and hasattr(type(model), "load_all_reduce"):
-        # the expert loads of the bias update: summed over the ranks that route different tokens
-        # (data and context parallel, per pipeline stage; EP installed its own over the same ranks)
-        axes = tuple(a for a in ("dp_replicate", "dp_shard", "cp") if a in (mesh.mesh_dim_names or ()))
-        if axes and emesh is None:
-            group = (mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten("moe_load")).get_group()
-            for _, part in parts:
-                part.load_all_reduce = partial(dist.all_reduce, group=group)
-    init_device = torch.device("cpu") if plan.offload == "params" else device
-    startup_stats = materialize([m for _, m in parts], startup, init_device)
-    split_ties = stage_ties(model, ties, plan, parts, mesh, layout) if plan.pp > 1 and ties else None
-    if split_ties is not None:
-        split_ties.sync_weights()
-    if classic_ddp(plan) and emesh is None:  # (with EP, replicas are HSDP units: apply_fsdp_with_experts)
-        parts = [(0, wrap_ddp(model, sub_mesh(mesh, "dp_replicate"), device, plan, find_unused=find_unused))]
-    for _, part in parts:
-        part.train()
 
+def _share_expert_loads(model: nn.Module, parts: list, meshes: Meshes) -> None:
+    """The expert loads of the bias update: summed over the ranks that route different tokens (data
+    and context parallel, per pipeline stage; EP installed its own over the same ranks)."""
+    mesh = meshes.mesh
+    if mesh is None or not hasattr(type(model), "load_all_reduce"):
+        return
+    axes = tuple(a for a in ("dp_replicate", "dp_shard", "cp") if a in (mesh.mesh_dim_names or ()))
+    if axes and meshes.ep is None:
+        group = (mesh[axes[0]] if len(axes) == 1 else mesh[axes]._flatten("moe_load")).get_group()
+        for _, part in parts:
+            part.load_all_reduce = partial(dist.all_reduce, group=group)
+
+
+def _parallel_model(plan: Plan, parts: list, meshes: Meshes, loss_fn: Callable, device: torch.device,
+                    structure: Any) -> ParallelModel:
     stage_ids = [s for s, _ in parts]
-    dp_mesh = sub_mesh(mesh, "dp")
+    dp_mesh = sub_mesh(meshes.mesh, "dp")
     dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
     # uneven shares (dp_shares): this data-parallel rank's pipeline runs its own micro-batch count
     own = local_microbatches(plan, dp_rank) if uneven_shares(plan) else None
-    schedule = build_schedule(parts, plan, sub_mesh(mesh, "pp"), device, loss_fn, own) if plan.pp > 1 else None
-    parallel = ParallelModel(
-        plan, mesh, [m for _, m in parts], loss_fn, device,
+    schedule = build_schedule(parts, plan, sub_mesh(meshes.mesh, "pp"), device, loss_fn, own) if plan.pp > 1 else None
+    return ParallelModel(
+        plan, meshes.mesh, [m for _, m in parts], loss_fn, device,
         schedule=schedule,
         has_first_stage=0 in stage_ids,
         has_last_stage=plan.num_stages - 1 in stage_ids,
-        loss_parallel=loss_par,
-        context=context,
+        loss_parallel=plan.tp > 1,
+        context=meshes.context,
         dp_rank=dp_rank,
         dp_size=dp_mesh.size() if dp_mesh is not None else 1,
         structure=structure,
     )
-    parallel.startup = startup_stats
-    parallel.stage_ties = split_ties
-    return parallel

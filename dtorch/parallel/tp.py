@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from dtorch.errors import ConfigError
 from dtorch.model.structure import block_items, find_blocks
 from dtorch.model.tp_rules import (  # noqa: F401 - annotate, ROLES: the public names
     REGION_ATTR,
@@ -45,7 +46,9 @@ from dtorch.model.tp_rules import (  # noqa: F401 - annotate, ROLES: the public 
     layer_roles,
     mark_region,
 )
-from dtorch.parallel.rng import has_random_ops, shard_streams
+from dtorch.parallel.halves import Half, Meshes
+from dtorch.parallel.mesh import sub_mesh
+from dtorch.parallel.rng import has_random_ops, shard_attention_streams, shard_streams
 
 
 def _num_positional_inputs(module: nn.Module) -> int:
@@ -220,3 +223,28 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
             parallelize_module(last, tp_mesh, PrepareModuleOutput(
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True,
             ))
+
+
+# ---- the executor half (dtorch.parallel.halves) ---------------------------------------------------
+def _check(model: nn.Module, plan, device_type: str | None) -> None:
+    if plan.tp == 1:
+        return
+    check_roles(model, plan.sp)
+    if plan.sp and any(hasattr(type(m), "dispatcher") for m in model.modules()):
+        # a MoE block would receive sequence shards, route them apart and need the router's
+        # gradient reduced over tp: not built (expert.py)
+        raise ConfigError("sp", plan.sp, "sequence parallelism of a mixture-of-experts model is not implemented; "
+                          "use sp=false with tp > 1")
+
+
+def _apply(part: nn.Module, meshes: Meshes, plan) -> None:
+    if plan.tp > 1:
+        apply_tp(part, meshes.tp, sp=plan.sp, loss_parallel=True, last_stage=meshes.last_stage)
+
+
+def _shard_streams(part: nn.Module, meshes: Meshes, plan) -> None:
+    if plan.tp > 1 and not plan.sp:  # (with sp, whole blocks run on shard streams: apply_tp)
+        shard_attention_streams(part, sub_mesh(meshes.mesh, "tp"))
+
+
+HALVES = (Half(10, apply=_apply), Half(22, check=_check), Half(25, apply=_shard_streams))
