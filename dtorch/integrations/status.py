@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -150,11 +151,43 @@ def one_line(doc: dict) -> str:
     return ", ".join(parts)
 
 
+LIVE_STATES = ("planning", "recovering", "running", "checkpointed")
+STALE_S = 300.0
+"""A live state not rewritten for this long (the reporter rewrites it every second while steps
+run) is reported as possibly lost when its process cannot be checked (another host)."""
+
+
+def liveness(doc: dict, now: float | None = None) -> str | None:
+    """Why a job whose last state is a live one is not running any more (None: it may be). The
+    reporter stamps its pid and host: on the same host a pid that is gone settles it (a SIGKILL
+    or a crash leaves no last word); elsewhere a status older than STALE_S says it may be."""
+    if doc.get("state") not in LIVE_STATES:
+        return None
+    pid, host = doc.get("pid"), doc.get("host")
+    if isinstance(pid, int) and host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"its rank-0 process (pid {pid}) is gone: killed or crashed without reporting"
+        except PermissionError:
+            pass  # alive, another user's
+        return None
+    age = (time.time() if now is None else now) - float(doc.get("t", 0))
+    if age > STALE_S:
+        return f"no update for {age:.0f} s" + (f" (its process runs on {host})" if host else "") + \
+            ": hung, or stopped without reporting"
+    return None
+
+
 def format_status(doc: dict | None, run_dir: str | os.PathLike) -> str:
     if doc is None:
         return f"{run_dir}: no status yet (no {STATUS_FILE})"
     age = time.time() - float(doc.get("t", time.time()))
-    lines = [f"{run_dir}: {one_line(doc)} ({age:.0f} s ago)"]
+    lost = liveness(doc)
+    if lost is not None:
+        lines = [f"{run_dir}: not running: {lost}; it last reported {one_line(doc)} ({age:.0f} s ago)"]
+    else:
+        lines = [f"{run_dir}: {one_line(doc)} ({age:.0f} s ago)"]
     for k, v in doc.items():
         if k not in ("state", "t"):
             lines.append(f"  {k}: {v}")
@@ -178,6 +211,7 @@ class Reporter:
         self._last_write = -1e9
         self.file_interval = file_interval
         self._proc: subprocess.Popen | None = None
+        self.host = socket.gethostname()
         self.slurm_job = slurm_job_id()
         self._scontrol = shutil.which("scontrol") if self.slurm_job else None
         self.pod = None
@@ -199,7 +233,9 @@ class Reporter:
         if not changed and now - self._last_write < self.file_interval:
             return  # same state again within a second: a file per step is too much on a shared FS
         self._last_write = now
-        doc = write(self.run_dir, state, append_history=changed, **fields)  # type: ignore[arg-type]
+        # pid and host: `dtorch status` can tell a live job from one killed without a last word
+        doc = write(self.run_dir, state, append_history=changed, **{"pid": os.getpid(), "host": self.host,
+                                                                     **fields})  # type: ignore[arg-type]
         now = time.monotonic()
         self._last_state = state
         if self.pod is not None:

@@ -87,6 +87,30 @@ def test_status_file_history_and_cli(tmp_path):
     assert _cli("status", str(tmp_path / "nope")).returncode == 2
 
 
+def test_status_of_a_job_killed_without_a_word_is_not_running(tmp_path):
+    import socket
+    import subprocess
+    import time
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs, as a SIGKILLed rank 0 leaves it
+    status.write(tmp_path, "running", step=7, total_steps=10, pid=gone.pid, host=socket.gethostname())
+    out = _cli("status", str(tmp_path))
+    assert out.returncode == 0 and "not running" in out.stdout and f"pid {gone.pid}" in out.stdout, out.stdout
+    assert "running, step 7/10" in out.stdout  # what it last said, kept
+    # alive: this process
+    status.write(tmp_path, "running", step=8, pid=os.getpid(), host=socket.gethostname())
+    assert "not running" not in status.format_status(status.read(tmp_path), tmp_path)
+    # another host: only the age can tell
+    doc = {"state": "running", "t": time.time() - 3600, "step": 9, "pid": 1, "host": "elsewhere"}
+    assert "no update for 3600 s" in status.format_status(doc, tmp_path)
+    assert status.liveness({**doc, "t": time.time()}) is None
+    assert status.liveness({**doc, "state": "finished"}) is None  # a final state is the truth
+    r = status.Reporter(tmp_path, rank=0)
+    r.report("running", step=1)
+    assert status.read(tmp_path)["pid"] == os.getpid()
+
+
 def test_preemption_flag_set_by_signal_single_process(monkeypatch):
     from dtorch.train.preempt import Preemption
 
