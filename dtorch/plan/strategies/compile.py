@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dtorch.plan.step import StepShape
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation
 
 RECORD_KEY = "compile"
@@ -88,7 +89,7 @@ class Compile(Strategy):
             yield 65, "compile"
 
     # ---- time ----------------------------------------------------------------------------------------
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         """A compiled plan's price (module doc): True where a measured speed-up for the plan's family
         is in the cluster's calibration (`rank_time` applies it); otherwise the fused element-wise
         passes of the cost model, and nothing for `rank_time`."""
@@ -102,7 +103,7 @@ class Compile(Strategy):
             step.elem_s_per_byte *= step.c.compile_elementwise_factor
         return False
 
-    def rank_time(self, step: Any, load: Any, r: Any, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: Any, r: Any, counts: Any) -> None:
         """Divide the rank's compute, recompute and host seconds per micro-batch by the measured speed-up."""
         s = step.term(CompileGain).speedup
         r.compute, r.recompute, r.host = r.compute / s, r.recompute / s, r.host / s

@@ -77,13 +77,13 @@ class Context(Strategy):
         kv_bytes = 2.0 * step.tokens_mb * kv_dim * step.act_b / plan.tp
         return step.keep(KvGather(functional_time("all_gather", kv_bytes, plan.cp, step.st_cp, step.g)))
 
-    def blocking_collectives(self, step: Any, load: RankLoad, counts: Any) -> float:
+    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: Any) -> float:
         # K and V all-gathered forward (once more when full AC recomputes the block), their gradients
         # reduce-scattered in backward (the gathered K/V are saved for it); the executor issues them
         # before attention, so nothing hides them (dtorch/parallel/cp.py)
         return load.blocks * (2 + (1 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0))
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         n = self.blocking_collectives(step, load, counts)
         inside = step.st_cp * step.plan.cp <= step.g.devices_per_node
         # each exchange also waits for the slowest peer after the stretch of work since the last one

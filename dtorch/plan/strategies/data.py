@@ -52,7 +52,7 @@ class DataParallel(Strategy):
             return False
         return step.keep(ReplicaUnit(collective_time("all_reduce", 1.0, step.plan.dp_replicate, step.st_dpr, step.g)))
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         c, plan = step.c, step.plan
         if step.fs > 1 or (plan.ep > 1 and step.profile.num_experts):
             n = plan.num_microbatches if plan.pp == 1 else 1  # FSDP2 syncs every micro-batch without PP
@@ -61,7 +61,7 @@ class DataParallel(Strategy):
         grad_bytes = r.p_stage * step.red_b / step.fs
         r.dp = exposed(self.comm(step, grad_bytes), (2.0 / 3.0) * r.compute, c)
 
-    def grad_comm(self, step: Any, load: RankLoad, p_stage: float, latency: bool = True) -> float:
+    def grad_comm(self, step: StepShape, load: RankLoad, p_stage: float, latency: bool = True) -> float:
         """Seconds of one gradient sync over the replicas of the `p_stage` parameters of pipeline rank
         `load`: DDP's bucketed all-reduce, or with EP the HSDP units' all-reduces (module doc), with a
         latency per unit (`latency=False`: none, the lower bound's)."""
@@ -82,7 +82,7 @@ class DataParallel(Strategy):
             t += moe_blocks(load, step.profile) * collective_time("all_reduce", 1.0, e_rep, e_st, g)
         return t
 
-    def comm(self, step: Any, grad_bytes: float, bucket_latency: bool = True) -> float:
+    def comm(self, step: StepShape, grad_bytes: float, bucket_latency: bool = True) -> float:
         """Seconds of the gradient all-reduce of `grad_bytes` per rank, with the latency of every
         bucket (`bucket_latency=False`: one all-reduce, the lower bound's)."""
         dpr, st, g = step.plan.dp_replicate, step.st_dpr, step.g

@@ -383,7 +383,7 @@ class Expert(Strategy):
                 / x.speed
 
     # ---- memory and FSDP -----------------------------------------------------------------------
-    def local_params(self, step: Any, load: RankLoad, p_stage: float) -> float:
+    def local_params(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
         """Of the `p_stage` parameters of pipeline rank `load`, those a rank holds as sharded model
         states (and steps in the optimizer): `local_params`."""
         return local_params(step.plan, step.profile, load, p_stage)
@@ -397,7 +397,7 @@ class Expert(Strategy):
         if step.fs == 1 and step.plan.ep > 1:  # DDP x EP: FSDP2 units over one-rank shard groups
             m.buffers = self.replica_buffers(step, m.p_gathered)
 
-    def replica_buffers(self, step: Any, p_gathered: float) -> float:
+    def replica_buffers(self, step: StepShape, p_gathered: float) -> float:
         """Gathered-parameter bytes of EP with DDP replicas (dp_shard = 1): the executor runs them as
         FSDP2 HSDP units over one-rank shard groups (`apply_fsdp_with_experts`), which never reshard:
         every unit's unsharded copy in param_dtype stays from its first forward (the stage as a rank
@@ -405,12 +405,12 @@ class Expert(Strategy):
         all-reduce. No DDP buckets."""
         return p_gathered * step.param_b + gathered_block_params(step.profile, step.plan) * step.red_b
 
-    def expert_stage_params(self, step: Any, load: RankLoad) -> float:
+    def expert_stage_params(self, step: StepShape, load: RankLoad) -> float:
         """Routed-expert parameters on pipeline rank `load` before EP (per TP rank)."""
         prof = step.profile
         return moe_blocks(load, prof) * expert_params_per_block(prof) / step.plan.tp
 
-    def gathered_stage_params(self, step: Any, load: RankLoad, p_stage: float) -> float:
+    def gathered_stage_params(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
         """Of the `p_stage` parameters of pipeline rank `load` (per TP rank), those a rank holds
         unsharded when FSDP gathers the whole stage: its own routed experts only, 1/ep of them (each
         rank all-gathers its experts over edp, never the other ep ranks'). What stays gathered without

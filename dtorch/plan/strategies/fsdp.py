@@ -75,7 +75,7 @@ class Sharded(Strategy):
                                    fs, st, g)
         return step.keep(FsdpUnits(ag_unit, rs_unit, ag_byte, rs_byte, bool(measured) and step.cpu, ag_block))
 
-    def comm(self, step: Any, load: RankLoad, p_stage: float, unit_latency: bool = True) -> tuple[float, float]:
+    def comm(self, step: StepShape, load: RankLoad, p_stage: float, unit_latency: bool = True) -> tuple[float, float]:
         """(all-gather, reduce-scatter) seconds of the `p_stage` parameters and their gradients of
         `load`, one collective per FSDP unit (`unit_latency=False`: one for all, the lower bound's)."""
         fs, st, g = step.fs, step.st_fs, step.g
@@ -131,7 +131,7 @@ class Sharded(Strategy):
         if step.fs > 1:
             m.buffers = self.buffers(step, m.p_gathered)
 
-    def buffers(self, step: Any, p_stage: float) -> float:
+    def buffers(self, step: StepShape, p_stage: float) -> float:
         """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a
         rank gathers them (with EP its own routed experts only, `Expert.gathered_stage_params`)."""
         plan = step.plan

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtorch.errors import choices
+from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Dims, Field, RankLoad, RankShare, Strategy, Violation
 
 AC_POLICIES = ("none", "selective", "full")
@@ -166,7 +167,7 @@ class Memory(Strategy):
         return out
 
     # ---- time and memory -----------------------------------------------------------------------
-    def recompute(self, step: Any, load: RankLoad, r: RankShare, flops_mb: float) -> None:
+    def recompute(self, step: StepShape, load: RankLoad, r: RankShare, flops_mb: float) -> None:
         """Seconds of recomputation per micro-batch (after `r.compute` is known)."""
         plan = step.plan
         div = plan.tp * plan.cp
@@ -187,10 +188,10 @@ class Memory(Strategy):
         else:  # attention_core (Korthikanti et al. 2022)
             r.recompute = step.tokens_mb * load.blocks * step.attn_fwd / div / step.attn_speed
 
-    def prepare(self, step: Any) -> bool:
+    def prepare(self, step: StepShape) -> bool:
         return step.plan.offload != "none"
 
-    def rank_time(self, step: Any, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         plan, c = step.plan, step.c
         p_local = r.p_stage / step.fs
         m, pb, rb = plan.num_microbatches, step.param_b, step.red_b
@@ -204,7 +205,7 @@ class Memory(Strategy):
             r.offload += n_ag * p_local * pb / c.host_link_bandwidth
             r.offload += m * p_local * rb / c.host_link_bandwidth
 
-    def offload_time(self, step: Any, load: RankLoad, p_local: float, r: RankShare | None = None,
+    def offload_time(self, step: StepShape, load: RankLoad, p_local: float, r: RankShare | None = None,
                      disk_bytes_per_param: float = STATE_BYTES) -> float:
         """Exposed seconds per step of an optimizer tier (`dtorch.train.offload`), from measured rates:
         `tier_terms` (copies, the CPU kernel, the disk), then what the backward hides of them where
@@ -226,7 +227,7 @@ class Memory(Strategy):
         last = total * min(1.0, self.block_bytes(step, load) / max(1.0, STATE_BYTES * p_local))
         return max(last, total - window)
 
-    def tier_terms(self, step: Any, load: RankLoad, p_local: float,
+    def tier_terms(self, step: StepShape, load: RankLoad, p_local: float,
                    disk_bytes_per_param: float = STATE_BYTES) -> dict[str, float]:
         """Seconds per step of an optimizer tier's parts, not overlapped with the backward:
         `copies_s` float32 gradients down and float32 weights up (8 B/param over the host link,
@@ -259,7 +260,7 @@ class Memory(Strategy):
         out["total_s"] = max(copies + kernel, out["disk_s"]) + out["first_read_s"] + out["last_write_s"]
         return out
 
-    def block_bytes(self, step: Any, load: RankLoad) -> float:
+    def block_bytes(self, step: StepShape, load: RankLoad) -> float:
         """State bytes of the tiers' largest block: `offload_block_bytes`, or the largest parameter
         the rank holds (an embedding or head matrix is a block of its own), sharded; at most the
         rank's whole state."""
@@ -268,7 +269,7 @@ class Memory(Strategy):
         whole = STATE_BYTES * step.p_stage(load) / step.fs  # no block is larger than the rank's state
         return min(whole, max(step.c.offload_block_bytes, STATE_BYTES * big))
 
-    def host_bytes(self, plan: Any, p_local: float, step: Any = None, load: RankLoad | None = None) -> float:
+    def host_bytes(self, plan: Any, p_local: float, step: StepShape | None = None, load: RankLoad | None = None) -> float:
         """Host memory of one rank's offloaded states. Host tier: fp32 masters + AdamW moments (12 B
         per parameter) and two gradient staging buffers (half a block each); NVMe tier: the masters
         (4 B) and `offload_buffers` block buffers with their gradient staging; FSDP's CPU offload: fp32
@@ -283,7 +284,7 @@ class Memory(Strategy):
         buffers = step.c.offload_buffers if step is not None else 3
         return MASTER_BYTES * p_local + buffers * 1.5 * block
 
-    def rank_memory(self, step: Any, load: RankLoad, m: Any) -> None:
+    def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
         """Host and disk bytes of the offloaded states (the rank's shard of its stage)."""
         if step.plan.offload != "none":
             m.host_bytes = self.host_bytes(step.plan, m.p_stage / step.fs, step, load)
@@ -317,7 +318,7 @@ class Memory(Strategy):
         return line + f"; costs {cost}"
 
 
-def host_adam_rate(step: Any) -> float:
+def host_adam_rate(step: StepShape) -> float:
     """Parameters per second per rank of the CPU AdamW the optimizer tiers run: torch's fused
     kernel beside an accelerator (and on a CPU with `CostConstants.cpu_adam_fused`, i.e.
     AdamW(fused=True)), else torch's default CPU kernel, the per-tensor loop (the in-memory

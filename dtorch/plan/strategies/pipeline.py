@@ -18,6 +18,7 @@ from typing import Any
 
 from dtorch.errors import choices
 from dtorch.plan.comm import oversubscribed, p2p_time
+from dtorch.plan.step import StepShape
 from dtorch.plan.strategies.base import (
     Dims,
     Field,
@@ -166,7 +167,7 @@ class Pipeline(Strategy):
     """The schedule that leaves the smallest bubble the search tries (the lower bound's)."""
 
     # ---- time ----------------------------------------------------------------------------------
-    def step_time(self, step: Any, t_mb: float) -> tuple[float, float]:
+    def step_time(self, step: StepShape, t_mb: float) -> tuple[float, float]:
         """(exposed point-to-point seconds, bubble seconds) of one step whose slowest stage takes
         `t_mb` per micro-batch."""
         plan, g, c = step.plan, step.g, step.c

@@ -94,10 +94,10 @@ class Tensor(Strategy):
         step.tp_act = functional_time("all_gather", step.act_full, tp, 1, g)  # (shared: expert's ETP term)
         return step.keep(TensorSmall(functional_time("all_gather", 64.0, tp, 1, g)))  # latency-bound
 
-    def _activation_collectives(self, step: Any) -> int:
+    def _activation_collectives(self, step: StepShape) -> int:
         return 8 + (4 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0)
 
-    def blocking_collectives(self, step: Any, load: RankLoad, counts: Any) -> float:
+    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: Any) -> float:
         # every TP collective sits between two operators of the block (async TP overlaps its
         # all-gathers with the matmul, not with the peers' arrival)
         return load.blocks * self._activation_collectives(step) + counts.tp_small_per_microbatch
