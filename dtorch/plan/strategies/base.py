@@ -14,9 +14,13 @@ for the planner and the executor alike:
   `refusal_fields`, `dtorch plan` lists it as not offered, and the executor refuses such a plan;
 - `family(plan)` / `describe(plan)`: its part of the strategy family name and the one-line form;
 - `degrees(...)`: the search's candidates for its mesh axis;
-- `rank_time(step, load, r)`: its time terms over the shared step shape (`StepShape`), filled into
-  the rank's share `r`; the search's lower bound calls the same terms with optimistic settings;
-- `executor`: the module of `dtorch.parallel` that applies it.
+- `prepare(step)` / `rank_time(step, load, r, counts)`: its time terms over the shared step shape
+  (`dtorch.plan.step.StepShape`; per-plan values in its own record, `step.keep` / `step.term`),
+  filled into the rank's share `r`; the search's lower bound calls the same terms with optimistic
+  settings;
+- `held(step, load, m)` / `rank_memory(step, load, m)`: its memory terms, into the rank's `RankMemory`;
+- `executor`: the module of `dtorch.parallel` that applies it; it declares `HALVES`, the steps
+  `parallelize` runs in order (`dtorch.parallel.halves`).
 
 Torch-free, and free of `dtorch.plan.plan` (the Plan imports the registry, not the reverse): a
 strategy reads a plan's fields by name.
