@@ -61,7 +61,9 @@ def add_parser(sub, help_text: str) -> None:
     sl.add_argument("--partition", default=None, help="Slurm partition (checked against sinfo when reachable)")
     sl.add_argument("--account", default=None)
     sl.add_argument("--qos", default=None)
-    sl.add_argument("--constraint", default=None, help="node feature (default: the device type, e.g. h100)")
+    sl.add_argument("--constraint", default=None, help="node feature, e.g. h100 (default: none)")
+    sl.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
+                    help="whole nodes (default: yes for GPU jobs, no on CPU)")
     sl.add_argument("--gres-name", default=None, help="GPU type in --gres=gpu:TYPE:N (default: none)")
     sl.add_argument("--now", action="store_true", help="submit with sbatch")
     k = s.add_parser("k8s", help="Kubeflow TrainJob / JobSet / Volcano Job manifests")
@@ -165,7 +167,7 @@ def _render(args, req) -> str:
 
     req.python = args.python or sys.executable
     return slurm.sbatch_script(req, partition=args.partition, account=args.account, qos=args.qos,
-                               constraint=args.constraint, gres_name=args.gres_name)
+                               constraint=args.constraint, gres_name=args.gres_name, exclusive=args.exclusive)
 
 
 def _emit(args, text: str, ckpt: str, name: str) -> None:
@@ -189,7 +191,9 @@ def _emit(args, text: str, ckpt: str, name: str) -> None:
                 f.write(text)
         os.makedirs(ckpt, exist_ok=True)
         job = slurm.submit(path)
-        print(f"submitted Slurm job {job}; follow it with: dtorch status {ckpt}")
+        state = slurm.job_state(job)
+        told = f"; {state[0]}" + (f" ({state[1]})" if state[1] and state[1] != "None" else "") if state else ""
+        print(f"submitted Slurm job {job}{told}; follow it with: dtorch status {ckpt}")
 
 
 def run(args) -> int:
@@ -205,11 +209,15 @@ def run(args) -> int:
         raise ConfigError("deadline", args.deadline, "give a positive duration, e.g. 30d")
     name = _job_name(args)
     ckpt = _checkpoint_dir(args, name)
-    max_time = None
+    max_time = limits = None
     if args.scheduler == "slurm":
         from dtorch.integrations import slurm
 
         max_time = slurm.check_partition(args.partition)
+        limits = slurm.limits_for(args.partition)  # None where no Slurm controller answers
+        if args.partition is None:  # the default partition's limit
+            max_time = limits.max_time_s if limits is not None else None
+        slurm.check_nodes(args.nodes, limits)  # before any planning
     # The device type first: an unknown one is the user's mistake, before any planning.
     rq.device_group(args.device_type, args.gpus_per_node)
     if args.recommend and (args.nodes is not None or args.plan):
@@ -227,6 +235,8 @@ def run(args) -> int:
                            extra_args=list(args.train_arg), python=args.python, plan_arg=plan_arg)
     if args.mem is not None:
         req.mem_per_node_bytes = _bytes(args.mem)
+    if args.scheduler == "slurm":  # a request no node of the partition can hold would pend forever
+        slurm.fit_to_partition(req, limits, cpus_given=args.cpus_per_task is not None, mem_given=args.mem is not None)
     text = _render(args, req)
     if not args.quiet:
         _print_plan(sizing, req)

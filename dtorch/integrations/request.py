@@ -229,6 +229,13 @@ def size_request(profile, device: str, *, nodes: int | None, gpus_per_node: int 
     return Sizing(c.plan, c.estimate, c.nodes, group, rec, c.time_to_train_s, canonical(device) or device)
 
 
+TIME_MARGIN = 1.15
+TIME_SLACK_S = 600.0
+"""The time limit asked for: the predicted time to train x TIME_MARGIN + TIME_SLACK_S."""
+DEFAULT_MAX_TIME_S = 24 * 3600.0
+"""The cap when no partition limit is known (a day; the job requeues itself at the limit)."""
+
+
 def build_request(sizing: Sizing, *, name: str, model: str, seq_len: int, global_batch: int, steps: int,
                   checkpoint_dir: str, time_limit_s: float | None, grace_s: int, max_time_s: float | None,
                   cpus_per_task: int | None = None, tasks_per_node: int | None = None,
@@ -236,7 +243,8 @@ def build_request(sizing: Sizing, *, name: str, model: str, seq_len: int, global
                   plan_arg: str = "auto") -> Request:
     """The request for `sizing`: one task per device (one per node on CPU), CPU cores and host
     memory per task from the preset node (plus what an offloading plan keeps on the host), a time
-    limit from the predicted time to train (+15 %, +10 min), capped by the partition. The job
+    limit from the predicted time to train (+15 %, +10 min, said in a note), capped by the
+    partition's limit or, when none is known, by a day. The job
     runs `--plan plan_arg`: "auto" (re-planned at whatever size it starts) or a plan file."""
     g = sizing.group
     gpus = g.devices_per_node if g.device.kind != "cpu" else 0
@@ -248,13 +256,20 @@ def build_request(sizing: Sizing, *, name: str, model: str, seq_len: int, global
     if g.host_memory_bytes:
         mem = min(mem, int(g.host_memory_bytes * 0.9))
     notes: list[str] = []
+    cap, whose = (max_time_s, "the partition's") if max_time_s else (DEFAULT_MAX_TIME_S, "a day (no partition limit "
+                                                                     "could be read)")
     if time_limit_s is None:
         t = sizing.time_to_train_s
-        time_limit_s = t * 1.15 + 600 if t else 24 * 3600
-    if max_time_s and time_limit_s > max_time_s:
-        notes.append(f"time limit capped at the partition's {format_duration(max_time_s)}: the job checkpoints "
+        if t:
+            time_limit_s = t * TIME_MARGIN + TIME_SLACK_S
+            notes.append(f"time limit: the predicted {format_duration(t)} to train + {TIME_MARGIN - 1:.0%} "
+                         f"+ {TIME_SLACK_S / 60:.0f} min for start-up and checkpoints")
+        else:
+            time_limit_s = cap
+    if time_limit_s > cap:
+        notes.append(f"time limit capped at {whose} {format_duration(cap)}: the job checkpoints "
                      f"{grace_s} s before it and requeues itself until training is done")
-        time_limit_s = max_time_s
+        time_limit_s = cap
     args = ["--model", model, "--steps", str(steps), "--global-batch", str(global_batch), "--seq-len", str(seq_len),
             "--checkpoint-dir", checkpoint_dir, "--plan", plan_arg, *(extra_args or [])]
     return Request(name=name, nodes=sizing.nodes, gpus_per_node=gpus, device=sizing.device_key, device_name=g.device.name, tasks_per_node=tpn, cpus_per_task=cpt,

@@ -16,13 +16,11 @@ import re
 import shlex
 import shutil
 import subprocess
+from dataclasses import dataclass
 
 from dtorch.errors import ConfigError, choices
 from dtorch.integrations.request import Request
 
-# Slurm feature (constraint) names sites commonly give each device preset.
-CONSTRAINTS = {"a100-80gb": "a100", "h100-sxm": "h100", "h100-96gb": "h100", "h200": "h200", "b200": "b200",
-               "mi300x": "mi300x"}
 
 
 def slurm_time(seconds: float) -> str:
@@ -77,6 +75,138 @@ def partitions() -> dict[str, float | None] | None:
     return parts
 
 
+@dataclass(frozen=True)
+class PartitionLimits:
+    """What one node of a partition offers (the largest node where they differ), from `sinfo`."""
+
+    name: str
+    default: bool
+    max_time_s: float | None
+    nodes: int
+    cpus_per_node: int
+    mem_per_node_mb: int | None
+    """None where the site did not configure RealMemory (sinfo says 1)."""
+    gpus_per_node: int
+
+
+def _gpus(gres: str) -> int:
+    """GPUs per node from sinfo's GRES column (gpu:8, gpu:h100:8(S:0-1), (null))."""
+    n = 0
+    for part in gres.split(","):
+        fields = part.split("(")[0].split(":")
+        if fields[0] == "gpu" and fields[-1].isdigit():
+            n += int(fields[-1])
+    return n
+
+
+def partition_limits() -> dict[str, PartitionLimits] | None:
+    """Partition -> `PartitionLimits` from `sinfo`; None when no Slurm controller answers here."""
+    exe = shutil.which("sinfo")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "-h", "-o", "%P|%l|%D|%c|%m|%G"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    found: dict[str, PartitionLimits] = {}
+    for line in out.stdout.splitlines():
+        cols = line.strip().split("|")
+        if len(cols) != 6 or not cols[0]:
+            continue
+        name, default = cols[0].rstrip("*"), cols[0].endswith("*")
+        try:
+            nodes, cpus = int(cols[2]), int(cols[3].rstrip("+"))
+            mem = int(cols[4].rstrip("+"))
+        except ValueError:
+            continue
+        prev = found.get(name)
+        lim = PartitionLimits(name, default, parse_slurm_time(cols[1]), nodes, cpus, mem if mem > 1 else None,
+                              _gpus(cols[5]))
+        if prev is not None:  # node groups of one partition: nodes add up, a node offers the largest
+            lim = PartitionLimits(name, default or prev.default, lim.max_time_s, prev.nodes + nodes,
+                                  max(prev.cpus_per_node, cpus), max(prev.mem_per_node_mb or 0, lim.mem_per_node_mb or 0)
+                                  or None, max(prev.gpus_per_node, lim.gpus_per_node))
+        found[name] = lim
+    return found
+
+
+def partitions() -> dict[str, float | None] | None:
+    """Partition -> max time (seconds, None = unlimited); None when no Slurm controller answers."""
+    lim = partition_limits()
+    return None if lim is None else {k: v.max_time_s for k, v in lim.items()}
+
+
+def limits_for(partition: str | None) -> PartitionLimits | None:
+    """The limits of `partition` (or of the default partition), None when Slurm cannot be asked."""
+    lim = partition_limits()
+    if not lim:
+        return None
+    if partition is not None:
+        return lim.get(partition)
+    return next((p for p in lim.values() if p.default), None)
+
+
+def check_nodes(nodes: int | None, limits: PartitionLimits | None) -> None:
+    """ConfigError when the partition has fewer than `nodes` nodes (nothing checked without limits)."""
+    if nodes is not None and limits is not None and nodes > limits.nodes:
+        raise ConfigError("nodes", nodes, f"partition {limits.name} has {limits.nodes} node(s); ask for at most "
+                          f"{limits.nodes} (--nodes), or choose another --partition")
+
+
+def fit_to_partition(req: Request, limits: PartitionLimits | None, *, cpus_given: bool, mem_given: bool) -> None:
+    """Make the request one the partition can start, or refuse it naming the limit.
+
+    Values the user did not give (CPUs per task, memory per node: the device preset's) are lowered
+    to what a node has, with a note; a value the user gave, a node count or a GPU count that no node
+    offers is a ConfigError naming the limit and the fix. Nothing is checked without `limits`."""
+    if limits is None:
+        return
+    p = limits
+    where = f"partition {p.name}"
+    check_nodes(req.nodes, p)
+    if req.gpus_per_node > p.gpus_per_node:
+        raise ConfigError("gpus-per-node", req.gpus_per_node, f"{where}'s nodes have {p.gpus_per_node} GPU(s) "
+                          "in their GRES; choose a GPU partition (--partition) or fewer --gpus-per-node")
+    if req.tasks_per_node > p.cpus_per_node:
+        raise ConfigError("tasks-per-node", req.tasks_per_node, f"{where}'s nodes have {p.cpus_per_node} CPUs, "
+                          "one per task at least; give --tasks-per-node {p.cpus_per_node} or fewer")
+    cpus = req.tasks_per_node * req.cpus_per_task
+    if cpus > p.cpus_per_node:
+        fit = max(1, p.cpus_per_node // req.tasks_per_node)
+        if cpus_given:
+            raise ConfigError("cpus-per-task", req.cpus_per_task, f"{req.tasks_per_node} task(s) per node x "
+                              f"{req.cpus_per_task} CPUs = {cpus}, but {where}'s nodes have {p.cpus_per_node}; "
+                              f"give --cpus-per-task {fit}")
+        req.notes.append(f"{fit} CPUs per task: {where}'s nodes have {p.cpus_per_node} CPUs "
+                         f"(the {req.device_name} preset's node has more)")
+        req.cpus_per_task = fit
+    if p.mem_per_node_mb is not None and req.mem_per_node_bytes > p.mem_per_node_mb * 2**20:
+        if mem_given:
+            raise ConfigError("mem", f"{req.mem_per_node_bytes // 2**20}M", f"{where}'s nodes have "
+                              f"{p.mem_per_node_mb} MB; give --mem {p.mem_per_node_mb}M or less")
+        req.notes.append(f"memory {p.mem_per_node_mb} MB per node: all that {where}'s nodes have")
+        req.mem_per_node_bytes = p.mem_per_node_mb * 2**20
+
+
+def job_state(job_id: str) -> tuple[str, str] | None:
+    """(state, reason) of a job from `squeue`, e.g. ("PENDING", "Resources"); None if unknown."""
+    exe = shutil.which("squeue")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "-h", "-j", str(job_id), "-o", "%T|%r"], capture_output=True, text=True,
+                             timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    line = out.stdout.strip().splitlines()[:1]
+    if out.returncode != 0 or not line or "|" not in line[0]:
+        return None
+    state, reason = line[0].split("|", 1)
+    return state, reason
+
+
 def check_partition(name: str | None) -> float | None:
     """The max time of partition `name` (None if unknown or unlimited). Raises ConfigError when a
     reachable Slurm has no such partition."""
@@ -110,9 +240,11 @@ def check_sbatch_values(**values: object) -> None:
 
 def sbatch_script(req: Request, *, partition: str | None = None, account: str | None = None,
                   qos: str | None = None, constraint: str | None = None, gres_name: str | None = None,
-                  env: dict[str, str] | None = None) -> str:
-    """The sbatch script for `req` (see module doc). Raises ConfigError for a value that would not
-    stay on its `#SBATCH` line (`check_sbatch_value`) or an environment name that is not one."""
+                  env: dict[str, str] | None = None, exclusive: bool | None = None) -> str:
+    """The sbatch script for `req` (see module doc). No node feature (`--constraint`) unless one is
+    given; whole nodes (`--exclusive`) for GPU jobs unless `exclusive` is False. Raises ConfigError
+    for a value that would not stay on its `#SBATCH` line (`check_sbatch_value`) or an environment
+    name that is not one."""
     check_sbatch_values(name=req.name, checkpoint_dir=req.checkpoint_dir, partition=partition, account=account,
                         qos=qos, constraint=constraint, gres_name=gres_name)
     for k in env or {}:
@@ -127,10 +259,9 @@ def sbatch_script(req: Request, *, partition: str | None = None, account: str | 
          f"#SBATCH --output={ck}/slurm-%j.out"]
     if req.gpus_per_node:
         h.append(f"#SBATCH --gres=gpu:{gres_name + ':' if gres_name else ''}{req.gpus_per_node}")
-        c = constraint or CONSTRAINTS.get(req.device)
-        if c:
-            h.append(f"#SBATCH --constraint={c}")
-    elif constraint:
+    if exclusive if exclusive is not None else bool(req.gpus_per_node):
+        h.append("#SBATCH --exclusive")  # a GPU job's ranks share no node with another job's
+    if constraint:
         h.append(f"#SBATCH --constraint={constraint}")
     for flag, value in (("partition", partition), ("account", account), ("qos", qos)):
         if value:

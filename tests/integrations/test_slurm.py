@@ -25,7 +25,7 @@ def _submit(ckpt: Path, extra=()) -> str:
            "--train-arg=--sample-tokens=0", "--train-arg=--no-progress", "--train-arg=--warmup=2", "--now", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    m = re.search(r"submitted Slurm job (\d+)", out.stdout)
+    m = re.search(r"submitted Slurm job (\d+); ([A-Z_]+)", out.stdout)  # the id and the state squeue gives
     assert m, out.stdout
     return m.group(1)
 
@@ -128,6 +128,34 @@ def test_unknown_partition_is_one_line_exit_2(slurm, tmp_path):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "partition='nosuch'" in lines[0] and "debug" in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("extra,limit", [
+    (["--nodes", "2", "--cpus-per-task", "8"], "cpus-per-task=8: 1 task(s) per node x 8 CPUs = 8, but partition "
+                                               "debug's nodes have 2"),
+    (["--nodes", "3"], "nodes=3: partition debug has 2 node(s)"),
+    (["--nodes", "2", "--mem", "16G"], "mem='16384M': partition debug's nodes have 2000 MB"),
+])
+def test_a_request_no_node_can_hold_is_refused_before_sbatch(slurm, tmp_path, extra, limit):
+    cmd = [sys.executable, "-m", "dtorch.cli", "submit", "slurm", "--model", MODEL, "--device-type", "cpu",
+           "--steps", "5", "--global-batch", "4", "--seq-len", "32", "--checkpoint-dir", str(tmp_path / "x"),
+           "--now", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and limit in lines[0], out.stderr
+    assert "submitted" not in out.stdout and not (tmp_path / "x").exists()
+
+
+def test_preset_defaults_are_fitted_to_the_partition(slurm, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dtorch.cli", "submit", "slurm", "--model", MODEL, "--device-type",
+                          "cpu", "--nodes", "2", "--steps", "5", "--global-batch", "4", "--seq-len", "32",
+                          "--checkpoint-dir", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --cpus-per-task=2" in out.stdout and "#SBATCH --mem=2000M" in out.stdout
+    assert "2 CPUs per task: partition debug's nodes have 2 CPUs" in out.stdout
+    assert "--exclusive" not in out.stdout and "--constraint" not in out.stdout  # a CPU job, no feature asked
+    assert "#SBATCH --time=01:00:00" in out.stdout  # the default partition's MaxTime
 
 
 def test_time_limit_is_capped_at_the_partition_and_the_job_requeues_itself(slurm, tmp_path):

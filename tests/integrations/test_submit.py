@@ -27,8 +27,10 @@ def test_70b_by_deadline_prints_plan_request_and_script():
     nodes = int(m.split()[1])
     assert f"request: {nodes} nodes x 8 x H100" in text
     for line in (f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=gpu:8",
-                 "#SBATCH --constraint=h100", "#SBATCH --signal=USR1@120", "#SBATCH --requeue"):
+                 "#SBATCH --exclusive", "#SBATCH --signal=USR1@120", "#SBATCH --requeue"):
         assert line in text
+    assert "--constraint" not in text  # a site's feature names are its own: only when asked
+    assert "time limit: the predicted" in text and "+ 15% + 10 min" in text
     assert "srun --kill-on-bad-exit=1" in text and "scontrol requeue" in text
     # the chosen size meets the deadline and the next smaller planned one does not
     rows = [r.split() for r in text.splitlines() if r.strip() and r.split()[0].isdigit()]
