@@ -53,6 +53,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from dtorch import env
 from dtorch.errors import ConfigError
 from dtorch.model.structure import block_items, find_blocks
+from dtorch.parallel.halves import Half, Meshes
 from dtorch.parallel.rng import has_random_ops
 
 FULLGRAPH_MODULES = ("dtorch.models.", "dtorch.model.hf")
@@ -139,6 +140,15 @@ def apply_compile(model: nn.Module) -> int:
 
 
 # ---- what compiling cost and gained -----------------------------------------------------------------
+def _apply(part: nn.Module, meshes: Meshes, plan) -> None:
+    if compile_enabled(plan):  # after TP and AC, before FSDP (module doc)
+        apply_compile(part)
+
+
+HALVES = (Half(50, apply=_apply, check=lambda model, plan, device_type: check_compile(plan, model, device_type)),)
+"""The executor half (dtorch.parallel.halves): every block compiled when the plan says `compile`."""
+
+
 def first_step_cost(step_times: list[float]) -> dict:
     """What compilation added to a run, from its step times (seconds, first step first): `seconds`
     = first step - median of the later ones (the first step traces and generates code for the

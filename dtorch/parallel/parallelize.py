@@ -23,7 +23,6 @@ from torch import nn
 from dtorch.errors import ConfigError
 from dtorch.model.structure import find_structure, may_leave_parameters_unused
 from dtorch.parallel.check import check_applies, check_plan, model_dims, model_facts
-from dtorch.parallel.compile import apply_compile, check_compile, compile_enabled
 from dtorch.parallel.expert import expert_mesh
 from dtorch.parallel.fsdp import classic_ddp, wrap_ddp
 from dtorch.parallel.halves import Meshes, apply_all, check_all
@@ -105,8 +104,6 @@ def parallelize(
     for stage, part in parts:  # every strategy's executor half, in order (halves.py)
         meshes.last_stage = stage == plan.num_stages - 1
         apply_all(part, meshes, plan)
-        if compile_enabled(plan):  # after TP and AC, before FSDP: see compile.py
-            apply_compile(part)
     _share_expert_loads(model, parts, meshes)
     init_device = torch.device("cpu") if plan.offload == "params" else device
     startup_stats = materialize([m for _, m in parts], startup, init_device)
@@ -137,7 +134,6 @@ def _check(model: nn.Module, plan: Plan, profile: Any, sample: tuple, seq_len: i
     # per step, and torch warns on every rank when it finds none
     find_unused = classic_ddp(plan) and may_leave_parameters_unused(model, sample)
     check_all(model, plan, device.type)
-    check_compile(plan, model, device.type)
     return layout, find_unused
 
 
