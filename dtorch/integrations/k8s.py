@@ -148,7 +148,8 @@ def rbac(req: Request, namespace: str) -> list[dict[str, Any]]:
 
 def _resources(req: Request) -> dict[str, Any]:
     cpu = str(req.cpus_per_task * max(1, req.tasks_per_node))
-    mem = f"{max(1, req.mem_per_node_bytes // 2**20)}Mi"
+    # a memory-backed emptyDir (/dev/shm) counts against the container's memory limit
+    mem = f"{max(1, (req.mem_per_node_bytes + shm_bytes(req)) // 2**20)}Mi"
     res: dict[str, Any] = {"requests": {"cpu": cpu, "memory": mem}, "limits": {"memory": mem}}
     if req.gpus_per_node:
         _, _, resource = GPU_PRODUCT.get(req.device, ("", "", "nvidia.com/gpu"))
@@ -174,9 +175,43 @@ def _topology(topology: str | None) -> dict[str, str]:
     return {key: level}
 
 
-def _volumes(pvc: str) -> tuple[list[dict], list[dict]]:
-    return ([{"name": "ckpt", "persistentVolumeClaim": {"claimName": pvc}}],
-            [{"name": "ckpt", "mountPath": CKPT_MOUNT}])
+SHM_BASE_BYTES = 2 * 2**30
+"""/dev/shm besides the snapshots: NCCL's shared-memory transport and data-loader workers."""
+
+
+def shm_bytes(req: Request) -> int:
+    """The pod's /dev/shm: DTorch's in-memory snapshots live there (each rank's parameters and
+    optimizer state, as the plan predicts them; twice on more than one node, where a node also
+    holds its peer node's replica) plus SHM_BASE_BYTES. A container runtime's default is 64 MiB."""
+    per_rank = 0
+    if req.estimate is not None:
+        br = req.estimate.memory_breakdown
+        per_rank = int(br.get("params", 0)) + int(br.get("optimizer", 0))
+    copies = 2 if req.nodes > 1 else 1
+    return SHM_BASE_BYTES + copies * max(1, req.tasks_per_node) * per_rank
+
+
+def _volumes(req: Request, pvc: str) -> tuple[list[dict], list[dict]]:
+    shm = {"medium": "Memory", "sizeLimit": f"{-(-shm_bytes(req) // 2**20)}Mi"}
+    return ([{"name": "ckpt", "persistentVolumeClaim": {"claimName": pvc}}, {"name": "dshm", "emptyDir": shm}],
+            [{"name": "ckpt", "mountPath": CKPT_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}])
+
+
+def _tolerations(req: Request) -> list[dict[str, str]]:
+    """GPU nodes are commonly tainted with their device resource (NoSchedule): tolerate it."""
+    if not req.gpus_per_node:
+        return []
+    _, _, resource = GPU_PRODUCT.get(req.device, ("", "", "nvidia.com/gpu"))
+    return [{"key": resource, "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def _pod_placement(req: Request, pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod spec with the GPU node selector and tolerations where the job has GPUs."""
+    if _node_selector(req):
+        pod["nodeSelector"] = _node_selector(req)
+    if _tolerations(req):
+        pod["tolerations"] = _tolerations(req)
+    return pod
 
 
 def _container(req: Request, image: str, env: list[dict], mounts: list[dict]) -> dict[str, Any]:
@@ -197,11 +232,10 @@ def _meta(req: Request, namespace: str, queue: str | None, kind: str) -> dict[st
 
 def trainjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str | None, topology: str | None,
              runtime: str) -> dict[str, Any]:
-    volumes, mounts = _volumes(pvc)
-    pod_spec: dict[str, Any] = {"terminationGracePeriodSeconds": req.grace_s, "volumes": volumes,
-                                "containers": [{"name": "node", "volumeMounts": mounts, "env": DOWNWARD_ENV}]}
-    if _node_selector(req):
-        pod_spec["nodeSelector"] = _node_selector(req)
+    volumes, mounts = _volumes(req, pvc)
+    pod_spec: dict[str, Any] = _pod_placement(req, {
+        "terminationGracePeriodSeconds": req.grace_s, "volumes": volumes,
+        "containers": [{"name": "node", "volumeMounts": mounts, "env": DOWNWARD_ENV}]})
     pod_tmpl: dict[str, Any] = {"spec": pod_spec}
     if topology:
         pod_tmpl["metadata"] = {"annotations": _topology(topology)}
@@ -218,13 +252,11 @@ def trainjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str |
 
 def jobset(req: Request, *, image: str, namespace: str, pvc: str, queue: str | None,
            topology: str | None) -> dict[str, Any]:
-    volumes, mounts = _volumes(pvc)
+    volumes, mounts = _volumes(req, pvc)
     rank = {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
     env = pet_env(req, f"{req.name}-node-0-0.{req.name}", rank) + DOWNWARD_ENV
-    pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
-                           "volumes": volumes, "containers": [_container(req, image, env, mounts)]}
-    if _node_selector(req):
-        pod["nodeSelector"] = _node_selector(req)
+    pod: dict[str, Any] = _pod_placement(req, {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
+                                               "volumes": volumes, "containers": [_container(req, image, env, mounts)]})
     tmpl: dict[str, Any] = {"spec": pod}
     if topology:
         tmpl["metadata"] = {"annotations": _topology(topology)}
@@ -244,12 +276,10 @@ def jobset(req: Request, *, image: str, namespace: str, pvc: str, queue: str | N
 
 def vcjob(req: Request, *, image: str, namespace: str, pvc: str, queue: str | None,
           topology: str | None) -> dict[str, Any]:
-    volumes, mounts = _volumes(pvc)
+    volumes, mounts = _volumes(req, pvc)
     env = pet_env(req, f"{req.name}-node-0.{req.name}", None) + DOWNWARD_ENV  # node rank: VC_TASK_INDEX
-    pod: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
-                           "volumes": volumes, "containers": [_container(req, image, env, mounts)]}
-    if _node_selector(req):
-        pod["nodeSelector"] = _node_selector(req)
+    pod: dict[str, Any] = _pod_placement(req, {"restartPolicy": "Never", "terminationGracePeriodSeconds": req.grace_s,
+                                               "volumes": volumes, "containers": [_container(req, image, env, mounts)]})
     spec: dict[str, Any] = {
         "schedulerName": "volcano", "minAvailable": req.nodes, "queue": queue or "default", "maxRetry": 10,
         "plugins": {"svc": [], "env": []},

@@ -54,6 +54,18 @@ def test_manifests_validate_and_carry_queue_topology_gang_and_gpu_selector():
     assert pod["metadata"]["annotations"] == {"kueue.x-k8s.io/podset-required-topology":
                                               "cloud.google.com/gce-topology-block"}
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    # GPU nodes' taint tolerated; /dev/shm a memory volume sized for the snapshots of 8 ranks and
+    # their peer node's replica, counted in the memory limit
+    for spec in (pod["spec"], vc["spec"]["tasks"][0]["template"]["spec"],
+                 tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+                 ["template"]["spec"]["template"]["spec"]):
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        shm = next(v for v in spec["volumes"] if v["name"] == "dshm")["emptyDir"]
+        assert shm["medium"] == "Memory" and {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+    size = int(shm["sizeLimit"].removesuffix("Mi")) * 2**20
+    assert size > 4 * 2**30  # the 2 GiB base and 8 ranks' share of an 8B model's states, twice
+    limit = int(tj["spec"]["trainer"]["resourcesPerNode"]["limits"]["memory"].removesuffix("Mi")) * 2**20
+    assert limit >= size
     assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 4
     assert vc["spec"]["minAvailable"] == 4 and vc["spec"]["tasks"][0]["replicas"] == 4
     assert vc["spec"]["networkTopology"]["mode"] == "hard"
