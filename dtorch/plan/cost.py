@@ -82,11 +82,10 @@ from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's sha
     mean_block_params,
     shape_factor,
 )
-from dtorch.plan.strategies import HOLDING, MEMORY_TERMS, TIMED
+from dtorch.plan.strategies import HOLDING, MEMORY_TERMS, TIMED, WORKING
 from dtorch.plan.strategies.base import RankLoad, RankShare
 from dtorch.plan.strategies.expert import gathered_params, local_params
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
-    MEMORY,
     SELECTIVE_POLICIES,
     act_bytes_per_token_block,
     every_second_matmul_params,
@@ -413,8 +412,8 @@ def rank_share(step: StepShape, load: RankLoad, timed) -> RankShare:
     held = held_params(step, load, r.p_stage)
     counts = step_counts(step.plan, step.profile, step.dev.kind, step.c, load, step.selective)
     flops_mb = compute_time(step, load, r)
-    if step.plan.ac != "none":
-        MEMORY.recompute(step, load, r, flops_mb)
+    for s in WORKING:
+        s.work(step, load, r, flops_mb)
     host_opt = host_time(step, counts, r)
     r.syncs = sum(s.blocking_collectives(step, load, counts) for s in timed)
     for s in timed:

@@ -50,6 +50,8 @@ _MESH_FIELDS = tuple(n for n in FIELDS if n in MESH_AXES)
 TIMED = tuple(s for s in REGISTRY if type(s).rank_time is not Strategy.rank_time)
 """The strategies with time terms, in registry order: the cost model keeps those whose `prepare`
 says they apply to the plan, and adds their `rank_time` on every pipeline rank."""
+WORKING = tuple(s for s in REGISTRY if type(s).work is not Strategy.work)
+"""The strategies that add to a rank's own work after the compute term (`Strategy.work`)."""
 HOLDING = tuple(s for s in REGISTRY if type(s).held is not Strategy.held)
 """The strategies that change what a rank holds of its stage (`Strategy.held`), in registry order."""
 MEMORY_TERMS = tuple(s for s in REGISTRY if type(s).rank_memory is not Strategy.rank_memory)

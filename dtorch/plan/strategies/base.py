@@ -152,6 +152,12 @@ class Strategy:
     def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
 
+    def work(self, step: StepShape, load: RankLoad, r: RankShare, flops_mb: float) -> None:
+        """Add to the rank's own work per micro-batch (`r.compute`, `r.recompute`) once the shared
+        compute term has priced the micro-batch's `flops_mb`: before host overhead and collectives,
+        which depend on it. Every strategy, whether or not `prepare` kept it (activation
+        checkpointing's recompute)."""
+
     def held(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
         """Change what a rank holds of its stage (`m.p_gathered`, `m.p_local`; by default the whole
         stage gathered and 1/(dp_shard x cp) of it as the rank's shard). Runs before every memory

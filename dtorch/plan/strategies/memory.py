@@ -167,6 +167,10 @@ class Memory(Strategy):
         return out
 
     # ---- time and memory -----------------------------------------------------------------------
+    def work(self, step: StepShape, load: RankLoad, r: RankShare, flops_mb: float) -> None:
+        if step.plan.ac != "none":
+            self.recompute(step, load, r, flops_mb)
+
     def recompute(self, step: StepShape, load: RankLoad, r: RankShare, flops_mb: float) -> None:
         """Seconds of recomputation per micro-batch (after `r.compute` is known)."""
         plan = step.plan
