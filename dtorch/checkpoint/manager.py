@@ -188,13 +188,6 @@ class CheckpointManager:
         self._last_bytes: int | None = None
         self.last_committed: int | None = None
         """Step of the last save of this manager that committed (directory renamed, LATEST moved)."""
-        self.defer_to_snapshots = True
-        """`load_latest` returns None (deferring to the snapshot) when every rank holds an
-        in-memory snapshot newer than every checkpoint; `deferred_to_snapshot` is then its step."""
-        self.deferred_to_snapshot: int | None = None
-        self.deferred_checkpoint: int | None = None
-        """With `deferred_to_snapshot`: the newest committed checkpoint's step that the load did not
-        read (None when there was none), for saying what the snapshot was newer than."""
         self.on_commit: Callable[[int], None] | None = None
         """Called with the step on every rank as soon as a save has committed (for async saves:
         from the background thread). The elastic worker uses it to tell its agent at once."""
@@ -663,14 +656,6 @@ class CheckpointManager:
         """
         self.wait()
         dirs = self._broadcast([(s, str(p)) for s, p in F.committed_dirs(self.root)] if self.rank == 0 else None)
-        snap = self._snapshot_step()
-        if snap is not None and (not dirs or snap > dirs[0][0]):
-            # every rank holds an in-memory snapshot newer than any checkpoint: whoever restores it
-            # (dtorch.elastic.worker) does not need this load; it falls back to it if it must
-            self.deferred_to_snapshot = snap
-            self.deferred_checkpoint = dirs[0][0] if dirs else None
-            log.info("checkpoint load deferred to the in-memory snapshot of step %d", snap)
-            return None
         if not dirs:
             return None
         damaged = []
@@ -692,14 +677,9 @@ class CheckpointManager:
             "restore the damaged files from a copy, or move the step-* directories away to start from scratch",
         )
 
-    def _snapshot_step(self) -> int | None:
-        """Collective: the newest step of which every rank's in-memory snapshot for this world
-        size is held by some node (DTORCH_SNAPSHOT_DIR, set by `dtorch run`), or None."""
-        d = os.environ.get("DTORCH_SNAPSHOT_DIR") if self.defer_to_snapshots else None
-        from dtorch.checkpoint.snapshot import common_steps, inventory
-
-        # a rank's snapshot may be held by its own node or, replicated, by its peer node
-        return max(common_steps(self._all_gather(inventory(d, self.world_size)), self.world_size), default=None)
+    def committed_steps(self) -> list[int]:
+        """Collective: the steps of the committed checkpoints, newest first (rank 0's listing)."""
+        return self._broadcast([s for s, _ in F.committed_dirs(self.root)] if self.rank == 0 else None)
 
     def load(self, step_or_path: int | str | os.PathLike, state: dict[str, Any]) -> int:
         """Restore one given checkpoint (verified first, no fallback); returns its step."""

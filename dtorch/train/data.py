@@ -116,7 +116,9 @@ def _atomic_write(path: Path, data: bytes) -> Path:
 # ---- the default corpus ------------------------------------------------------------------------
 def cache_dir() -> Path:
     """Where DTorch caches derived files: $DTORCH_CACHE, else ~/.cache/dtorch."""
-    return Path(os.environ.get("DTORCH_CACHE") or Path.home() / ".cache" / "dtorch")
+    from dtorch import env
+
+    return Path(env.current().cache_dir or Path.home() / ".cache" / "dtorch")
 
 
 def _stdlib_sources() -> list[Path]:

@@ -1,7 +1,8 @@
 """The seam between the training loop and what watches it (heartbeat, chaos drills, stragglers).
 
-The loop calls `before_step`, `after_step`, `phase(name)`, `started(trainer)` once it is set up, and
-`notice(kind, **fields)` for what a watcher should know (a straggler named); watchers register
+The loop calls `before_step`, `after_step`, `phase(name)`, `started(trainer)` once it is set up,
+`committed(step)` the moment a checkpoint has committed (from the save's thread for an async save),
+and `notice(kind, **fields)` for what a watcher should know (a straggler named); watchers register
 callbacks with `register`. The seam is one-way: the trainer imports nothing of `dtorch.elastic`;
 under `dtorch run` the elastic worker support (`dtorch.elastic.worker.setup`, which the launcher's
 bootstrap runs before the script's first line) registers itself here. Callbacks must be cheap:
@@ -19,6 +20,7 @@ _after: list[Callable[[int, float], None]] = []
 _phase: list[Callable[[str, int], None]] = []
 _started: list[Callable[[Any], None]] = []
 _notice: list[Callable[[str, dict[str, Any]], None]] = []
+_committed: list[Callable[[int], None]] = []
 _current_step = 0
 
 
@@ -26,17 +28,19 @@ def register(*, before_step: Callable[[int], None] | None = None,
              after_step: Callable[[int, float], None] | None = None,
              on_phase: Callable[[str, int], None] | None = None,
              on_started: Callable[[Any], None] | None = None,
-             on_notice: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+             on_notice: Callable[[str, dict[str, Any]], None] | None = None,
+             on_committed: Callable[[int], None] | None = None) -> None:
     """Add callbacks: before_step(step), after_step(step, loss), on_phase(name, step) at phase entry,
-    on_started(trainer) once the trainer is set up, on_notice(kind, fields) for `notice`."""
+    on_started(trainer) once the trainer is set up, on_notice(kind, fields) for `notice`,
+    on_committed(step) for `committed`."""
     for cb, into in ((before_step, _before), (after_step, _after), (on_phase, _phase), (on_started, _started),
-                     (on_notice, _notice)):
+                     (on_notice, _notice), (on_committed, _committed)):
         if cb:
             into.append(cb)  # type: ignore[attr-defined]
 
 
 def clear() -> None:
-    for cbs in (_before, _after, _phase, _started, _notice):
+    for cbs in (_before, _after, _phase, _started, _notice, _committed):
         cbs.clear()
 
 
@@ -51,6 +55,12 @@ def notice(kind: str, **fields: Any) -> None:
     ranks=[..], ratio=[..])` (JSON-serialisable fields)."""
     for cb in _notice:
         cb(kind, fields)
+
+
+def committed(step: int) -> None:
+    """The checkpoint of `step` has committed (directory renamed, LATEST moved)."""
+    for cb in list(_committed):
+        cb(step)
 
 
 def before_step(step: int) -> None:

@@ -19,18 +19,21 @@ import os
 import signal
 from typing import Any
 
+from dtorch import env
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
 
 
 class Preemption:
-    def __init__(self, world: int, device: Any = "cpu"):
+    def __init__(self, world: int, device: Any = "cpu", run_env: env.RuntimeEnv | None = None):
         self.world = world
         self.device = device
+        self.env = run_env if run_env is not None else env.current()
         self.signal: str | None = None
         self._pending: Any = None
         self._old: dict[int, Any] = {}
         sigs = [signal.SIGTERM, signal.SIGUSR2]
-        if not os.environ.get("DTORCH_RUN_DIR"):
+        if not self.env.run_dir:
             sigs.append(signal.SIGUSR1)
         for s in sigs:
             try:
@@ -39,10 +42,10 @@ class Preemption:
                 pass
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGTERM and os.environ.get("DTORCH_RUN_DIR"):
+        if signum == signal.SIGTERM and self.env.run_dir:
             # the launcher names its preemption marker (`dtorch.elastic.preemption`) in the
             # environment: the trainer reads the file, and imports nothing of the launcher
-            mark = os.environ.get("DTORCH_PREEMPT_MARKER")
+            mark = self.env.preempt_marker
             if not (mark and os.path.exists(mark)):
                 # the agent is restarting the group (a peer failed): stop at once, as before
                 old = self._old.get(signum, signal.SIG_DFL)

@@ -278,10 +278,9 @@ def test_trainer_hooks_time_load_report_commits_and_the_first_step(tmp_path, mon
     monkeypatch.setenv("DTORCH_RUN_DIR", str(tmp_path))
     monkeypatch.setenv("DTORCH_EPOCH", "3")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(worker, "_setup_done", True)  # no heartbeat thread / parent-death signal in pytest
-    monkeypatch.setattr(worker, "_hooks_installed", False)
-    monkeypatch.setattr(worker, "_first_step_logged", False)
-    monkeypatch.setattr(worker, "_reported_commit", None)
+    monkeypatch.setattr(worker._state, "setup_done", True)  # no heartbeat thread / parent-death signal in pytest
+    monkeypatch.setattr(worker._state, "hooks_installed", False)
+    monkeypatch.setattr(worker._state, "first_step_logged", False)
     hooks.clear()
     try:
         worker.install_hooks()
@@ -297,15 +296,14 @@ def test_trainer_hooks_time_load_report_commits_and_the_first_step(tmp_path, mon
             with hooks.phase("checkpoint"):
                 pass
             if step == 5:
-                trainer.ckpt.last_committed = 5  # the async save of step 5 commits during step 6
+                hooks.committed(5)  # the async save of step 5 commits during step 6
         hooks.before_step(7)
         # the save of step 6 has started but not committed: growing now would lose it
         assert heartbeat.snapshot()["committed_step"] == 5
-        trainer.ckpt.last_committed = 6
+        hooks.committed(6)
         hooks.after_step(7, 1.0)
     finally:
         hooks.clear()
-        monkeypatch.setattr(worker, "_trainer", None)
     evs = events.read(str(tmp_path / events.EVENTS_FILE))
     (load,) = [e for e in evs if e["kind"] == "phase"]
     assert load["name"] == "load" and load["seconds"] >= 0.01 and load["epoch"] == 3

@@ -209,7 +209,9 @@ def test_restart_within_a_job_keeps_the_plan_and_gemm_peak_its_first_start_found
     def no_search(*a, **k):
         raise AssertionError("searched again")
 
-    monkeypatch.setattr(Trainer, "_search", no_search)
+    from dtorch.train.resolve import PlanResolver
+
+    monkeypatch.setattr(PlanResolver, "search", no_search)
     again = doc()
     assert not again.get("profiled")  # nobody profiles for a reused plan
     assert (again["plan"], again["flops_per_token"]) == (first["plan"], first["flops_per_token"])
