@@ -22,10 +22,10 @@ gathered and no collective runs while a snapshot is taken.
    `torch.from_file(shared=True)`), copied (one `_foreach_copy_`), then a small header (step,
    world size, plan tag, the non-tensor values; a pickle of builtin containers only, read back
    with an unpickler that admits no class at all) is written atomically. `wait()` joins it; the
-   elastic worker calls it when the next step enters any phase, forward/backward first (nothing
-   changes the state before the optimizer step, but joining there means a failure anywhere in a
-   step finds the previous step complete; one during the next step's data loading may not), and
-   before the next take. `background=False` does the whole take on the training thread.
+   trainer's snapshot callback (`dtorch.train.callbacks.Snapshots`) calls it before the next
+   step's forward/backward and before a checkpoint save (nothing changes the state before the
+   optimizer step, but joining there means a failure anywhere in a step finds the previous step
+   complete; one during the next step's data loading may not), and before the next take. `background=False` does the whole take on the training thread.
 
 Two slots alternate (``rank<R>-slot<step % 2>``), and a slot's header is removed before its
 buffers are overwritten, so a rank that dies mid-copy leaves the other slot intact.
