@@ -21,6 +21,7 @@ def _bit_identical(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_kill9_one_worker_run_finishes_bit_identical_to_uninterrupted(tmp_path, marker, baseline, dtorch_run):
     step = random.Random(os.environ.get("DTORCH_TEST_SEED", "5")).randint(2, 9)
     # rank 3 is also slowed down 5x throughout: the straggler detector must name it
@@ -40,6 +41,7 @@ def test_kill9_one_worker_run_finishes_bit_identical_to_uninterrupted(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_sigstop_one_worker_is_detected_named_and_run_recovers(tmp_path, marker, baseline, dtorch_run):
     timeout = 3.0
     r = dtorch_run(str(tmp_path), marker, "--heartbeat-timeout", str(timeout), "--chaos", "hang:rank=2:step=4")
@@ -62,6 +64,7 @@ def test_sigstop_one_worker_is_detected_named_and_run_recovers(tmp_path, marker,
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_busy_loop_inside_a_phase_is_detected_though_its_thread_still_beats(tmp_path, marker, dtorch_run):
     # world size 2: the point is the busy loop (heartbeat thread alive, no progress), not the scale.
     # Workers start as fresh interpreters here (torchrun's way), the other tests fork them.

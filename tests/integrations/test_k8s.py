@@ -96,6 +96,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp_path, k8s_api):
     """The TrainJob's command, with Kubeflow's env for 2 nodes x 1 process: a 2-rank job. SIGTERM to
     each pod's first process (what the kubelet sends on preemption) checkpoints within the grace

@@ -65,6 +65,7 @@ def _losses(ckpt: Path) -> dict[int, float]:
     return out
 
 
+@pytest.mark.drill
 def test_preempted_job_checkpoints_requeues_and_resumes_bit_identical(slurm, tmp_path):
     ref, pre = tmp_path / "uninterrupted", tmp_path / "preempted"
     # both at once: each takes one CPU of each of the two nodes

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
 
 def test_forced_oom_is_named_and_the_replanned_restart_finishes(tmp_path):

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
 
 def _data(url: str) -> dict:
