@@ -103,6 +103,7 @@ def _train(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dic
     return p, events
 
 
+@pytest.mark.slow
 def test_a_chaos_drill_leaves_the_shared_calibration_unchanged_by_hash(shared, tmp_path):
     before = _sha(shared)
     p, fb = _train(tmp_path, "--chaos", "kill:rank=1:step=4")
@@ -112,6 +113,7 @@ def test_a_chaos_drill_leaves_the_shared_calibration_unchanged_by_hash(shared, t
     assert not (tmp_path / "ckpt" / "calibration.json").exists()
 
 
+@pytest.mark.slow
 def test_a_clean_training_run_feeds_back_into_its_own_directory_only(shared, tmp_path):
     before = _sha(shared)
     p, fb = _train(tmp_path)

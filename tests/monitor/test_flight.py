@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from dtorch.monitor import flight
 from dtorch.monitor.comms import describe_mismatch, find_mismatch
 
@@ -98,6 +100,7 @@ _WORKER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_real_mismatch_between_two_gloo_ranks_is_named_with_both_ranks(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)

@@ -125,6 +125,7 @@ def test_the_branchy_data_sends_the_two_ranks_down_different_branches():
         assert first == [{True}, {False}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{n}-{p}" for n, p in CASES])
 def test_any_model_trains_like_one_process(case):
     per_rank = _results()[case]

@@ -176,6 +176,7 @@ def _results(world: int) -> dict:
     return dict(zip(cases, out))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(2, n) for n in CASES_2] + [(4, n) for n in CASES_4])
 def test_expert_parallel_losses_match_single_process(world, name):
     per_rank = _results(world)[name]

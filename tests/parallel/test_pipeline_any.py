@@ -44,6 +44,7 @@ def _results() -> dict:
     return dict(zip(CASES, out))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_any_model_trains_under_pipeline_like_one_process(name):
     ranks = _results()[name]
