@@ -13,7 +13,10 @@ from dtorch.integrations.slurm import parse_slurm_time, slurm_time
 
 
 def _cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
+    # these requests are for GPU clusters elsewhere: not fitted to the suite's local Slurm (its
+    # fixture exports SLURM_CONF for the Slurm tests), whose CPU nodes would refuse them
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "dtorch.cli", *args], capture_output=True, text=True,
                           timeout=120, env=env)
 
