@@ -4,7 +4,7 @@
 a millisecond measured between steps on a shared machine: noisy. This times the same thing in
 a loop, which is less sensitive to load: the failure-cost benchmark's model, trainer and
 optimizer (AdamW, warm-up cosine schedule) after a few steps, then `Snapshotter.take` on the
-state the elastic worker snapshots (`dtorch.elastic.worker._snapshot_state`), N times. Per take:
+state the elastic worker snapshots (`Trainer.snapshot_state`), N times. Per take:
 the training thread's time (the state gathered, the state dicts, the tensors listed, the copy
 handed to the side thread), and the side thread's copy (joined before the next take, not
 counted). The loop runs hot (caches warm); inside a job the same work runs after a step and
@@ -64,7 +64,6 @@ def side_by_side(tr: Any, snap_dir: str, steps: int, log=print, blocks: int = 4)
 
 def _block(tr: Any, snap: Any, steps: int, r: dict[str, list[float]]) -> None:
     """`steps` trainer steps with `snap` taken after every 2nd, timed into `r` (see `side_by_side`)."""
-    from dtorch.elastic import worker
     from dtorch.train import hooks
 
     rec: dict[str, Any] = {"t0": 0.0, "wait": 0.0, "prev": None}
@@ -86,7 +85,7 @@ def _block(tr: Any, snap: Any, steps: int, r: dict[str, list[float]]) -> None:
         rec["prev"] = step % 2 == 0
         if rec["prev"]:
             t = time.perf_counter()
-            snap.take(step, worker._snapshot_state(tr))
+            snap.take(step, tr.snapshot_state())
             r["stall"].append(time.perf_counter() - t)
 
     hooks.register(before_step=before, after_step=after, on_phase=phase)
@@ -103,7 +102,6 @@ def run(takes: int = 1000, log=print, steps: int = 400) -> dict[str, Any]:
     import torch
 
     from dtorch.checkpoint.snapshot import Snapshotter
-    from dtorch.elastic import worker
     from dtorch.models import build_model
     from dtorch.plan import Plan
     from dtorch.train import Trainer
@@ -121,14 +119,14 @@ def run(takes: int = 1000, log=print, steps: int = 400) -> dict[str, Any]:
         per_take = []
         for i in range(takes):
             t0 = time.perf_counter()
-            snap.take(i, worker._snapshot_state(tr))
+            snap.take(i, tr.snapshot_state())
             per_take.append(time.perf_counter() - t0)
             snap.wait()
         parts = {k: statistics.median(v) for k, v in snap.parts_s.items() if v and k != "wait"}
         n_tensors = len(snap._bufs[0])
         n_bytes = sum(b.numel() * b.element_size() for b, _ in snap._bufs[0])
         snap.close()
-        state = worker._snapshot_state(tr)
+        state = tr.snapshot_state()
         sd_us = {}
         for k, v in state.items():
             xs = []
