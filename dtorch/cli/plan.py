@@ -105,7 +105,8 @@ def _format_verify(result: dict) -> str:
 
 def _plan_constants(max_grad_norm: float | None):
     """The cost model's constants for a `dtorch train` run with this clipping (None: none), the way
-    its trainer sets them (`Trainer._cost_constants`: `dtorch train`'s AdamW is the default kernel)."""
+    its trainer sets them (`PlanResolver._cost_constants`: `dtorch train`'s AdamW is the default
+    kernel)."""
     from dtorch.plan.cost import DEFAULT_CONSTANTS, with_constants
 
     clip = bool(max_grad_norm)

@@ -182,7 +182,6 @@ def test_overlap_rule_is_the_executors_and_hides_only_behind_an_accelerators_bac
 def test_plan_command_prices_the_clipping_dtorch_train_runs_with(capsys):
     """`dtorch plan --max-grad-norm` is `dtorch train`'s flag: 0 (no clipping) lets the tier step during
     the backward, and the plan prices it with the constants the trainer sets for that run."""
-    from types import SimpleNamespace
 
     from dtorch.cli import main
     from dtorch.cli.plan import _plan_constants
@@ -198,7 +197,9 @@ def test_plan_command_prices_the_clipping_dtorch_train_runs_with(capsys):
     assert off["0"] < off["1.0"]
     spec = AdamW(lr=3e-3, weight_decay=0.0)  # dtorch train's optimizer
     for norm in (None, 1.0):
-        assert _plan_constants(norm) == Trainer._cost_constants(SimpleNamespace(max_grad_norm=norm, optimizer_spec=spec))
+        trainer = Trainer(model=lambda: None, global_batch=8, seq_len=64, max_grad_norm=norm, optimizer=spec,
+                          console=False)  # nothing built: the constants its plan search would use
+        assert _plan_constants(norm) == trainer.resolver._cost_constants()
     assert main([*base, "--max-grad-norm", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "max_grad_norm=-1" in err
