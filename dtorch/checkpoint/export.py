@@ -69,13 +69,35 @@ def export_safetensors(directory: Path, out: Path, *, keys: list[str] | None = N
     return out
 
 
+RUN_MODEL = "model.json"
+"""Written into a run's checkpoint directory by `dtorch train`: the DTorch model spec it trained, so
+that `dtorch ckpt export --hf` needs no `--model`."""
+
+
+def save_run_model(checkpoint_dir: str | os.PathLike, spec: str) -> None:
+    """Keep the model spec a run trains next to its checkpoints (replaced atomically)."""
+    from dtorch import trust
+
+    d = Path(checkpoint_dir)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    trust.replace_file(d / RUN_MODEL, (json.dumps({"model": spec}) + "\n").encode())
+
+
+def run_model(checkpoint_dir: str | os.PathLike) -> str | None:
+    """The model spec `save_run_model` kept for the run, None when there is none."""
+    try:
+        return str(json.loads((Path(checkpoint_dir) / RUN_MODEL).read_text())["model"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def export_hf_dir(mgr, step: int | None, out: str | os.PathLike, *, model: str | None = None,
                   config: str | os.PathLike | None = None, dtype: str | None = None,
                   shard_bytes: int | None = None, tokenizer: str | os.PathLike | None = None) -> Path:
     """Write checkpoint `step` (default: the newest) of `mgr`'s run as a Hugging Face directory.
     The architecture comes from `config` (a Hugging Face directory or config.json), else the
     config.json of the directory the run started from (saved next to its checkpoints), else the
-    DTorch model spec `model`. The tokenizer files and generation_config.json are copied beside the
+    DTorch model spec `model`, else the spec `dtorch train` recorded (`RUN_MODEL`). The tokenizer files and generation_config.json are copied beside the
     weights from `tokenizer`, else the `config` directory, else those the run kept from the
     directory it started from (`hf_weights.export_hf_files`), where there are any."""
     from dtorch.checkpoint import hf_weights as H
@@ -91,12 +113,13 @@ def export_hf_dir(mgr, step: int | None, out: str | os.PathLike, *, model: str |
         base = json.loads((mgr.root / H.RUN_CONFIG).read_text())
     if base is not None:
         family, cfg = H.model_type(base), H.dtorch_config(base)
-    elif model is not None:
+    elif (model := model or run_model(mgr.root)) is not None:  # given, else the spec the run recorded
         from dtorch.models import model_config
 
         cfg, family = model_config(model), None
     else:
-        raise ConfigError("model", None, "pass --model SPEC (the run's model) or --config HF_DIR")
+        raise ConfigError("model", None, "this run recorded no model: pass --model SPEC (the run's model) "
+                          "or --config HF_DIR")
     written = H.export_hf(src, Path(out), cfg, family=family, base_config=base, dtype=dtype,
                           max_shard_bytes=shard_bytes or H.DEFAULT_SHARD_BYTES)
     H.export_hf_files(written, [tokenizer, config, mgr.root / H.RUN_FILES])

@@ -335,6 +335,9 @@ def hf_config(config: ModelConfig, family: str | None = None, base: dict[str, An
                    n_inner=config.ffn_hidden, layer_norm_epsilon=config.norm_eps,
                    activation_function="gelu_new", resid_pdrop=config.dropout, embd_pdrop=config.dropout,
                    attn_pdrop=config.dropout)
+        for k in ("bos_token_id", "eos_token_id"):  # GPT2Config's defaults are GPT-2's 50256: not a token
+            if not isinstance(out.get(k), int) or out[k] >= config.vocab_size:  # of a smaller vocabulary
+                out[k] = None
     else:
         family = family or ("qwen2" if config.qkv_bias else "llama")
         out.update(model_type=family, architectures=[ARCHITECTURES[family]], hidden_size=config.dim,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtorch.env import current as current_env
+
 DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256"
 CONFIG_FILE = "job.json"
 """The job's configuration in its run directory, read by every worker (and kept for the person
@@ -227,6 +229,10 @@ def run(config: JobConfig) -> int:
         rebalance=config.rebalance,
         max_grad_norm=_grad_norm(config.max_grad_norm),
     )
+    if make_model is not None and config.checkpoint_dir and current_env().rank in (None, 0):
+        from dtorch.checkpoint.export import save_run_model
+
+        save_run_model(config.checkpoint_dir, config.model)  # `dtorch ckpt export --hf` needs no --model
     result = trainer.fit(steps=config.steps)
     full = trainer.full_state_dict() if config.sample_tokens > 0 else None
     if trainer.rank == 0:
