@@ -46,6 +46,18 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.set_defaults(func=run)
 
 
+def _plan_text(plan: dict | None) -> str:
+    """The plan a checkpoint was written with, as `dtorch plan` names it ("-" when none was kept)."""
+    if not plan:
+        return "-"
+    from dtorch.plan.plan import Plan
+
+    try:
+        return Plan.from_dict(plan).describe()
+    except Exception:  # noqa: BLE001 - a plan of another DTorch version: show it raw
+        return str(plan)
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -63,12 +75,13 @@ def run(args: argparse.Namespace) -> int:
             if not infos:
                 print(f"{args.dir}: no committed checkpoints")
                 return 0
-            print(f"{'step':>10}  {'MB':>9}  {'world':>5}  {'saved (UTC)':<19}  extra")
+            print(f"{'step':>10}  {'MB':>9}  {'world':>5}  {'saved (UTC)':<19}  plan; extra")
             for i in infos:
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i.created_unix)) if i.created_unix else "?"
                 size = f"{i.bytes / 1e6:9.1f}" if i.bytes is not None else "        ?"
                 mark = "  <- LATEST" if i.latest else ""
-                detail = i.problem if not i.manifest_ok else ", ".join(f"{k}={v}" for k, v in sorted(i.extra.items()))
+                detail = i.problem if not i.manifest_ok else "; ".join(
+                    [_plan_text(i.plan), ", ".join(f"{k}={v}" for k, v in sorted(i.extra.items()))])
                 print(f"{i.step:>10}  {size}  {i.world_size or '?':>5}  {when:<19}  {detail}{mark}")
             return 0
         if args.ckpt_command == "verify":

@@ -177,14 +177,17 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
 
 def test_export_safetensors_and_cli(tmp_path, capsys):
     mgr = CheckpointManager(tmp_path / "run")
-    mgr.save(2, _state(2), extra={"loss": 1.25})
+    from dtorch.plan import Plan
+
+    mgr.save(2, _state(2), extra={"loss": 1.25}, plan=Plan(dp_shard=2))
     out = tmp_path / "model.safetensors"
     assert cli_main(["ckpt", "export", str(tmp_path / "run"), str(out), "--key", "model"]) == 0
     tensors = load_file(out)
     assert sorted(tensors) == ["model.b", "model.i", "model.w"]
     assert all(torch.equal(tensors[f"model.{k}"], v) for k, v in _state(2)["model"].items())
     assert cli_main(["ckpt", "ls", str(tmp_path / "run")]) == 0
-    assert "loss=1.25" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "loss=1.25" in listed and Plan(dp_shard=2).describe() in listed  # the plan it was written with
     assert cli_main(["ckpt", "verify", str(tmp_path / "run")]) == 0
     (tmp_path / "run" / "step-00000002" / ".metadata").write_bytes(b"x")
     assert cli_main(["ckpt", "verify", str(tmp_path / "run")]) == 1
