@@ -177,8 +177,8 @@ import torch, torch.distributed as dist
 from torch.distributed import TCPStore
 from dtorch.elastic import store, worker
 worker.init_process_group("gloo")
-assert isinstance(worker._pg_store, store.SignedStore), type(worker._pg_store)
-worker._pg_store.set("probe", b"value")
+assert isinstance(worker._state.pg_store, store.SignedStore), type(worker._state.pg_store)
+worker._state.pg_store.set("probe", b"value")
 raw = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, False, timedelta(seconds=5))
 sealed = raw.get("probe")
 assert sealed != b"value" and sealed.endswith(b"value") and len(sealed) == 32 + 5
