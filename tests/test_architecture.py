@@ -29,20 +29,11 @@ ENV_READERS = {"dtorch/env.py", "dtorch/integrations/env.py"}
 schedulers' variables from `dtorch.env.environ()` today, so only dtorch/env.py touches it); one
 more at most, named here when it comes."""
 
-# ---- KNOWN: work in progress on issue 29, in rooms other engineers are changing. --------------------
-# Each entry is allowed today only; delete it when its room's work lands (the lead empties these).
-KNOWN_LONG_FUNCTIONS: dict[str, str] = {
-    "dtorch/parallel/parallelize.py:parallelize": "a loop over the strategies' executors (parallel/ work)",
-    "dtorch/train/trainer.py:Trainer.fit": "a short loop over callbacks (train/ work of issue 29)",
-}
-KNOWN_LONG_TRAINER = "the plan resolver and the callbacks leave the class (train/ work of issue 29)"
-KNOWN_ENV_READERS: dict[str, str] = {
-    "dtorch/checkpoint/manager.py": "checkpoint/ work: the snapshot settings come from RuntimeEnv",
-    "dtorch/elastic/worker.py": "elastic/worker.py work of issue 29",
-    "dtorch/train/data.py": "train/ work of issue 29",
-    "dtorch/train/preempt.py": "train/ work of issue 29",
-    "dtorch/train/trainer.py": "train/ work of issue 29",
-}
+# ---- KNOWN: exceptions allowed for now, each with its reason and what removes it. ----------------
+# Empty since the room work of issue 29 landed; a stale entry fails `test_known_entries_are_still_real`.
+KNOWN_LONG_FUNCTIONS: dict[str, str] = {}
+KNOWN_LONG_TRAINER = ""
+KNOWN_ENV_READERS: dict[str, str] = {}
 # ---- end of KNOWN ---------------------------------------------------------------------------------
 
 
@@ -118,7 +109,6 @@ def test_the_environment_is_read_in_at_most_three_files():
         f"the schedulers' variables): {outside}")
 
 
-@pytest.mark.skip(reason="turned on when the room work of issue 29 is done and the KNOWN lists are empty")
 def test_known_entries_are_still_real():
     """An allowed exception that no longer exists must leave its list (so none hides a new one)."""
     stale = [k for k in KNOWN_LONG_FUNCTIONS if k not in long_functions()]

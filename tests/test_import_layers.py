@@ -14,8 +14,6 @@ import functools
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parents[1] / "dtorch"
 
 LAYERS: list[tuple[str, ...]] = [
@@ -38,11 +36,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
 """Arrows against the flow that exist today, each with the reason and what removes it."""
 
 KNOWN_MODULE_CYCLES: dict[frozenset[str], str] = {
-    # ---- KNOWN: being removed by the room work of issue 29; delete each entry once it is gone ----
-    frozenset({"dtorch.plan.cost", "dtorch.plan.plan", "dtorch.plan.strategies", "dtorch.plan.strategies.data",
-               "dtorch.plan.strategies.expert", "dtorch.plan.strategies.fsdp"}):
-        "cost.py names strategies and branches on them while they import cost's helpers; the shared "
-        "cost helpers move to a leaf module (plan/ work of issue 29)",
 }
 """Modules that import each other today (a strongly connected component of the module graph), each
 with the reason and what removes it. A component found must be one of these, exactly."""
@@ -249,7 +242,6 @@ def test_no_import_cycle_between_modules():
                      + "\n".join(" <-> ".join(c) for c in new))
 
 
-@pytest.mark.skip(reason="turned on when the room work of issue 29 is done and KNOWN_MODULE_CYCLES is empty")
 def test_known_module_cycles_are_still_real():
     """An allowed circle that no longer exists must leave the allow-list (so none hides a new one)."""
     stale = [sorted(c) for c in KNOWN_MODULE_CYCLES if c not in module_cycles()]
