@@ -81,6 +81,8 @@ def describe_event(e: dict[str, Any]) -> str:
         return f"plan {e.get('plan')} ({e.get('family') or '?'}, from {e.get('source') or '?'})"
     if k == "checkpoint":
         return f"checkpoint of step {e.get('step')}"
+    if k == "eval":
+        return f"eval at step {e.get('step')}: loss {e.get('loss')}, perplexity {e.get('perplexity')}"
     if k == "resume":
         return f"resumed at step {e.get('step')}"
     if k == "recovery":
@@ -102,9 +104,13 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     """Figures of the report: progress, throughput, per-rank means, stragglers, predicted vs measured."""
     steps, ranks, events = run["steps"], run["ranks"], run["events"]
     plan = next((e for e in reversed(events) if e.get("event") == "plan"), None)
+    last_eval = next((e for e in reversed(events) if e.get("event") == "eval"), None)
     out: dict[str, Any] = {"steps_logged": len(steps), "last_step": steps[-1]["step"] if steps else None,
                            "final_loss": steps[-1]["loss"] if steps else None,
-                           "plan": plan.get("plan") if plan else None, "family": plan.get("family") if plan else None}
+                           "plan": plan.get("plan") if plan else None, "family": plan.get("family") if plan else None,
+                           "final_eval_loss": last_eval.get("loss") if last_eval else None,
+                           "final_eval_perplexity": last_eval.get("perplexity") if last_eval else None,
+                           "final_eval_step": last_eval.get("step") if last_eval else None}
     if steps:
         body = steps[3:] or steps  # the first steps carry one-time work
         out["median_step_time_s"] = statistics.median(s["step_time_s"] for s in body)
@@ -167,7 +173,12 @@ def _plots(run: dict[str, Any], s: dict[str, Any], out: Path) -> list[str]:
     steps = run["steps"]
     if steps:
         fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.plot([x["step"] for x in steps], [x["loss"] for x in steps], color="#d84315", lw=1.2)
+        ax.plot([x["step"] for x in steps], [x["loss"] for x in steps], color="#d84315", lw=1.2, label="train")
+        evals = [e for e in run["events"] if e.get("event") == "eval"]
+        if evals:
+            ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], color="#1565c0", lw=1.2, marker="o",
+                    ms=3, label="eval")
+            ax.legend(fontsize=8)
         ax.set(xlabel="step", ylabel="loss", title="loss")
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -217,7 +228,7 @@ def _plots(run: dict[str, Any], s: dict[str, Any], out: Path) -> list[str]:
         plt.close(fig)
         made.append("predicted.png")
     marks = [(e["t"], event_kind(e), event_class(e)) for e in run["events"] + run["run_events"]
-             if isinstance(e.get("t"), (int, float)) and event_kind(e) not in ("phase", "events_log")]
+             if isinstance(e.get("t"), (int, float)) and event_kind(e) not in ("phase", "events_log", "eval")]
     prog = [(w["wall"], w["step"]) for w in run["ranks"] if "wall" in w]
     if marks or prog:
         t0 = min([m[0] for m in marks] + [p[0] for p in prog])
@@ -271,6 +282,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
             ("status", ("finished" if s["finished"] else "did not finish (crashed, stopped or still running)")
              + f"; {len(s['failures'])} failure(s), {len(s['recoveries'])} recovery(ies)"),
             ("last step logged", s["last_step"]), ("final loss", s["final_loss"]),
+            *([("final eval loss", f"{s['final_eval_loss']:.4f} (perplexity {s['final_eval_perplexity']:.2f}, "
+                                   f"step {s['final_eval_step']})")] if s.get("final_eval_loss") is not None else []),
             ("median step", f"{_ms(s.get('median_step_time_s'))} ms"),
             ("median tokens/s", f"{s.get('median_tokens_per_s', 0):,.0f}"),
             ("median MFU", f"{100 * s.get('median_mfu', 0):.1f} %")]

@@ -51,6 +51,8 @@ class MonitorState:
         self.rank_history: deque[dict[str, Any]] = deque(maxlen=200)
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
         self.plan: dict[str, Any] | None = None
+        self.last_eval: dict[str, Any] | None = None
+        """The latest `eval` record (the eval loop's loss and perplexity)."""
         self.events_path = events_path
         self.started = time.time()
         self.session = os.urandom(6).hex()
@@ -78,6 +80,8 @@ class MonitorState:
             else:
                 if kind == "plan":
                     self.plan = record
+                elif kind == "eval":
+                    self.last_eval = record
                 self.events.append(record)
 
     def replay(self, path: str | os.PathLike | None) -> int:
@@ -155,6 +159,12 @@ class _Collector:
             last = st.steps[-1] if st.steps else None
             ranks = st.ranks
             tokens = st.tokens_total
+            ev = st.last_eval
+        if ev is not None:
+            yield GaugeMetricFamily("dtorch_eval_loss", "evaluation loss (global mean), latest evaluation",
+                                    value=float(ev["loss"]))
+            yield GaugeMetricFamily("dtorch_eval_perplexity", "evaluation perplexity, exp of the evaluation loss",
+                                    value=float(ev["perplexity"]))
         if last is not None:
             yield CounterMetricFamily("dtorch_steps", "optimizer steps done", value=last["step"])
             yield CounterMetricFamily("dtorch_tokens", "tokens trained by the whole job since this process "

@@ -51,9 +51,9 @@ def model_factory(model: Any, init_from: Path | None) -> tuple[Any, dict | None]
     return model, hf_config
 
 
-def check_vocab(factory: Any, data: Any) -> None:
+def check_vocab(factory: Any, data: Any, eval_data: Any = None) -> None:
     """A dataset's token ids must fit the model's embedding (checked before any process group)."""
-    vocab = getattr(data, "vocab_size", None)
+    vocab = max([v for v in (getattr(d, "vocab_size", None) for d in (data, eval_data)) if v is not None], default=None)
     if vocab is None:
         return
     from dtorch.parallel.parallelize import meta_model
@@ -65,6 +65,18 @@ def check_vocab(factory: Any, data: Any) -> None:
         raise ConfigError("tokenizer", f"vocabulary of {vocab} tokens",
                           f"the model's embedding has {emb[0].num_embeddings} rows; use a tokenizer with at "
                           "most that many tokens or a model with a larger vocab_size")
+
+
+def check_fit(tr: Trainer, steps: int) -> None:
+    """What only the number of steps or the data makes wrong, before any work (ConfigError): a
+    schedule whose phases do not fit in `steps`, an evaluation set smaller than one global batch."""
+    check = getattr(tr.lr_spec, "check", None)
+    if check is not None:
+        check(steps)
+    if tr.eval_spec is not None:
+        from dtorch.train.evaluate import eval_batches
+
+        eval_batches(tr)
 
 
 def join(run_env: RuntimeEnv, by_scheduler: bool) -> tuple[int, int, torch.device]:

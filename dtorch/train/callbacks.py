@@ -43,6 +43,8 @@ class FitResult:
     compile_s: float | None = None
     """With plan.compile: seconds the first step took beyond a steady step (torch.compile's tracing
     and code generation), as in the `compile` event; None otherwise."""
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    """Evaluation loss by the step it was measured after (`Evaluate`)."""
 
 
 @dataclass
@@ -322,6 +324,63 @@ class Stragglers(Callback):
     def close(self, tr: Trainer, run: FitRun) -> None:
         if self.watch is not None:
             self.watch.close()
+
+
+class Evaluate(Callback):
+    """The eval loop: every `every` steps and at the end, the loss on the evaluation set under the
+    run's plan (`dtorch.train.evaluate.eval_loss`: eval mode, no gradients, all-reduced as training's
+    loss is), logged as an `eval` event with its perplexity. A plan that cannot evaluate fails at the
+    start, saying why."""
+
+    def __init__(self, every: int, eval_set: Any, batches: int):
+        self.every, self.eval_set, self.batches = every, eval_set, batches
+        self.last: int | None = None
+
+    @classmethod
+    def of(cls, tr: Trainer) -> Evaluate | None:
+        """The trainer's eval loop, or None when it asked for none."""
+        if tr.eval_spec is None:
+            return None
+        from dtorch.train.evaluate import eval_batches
+
+        return cls(tr.eval_spec.every, tr._datasets()[1], eval_batches(tr))
+
+    def on_start(self, tr: Trainer, run: FitRun) -> None:
+        from dtorch.train.evaluate import can_evaluate
+
+        why = can_evaluate(tr.parallel)
+        if why is not None:
+            raise ConfigError("eval_every", self.every, why)
+
+    def after_step(self, tr: Trainer, run: FitRun, rec: StepRecord) -> None:
+        if self.every and tr.step % self.every == 0 and tr.step < run.steps:
+            self.evaluate(tr, run)
+
+    def on_end(self, tr: Trainer, run: FitRun) -> None:
+        if self.last != tr.step:
+            self.evaluate(tr, run)
+
+    def evaluate(self, tr: Trainer, run: FitRun) -> float:
+        import math
+        import time
+
+        from dtorch.train.evaluate import eval_loss
+
+        if tr.snapshots is not None:
+            tr.snapshots.wait()  # the step's snapshot copy reads the weights the forward gathers
+        phase, run.phase = run.phase, "eval"
+        t0 = time.perf_counter()
+        loss = eval_loss(tr, self.eval_set, self.batches, phase=lambda: hooks.phase_begin("eval"))
+        run.phase = phase
+        ppl = math.exp(loss) if loss < 700 else math.inf
+        self.last = tr.step
+        run.result.eval_losses[tr.step] = loss
+        tr.metrics.event("eval", step=tr.step, loss=loss, perplexity=ppl, batches=self.batches,
+                         samples=self.batches * tr.global_batch, seconds=round(time.perf_counter() - t0, 4))
+        if tr.rank == 0 and tr.console:
+            print(f"dtorch: eval at step {tr.step}: loss {loss:.4f} perplexity {ppl:.2f} "
+                  f"({self.batches * tr.global_batch} samples)", file=sys.stderr, flush=True)
+        return loss
 
 
 class Checkpoints(Callback):

@@ -53,6 +53,10 @@ class JobConfig:
     seq_len: int = _opt(128, "tokens per sample (default 128)")
     lr: float = _opt(3e-3, "peak learning rate (default 3e-3)")
     warmup: int = _opt(20, "warm-up steps (default 20)")
+    lr_schedule: str = _opt("cosine", "learning-rate schedule after the warm-up: cosine (default), linear, wsd "
+                            "(warmup-stable-decay) or constant", choices=("constant", "cosine", "linear", "wsd"))
+    lr_min_factor: float = _opt(0.1, "cosine, linear and wsd decay to this fraction of --lr (default 0.1)")
+    lr_decay_ratio: float = _opt(0.2, "wsd: the fraction of --steps spent decaying at the end (default 0.2)")
     max_grad_norm: float = _opt(1.0, "clip the gradient norm to this (default 1.0; 0 = no clipping, which lets an "
                                 "offloaded optimizer step each block during the backward: docs/memory-tiers.md)")
     checkpoint_dir: str = _opt("runs/train", "checkpoints; the run resumes from here")
@@ -78,6 +82,13 @@ class JobConfig:
                            "shares by measured speed at the next checkpoint (docs/monitoring.md)")
     metrics_every: int | None = _opt(None, "gather every rank's step-time terms and memory every N steps "
                                      "(default 10; 0 = off)")
+    eval_every: int = _opt(0, "evaluate every N steps and at the end (default 0: at the end only when --eval-data "
+                           "or --eval-split is given, else never)")
+    eval_data: str | None = _opt(None, "held-out data to evaluate on, in the formats of --data (default: a held-out "
+                                 "split of the training data when evaluating)")
+    eval_split: float | None = _opt(None, "without --eval-data: the fraction of the training samples held out for "
+                                    "evaluation, never trained on (default 0.05 when evaluating)")
+    eval_batches: int | None = _opt(None, "global batches per evaluation (default: the whole evaluation set)")
     # ---- the elastic agent's (flags of `dtorch train` only) ----
     nproc: int | None = _opt(None, "worker processes (default: the number of local GPUs, else 2 on CPU)", launcher=True)
     max_restarts: int = _opt(3, "restarts after a failure (default 3)", launcher=True)
@@ -88,6 +99,20 @@ class JobConfig:
                                "private $TMPDIR/dtorch-*)", launcher=True)
     snapshot_every: int = _opt(1, "steps between in-memory snapshots that survive a worker's death (default 1; "
                                "0 = off)", launcher=True)
+
+    def __post_init__(self) -> None:
+        """Values wrong on their own are refused here, before any worker starts (ConfigError)."""
+        self.schedule()
+        from dtorch.train.evaluate import EvalSpec
+
+        EvalSpec.resolve(self.eval_every, self.eval_data, self.eval_split, self.eval_batches)
+
+    def schedule(self) -> Any:
+        """The learning-rate schedule spec `--lr-schedule` and its options ask for."""
+        from dtorch.train.optim import schedule
+
+        return schedule(self.lr_schedule, warmup_steps=self.warmup, min_ratio=self.lr_min_factor,
+                        decay_ratio=self.lr_decay_ratio)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> JobConfig:
@@ -175,6 +200,24 @@ def parse_plan(text: str):
     return parse_fix(text)
 
 
+def _dataset(config: JobConfig, path: str | None, name: str) -> Any:
+    """The dataset at `path` (--data or --eval-data): a token file, or text with --tokenizer; None without."""
+    from dtorch.errors import ConfigError
+
+    if not path:
+        return None
+    if config.tokenizer:
+        from dtorch.train.tokenize import text_dataset
+
+        return text_dataset(path, config.tokenizer, config.seq_len)
+    from dtorch.train.data import TokenFile
+    from dtorch.train.tokenize import SUFFIXES
+
+    if Path(path).is_dir() or Path(path).suffix in SUFFIXES:
+        raise ConfigError(name, path, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
+    return TokenFile(path, config.seq_len)
+
+
 def run(config: JobConfig) -> int:
     """Train as `config` says, on this process's rank. Under `dtorch run`, each worker records the
     configuration it received (a `job_config` event in the run's events.jsonl)."""
@@ -183,25 +226,14 @@ def run(config: JobConfig) -> int:
     from dtorch import eventlog
     from dtorch.errors import ConfigError
     from dtorch.models import build_model
-    from dtorch.train.optim import AdamW, WarmupCosine
+    from dtorch.train.optim import AdamW
     from dtorch.train.trainer import Trainer
 
     eventlog.log("job_config", config=config.to_dict())
-    data = None
     if config.tokenizer and not config.data:
         raise ConfigError("tokenizer", config.tokenizer, "a tokenizer needs text to tokenise: pass --data too")
-    if config.data and config.tokenizer:
-        from dtorch.train.tokenize import text_dataset
-
-        data = text_dataset(config.data, config.tokenizer, config.seq_len)
-    elif config.data:
-        from dtorch.train.data import TokenFile
-        from dtorch.train.tokenize import SUFFIXES
-
-        if Path(config.data).is_dir() or Path(config.data).suffix in SUFFIXES:
-            raise ConfigError("data", config.data, "text needs a tokenizer: add --tokenizer path/to/tokenizer.json")
-
-        data = TokenFile(config.data, config.seq_len)
+    data = _dataset(config, config.data, "data")
+    eval_data = _dataset(config, config.eval_data, "eval_data")
     init_from = config.init_from
     from dtorch.checkpoint.hf_weights import SEED_MARKER
 
@@ -213,7 +245,7 @@ def run(config: JobConfig) -> int:
         init_from=init_from,
         data=data,
         optimizer=AdamW(lr=config.lr, weight_decay=0.0),
-        lr_schedule=WarmupCosine(warmup_steps=config.warmup),
+        lr_schedule=config.schedule(),
         global_batch=config.global_batch,
         seq_len=config.seq_len,
         checkpoint_dir=config.checkpoint_dir,
@@ -228,6 +260,10 @@ def run(config: JobConfig) -> int:
         offload_dir=config.offload_dir,
         rebalance=config.rebalance,
         max_grad_norm=_grad_norm(config.max_grad_norm),
+        eval_data=eval_data,
+        eval_every=config.eval_every,
+        eval_split=config.eval_split,
+        eval_batches=config.eval_batches,
     )
     if make_model is not None and config.checkpoint_dir and current_env().rank in (None, 0):
         from dtorch.checkpoint.export import save_run_model

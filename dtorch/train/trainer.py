@@ -33,7 +33,7 @@ from torch import nn
 from dtorch import env
 from dtorch.errors import ConfigError
 from dtorch.plan.plan import Plan
-from dtorch.train import build, hooks, recovery
+from dtorch.train import build, evaluate, hooks, recovery
 from dtorch.train import callbacks as cb
 from dtorch.train.callbacks import FitResult, FitRun, StepRecord
 from dtorch.train.losses import next_token
@@ -66,7 +66,8 @@ class Trainer:
         (`.logits` / a dict's "logits" / a tuple's first element, else the output) and the target;
         default: cross entropy over the last dimension (next-token or classification).
       optimizer: an optimizer spec with `build(params)` (dtorch.optim.AdamW, SGD).
-      lr_schedule: a schedule spec with `build(optimizer, total_steps)`; default warm-up + cosine.
+      lr_schedule: a schedule spec with `build(optimizer, total_steps)`; default warm-up + cosine
+        (dtorch.optim.WarmupCosine; also Constant, WarmupLinear, WSD).
       global_batch: samples per optimizer step over all data-parallel ranks.
       seq_len: tokens per sample of token data; ignored for any other data (a sample then counts
         as one token in throughput and in the planner's figures).
@@ -96,6 +97,9 @@ class Trainer:
         "optimizer_nvme" (files in `offload_dir`), or a
         dtorch.train.offload.OptimizerOffload for the budget, buffers and params_on_disk.
       offload_dir: the NVMe tier's directory on a local disk (checked before training starts).
+      eval_data / eval_split / eval_every / eval_batches: the eval loop (dtorch.train.evaluate): a dataset
+        like `data` or the fraction of `data` held out (never trained on; default 0.05); every N steps and at
+        the end (0: at the end only; off unless one of the three is given); global batches per evaluation.
       trace_comms: record every collective of every rank to <log_dir>/comms-rank<r>.jsonl, with a
         per-step summary and CommDebugMode's per-module counts (default $DTORCH_TRACE_COMMS=1).
     """
@@ -131,6 +135,8 @@ class Trainer:
         trace_comms: bool | None = None,
         offload: Any = None,
         offload_dir: str | os.PathLike | None = None,
+        eval_data: Any = None, eval_every: int = 0,
+        eval_split: float | None = None, eval_batches: int | None = None,
     ):
         if int(global_batch) < 1:
             raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
@@ -141,7 +147,9 @@ class Trainer:
         self.init_from = Path(init_from) if init_from is not None else None
         self.model_factory, self.hf_config = build.model_factory(model, self.init_from)
         self.data = data
-        build.check_vocab(self.model_factory, data)
+        build.check_vocab(self.model_factory, data, eval_data)
+        self.eval_spec = evaluate.EvalSpec.resolve(eval_every, eval_data, eval_split, eval_batches)
+        self.eval_data, self._datasets_cache = eval_data, None
         self.loss_fn = loss
         self.collate = collate
         self.optimizer_spec = optimizer or AdamW()
@@ -197,11 +205,13 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------
     def _dataset(self):
-        if self.data is None:
-            from dtorch.train.data import default_corpus
+        """The samples trained on: the data, less a held-out evaluation split when one is asked."""
+        return self._datasets()[0]
 
-            return default_corpus(self.seq_len)
-        return self.data
+    def _datasets(self) -> tuple[Any, Any]:
+        """(training set, evaluation set or None), built once (`dtorch.train.evaluate.datasets`)."""
+        self._datasets_cache = self._datasets_cache or evaluate.datasets(self)
+        return self._datasets_cache
 
     def _microbatch_sample(self) -> tuple[torch.Tensor] | None:
         """One micro-batch of the run's model input on the meta device, for the executor's checks of
@@ -321,6 +331,7 @@ class Trainer:
         if int(steps) < 1:
             raise ConfigError("steps", steps, "train for at least one step")
         steps, t_start = int(steps), time.perf_counter()
+        build.check_fit(self, steps)  # a schedule or an evaluation set the run cannot hold: before any work
         from dtorch.integrations.env import detect, export_rank_env
         from dtorch.integrations.status import Reporter
 
@@ -381,6 +392,7 @@ class Trainer:
             cb.CompileReport(compile_enabled(self.plan)), cb.MetricsSink(),
             cb.SampleAudit() if self.env.record_samples and self.log_dir is not None else None,
             self.snapshots, cb.Seam(), cb.Monitor(), cb.Stragglers(),
+            cb.Evaluate.of(self),
             cb.Checkpoints() if self.ckpt is not None else None, cb.OOMGuard(), cb.Feedback(), cb.Status(),
             cb.Preempted(),
         ) if c is not None]

@@ -97,9 +97,12 @@ def test_every_dtorch_train_option_reaches_both_workers(inputs, tmp_path):
         "offload": "optimizer_nvme", "offload_dir": str(tmp_path / "offload"), "rebalance": None,
         "metrics_every": "1", "nproc": "2", "max_restarts": "0", "chaos": "slow:rank=1:factor=1.01:step=1000",
         "heartbeat_timeout": "45", "run_dir": str(run_dir), "snapshot_every": "2",
+        "lr_schedule": "wsd", "lr_min_factor": "0.05", "lr_decay_ratio": "0.5",
+        "eval_every": "1", "eval_data": inputs["data"], "eval_batches": "1",
     }
     parser = _train_parser()
-    assert set(values) == _dests(parser), "set a non-default value for every option of dtorch train"
+    # eval_split excludes eval_data (the held-out split is tests/train/test_eval.py's)
+    assert set(values) | {"eval_split"} == _dests(parser), "set a non-default value for every option of dtorch train"
     argv = []
     for dest, v in values.items():
         argv += ["--" + dest.replace("_", "-")] + ([v] if v is not None else [])
@@ -122,3 +125,4 @@ def test_every_dtorch_train_option_reaches_both_workers(inputs, tmp_path):
     offload = [r for r in records if r.get("event") == "offload"]
     assert offload and offload[0]["tier"] == "nvme" and offload[0]["directory"] == str(tmp_path / "offload")
     assert [r["step"] for r in records if "loss" in r and "event" not in r] == [1, 2]
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [1, 2]  # --eval-every 1, and at the end
