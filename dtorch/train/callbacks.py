@@ -369,8 +369,13 @@ class Evaluate(Callback):
         if tr.snapshots is not None:
             tr.snapshots.wait()  # the step's snapshot copy reads the weights the forward gathers
         phase, run.phase = run.phase, "eval"
+        # the straggler check times training's block forwards: the evaluation's are not counted
+        watch = next((c.watch for c in getattr(tr, "callbacks", ()) if isinstance(c, Stragglers) and c.watch), None)
+        timed = (watch.seconds, watch.calls) if watch is not None else None
         t0 = time.perf_counter()
         loss = eval_loss(tr, self.eval_set, self.batches, phase=lambda: hooks.phase_begin("eval"))
+        if watch is not None:
+            watch.seconds, watch.calls = timed
         run.phase = phase
         ppl = math.exp(loss) if loss < 700 else math.inf
         self.last = tr.step

@@ -61,7 +61,7 @@ def _worker(plan: dict, rank: int) -> dict:
     data = Recorder(48)
     tr = Trainer(model=partial(build_model, SPEC), data=data, global_batch=GLOBAL_BATCH, seq_len=16,
                  plan={**plan, **FP32}, optimizer=AdamW(lr=1e-2), lr_schedule=Constant(), console=False,
-                 straggler_every=0, metrics_every=0, eval_every=2, eval_split=0.25)
+                 straggler_every=2, metrics_every=0, eval_every=2, eval_split=0.25)
     result = tr.fit(4)
     full = tr.full_state_dict()  # after the last evaluation: the weights it saw
     held = tr._datasets()[1].indices
