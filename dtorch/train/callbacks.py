@@ -168,7 +168,11 @@ class SampleAudit(Callback):
         self.file = open(tr.log_dir / f"samples-rank{tr.rank}.jsonl", "a", buffering=1)  # noqa: SIM115
 
     def after_step(self, tr: Trainer, run: FitRun, rec: StepRecord) -> None:
-        self.file.write(json.dumps({"step": rec.step, "dp_rank": tr.parallel.dp_rank, "indices": rec.indices}) + "\n")
+        from dtorch.train.evaluate import Subset
+
+        # indices of the data as given: with a held-out split the sampler counts the samples left to train on
+        indices = [tr.dataset.indices[i] for i in rec.indices] if isinstance(tr.dataset, Subset) else rec.indices
+        self.file.write(json.dumps({"step": rec.step, "dp_rank": tr.parallel.dp_rank, "indices": indices}) + "\n")
 
     def close(self, tr: Trainer, run: FitRun) -> None:
         if self.file is not None:

@@ -153,3 +153,19 @@ def test_eval_is_off_unless_asked_and_the_training_data_is_then_whole():
     with pytest.raises(ConfigError) as e:
         JobConfig(eval_split=2.0)
     assert e.value.field == "eval_split"
+
+
+def test_the_sample_audit_names_samples_of_the_data_as_given_under_a_split(tmp_path, monkeypatch):
+    from dtorch.models import build_model
+    from dtorch.train.trainer import Trainer
+
+    monkeypatch.setenv("DTORCH_RECORD_SAMPLES", "1")
+    data = Recorder(40)
+    tr = Trainer(model=partial(build_model, SPEC), data=data, eval_split=0.2, global_batch=4, seq_len=16, plan={},
+                 console=False, straggler_every=0, metrics_every=0, log_dir=tmp_path)
+    tr.fit(8)  # 32 samples: the whole training set of 32
+    audited = [i for line in (tmp_path / "samples-rank0.jsonl").read_text().splitlines()
+               for i in json.loads(line)["indices"]]
+    held = set(tr._datasets()[1].indices)
+    assert sorted(audited) == sorted(set(range(40)) - held)
+    assert audited == [i for i, grad in data.seen if grad and i in set(audited)][-32:]
