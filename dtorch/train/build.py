@@ -218,6 +218,32 @@ def full_state_dict(tr: Trainer) -> dict[str, torch.Tensor] | None:
     return {clean_name(k): v for k, v in full.items()} if tr.rank == 0 else None
 
 
+def checkpoint_extra(tr: Trainer) -> dict[str, Any]:
+    """What a checkpoint records beside the state: the tokens seen, and what a resumed run should keep
+    to continue the same run (the schedule over its steps, the held-out split); `resume_changes`."""
+    import dataclasses
+
+    spec, out = tr.lr_spec, {"tokens_seen": tr.train_state.tokens_seen}
+    if dataclasses.is_dataclass(spec):  # compact (`dtorch ckpt ls` shows it): WSD(warmup_steps=20,...)/300
+        fields = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(spec).items() if v is not None)
+        out["lr_schedule"] = f"{type(spec).__name__}({fields})/{tr.resolver.fit_steps}"
+    if tr.eval_spec is not None and tr.eval_spec.split is not None:
+        out["eval_split"] = tr.eval_spec.split
+    return out
+
+
+def resume_changes(tr: Trainer, extra: dict[str, Any]) -> list[str]:
+    """How this run differs from the checkpoint it resumed in what `checkpoint_extra` records (a
+    checkpoint that did not record it is not compared)."""
+    mine, out = checkpoint_extra(tr), []
+    if extra.get("lr_schedule") and mine.get("lr_schedule") and extra["lr_schedule"] != mine["lr_schedule"]:
+        out.append(f"the learning-rate schedule changed: {extra['lr_schedule']} -> {mine['lr_schedule']}")
+    if extra.get("lr_schedule") and extra.get("eval_split") != mine.get("eval_split"):  # (a checkpoint of this code)
+        out.append(f"the held-out eval split changed ({extra.get('eval_split')} -> {mine.get('eval_split')}): the "
+                   "training order changes, and samples now held out may have been trained on before")
+    return out
+
+
 class SchedulersState:
     """LR schedulers of all model parts (identical schedules); saved once."""
 

@@ -77,8 +77,13 @@ def _checkpoint_loaded(tr: Trainer, resumed: Resumed) -> None:
     info = tr.ckpt.loaded
     old = Plan.from_dict(info.plan) if info and info.plan else None
     changed = old is not None and (old.world_size != tr.plan.world_size or old.mesh_shape != tr.plan.mesh_shape)
+    from dtorch.train.build import resume_changes
+
+    changes = resume_changes(tr, info.extra if info else {})
     tr.metrics.event("resume", step=resumed.checkpoint_step, seconds=resumed.load_s,
-                     from_plan=old.describe() if old else None, resharded=changed)
+                     from_plan=old.describe() if old else None, resharded=changed, **({"changed": changes} if changes else {}))
+    for c in changes if tr.rank == 0 else ():
+        print(f"dtorch: warning: since the checkpoint of step {resumed.checkpoint_step}, {c}", file=sys.stderr, flush=True)
     if tr.rank == 0 and tr.console:
         how = f", resharded from {old.family()} at world size {old.world_size}" if changed else ""
         print(f"dtorch: resumed from step {resumed.checkpoint_step}{how}", flush=True)

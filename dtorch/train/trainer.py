@@ -320,7 +320,7 @@ class Trainer:
             self.snapshots.wait()  # the last step's snapshot copy is complete before the save reads the state
         with hooks.phase("checkpoint"):
             res = self.ckpt.save(self.step, self.checkpoint_state(), async_=self.async_checkpoint and not final,
-                                 plan=self.plan, extra={"tokens_seen": self.train_state.tokens_seen})
+                                 plan=self.plan, extra=build.checkpoint_extra(self))
             if final:
                 self.ckpt.wait()
         self.metrics.event("checkpoint", step=self.step, stall_s=res.stall_s, async_=res.async_)

@@ -169,3 +169,16 @@ def test_the_sample_audit_names_samples_of_the_data_as_given_under_a_split(tmp_p
     held = set(tr._datasets()[1].indices)
     assert sorted(audited) == sorted(set(range(40)) - held)
     assert audited == [i for i, grad in data.seen if grad and i in set(audited)][-32:]
+
+
+def test_resuming_with_a_new_held_out_split_warns_that_it_may_have_been_trained_on(tmp_path):
+    from dtorch.models import build_model
+    from dtorch.train.trainer import Trainer
+
+    kw = dict(model=partial(build_model, SPEC), data=Recorder(40), global_batch=4, seq_len=16, plan={}, console=False,
+              checkpoint_dir=tmp_path, async_checkpoint=False, straggler_every=0, metrics_every=0)
+    Trainer(**kw).fit(2)
+    Trainer(eval_split=0.2, **kw).fit(3)
+    (resume,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(x).get("event") == "resume"]
+    assert any("held-out eval split changed (None -> 0.2)" in c for c in resume["changed"]), resume

@@ -132,3 +132,24 @@ def test_a_resumed_run_has_the_uninterrupted_runs_learning_rates(tmp_path, spec)
     assert sorted(resumed) == list(range(1, 9))
     assert resumed == whole  # exactly: the factor is a pure function of the restored step
     assert whole == pytest.approx({s + 1: 1e-2 * spec.factor(s, 8) for s in range(8)}, rel=1e-12)
+    resume = [r for r in _records(tmp_path / "resumed") if r.get("event") == "resume"]
+    assert len(resume) == 1 and "changed" not in resume[0]  # the same schedule over the same steps
+
+
+def _records(log_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resuming_with_another_schedule_says_so(tmp_path, capsys):
+    from dtorch.models import build_model
+    from dtorch.train.trainer import Trainer
+
+    data = [torch.randint(0, 64, (17,), generator=torch.Generator().manual_seed(i)) for i in range(16)]
+    kw = dict(model=partial(build_model, SPEC), data=data, global_batch=4, seq_len=16, plan={}, checkpoint_dir=tmp_path,
+              async_checkpoint=False, straggler_every=0, metrics_every=0)
+    Trainer(lr_schedule=WarmupCosine(warmup_steps=1), console=False, **kw).fit(2)
+    Trainer(lr_schedule=WSD(warmup_steps=1, decay_ratio=0.5), console=True, **kw).fit(4)  # decay from the checkpoint
+    (resume,) = [r for r in _records(tmp_path) if r.get("event") == "resume"]
+    (change,) = resume["changed"]
+    assert "WarmupCosine(warmup_steps=1,min_ratio=0.1)/2 -> WSD(warmup_steps=1,min_ratio=0.1,decay_ratio=0.5)/4" in change
+    assert "learning-rate schedule changed" in capsys.readouterr().err
