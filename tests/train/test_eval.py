@@ -75,10 +75,11 @@ def _worker(plan: dict, rank: int) -> dict:
 
 @pytest.mark.slow
 def test_eval_loss_at_world_2_is_a_single_process_evaluation_and_held_out_samples_are_never_trained():
+    """DDP, FSDP, PP (the schedule's forward-only eval), TP (loss parallel) and CP: one gloo group."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
     from _harness import run_group
 
-    plans = [{"dp_replicate": 2}, {"dp_shard": 2}, {"pp": 2}]
+    plans = [{"dp_replicate": 2}, {"dp_shard": 2}, {"pp": 2}, {"tp": 2}, {"cp": 2}]
     for plan, (r0, r1) in zip(plans, run_group(2, plans, _worker)):
         assert "error" not in r0 and "error" not in r1, (plan, r0.get("error") or r1.get("error"))
         assert sorted(r0["eval"]) == ["2", "4"], r0["eval"]  # every 2 steps and at the end (JSON keys)
