@@ -2,7 +2,8 @@
 imported or run; well under a second):
 
 - no function in `dtorch/` over 100 lines (a longer one weaves several concerns: split it);
-- the `Trainer` class at most 400 lines (the loop calls its parts, it does not hold them);
+- the `Trainer` class at most 400 lines and its `fit` at most 60 (the loop calls its parts and
+  callbacks, it does not hold them);
 - the process environment (`os.environ`, `os.getenv`) read in at most three files: `dtorch/env.py`
   (`RuntimeEnv`, the typed variables), `dtorch/integrations/env.py` (the schedulers' variables, from
   `dtorch.env.environ()`) and one more at most. Everything else takes a `RuntimeEnv`.
@@ -22,6 +23,7 @@ PKG = Path(__file__).resolve().parents[1] / "dtorch"
 
 MAX_FUNCTION_LINES = 100
 MAX_TRAINER_LINES = 400
+MAX_FIT_LINES = 60
 MAX_ENV_READERS = 3
 
 ENV_READERS = {"dtorch/env.py", "dtorch/integrations/env.py"}
@@ -99,6 +101,8 @@ def test_the_trainer_class_stays_small():
     if KNOWN_LONG_TRAINER and _lines(classes[0]) > MAX_TRAINER_LINES:
         pytest.xfail(f"Trainer is {_lines(classes[0])} lines: {KNOWN_LONG_TRAINER}")
     assert _lines(classes[0]) <= MAX_TRAINER_LINES
+    fit = next(n for n in classes[0].body if isinstance(n, ast.FunctionDef) and n.name == "fit")
+    assert _lines(fit) <= MAX_FIT_LINES, f"Trainer.fit is {_lines(fit)} lines: a loop over its callbacks"
 
 
 def test_the_environment_is_read_in_at_most_three_files():
