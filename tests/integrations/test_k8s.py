@@ -104,7 +104,7 @@ def test_pod_command_with_kubeflow_env_trains_two_ranks_and_survives_sigterm(tmp
     identity and a service account; the pod of rank 0 puts its state on its annotations and events
     (a stand-in API server on 127.0.0.1, see conftest)."""
     api = k8s_api("dtorch-gpt-node-0-0-x1", "default")
-    steps = 60
+    steps = 20  # SIGTERM after step 3; the resumed pods finish the rest
     (tj,) = _docs("--model", MODEL, "--device-type", "cpu", "--nodes", "2", "--steps", str(steps),
                   "--global-batch", "4", "--seq-len", "32", "--pvc", "ckpt", "--kind", "trainjob", "--grace", "30",
                   "--train-arg=--sample-tokens=0", "--train-arg=--no-progress", "--train-arg=--checkpoint-every=100")

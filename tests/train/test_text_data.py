@@ -176,15 +176,14 @@ def test_fine_tune_on_text_resumes_after_kill_bit_identically_and_exports(corpus
     assert _losses(run) == reference  # bit-identical floats
 
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "dtorch.cli", "ckpt", "export", str(run), str(out), "--hf"],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
     from dtorch.checkpoint.export import load_full_state_dict
     from dtorch.checkpoint.hf_weights import load_model_config
+    from dtorch.cli import main  # `dtorch ckpt export`, in this process: no new interpreter to start
     from dtorch.models import build_from_config
 
+    assert main(["ckpt", "export", str(run), str(out), "--hf"]) == 0
     latest = run / (run / "LATEST").read_text().strip()
     model = build_from_config(load_model_config(gpt2_dir)[1])
     model.load_state_dict(load_full_state_dict(latest)["model"])
