@@ -3,7 +3,7 @@
 #
 #   bash scripts/test.sh            the whole suite, the long drills included (CI runs exactly this)
 #   bash scripts/test.sh --quick    the change-test cycle: -m "not slow", the single-process tests
-#                                   (no process groups, no launched jobs, no drills); a few minutes
+#                                   (no process groups, no launched jobs, no drills); ~3 min on 2 cores
 #   bash scripts/test.sh --drills   only the long failure drills (-m drill: elastic resize and chaos,
 #                                   straggler, OOM re-plan, Slurm preemption), which the whole suite runs too
 #
