@@ -84,7 +84,7 @@ from dtorch.cluster.calibration_store import (  # noqa: F401  (the store, re-exp
     write_calibration,
 )
 from dtorch.cluster.shape import shape_factor as _shape_factor
-from dtorch.cluster.timing import sync, timeit
+from dtorch.cluster.timing import timeit
 from dtorch.errors import ConfigError
 
 GEMM_ROWS = (128, 512, 2048)
@@ -177,23 +177,12 @@ def _timeit_collective(fn: Callable[[], Any], device, group, *, min_time: float,
     import torch
     import torch.distributed as dist
 
-    fn()
-    sync(device)
-    t = time.perf_counter()
-    fn()
-    sync(device)
-    one = max(time.perf_counter() - t, 1e-7)
-    reps = torch.tensor([min(max_reps, int(min_time / one) + 1)], dtype=torch.int64, device=device)
-    dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
-    n = int(reps.item())
-    per_call = []
-    for _ in range(blocks):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync(device)
-        per_call.append((time.perf_counter() - t) / n)
-    return statistics.median(per_call)
+    def agree(reps: int) -> int:
+        n = torch.tensor([reps], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        return int(n.item())
+
+    return timeit(fn, device, min_time=min_time, max_reps=max_reps, blocks=blocks, agree=agree)
 
 
 def measure_gemm(device, dtypes: Sequence[str], rows: Sequence[int] = GEMM_ROWS,
