@@ -252,13 +252,33 @@ class ParallelModel:
             model.set_reshard_after_backward(last)
             model.set_is_last_backward(last)
 
-    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def eval_local_loss(self, inputs: Any, labels: Any) -> torch.Tensor:
+        """This rank's share of one evaluation batch's loss, forward only (the model parts in eval
+        mode are the caller's): its micro-batches' mean losses over the plan's mean micro-batch
+        count, weighed as `train_step` weighs them; the caller reduces it as `train_step` does.
+        A pipeline runs its schedule's forward-only `eval`."""
+        inputs, labels = _to(inputs, self.device), _to(labels, self.device)
+        if self.context is not None:
+            inputs, labels = self.context.shard(inputs), self.context.shard(labels)
+        with self._compute_context():
+            if self.schedule is not None:
+                return self._pipeline_step(inputs, labels, forward_only=True)
+            (model,) = self.model_parts
+            n, m = self.num_local_microbatches, self.plan.num_microbatches
+            total = torch.zeros((), device=self.device)
+            for x, y in zip(_chunks(inputs, n), _chunks(labels, n)):
+                total += _local(self.loss_fn(logits_of(call_model(model, x)), y).detach()).float() / m
+            return total
+
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, forward_only: bool = False) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         target = labels if self.has_last_stage else None
+        run = self.schedule.eval if forward_only else self.schedule.step
         if self.has_first_stage:
-            self.schedule.step(inputs, target=target, losses=losses)
+            run(inputs, target=target, losses=losses)
         else:
-            self.schedule.step(target=target, losses=losses)
+            run(target=target, losses=losses)
         if not self.has_last_stage:
             return torch.zeros((), device=self.device)
         stacked = torch.stack([_local(x.detach()).float() for x in losses])

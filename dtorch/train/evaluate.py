@@ -148,36 +148,6 @@ def can_evaluate(parallel: Any) -> str | None:
     return None
 
 
-def _batch_loss(parallel: Any, inputs: Any, labels: Any) -> torch.Tensor:
-    """This rank's share of one evaluation batch's loss: its micro-batches' mean losses over the
-    plan's mean micro-batch count (as `ParallelModel._accumulate` / `_pipeline_step` weigh them)."""
-    from dtorch.model.outputs import call_model, logits_of
-    from dtorch.parallel.model import _chunks, _local, _to
-
-    inputs, labels = _to(inputs, parallel.device), _to(labels, parallel.device)
-    if parallel.context is not None:
-        inputs, labels = parallel.context.shard(inputs), parallel.context.shard(labels)
-    m = parallel.plan.num_microbatches
-    with parallel._compute_context():
-        if parallel.schedule is not None:
-            losses: list[torch.Tensor] = []
-            target = labels if parallel.has_last_stage else None
-            if parallel.has_first_stage:
-                parallel.schedule.eval(inputs, target=target, losses=losses)
-            else:
-                parallel.schedule.eval(target=target, losses=losses)
-            if not parallel.has_last_stage:
-                return torch.zeros((), device=parallel.device)
-            stacked = torch.stack([_local(x.detach()).float() for x in losses])
-            return stacked.sum() if parallel.uneven else stacked.mean()
-        (model,) = parallel.model_parts
-        n = parallel.num_local_microbatches
-        total = torch.zeros((), device=parallel.device)
-        for x, y in zip(_chunks(inputs, n), _chunks(labels, n)):
-            total += _local(parallel.loss_fn(logits_of(call_model(model, x)), y).detach()).float() / m
-        return total
-
-
 @torch.no_grad()
 def eval_loss(tr: Any, eval_set: Any, batches: int, phase: Any = None) -> float:
     """The mean loss over `batches` global batches of `eval_set` under the trainer's plan (every rank
@@ -201,7 +171,7 @@ def eval_loss(tr: Any, eval_set: Any, batches: int, phase: Any = None) -> float:
                 phase()
             idx = local_indices(b, tr.global_batch, p.dp_rank, p.dp_size, shares)
             inputs, labels = batch_for(eval_set, idx, tr.collate)
-            total += _batch_loss(p, inputs, labels)
+            total += p.eval_local_loss(inputs, labels)
     finally:
         for part, mode in zip(parts, modes):
             part.train(mode)
