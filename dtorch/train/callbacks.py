@@ -98,6 +98,10 @@ class Callback:
     def before_step(self, tr: Trainer, run: FitRun, step: int) -> None:
         """At the start of step `step` (1-based), before its data is read."""
 
+    def before_forward(self, tr: Trainer, run: FitRun, rec: StepRecord) -> None:
+        """After the step's data is read, before its `forward_backward` phase is marked (what watches
+        the phases, a chaos drill's fault included, has not seen the forward yet)."""
+
     def around_forward(self, tr: Trainer, run: FitRun, rec: StepRecord) -> contextlib.AbstractContextManager:
         """A context around the step's forward and backward."""
         return contextlib.nullcontext()
@@ -189,10 +193,8 @@ class Snapshots(Callback):
     def wait(self) -> None:
         self.snap.wait()
 
-    @contextlib.contextmanager
-    def around_forward(self, tr: Trainer, run: FitRun, rec: StepRecord) -> Iterator[None]:
-        self.snap.wait()  # a failure from here on finds the previous step complete
-        yield
+    def before_forward(self, tr: Trainer, run: FitRun, rec: StepRecord) -> None:
+        self.snap.wait()  # a failure from the forward on finds the previous step's copy complete
 
     def after_step(self, tr: Trainer, run: FitRun, rec: StepRecord) -> None:
         if rec.step % self.every:
