@@ -213,10 +213,8 @@ def run(args) -> int:
     if args.scheduler == "slurm":
         from dtorch.integrations import slurm
 
-        max_time = slurm.check_partition(args.partition)
-        limits = slurm.limits_for(args.partition)  # None where no Slurm controller answers
-        if args.partition is None:  # the default partition's limit
-            max_time = limits.max_time_s if limits is not None else None
+        limits = slurm.partition(args.partition)  # the default one without --partition; None: no Slurm here
+        max_time = limits.max_time_s if limits is not None else None
         slurm.check_nodes(args.nodes, limits)  # before any planning
     # The device type first: an unknown one is the user's mistake, before any planning.
     rq.device_group(args.device_type, args.gpus_per_node)

@@ -22,7 +22,6 @@ from dtorch.errors import ConfigError, choices
 from dtorch.integrations.request import Request
 
 
-
 def slurm_time(seconds: float) -> str:
     """Seconds -> Slurm's D-HH:MM:SS (rounded up to a minute)."""
     m = max(1, int(-(-seconds // 60)))
@@ -55,26 +54,6 @@ def parse_slurm_time(text: str) -> float | None:
     return days * 86400 + h * 3600 + m * 60 + s
 
 
-def partitions() -> dict[str, float | None] | None:
-    """Partition -> max time (seconds, None = unlimited) from `sinfo`; None when no Slurm
-    controller can be asked from here."""
-    exe = shutil.which("sinfo")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe, "-h", "-o", "%R %l"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    parts: dict[str, float | None] = {}
-    for line in out.stdout.splitlines():
-        name, _, limit = line.strip().partition(" ")
-        if name:
-            parts[name] = parse_slurm_time(limit)
-    return parts
-
-
 @dataclass(frozen=True)
 class PartitionLimits:
     """What one node of a partition offers (the largest node where they differ), from `sinfo`."""
@@ -99,19 +78,26 @@ def _gpus(gres: str) -> int:
     return n
 
 
-def partition_limits() -> dict[str, PartitionLimits] | None:
-    """Partition -> `PartitionLimits` from `sinfo`; None when no Slurm controller answers here."""
-    exe = shutil.which("sinfo")
+def _query(*args: str) -> str | None:
+    """stdout of a Slurm client command (sinfo, squeue); None when there is none here or no
+    controller answers."""
+    exe = shutil.which(args[0])
     if not exe:
         return None
     try:
-        out = subprocess.run([exe, "-h", "-o", "%P|%l|%D|%c|%m|%G"], capture_output=True, text=True, timeout=15)
+        out = subprocess.run([exe, *args[1:]], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
+    return out.stdout if out.returncode == 0 else None
+
+
+def partition_limits() -> dict[str, PartitionLimits] | None:
+    """Partition -> `PartitionLimits` from `sinfo`; None when no Slurm controller answers here."""
+    text = _query("sinfo", "-h", "-o", "%P|%l|%D|%c|%m|%G")
+    if text is None:
         return None
     found: dict[str, PartitionLimits] = {}
-    for line in out.stdout.splitlines():
+    for line in text.splitlines():
         cols = line.strip().split("|")
         if len(cols) != 6 or not cols[0]:
             continue
@@ -132,20 +118,18 @@ def partition_limits() -> dict[str, PartitionLimits] | None:
     return found
 
 
-def partitions() -> dict[str, float | None] | None:
-    """Partition -> max time (seconds, None = unlimited); None when no Slurm controller answers."""
-    lim = partition_limits()
-    return None if lim is None else {k: v.max_time_s for k, v in lim.items()}
-
-
-def limits_for(partition: str | None) -> PartitionLimits | None:
-    """The limits of `partition` (or of the default partition), None when Slurm cannot be asked."""
-    lim = partition_limits()
-    if not lim:
+def partition(name: str | None) -> PartitionLimits | None:
+    """The limits of partition `name`, or of the default partition when `name` is None (one `sinfo`
+    call); None when no Slurm controller answers here (sbatch will judge). ConfigError when a
+    reachable Slurm has no partition `name`."""
+    known = partition_limits()
+    if not known:
         return None
-    if partition is not None:
-        return lim.get(partition)
-    return next((p for p in lim.values() if p.default), None)
+    if name is None:
+        return next((p for p in known.values() if p.default), None)
+    if name not in known:
+        raise ConfigError("partition", name, f"this Slurm cluster has no such partition; {choices(sorted(known))}")
+    return known[name]
 
 
 def check_nodes(nodes: int | None, limits: PartitionLimits | None) -> None:
@@ -192,32 +176,11 @@ def fit_to_partition(req: Request, limits: PartitionLimits | None, *, cpus_given
 
 def job_state(job_id: str) -> tuple[str, str] | None:
     """(state, reason) of a job from `squeue`, e.g. ("PENDING", "Resources"); None if unknown."""
-    exe = shutil.which("squeue")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe, "-h", "-j", str(job_id), "-o", "%T|%r"], capture_output=True, text=True,
-                             timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    line = out.stdout.strip().splitlines()[:1]
-    if out.returncode != 0 or not line or "|" not in line[0]:
+    line = (_query("squeue", "-h", "-j", str(job_id), "-o", "%T|%r") or "").strip().splitlines()[:1]
+    if not line or "|" not in line[0]:
         return None
     state, reason = line[0].split("|", 1)
     return state, reason
-
-
-def check_partition(name: str | None) -> float | None:
-    """The max time of partition `name` (None if unknown or unlimited). Raises ConfigError when a
-    reachable Slurm has no such partition."""
-    if name is None:
-        return None
-    known = partitions()
-    if known is None:
-        return None  # no controller to ask: sbatch will say
-    if name not in known:
-        raise ConfigError("partition", name, f"this Slurm cluster has no such partition; {choices(sorted(known))}")
-    return known[name]
 
 
 def check_sbatch_value(field: str, value: object) -> None:
