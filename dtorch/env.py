@@ -26,22 +26,22 @@ from typing import Any
 from dtorch.errors import ConfigError
 
 
-def _int(name: str, raw: str | None, default: int | None) -> int | None:
+def _number(kind: type, name: str, raw: str | None, default: Any) -> Any:
+    """`raw` as `kind` (int or float), `default` when unset or empty; ConfigError naming `name`."""
     if raw in (None, ""):
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise ConfigError(name, raw, "use a whole number") from None
+        raise ConfigError(name, raw, "use a whole number" if kind is int else "use a number") from None
+
+
+def _int(name: str, raw: str | None, default: int | None) -> int | None:
+    return _number(int, name, raw, default)
 
 
 def _float(name: str, raw: str | None, default: float | None) -> float | None:
-    if raw in (None, ""):
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(name, raw, "use a number") from None
+    return _number(float, name, raw, default)
 
 
 def _str(raw: str | None) -> str | None:
