@@ -136,10 +136,6 @@ class RuntimeEnv:
         """Started by torchrun (or `dtorch run`): RANK is set."""
         return self.rank is not None
 
-    @property
-    def under_dtorch_run(self) -> bool:
-        return self.run_dir is not None
-
 
 VARIABLES: tuple[str, ...] = tuple(f.metadata["var"] for f in fields(RuntimeEnv))
 """The names `RuntimeEnv` reads."""
