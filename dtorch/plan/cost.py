@@ -388,7 +388,7 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare, m: RankMemory) ->
     """Bytes of the rank: model states, activations in flight, the strategies' buffers
     (`Strategy.rank_memory`), margin; and the host and disk bytes of offloaded states."""
     plan, prof, c = step.plan, step.profile, step.c
-    states = _states(plan, m.p_stage, m.p_gathered, m.p_local)
+    m.states = _states(plan, m.p_stage, m.p_gathered, m.p_local)
     a_none, shard_act = step.a_none, step.shard_act
     a_pol = act_bytes_per_token_block(prof, plan.ac, step.selective) * step.act_scale
     in_flight = activation_in_flight(plan, load.pp_rank)
@@ -399,6 +399,7 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare, m: RankMemory) ->
         acts += prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp * in_flight
     for s in MEMORY_TERMS:
         s.rank_memory(step, load, m)
+    states = {k: int(v) for k, v in m.states.items()}
     sub = sum(states.values()) + acts + m.buffers
     margin = c.fixed_overhead_bytes + c.fragmentation * sub
     r.memory = {**states, "activations": int(acts), "buffers": int(m.buffers), "margin": int(margin)}

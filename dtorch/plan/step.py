@@ -88,6 +88,9 @@ class RankMemory:
     buffers: float = 0.0
     host_bytes: float = 0.0
     disk_bytes: float = 0.0
+    states: dict = field(default_factory=dict)
+    """Model-state bytes by category (params, grads, optimizer) as `cost.rank_memory` computed them
+    before the strategies' terms: a strategy that holds them differently (ZeRO-1/2) changes them."""
 
 
 GiB = 2**30
