@@ -82,8 +82,8 @@ from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's sha
     mean_block_params,
     shape_factor,
 )
-from dtorch.plan.strategies import HOLDING, MEMORY_TERMS, TIMED, WORKING
-from dtorch.plan.strategies.base import RankLoad, RankShare
+from dtorch.plan.strategies import COUNTING, HOLDING, MEMORY_TERMS, PACED, TIMED, WORKING
+from dtorch.plan.strategies.base import RankLoad, RankShare, StepTerm
 from dtorch.plan.strategies.expert import gathered_params, local_params
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     SELECTIVE_POLICIES,
@@ -94,8 +94,7 @@ from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC 
     recompute_reruns_collectives,
 )
 from dtorch.plan.strategies.memory import recompute_ops_per_block as _recompute_ops_per_block
-from dtorch.plan.strategies.pipeline import (  # noqa: F401  (re-exported: the cost model's pipeline terms)
-    PIPELINE,
+from dtorch.plan.strategies.pipeline import (  # noqa: F401  (the stage split every rank is costed on; re-exports)
     activation_in_flight,
     balanced_partition,
     bubble_fraction,
@@ -103,7 +102,6 @@ from dtorch.plan.strategies.pipeline import (  # noqa: F401  (re-exported: the c
     partition,
     rank_loads,
 )
-from dtorch.plan.strategies.tensor import TENSOR
 
 
 @dataclass
@@ -154,11 +152,6 @@ class Estimate:
 
 
 # ---- compute ----------------------------------------------------------------------------------
-def bubble_fraction_of_microbatch(plan: Plan) -> float:
-    """Bubble length in units of one micro-batch's stage time (fwd+bwd)."""
-    return bubble_fraction(plan.pp, plan.virtual_stages, plan.schedule)
-
-
 def _rank_params(load: RankLoad, profile: ModelProfile, tp: int) -> float:
     """Parameters of one pipeline rank per TP rank."""
     p = _block_params(load, profile)  # (a MoE model's dense first blocks are smaller)
@@ -212,9 +205,10 @@ class StepCounts:
     """Those of them that run on DTensors (all of them under tensor parallelism)."""
     optimizer_ops: float
     dtensor_optimizer_ops: float
-    tp_small_per_microbatch: float
-    """Latency-bound TP collectives per micro-batch (the activation-sized ones are counted apart)."""
-    tp_small_per_step: float
+    tp_small_per_microbatch: float = 0.0
+    """Latency-bound TP collectives per micro-batch (the activation-sized ones are counted apart;
+    filled by the tensor strategy's `counts`, like every field after this one)."""
+    tp_small_per_step: float = 0.0
 
 
 NO_COUNTS = StepCounts(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -249,14 +243,13 @@ def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",
         ops_mb += (blocks * max(1, tpb - 2) + head_share) * c.autocast_ops_per_weight
     tensors = blocks * tpb + head_share * (profile.tensors_other or 3)
     opt = tensors * c.optimizer_ops_per_tensor if device_kind == "cpu" else c.optimizer_foreach_ops
-    tp_mb, tp_step = TENSOR.small_collectives(plan, blocks, head_share, c, selective) if plan.tp > 1 else (0.0, 0.0)
+    filled = {k: v for s in COUNTING for k, v in s.counts(plan, blocks, head_share, c, selective).items()}
     return StepCounts(
         ops_per_microbatch=ops_mb,
         dtensor_ops_per_microbatch=ops_mb if plan.tp > 1 else 0.0,
         optimizer_ops=opt,
         dtensor_optimizer_ops=opt if plan.tp > 1 or plan.dp_shard * plan.cp > 1 or plan.ep > 1 else 0.0,
-        tp_small_per_microbatch=tp_mb,
-        tp_small_per_step=tp_step,
+        **filled,
     )
 
 
@@ -460,9 +453,7 @@ def estimate(
     shares = [rank_share(step, ld, timed) for ld in distinct_loads(plan, profile.num_layers, profile.num_dense_layers)]
     pace, worst = _pace(shares, m)
     fullest = shares[0] if len(shares) == 1 else max(shares, key=lambda r: sum(r.memory.values()))
-    t_p2p, t_bubble = PIPELINE.step_time(step, pace.per_microbatch)
-    # the slowest stage sets the micro-batch pace; the busiest rank adds its own per-step work
-    step_s = m * pace.per_microbatch + t_bubble + t_p2p + worst.per_step
+    step_s, terms = _paced(step, pace, worst, m)
     tps = plan.dp * plan.microbatch_size * m * profile.seq_len / step_s
     total = sum(fullest.memory.values())
     host, host_ok, notes = _host_memory(step, shares)
@@ -471,7 +462,7 @@ def estimate(
         tokens_per_s=tps,
         tokens_per_s_per_gpu=tps / step.world,
         mfu=mfu(tps, profile, cluster, step.compute_dtype),
-        time_breakdown=_time_breakdown(m, pace, worst, t_p2p, t_bubble),
+        time_breakdown=_time_breakdown(m, pace, worst, terms),
         memory_bytes_per_rank=int(total),
         memory_breakdown=dict(fullest.memory),
         memory_capacity=int(step.dev.memory_bytes),
@@ -481,6 +472,17 @@ def estimate(
         disk_bytes_per_rank=int(max(r.disk_bytes for r in shares)),
         notes=notes,
     )
+
+
+def _paced(step: StepShape, pace: RankShare, worst: RankShare, m: int) -> tuple[float, tuple[StepTerm, ...]]:
+    """(step seconds, the strategies' per-step terms) of a pipeline whose slowest stage, `pace`,
+    sets the micro-batch pace: m micro-batches at that pace, the terms at it (`Strategy.pace_terms`:
+    the bubble, the sends), then the busiest rank's (`worst`) own per-step work."""
+    terms = tuple(t for s in PACED for t in s.pace_terms(step, pace.per_microbatch))
+    step_s = m * pace.per_microbatch
+    for t in terms:
+        step_s += t.seconds
+    return step_s + worst.per_step, terms
 
 
 def _pace(shares: list[RankShare], m: int) -> tuple[RankShare, RankShare]:
@@ -503,8 +505,8 @@ def _estimate_mixed(plan: Plan, profile: ModelProfile, cluster: Cluster, kw: dic
         if key not in columns:
             columns[key] = _column(plan, profile, cluster, *key, kw)
     slowest = max(columns, key=lambda k: columns[k][0])
-    m, (step_s, pace, worst, t_p2p, t_bubble, _) = slowest[1], columns[slowest]
-    ranks = [(r, st) for col in columns.values() for _, r, st in col[5]]  # (share, its step shape)
+    m, (step_s, pace, worst, terms, _) = slowest[1], columns[slowest]
+    ranks = [(r, st) for col in columns.values() for _, r, st in col[4]]  # (share, its step shape)
     tight, tst = max(ranks, key=lambda rs: sum(rs[0].memory.values()) / rs[1].dev.memory_bytes)
     notes, host_ok = [], True
     for g in cluster.groups:  # every node's ranks against its own host memory and disk
@@ -516,21 +518,22 @@ def _estimate_mixed(plan: Plan, profile: ModelProfile, cluster: Cluster, kw: dic
     return Estimate(
         step_time_s=step_s, tokens_per_s=tps, tokens_per_s_per_gpu=tps / cluster.world_size,
         mfu=mfu(tps, profile, cluster, tst.compute_dtype),
-        time_breakdown=_time_breakdown(m, pace, worst, t_p2p, t_bubble),
+        time_breakdown=_time_breakdown(m, pace, worst, terms),
         memory_bytes_per_rank=int(sum(tight.memory.values())), memory_breakdown=dict(tight.memory),
         memory_capacity=int(tst.dev.memory_bytes),
         fits=host_ok and all(sum(r.memory.values()) <= st.dev.memory_bytes for r, st in ranks),
         efficiency=min(st.eff for _, st in ranks),
         host_bytes_per_rank=int(max(r.host_bytes for r, _ in ranks)),
         disk_bytes_per_rank=int(max(r.disk_bytes for r, _ in ranks)), notes=notes,
-        groups=hetero.group_summary(cluster, {key: (col[0], [(k, sum(r.memory.values()), b) for (k, b), r, _ in col[5]])
+        groups=hetero.group_summary(cluster, {key: (col[0], [(k, sum(r.memory.values()), b) for (k, b), r, _ in col[4]])
                                               for key, col in columns.items()}),
     )
 
 
-def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[int, ...], m: int, kw: dict):
+def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[int, ...], m: int,
+            kw: dict) -> tuple[float, RankShare, RankShare, tuple[StepTerm, ...], list]:
     """One data-parallel rank's pipeline on a mixed cluster: pipeline rank i on group `stages[i]`,
-    `m` micro-batches. Returns (step seconds, pace, worst, p2p, bubble, ranks), ranks the distinct
+    `m` micro-batches. Returns (step seconds, pace, worst, per-step terms, ranks), ranks the distinct
     pipeline ranks as ((group, blocks), share, step shape): ranks of one group with the same load
     take the same time, and the first of them holds the most micro-batches in flight."""
     p = Plan.__new__(Plan)
@@ -544,8 +547,8 @@ def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[i
     ranks = [((k, ld.blocks), rank_share(steps[k], ld, timed[k]), steps[k]) for k, ld in loads.values()]
     shares = [r for _, r, _ in ranks]
     pace, worst = _pace(shares, m)
-    t_p2p, t_bubble = PIPELINE.step_time(ranks[shares.index(pace)][2], pace.per_microbatch)
-    return m * pace.per_microbatch + t_bubble + t_p2p + worst.per_step, pace, worst, t_p2p, t_bubble, ranks
+    step_s, terms = _paced(ranks[shares.index(pace)][2], pace, worst, m)
+    return step_s, pace, worst, terms, ranks
 
 
 def mfu(tokens_per_s: float, profile: ModelProfile, cluster: Cluster, compute_dtype: str) -> float:
@@ -559,7 +562,7 @@ def mfu(tokens_per_s: float, profile: ModelProfile, cluster: Cluster, compute_dt
                                                         for gr in groups)
 
 
-def _time_breakdown(m: int, pace: RankShare, worst: RankShare, t_p2p: float, t_bubble: float) -> dict[str, float]:
+def _time_breakdown(m: int, pace: RankShare, worst: RankShare, terms: tuple[StepTerm, ...]) -> dict[str, float]:
     return {
         "compute": m * pace.compute,
         "recompute": m * pace.recompute,
@@ -569,8 +572,7 @@ def _time_breakdown(m: int, pace: RankShare, worst: RankShare, t_p2p: float, t_b
         "ep": m * pace.ep,
         "fsdp": worst.fsdp,
         "dp": worst.dp,
-        "pp_p2p": t_p2p,
-        "bubble": t_bubble,
+        **{t.key: t.seconds for t in terms},
         "optimizer": worst.optimizer,
         "offload": worst.offload,
     }

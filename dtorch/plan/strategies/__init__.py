@@ -50,6 +50,10 @@ _MESH_FIELDS = tuple(n for n in FIELDS if n in MESH_AXES)
 TIMED = tuple(s for s in REGISTRY if type(s).rank_time is not Strategy.rank_time)
 """The strategies with time terms, in registry order: the cost model keeps those whose `prepare`
 says they apply to the plan, and adds their `rank_time` on every pipeline rank."""
+PACED = tuple(s for s in REGISTRY if type(s).pace_terms is not Strategy.pace_terms)
+"""The strategies with per-step terms at the pipeline's pace (`Strategy.pace_terms`: the pipeline's)."""
+COUNTING = tuple(s for s in REGISTRY if type(s).counts is not Strategy.counts)
+"""The strategies that fill fields of a step's `StepCounts` (`Strategy.counts`: the tensor strategy's)."""
 WORKING = tuple(s for s in REGISTRY if type(s).work is not Strategy.work)
 """The strategies that add to a rank's own work after the compute term (`Strategy.work`)."""
 HOLDING = tuple(s for s in REGISTRY if type(s).held is not Strategy.held)

@@ -63,6 +63,15 @@ class Field:
     """What the declared field does (plan.py's field docstrings, for declared fields)."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepTerm:
+    """Seconds a strategy adds once per step at the pipeline's pace, not per rank (the pipeline's
+    bubble and point-to-point sends): `key` is its entry of `Estimate.time_breakdown`."""
+
+    key: str
+    seconds: float
+
+
 @dataclass(frozen=True)
 class Violation:
     """A broken rule: the field, the value seen and what to do instead."""
@@ -151,6 +160,17 @@ class Strategy:
 
     def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
+
+    def pace_terms(self, step: StepShape, t_mb: float) -> tuple[StepTerm, ...]:
+        """Seconds this strategy adds once per step when the slowest pipeline rank takes `t_mb` per
+        micro-batch, in the order the step time sums them (the pipeline's bubble, then its sends)."""
+        return ()
+
+    def counts(self, plan: Any, blocks: float, head_share: float, c: Any, selective: str) -> dict[str, float]:
+        """The `StepCounts` fields this strategy fills for a pipeline rank with `blocks` blocks and
+        `head_share` of the embedding and head (the tensor strategy's latency-bound collectives);
+        the fields it leaves out stay 0."""
+        return {}
 
     def work(self, step: StepShape, load: RankLoad, r: RankShare, flops_mb: float) -> None:
         """Add to the rank's own work per micro-batch (`r.compute`, `r.recompute`) once the shared

@@ -24,6 +24,7 @@ from dtorch.plan.strategies.base import (
     Field,
     Limit,
     RankLoad,
+    StepTerm,
     Strategy,
     Violation,
     divisors,
@@ -167,6 +168,12 @@ class Pipeline(Strategy):
     """The schedule that leaves the smallest bubble the search tries (the lower bound's)."""
 
     # ---- time ----------------------------------------------------------------------------------
+    def pace_terms(self, step: StepShape, t_mb: float) -> tuple[StepTerm, ...]:
+        """The bubble and the exposed point-to-point seconds of one step whose slowest stage takes
+        `t_mb` per micro-batch (both 0 without a pipeline: the breakdown always shows them)."""
+        t_p2p, t_bubble = self.step_time(step, t_mb)
+        return StepTerm("bubble", t_bubble), StepTerm("pp_p2p", t_p2p)
+
     def step_time(self, step: StepShape, t_mb: float) -> tuple[float, float]:
         """(exposed point-to-point seconds, bubble seconds) of one step whose slowest stage takes
         `t_mb` per micro-batch."""

@@ -111,6 +111,10 @@ class Tensor(Strategy):
         r.tp += self.blocking_collectives(step, load, counts) * sync_skew(step.g.intra, r.segment_s(), step.plan.tp)
         r.tp_step = counts.tp_small_per_step * small * c.tp_exposed
 
+    def counts(self, plan: Any, blocks: float, head_share: float, c: Any, selective: str) -> dict[str, float]:
+        per_mb, per_step = self.small_collectives(plan, blocks, head_share, c, selective)
+        return {"tp_small_per_microbatch": per_mb, "tp_small_per_step": per_step}
+
     def small_collectives(self, plan: Any, blocks: float, head_share: float, c: Any,
                           selective: str = "matmuls_saved") -> tuple[float, float]:
         """Latency-bound TP collectives (per micro-batch, per step) of a rank with `blocks` blocks and
