@@ -46,9 +46,16 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--model", required=True, help="preset (llama3-70b, gpt2-xl, ...), llama:/gpt: spec, factory or HF config")
     p.add_argument("--cluster", default=None,
                    help="preset shorthand (h100:8x8, h100:4x8+a100:2x8), cluster YAML/JSON, or 'detect' (default)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    from dtorch.train.job import CLUSTER_SEQ_LEN, DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
+
+    p.add_argument("--seq-len", type=int, default=CLUSTER_SEQ_LEN,
+                   help=f"tokens per sequence (default {CLUSTER_SEQ_LEN}, a cluster-scale model's, as dtorch submit; "
+                        f"dtorch train's default is {DEFAULT_SEQ_LEN}, for its small default model: pass its "
+                        "--seq-len to plan a train job)")
     p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step (default: one per device)")
+                   help="sequences per optimizer step (default: one per device, the smallest batch every plan can "
+                        f"run; dtorch train's default is {DEFAULT_GLOBAL_BATCH}: pass its --global-batch to plan a "
+                        "train job)")
     p.add_argument("--fix", default=None, help="pin plan fields, e.g. tp=8,pp=2,microbatch=1,ac=full")
     p.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
     p.add_argument("--steps", type=int, default=None,

@@ -32,8 +32,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default=None, help="training budget in tokens (2T, 5e11): sizes the cluster and the steps")
     p.add_argument("--deadline", default=None, help="wall-clock budget (30d, 12h): the smallest cluster that meets it")
     p.add_argument("--max-nodes", type=int, default=2048, help="largest cluster to consider (default 2048)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sample (default 4096)")
-    p.add_argument("--global-batch", type=int, default=1024, help="samples per step (default 1024)")
+    from dtorch.train.job import CLUSTER_GLOBAL_BATCH, CLUSTER_SEQ_LEN
+
+    p.add_argument("--seq-len", type=int, default=CLUSTER_SEQ_LEN,
+                   help=f"tokens per sample (default {CLUSTER_SEQ_LEN}, as dtorch plan; dtorch train's smaller default "
+                        "is for its small default model)")
+    p.add_argument("--global-batch", type=int, default=CLUSTER_GLOBAL_BATCH,
+                   help=f"samples per step (default {CLUSTER_GLOBAL_BATCH}: --tokens becomes steps before any plan "
+                        "exists, so a pre-training batch is assumed, where dtorch plan ranks plans at one per device)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: tokens / (batch x seq))")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float8"])
     p.add_argument("--checkpoint-dir", default=None,

@@ -24,6 +24,12 @@ def add_parser(sub, help_text: str) -> None:
     from dtorch.train.job import add_arguments
 
     p = sub.add_parser("train", help=help_text, description=__doc__)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a job description (.toml, .yaml or .yml; the format follows the extension) whose fields "
+                        "are these options' names with underscores; a flag given here overrides the file")
+    p.add_argument("--print-config", nargs="?", const="auto", default=None, choices=("auto", "toml", "yaml"),
+                   help="write the resolved job description (defaults, --config, flags) to stdout and exit "
+                        "without training: TOML, or the --config file's format; feed it back with --config")
     add_arguments(p, launcher=True)  # one flag per JobConfig field: the workers receive the config whole
     p.set_defaults(func=run)
 
@@ -191,9 +197,16 @@ def _check_plan(args: JobConfig, nproc: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from dtorch.cluster.local import default_workers
     from dtorch.errors import ConfigError
-    from dtorch.train.job import JobConfig
+    from dtorch.train.config import FORMATS, dumps
+    from dtorch.train.job import from_command_line
 
-    config = JobConfig.from_namespace(args)
+    config = from_command_line(args)  # defaults < --config file < flags given
+    if args.print_config:
+        kind = args.print_config
+        if kind == "auto":
+            kind = FORMATS.get(os.path.splitext(args.config or "")[1].lower(), "toml")
+        print(dumps(config, "toml" if kind == "json" else kind), end="")
+        return 0
     nproc = config.nproc if config.nproc is not None else default_workers()
     if nproc < 1:
         raise ConfigError("nproc", nproc, "use at least 1 worker process")

@@ -22,6 +22,15 @@ from typing import Any
 from dtorch.env import current as current_env
 
 DEFAULT_MODEL = "gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256"
+DEFAULT_GLOBAL_BATCH = 16
+DEFAULT_SEQ_LEN = 128
+"""`dtorch train`'s batch and sequence: sized for its default model on 2 CPU workers."""
+CLUSTER_SEQ_LEN = 4096
+"""`dtorch plan` and `dtorch submit` size jobs of named, cluster-scale models: their default sequence
+is one such a model trains with, not the small default job's (their --help says so)."""
+CLUSTER_GLOBAL_BATCH = 1024
+"""`dtorch submit`'s batch: it turns --tokens into steps before any plan exists, so it needs a number
+(4M tokens at CLUSTER_SEQ_LEN); `dtorch plan` ranks plans at one sequence per device instead."""
 CONFIG_FILE = "job.json"
 """The job's configuration in its run directory, read by every worker (and kept for the person
 who asks what the job ran with)."""
@@ -49,8 +58,11 @@ class JobConfig:
 
     model: str = _opt(DEFAULT_MODEL, "model preset or spec (gpt:..., llama:...); default: a 4-layer byte-level GPT")
     steps: int = _opt(300, "train until this global step (default 300)")
-    global_batch: int = _opt(16, "samples per optimizer step (default 16)")
-    seq_len: int = _opt(128, "tokens per sample (default 128)")
+    global_batch: int = _opt(DEFAULT_GLOBAL_BATCH, f"samples per optimizer step (default {DEFAULT_GLOBAL_BATCH}, for "
+                             "the default model; dtorch plan defaults to one per device, dtorch submit to "
+                             f"{CLUSTER_GLOBAL_BATCH})")
+    seq_len: int = _opt(DEFAULT_SEQ_LEN, f"tokens per sample (default {DEFAULT_SEQ_LEN}, for the default model; "
+                        f"dtorch plan and submit default to {CLUSTER_SEQ_LEN} for cluster-scale models)")
     lr: float = _opt(3e-3, "peak learning rate (default 3e-3)")
     warmup: int = _opt(20, "warm-up steps (default 20)")
     lr_schedule: str = _opt("cosine", "learning-rate schedule after the warm-up: cosine (default), linear, wsd "
@@ -108,11 +120,19 @@ class JobConfig:
         EvalSpec.resolve(self.eval_every, self.eval_data, self.eval_split, self.eval_batches)
 
     def schedule(self) -> Any:
-        """The learning-rate schedule spec `--lr-schedule` and its options ask for."""
+        """The learning-rate schedule spec `--lr-schedule` and its options ask for; a bad value names
+        this configuration's field (`lr_decay_ratio`), not the schedule's argument (`decay_ratio`)."""
+        from dtorch.errors import ConfigError
         from dtorch.train.optim import schedule
 
-        return schedule(self.lr_schedule, warmup_steps=self.warmup, min_ratio=self.lr_min_factor,
-                        decay_ratio=self.lr_decay_ratio)
+        try:
+            return schedule(self.lr_schedule, warmup_steps=self.warmup, min_ratio=self.lr_min_factor,
+                            decay_ratio=self.lr_decay_ratio)
+        except ConfigError as e:
+            ours = {"warmup_steps": "warmup", "min_ratio": "lr_min_factor", "decay_ratio": "lr_decay_ratio"}
+            if e.field not in ours:
+                raise
+            raise ConfigError(ours[e.field], e.value, e.fix) from None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> JobConfig:
@@ -124,20 +144,13 @@ class JobConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> JobConfig:
-        """Rebuild a saved configuration; a field this build does not know is an error, not dropped."""
-        from dtorch.errors import ConfigError
+    def from_dict(cls, doc: dict[str, Any], source: str = "config") -> JobConfig:
+        """A configuration from its fields (a saved one, a job description file); the rest keep their
+        defaults. Checked against `dtorch.train.config.schema(JobConfig)`: a field this build does not know or
+        a value of the wrong type is a ConfigError naming it, never dropped or coerced."""
+        from dtorch.train.config import validate
 
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(doc) - names)
-        if unknown:
-            raise ConfigError("config", unknown, "options this version of dtorch does not know: run the job with the "
-                              "dtorch that wrote the configuration")
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in doc and not _is_instance(doc[f.name], hints[f.name]):
-                raise ConfigError(f.name, doc[f.name], f"expected {hints[f.name]}")
-        return cls(**doc)
+        return cls(**validate(doc, cls, source))
 
     def save(self, run_dir: str | os.PathLike) -> Path:
         """Write the configuration as `<run_dir>/job.json` (a private file, replaced atomically,
@@ -150,43 +163,46 @@ class JobConfig:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> JobConfig:
-        from dtorch.checkpoint.files import read_small
-        from dtorch.errors import ConfigError
+    def load(cls, path: str | os.PathLike, *, follow_links: bool = False) -> JobConfig:
+        """The configuration in a file: `job.json` as `save` wrote it (never read through a link), or
+        a job description (.toml/.yaml/.yml; `follow_links` for the user's own files)."""
+        from dtorch.train.config import read
 
-        try:
-            doc = json.loads(read_small(Path(path), 1 << 20))
-        except (OSError, ValueError) as e:
-            raise ConfigError("config", str(path), f"cannot read the job configuration ({e})") from None
-        if not isinstance(doc, dict):
-            raise ConfigError("config", str(path), "not a job configuration (a JSON object)")
-        return cls.from_dict(doc)
+        return cls(**read(path, cls, follow_links=follow_links))
 
 
-def _is_instance(value: Any, hint: Any) -> bool:
-    args = typing.get_args(hint)
-    kinds = tuple(a for a in args if a is not type(None)) if args else (hint,)
-    if value is None:
-        return type(None) in args
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        return True
-    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+def from_command_line(ns: argparse.Namespace) -> JobConfig:
+    """The JobConfig of a `dtorch train` command line: the defaults, then the `--config` file's
+    fields, then the flags given (argparse leaves the others out of `ns`, see `add_arguments`)."""
+    from dtorch.train.config import read
+
+    path = getattr(ns, "config", None)
+    doc = read(path, JobConfig) if path else {}
+    doc.update({f.name: getattr(ns, f.name) for f in dataclasses.fields(JobConfig) if hasattr(ns, f.name)})
+    return JobConfig.from_dict(doc, path or "the command line")
 
 
 def add_arguments(p: argparse.ArgumentParser, *, launcher: bool = False) -> None:
     """One flag per JobConfig field: the trainer's (shared by `dtorch train` and the worker entry
-    point), and with `launcher` the elastic agent's too (`dtorch train` only)."""
+    point), and with `launcher` the elastic agent's too (`dtorch train` only). A flag not given is
+    absent from the namespace (so it overrides a `--config` file only when given): a yes/no field
+    has both spellings (`--rebalance`/`--no-rebalance`; `--no-progress`/`--progress`)."""
     hints = typing.get_type_hints(JobConfig)
     for f in dataclasses.fields(JobConfig):
         if f.metadata["launcher"] and not launcher:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kw = dict(f.metadata["argparse"])
+        kw = dict(f.metadata["argparse"], default=argparse.SUPPRESS, help=f.metadata["help"])
+        if hints[f.name] is bool and f.name.startswith("no_"):
+            p.add_argument(flag, action="store_true", dest=f.name, **kw)
+            p.add_argument("--" + f.name[3:].replace("_", "-"), action="store_false", dest=f.name,
+                           default=argparse.SUPPRESS, help=f"undo {flag} (of a --config file)")
+            continue
         if hints[f.name] is bool:
-            p.add_argument(flag, action="store_true", help=f.metadata["help"], **kw)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         kinds = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
-        p.add_argument(flag, type=kinds[0], default=f.default, help=f.metadata["help"], **kw)
+        p.add_argument(flag, type=kinds[0], **kw)
 
 
 def parse_plan(text: str):
@@ -300,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.config is None:
         return run(JobConfig.from_namespace(ns))
-    given = [f.name for f in dataclasses.fields(JobConfig) if hasattr(ns, f.name) and getattr(ns, f.name) != f.default]
+    given = [f.name for f in dataclasses.fields(JobConfig) if hasattr(ns, f.name)]
     if given:
         from dtorch.errors import ConfigError
 

@@ -34,7 +34,7 @@ def _dests(p: argparse.ArgumentParser) -> set[str]:
 
 def test_every_flag_of_dtorch_train_is_a_job_config_field_and_back():
     fields = {f.name for f in dataclasses.fields(JobConfig)}
-    assert _dests(_train_parser()) == fields
+    assert _dests(_train_parser()) == fields | {"config", "print_config"}  # the job description file's two
     worker = argparse.ArgumentParser()
     add_arguments(worker)  # the worker entry point: the trainer's flags only
     assert _dests(worker) == {f.name for f in dataclasses.fields(JobConfig) if not f.metadata["launcher"]}
@@ -102,7 +102,7 @@ def test_every_dtorch_train_option_reaches_both_workers(inputs, tmp_path):
     }
     parser = _train_parser()
     # eval_split excludes eval_data (the held-out split is tests/train/test_eval.py's)
-    assert set(values) | {"eval_split"} == _dests(parser), "set a non-default value for every option of dtorch train"
+    assert set(values) | {"eval_split", "config", "print_config"} == _dests(parser), "set a non-default value for every option of dtorch train"
     argv = []
     for dest, v in values.items():
         argv += ["--" + dest.replace("_", "-")] + ([v] if v is not None else [])

@@ -65,11 +65,11 @@ def test_defaults_keep_the_schedules_runs_had():
 
 @pytest.mark.parametrize("kw,field", [
     ({"lr_schedule": "step"}, "lr_schedule"),
-    ({"lr_schedule": "wsd", "lr_decay_ratio": 0.0}, "decay_ratio"),
-    ({"lr_schedule": "wsd", "lr_decay_ratio": 1.5}, "decay_ratio"),
-    ({"lr_min_factor": -0.1}, "min_ratio"),
-    ({"lr_min_factor": 2.0}, "min_ratio"),
-    ({"warmup": -1}, "warmup_steps"),
+    ({"lr_schedule": "wsd", "lr_decay_ratio": 0.0}, "lr_decay_ratio"),  # the job's field, not the schedule's
+    ({"lr_schedule": "wsd", "lr_decay_ratio": 1.5}, "lr_decay_ratio"),
+    ({"lr_min_factor": -0.1}, "lr_min_factor"),
+    ({"lr_min_factor": 2.0}, "lr_min_factor"),
+    ({"warmup": -1}, "warmup"),
 ])
 def test_bad_schedule_values_name_the_field_when_the_config_is_made(kw, field):
     with pytest.raises(ConfigError) as e:
