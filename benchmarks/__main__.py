@@ -264,10 +264,10 @@ def _targets(sections: dict) -> list[str]:
                          fc["snapshot_stall_pct_of_step"] <= TARGETS["stall_pct"]))
         rows.append(("ETTR with kills every 30 steps", f"{fc['ettr']:.3f}", "(info)", None))
     mfu = sections.get("mfu", {})
-    if mfu.get("achieved_flops"):
-        # against the best GEMM measured on this machine (the stricter of the probe's and the 1024^3 one)
-        peak = max(v for v in (mfu["peaks"].get("probe_best_gemm"), mfu["peaks"].get("gemm_1024_now")) if v)
-        rows.append(("single-process MFU vs measured GEMM peak", f"{mfu['achieved_flops'] / peak:.1%}", "(info)", None))
+    if mfu.get("achieved_flops") and mfu["peaks"].get("detected"):
+        # against the CPU's detected peak, the denominator DTorch reports MFU against (dtorch.cluster.peak)
+        rows.append(("single-process MFU (detected CPU peak)", f"{mfu['achieved_flops'] / mfu['peaks']['detected']:.1%}",
+                     "(info)", None))
     off = sections.get("offload", {}).get("summary")
     if off:
         rows.append(("peak RSS drop with the NVMe optimizer tier", f"{off['rss_drop_bytes'] / 2**30:.2f} GiB",

@@ -48,6 +48,7 @@ def local_cluster(world_size: int, local_world_size: int | None = None, *, calib
             dev,
             name=f"{dev.name}/{local}",
             peak_flops={k: v / local for k, v in dev.peak_flops.items()},
+            mfu_peak_flops={k: v / local for k, v in dev.mfu_peak_flops.items()},
             memory_bytes=dev.memory_bytes // local,
             memory_bandwidth=dev.memory_bandwidth / local,
         )

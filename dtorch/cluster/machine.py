@@ -73,6 +73,7 @@ def cpu_device(threads: int | None = None, *, measure: bool = False,
     timed per dtype on `threads` threads (see `dtorch.cluster.capability`). `dtorch probe` measures
     the real curve."""
     from dtorch.cluster.capability import DEFAULT_WORKLOAD, cpu_speeds, speed_scale
+    from dtorch.cluster.peak import cpu_peaks
 
     cores = os.cpu_count() or 1
     flops, bandwidth, eff = cores * _cpu_ghz() * 1e9 * 32, 20e9, 0.5
@@ -97,4 +98,6 @@ def cpu_device(threads: int | None = None, *, measure: bool = False,
         op_overhead_s=5e-6,
         dtensor_op_overhead_s=10e-6,
         elementwise_speed=dict(speeds),
+        # MFU's denominator: the theoretical peak from the CPU's features, not the scaled figure above
+        mfu_peak_flops=cpu_peaks(tuple(speeds)),
     )

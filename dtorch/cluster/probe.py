@@ -44,7 +44,7 @@ shape factor (width, rows)); the probe fits `peak_flops` and `matmul_efficiency`
 peak x efficiency x shape factor matches the measured curve (least squares in log space, efficiency
 at most 1). The shape factor was fitted on GPUs; a CPU's curve is flatter, so there the fitted
 `peak_flops` is an effective scale above the best GEMM a rank achieved, which is stored apart as
-`measured_peak_flops` (the MFU denominator). Collectives are alpha-beta per link class with `bandwidth x efficiency` and
+`measured_peak_flops` (what a rank achieved; MFU divides by the detected peak, `dtorch.cluster.peak`). Collectives are alpha-beta per link class with `bandwidth x efficiency` and
 `latency` per ring step: the probe fits both on the measured ring collectives of a link class
 together, point-to-point latency apart, and stores them with efficiency 1 (they are achieved, not
 line-rate, numbers).

@@ -41,6 +41,10 @@ class DeviceType:
     unmeasured, the attention core runs at the GEMM speed (a spec sheet gives no such number).
     Measured by the probe (`dtorch.cluster.probe.measure_attention`): on a CPU the kernel runs at a
     fraction of the GEMM speed that depends on head_dim (4-5x below it at head_dim 16)."""
+    mfu_peak_flops: dict[str, float] = field(default_factory=dict)
+    """Peak FLOP/s by dtype that MFU divides by, where it differs from `peak_flops`: a CPU's cost-model
+    `peak_flops` is scaled to what its kernels achieve, its MFU peak is the theoretical one detected
+    from its features (`dtorch.cluster.peak`). Empty: `peak_flops` (a spec sheet's)."""
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s in `dtype`. A dtype the sheet does not list is not supported (KeyError):
@@ -50,6 +54,10 @@ class DeviceType:
         if dtype == "float16" and "bfloat16" in self.peak_flops and self.kind != "cpu":
             return self.peak_flops["bfloat16"]  # GPU tensor cores run both 16-bit formats alike
         raise KeyError(dtype)
+
+    def mfu_peak(self, dtype: str) -> float:
+        """The peak FLOP/s in `dtype` that MFU divides by (`mfu_peak_flops`, else `peak`)."""
+        return self.mfu_peak_flops.get(dtype) or self.peak(dtype)
 
     def supports(self, dtype: str) -> bool:
         try:

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from dtorch.env import current
-
 
 def peak_memory_bytes(device: torch.device | None = None) -> int:
     """Peak memory of this process: CUDA allocator peak on GPU, else the resident-set high-water mark."""
@@ -151,35 +149,10 @@ def format_eta(seconds: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-_GEMM_PEAK_CACHE: dict[tuple[str, str], float] = {}
-
-
-def measured_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
-                       cache_dir: str | os.PathLike | None = None) -> float:
-    """Achieved FLOP/s of an n x n x n matmul on `device` (the MFU denominator on CPU, where no spec
-    sheet exists). Measured once per process and cached; `dtorch probe` measures a full curve.
-
-    With `cache_dir` (the job's private run directory under `dtorch run`) the figure is also kept
-    there, per rank and thread count, so that a worker restarted within the same job reuses what its
-    first start measured (~0.3 s of every recovery on a small CPU machine, and the MFU stays on one
-    denominator for the whole job) instead of measuring again while its peers wait."""
-    key = (str(device), str(dtype))
-    if key in _GEMM_PEAK_CACHE:
-        return _GEMM_PEAK_CACHE[key]
-    path = None
-    if cache_dir is not None:
-        import socket
-
-        name = f"gemm-peak-{socket.gethostname()}-rank{env_rank()}-{device}-{str(dtype).replace('torch.', '')}-{torch.get_num_threads()}t-{n}.json"
-        path = os.path.join(cache_dir, name.replace(":", "_"))
-        try:
-            with open(path) as f:
-                peak = float(json.load(f)["flops"])
-            if peak > 0:
-                _GEMM_PEAK_CACHE[key] = peak
-                return peak
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # not measured yet in this job (or unreadable): measure
+def measured_gemm_rate(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """Achieved FLOP/s of an n x n x n matmul on `device`: what a GEMM reaches here, for comparison
+    (`benchmarks/bench_mfu.py`). Not MFU's denominator: a measured rate is no peak (MFU against it
+    read 91-104 % on a CPU); that is `dtorch.cluster.peak`'s."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
@@ -192,17 +165,4 @@ def measured_gemm_peak(device: torch.device, dtype: torch.dtype = torch.float32,
         a @ b
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    peak = 2 * n**3 * reps / (time.perf_counter() - t)
-    _GEMM_PEAK_CACHE[key] = peak
-    if path is not None:
-        from dtorch import trust
-
-        try:
-            trust.replace_file(path, json.dumps({"flops": peak}).encode(), durable=False)
-        except OSError:
-            pass  # a cache only
-    return peak
-
-
-def env_rank() -> int:
-    return current().rank or 0
+    return 2 * n**3 * reps / (time.perf_counter() - t)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from dtorch.cluster.peak import mfu as peak_mfu
 from dtorch.monitor import nvml
 from dtorch.monitor.comms import AXES
 
@@ -126,7 +127,7 @@ class RankCollector:
         n = max(self.n, 1)
         step = self.sums["step"] / n
         tps = self.tokens_per_step / step if step > 0 else 0.0
-        mfu = tps * self.flops_per_token / (self.peak_flops * self.world) if self.peak_flops else 0.0
+        mfu = peak_mfu(tps, self.flops_per_token, self.peak_flops, self.world)
         if self.device.type == "cuda":
             mem = [float(torch.cuda.memory_allocated(self.device)), float(torch.cuda.max_memory_allocated(self.device)),
                    float(torch.cuda.memory_reserved(self.device))]

@@ -113,7 +113,8 @@ class Estimate:
     """Whole-cluster tokens per second."""
     tokens_per_s_per_gpu: float
     mfu: float
-    """Model FLOPs (no recompute) per second over the cluster's bf16 peak (summed over all devices)."""
+    """Model FLOPs (no recompute) per second over the devices' peak in the compute dtype, summed over
+    all devices (`mfu`; the one definition: `dtorch.cluster.peak`)."""
     time_breakdown: dict[str, float]
     """compute, recompute, host, tp, cp, ep, fsdp, dp, pp_p2p, bubble, optimizer, offload (exposed seconds)."""
     memory_bytes_per_rank: int
@@ -553,11 +554,12 @@ def _column(plan: Plan, profile: ModelProfile, cluster: Cluster, stages: tuple[i
 
 def mfu(tokens_per_s: float, profile: ModelProfile, cluster: Cluster, compute_dtype: str) -> float:
     """Model FLOPs per second over the whole cluster's peak in the compute dtype (torchtitan's
-    convention); a mixed cluster's faster devices wait for the slowest."""
+    convention; a CPU's peak is its detected one, `DeviceType.mfu_peak`, `dtorch.cluster.peak`);
+    a mixed cluster's faster devices wait for the slowest."""
     groups = cluster.groups
     if len(groups) == 1 and groups[0].device.supports(compute_dtype):
-        return tokens_per_s * profile.flops_per_token / (groups[0].num_devices * groups[0].device.peak(compute_dtype))
-    return tokens_per_s * profile.flops_per_token / sum(gr.num_devices * gr.device.peak(compute_dtype)
+        return tokens_per_s * profile.flops_per_token / (groups[0].num_devices * groups[0].device.mfu_peak(compute_dtype))
+    return tokens_per_s * profile.flops_per_token / sum(gr.num_devices * gr.device.mfu_peak(compute_dtype)
                                                         if gr.device.supports(compute_dtype) else 0.0
                                                         for gr in groups)
 

@@ -56,7 +56,9 @@ class FitRun:
     result: FitResult
     tokens_per_step: int
     flops_per_token: float
+    """Model FLOPs per token (6N + attention, no recompute): MFU's numerator per token."""
     peak_flops: float
+    """One rank's peak FLOP/s in the compute dtype: MFU's denominator per rank (`dtorch.cluster.peak`)."""
     sample_shares: list[int] | None
     """Uneven work (plan.dp_shares): each data-parallel rank's slice of the global batch, in samples."""
     phase: str = "data"
@@ -150,12 +152,13 @@ class MetricsSink(Callback):
     """Each step's line of metrics.jsonl (+ TensorBoard, the console)."""
 
     def after_step(self, tr: Trainer, run: FitRun, rec: StepRecord) -> None:
+        from dtorch.cluster.peak import mfu
         from dtorch.monitor.metrics import StepMetrics, peak_memory_bytes
 
         tps = run.tokens_per_step / rec.dt
         tr.metrics.log(StepMetrics(
             step=rec.step, loss=rec.loss, grad_norm=rec.grad_norm, lr=rec.lr, step_time_s=rec.dt,
-            tokens_per_s=tps, mfu=tps * run.flops_per_token / (run.peak_flops * tr.world),
+            tokens_per_s=tps, mfu=mfu(tps, run.flops_per_token, run.peak_flops, tr.world),
             peak_memory_bytes=peak_memory_bytes(tr.device), world_size=tr.world, epoch=tr.env.epoch or 0))
 
     def close(self, tr: Trainer, run: FitRun) -> None:

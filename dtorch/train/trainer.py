@@ -372,11 +372,7 @@ class Trainer:
 
     def _fit_run(self, steps: int) -> FitRun:
         """What this call of `fit` shares with its callbacks."""
-        from dtorch.monitor.metrics import measured_gemm_peak
-
-        # MFU denominator: the spec-sheet peak on GPUs; on CPU the GEMM peak measured now, with all
-        # ranks measuring at once (they share the cores).
-        peak = build.device_peak(self) or measured_gemm_peak(self.device, cache_dir=self.env.run_dir)
+        peak = build.device_peak(self)  # MFU's denominator, the plan's (dtorch.cluster.peak)
         shares = [self.plan.microbatch_size * n for n in self.plan.dp_shares] if self.parallel.uneven else None
         return FitRun(steps, FitResult(0, self.step, self.resumed.step, plan=self.plan),
                       self.global_batch * self.seq_len, build.flops_per_token(self), peak, shares)
