@@ -116,6 +116,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         out["median_step_time_s"] = statistics.median(s["step_time_s"] for s in body)
         out["median_tokens_per_s"] = statistics.median(s["tokens_per_s"] for s in body)
         out["median_mfu"] = statistics.median(s["mfu"] for s in body)
+    if plan:  # MFU's denominator and the plan's figures, as the run logged them (dtorch.cluster.peak)
+        out.update({k: plan.get(k) for k in ("predicted_mfu", "mfu_peak_flops", "flops_per_token", "world_size",
+                                             "predicted_memory_breakdown")})
     finished = any(e.get("event") == "feedback" for e in events) or any(
         e.get("kind") == "job_succeeded" for e in run["run_events"])
     out["finished"] = finished
@@ -270,6 +273,18 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
+def mfu_line(s: dict[str, Any]) -> str:
+    """'12.8 % (plan: 9.9 %), model FLOPs (6N + attention, no recompute) x tokens/s over 2 x 166.4
+    GFLOP/s': the measured median, the plan's prediction and the one denominator both use."""
+    line = f"{100 * s.get('median_mfu', 0):.1f} %"
+    if s.get("predicted_mfu") is not None:
+        line += f" (plan: {100 * s['predicted_mfu']:.1f} %)"
+    if s.get("mfu_peak_flops"):
+        line += (f", model FLOPs (6N + attention, no recompute) x tokens/s over {s.get('world_size') or 1} x "
+                 f"{s['mfu_peak_flops'] / 1e9:,.1f} GFLOP/s peak")
+    return line
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events: str | Path | None = None) -> Path:
     """Write the report; returns the path of index.html."""
     run = load_run(run_dir, events)
@@ -286,7 +301,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, events:
                                    f"step {s['final_eval_step']})")] if s.get("final_eval_loss") is not None else []),
             ("median step", f"{_ms(s.get('median_step_time_s'))} ms"),
             ("median tokens/s", f"{s.get('median_tokens_per_s', 0):,.0f}"),
-            ("median MFU", f"{100 * s.get('median_mfu', 0):.1f} %")]
+            ("median MFU", mfu_line(s))]
+    if s.get("predicted_memory_breakdown"):
+        from dtorch.plan.explain import memory_summary
+
+        rows.append(("predicted memory per rank", memory_summary(s["predicted_memory_breakdown"])))
     if "slowest_rank" in s:
         rows.append(("slowest rank", f"rank {s['slowest_rank']}: its own work (data, compute, optimizer; "
                                      f"waits excluded) is {s['slowest_ratio']:.2f}x the fastest rank's"))

@@ -52,8 +52,69 @@ def time_breakdown(est: Estimate) -> str:
     return ", ".join(parts)
 
 
+RESERVE_KEYS = ("margin", "reserve")
+"""Entries of a memory breakdown that are no prediction of the job's own bytes: what is kept free
+(the fixed margin for the runtime, CUDA context and allocator fragmentation)."""
+OWN_KEYS = ("activations", "buffers")
+"""Entries that are the job's own bytes besides its model states; every other entry is a model state
+(params, grads, optimizer, ...)."""
+
+
+def size(b: float) -> str:
+    """Bytes in the unit that reads: '412 KiB', '13.6 MiB', '2.1 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(b) >= scale:
+            return f"{b / scale:,.1f} {unit}"
+    return f"{b / 2**10:,.0f} KiB"
+
+
+def memory_parts(breakdown: dict[str, float]) -> dict[str, float]:
+    """A rank's predicted memory as model states, activations, buffers and the reserve kept apart."""
+    states = sum(v for k, v in breakdown.items() if k not in RESERVE_KEYS + OWN_KEYS)
+    return {"model_states": states, "activations": breakdown.get("activations", 0),
+            "buffers": breakdown.get("buffers", 0), "reserve": sum(breakdown.get(k, 0) for k in RESERVE_KEYS)}
+
+
+def memory_summary(breakdown: dict[str, float], detail: bool = True) -> str:
+    """'model states 13.6 MiB (params 3.4 MiB, ...) + activations 35.2 MiB + buffers 50.0 MiB =
+    98.8 MiB; reserve 2.0 GiB apart (...)': the prediction of the job's bytes, and what is kept free
+    beside it, which no step fills (without `detail`: no per-state figures, no explanation)."""
+    parts = memory_parts(breakdown)
+    states = ", ".join(f"{k} {size(v)}" for k, v in breakdown.items()
+                       if k not in RESERVE_KEYS + OWN_KEYS and v > 0) if detail else ""
+    own = parts["model_states"] + parts["activations"] + parts["buffers"]
+    line = (f"model states {size(parts['model_states'])}{f' ({states})' if states else ''} + activations "
+            f"{size(parts['activations'])}")
+    if parts["buffers"]:
+        line += f" + buffers {size(parts['buffers'])}"
+    line += f" = {size(own)}"
+    if parts["reserve"]:
+        line += f"; reserve {size(parts['reserve'])} apart"
+        if detail:
+            line += " (fixed margin + allocator fragmentation)"
+    return line
+
+
+def mfu_note(result: SearchResult, plan: Plan) -> str:
+    """What the plan's MFU divides by (`dtorch.cluster.peak`): the spec sheet's peak of a device, or
+    a CPU's peak detected from its features and how."""
+    from dtorch.cluster.peak import compute_dtype, cpu_peak
+
+    dtype = compute_dtype(plan.param_dtype)
+    g = result.cluster.slowest_group()
+    dev = g.device
+    flops = dev.mfu_peak(dtype)
+    head = "model FLOPs (6N + attention, no recompute) x tokens/s over"
+    if dev.kind == "cpu" and dev.mfu_peak_flops:  # this machine's CPU, detected (`cpu_device`)
+        cpu = cpu_peak(dtype)
+        share = f" / {g.devices_per_node} ranks" if g.devices_per_node > 1 else ""
+        return (f"{head} {flops / 1e9:,.1f} GFLOP/s {dtype} per rank, the CPU's peak from its flags: "
+                f"{cpu.describe()}{share}")
+    return f"{head} {flops / 1e12:,.1f} TFLOP/s {dtype} per device (its spec sheet's dense peak)"
+
+
 def memory_breakdown(est: Estimate) -> str:
-    return ", ".join(f"{k} {_gib(v)}" for k, v in est.memory_breakdown.items() if v > 0)
+    return memory_summary(est.memory_breakdown)
 
 
 def why_slower(plan: Plan, est: Estimate, best: Estimate) -> str:
@@ -169,8 +230,10 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         f"chosen: {plan.family()}  {plan.describe()}",
         f"  step {est.step_time_s:.2f} s, {est.tokens_per_s:,.0f} tokens/s ({est.tokens_per_s_per_gpu:,.0f} per GPU), "
         f"MFU {est.mfu:.1%}",
+        f"  MFU: {mfu_note(result, plan)}",
         f"  time: {time_breakdown(est)}",
-        f"  memory per rank {_gib(est.memory_bytes_per_rank)} of {_gib(est.memory_capacity)} GiB: {memory_breakdown(est)}",
+        f"  memory per rank: {memory_breakdown(est)}; {_gib(est.memory_bytes_per_rank)} of "
+        f"{_gib(est.memory_capacity)} GiB with the reserve",
     ]
     if plan.offload != "none":
         from dtorch.plan.cost import DEFAULT_CONSTANTS

@@ -111,26 +111,41 @@ def join(run_env: RuntimeEnv, by_scheduler: bool) -> tuple[int, int, torch.devic
 
 def announce_plan(tr: Trainer) -> None:
     """The `plan` event and, on rank 0, the plan's console line."""
+    from dtorch.plan.explain import memory_parts, memory_summary
+
     pred = tr.plan.predicted or {}
+    breakdown = pred.get("memory_breakdown") or {}
+    parts = memory_parts(breakdown) if breakdown else {}
     tr.metrics.event("plan", plan=tr.plan.describe(), family=tr.plan.family(), source=tr.plan_source.source,
-                     predicted_step_time_s=pred.get("step_time_s"),
+                     predicted_step_time_s=pred.get("step_time_s"), predicted_mfu=pred.get("mfu"),
+                     predicted_tokens_per_s=pred.get("tokens_per_s"),
                      predicted_memory_bytes_per_rank=pred.get("memory_bytes_per_rank"),
-                     predicted_memory_breakdown=pred.get("memory_breakdown"))
+                     predicted_memory_breakdown=breakdown or None,
+                     predicted_memory_parts=parts or None,
+                     # MFU's denominator (per rank) and numerator's FLOPs: dtorch.cluster.peak
+                     mfu_peak_flops=device_peak(tr), flops_per_token=flops_per_token(tr), world_size=tr.world)
     if tr.rank == 0 and tr.console:
         extra = ""
         if pred:
-            extra = (f" (predicted {pred.get('step_time_s', float('nan')) * 1e3:.0f} ms/step, "
-                     f"{pred.get('memory_bytes_per_rank', 0) / 2**20:,.0f} MiB/rank)")
+            extra = f" (predicted {pred.get('step_time_s', float('nan')) * 1e3:.0f} ms/step"
+            if pred.get("mfu") is not None:
+                extra += f", MFU {pred['mfu']:.1%}"
+            extra += f"; per rank {memory_summary(breakdown, detail=False)})" if breakdown else ")"
         print(f"dtorch: plan {tr.plan.family()}: {tr.plan.describe()}{extra}", flush=True)
 
 
-def device_peak(tr: Trainer) -> float | None:
-    """The spec sheet's peak FLOP/s of the slowest GPU in the job (None on a CPU)."""
-    if tr.device.type != "cuda":
-        return None
-    from dtorch.cluster import local_cluster
+def device_peak(tr: Trainer) -> float:
+    """One rank's peak FLOP/s in the plan's compute dtype, the MFU denominator (`dtorch.cluster.peak`,
+    as the plan's MFU counts it): the spec sheet's of the slowest GPU in the job; on a CPU the peak
+    detected from its features, shared by the node's ranks."""
+    from dtorch.cluster.peak import compute_dtype, cpu_peak
 
-    return local_cluster(tr.world).slowest_group().device.peak(tr.plan.param_dtype)
+    dtype = compute_dtype(tr.plan.param_dtype)
+    if tr.device.type == "cuda":
+        from dtorch.cluster import local_cluster
+
+        return local_cluster(tr.world).slowest_group().device.mfu_peak(dtype)
+    return cpu_peak(dtype).flops / (tr.env.local_world_size or tr.world)
 
 
 def flops_per_token(tr: Trainer) -> float:

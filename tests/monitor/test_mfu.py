@@ -1,0 +1,142 @@
+"""MFU has one definition (`dtorch.cluster.peak`): model FLOPs per token (6N + attention, no
+recompute) x tokens/s over the device's peak in the compute dtype x devices. On a CPU the peak is
+detected from its features, so it bounds what the CPU can compute, and the main job's MFU stays
+at most 100 %; the plan, the console line, metrics.jsonl, the per-rank records and the report all
+divide by the same number."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from dtorch.cluster.peak import cpu_clock_ghz, cpu_peak, flops_per_cycle, physical_cores
+
+SPR = {"fma", "avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}
+
+
+def test_cpu_peak_is_cores_times_clock_times_flops_per_cycle_per_dtype():
+    peak = cpu_peak("float32", flags=SPR, cores=2, ghz=2.6)
+    assert peak.flops == pytest.approx(2 * 2.6e9 * 64)  # 16 fp32 lanes x FMA (2) x 2 units
+    assert cpu_peak("bfloat16", flags=SPR, cores=2, ghz=2.6).flops == pytest.approx(2 * 2.6e9 * 1024)  # AMX
+    no_amx = SPR - {"amx_bf16"}
+    assert cpu_peak("bfloat16", flags=no_amx, cores=2, ghz=2.6).flops == pytest.approx(2 * 2.6e9 * 128)
+    assert cpu_peak("float16", flags=SPR, cores=1, ghz=1.0).flops == pytest.approx(1e9 * 128)
+    avx2 = {"fma", "avx", "avx2"}
+    assert flops_per_cycle("float32", avx2) == (32.0, "AVX2 FMA x 2")
+    per, what = flops_per_cycle("bfloat16", avx2)  # no bf16 instructions: computed in float32
+    assert per == 32.0 and "emulated" in what
+    assert flops_per_cycle("float32", {"avx512f"}, half_width_avx512=True)[0] == 32.0  # AMD Zen 4
+    assert "2 cores x 2.60 GHz" in peak.describe() and "332.8 GFLOP/s float32" in peak.describe()
+
+
+def test_hyperthreads_count_once_and_only_the_cpus_this_process_may_use(tmp_path):
+    info = [{"processor": str(i), "physical id": "0", "core id": str(i % 4)} for i in range(8)]  # 4 cores x 2 threads
+    assert physical_cores(info, allowed=set(range(8))) == 4
+    assert physical_cores(info, allowed={0, 4}) == 1  # two threads of core 0
+    assert physical_cores(info, allowed={0, 1}) == 2
+
+
+def test_the_clock_is_the_highest_the_cores_may_run_at(tmp_path):
+    max_freq = tmp_path / "cpuinfo_max_freq"
+    max_freq.write_text("3800000\n")  # kHz: the turbo clock wins over the nominal one
+    info = [{"model name": "Intel(R) Xeon(R) Gold 6248 CPU @ 2.50GHz", "cpu mhz": "1200.000"}]
+    assert cpu_clock_ghz(info, str(max_freq)) == (pytest.approx(3.8), "cpuinfo_max_freq")
+    assert cpu_clock_ghz(info, str(tmp_path / "none")) == (pytest.approx(2.5), "model name")
+    vm = [{"model name": "Intel(R) Xeon(R) Processor", "cpu mhz": "2600.000"}, {"cpu mhz": "2400.0"}]
+    assert cpu_clock_ghz(vm, str(tmp_path / "none")) == (pytest.approx(2.6), "cpu MHz")
+
+
+def test_the_detected_peak_bounds_what_a_gemm_reaches_on_this_cpu():
+    """A measured rate is no peak (MFU against one read 91-104 %): the detected peak must be above
+    the best a large GEMM reaches here with every core this process may use."""
+    import torch
+
+    from dtorch.monitor.metrics import measured_gemm_rate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        best = max(measured_gemm_rate(torch.device("cpu"), torch.float32, 512) for _ in range(3))
+    finally:
+        torch.set_num_threads(threads)
+    peak = cpu_peak("float32")
+    assert 0 < best <= peak.flops, (best, peak.describe())
+
+
+def test_the_plan_divides_by_the_detected_peak_shared_by_the_ranks_of_a_node():
+    from dtorch.cluster import local_cluster
+    from dtorch.plan.cost import mfu
+    from dtorch.plan.profiles import get_profile
+
+    cluster = local_cluster(2, 2, calibrated=False)
+    dev = cluster.slowest_group().device
+    assert dev.mfu_peak("float32") == pytest.approx(cpu_peak("float32").flops / 2)
+    assert dev.mfu_peak("float32") != dev.peak("float32")  # the cost model's figure is another one
+    prof = get_profile("gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256", 128)
+    assert mfu(1000.0, prof, cluster, "float32") == pytest.approx(1000.0 * prof.flops_per_token / cpu_peak("float32").flops)
+
+
+def test_predicted_memory_shows_the_reserve_apart():
+    from dtorch.plan.explain import memory_parts, memory_summary
+
+    b = {"params": 3 * 2**20, "grads": 3 * 2**20, "optimizer": 6 * 2**20, "activations": 20 * 2**20,
+         "buffers": 50 * 2**20, "margin": 2 * 2**30}
+    assert memory_parts(b) == {"model_states": 12 * 2**20, "activations": 20 * 2**20, "buffers": 50 * 2**20,
+                               "reserve": 2 * 2**30}
+    text = memory_summary(b)
+    assert text.startswith("model states 12.0 MiB (params 3.0 MiB, grads 3.0 MiB, optimizer 6.0 MiB) + "
+                           "activations 20.0 MiB + buffers 50.0 MiB = 82.0 MiB; reserve 2.0 GiB apart")
+
+
+@pytest.mark.slow
+def test_the_main_job_reports_one_mfu_at_most_100_percent_in_plan_console_log_and_report(tmp_path):
+    """`dtorch train` with its defaults (the README's first command), a few steps: the plan's
+    predicted MFU, each console line, each step of metrics.jsonl, the per-rank records and the
+    report divide model FLOPs by the same peak (the detected CPU peak shared by the ranks), and
+    none is above 100 %."""
+    run = tmp_path / "run"
+    env = {**os.environ, "DTORCH_NO_CALIBRATION": "1", "DTORCH_CAPABILITY_CACHE": str(tmp_path / "cap.json"),
+           "DTORCH_METRICS_EVERY": "3"}
+    proc = subprocess.run([sys.executable, "-m", "dtorch.cli", "train", "--steps", "6", "--sample-tokens", "0",
+                           "--checkpoint-dir", str(run)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    plan = next(r for r in recs if r.get("event") == "plan")
+    steps = [r for r in recs if "event" not in r and "mfu" in r]
+    world, peak, fpt = plan["world_size"], plan["mfu_peak_flops"], plan["flops_per_token"]
+    assert world == 2 and len(steps) == 6
+
+    # the plan: the same formula over the same peak, which is the detected one shared by 2 ranks
+    assert peak == pytest.approx(cpu_peak("float32").flops / 2)
+    assert plan["predicted_mfu"] == pytest.approx(plan["predicted_tokens_per_s"] * fpt / (peak * world))
+    # metrics.jsonl: every step
+    for s in steps:
+        assert s["mfu"] == pytest.approx(s["tokens_per_s"] * fpt / (peak * world))
+        assert 0 < s["mfu"] <= 1.0
+    # the per-rank records (the live page and Prometheus' dtorch_mfu_ratio)
+    windows = [r for r in recs if r.get("event") == "ranks"]
+    assert windows
+    for w in windows:
+        for r in w["ranks"]:
+            assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / (peak * world)) and r["mfu"] <= 1.0
+    # the console: the plan line and each progress line show the same figures
+    out = proc.stdout + proc.stderr
+    assert f"MFU {plan['predicted_mfu']:.1%}" in out and "reserve" in out and "apart" in out
+    shown = [float(x) for x in re.findall(r"mfu (\d+\.\d)%", out)]
+    assert shown == [pytest.approx(100 * s["mfu"], abs=0.051) for s in steps]
+    # the report
+    from dtorch.monitor.report import load_run, summarize, write_report
+
+    summary = summarize(load_run(run))
+    assert summary["median_mfu"] == pytest.approx(statistics.median(s["mfu"] for s in steps[3:]))
+    assert summary["mfu_peak_flops"] == peak and summary["predicted_mfu"] == plan["predicted_mfu"]
+    html = write_report(run, tmp_path / "report").read_text()
+    assert f"{100 * summary['median_mfu']:.1f} % (plan: {100 * plan['predicted_mfu']:.1f} %)" in html
+    assert f"over 2 x {peak / 1e9:,.1f} GFLOP/s peak" in html
+    assert "reserve" in html
