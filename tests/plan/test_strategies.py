@@ -85,7 +85,7 @@ def test_a_bad_sequence_split_names_the_plan_field_in_the_planner_and_seq_len_in
 def test_limits_are_what_the_planner_skips_and_the_executor_refuses():
     from dtorch.parallel.check import check_executable
 
-    for plan, field in [(Plan(cp=2, pp=2, num_microbatches=2), "cp"),
+    for plan, field in [(Plan(cp=2, cp_attention="ring", compile=True), "cp_attention"),
                         (Plan(param_dtype="float16"), "param_dtype"),
                         (Plan(pp=2, num_microbatches=2, schedule="zero_bubble", ac="selective"), "schedule")]:
         why = strategies.unsupported(plan)
