@@ -2,9 +2,10 @@
 
 For representative ranks (the first rank of every pipeline rank's slice, i.e. every pipeline stage),
 join PyTorch's fake process group at the plan's full world size, build the model on the meta
-device, apply the pipeline split, tensor parallelism and FSDP2 / DDP exactly as `parallelize`
-does, create gradients and AdamW moments, and count this rank's bytes from the real local shard
-shapes. Nothing is allocated (meta tensors) and nothing is communicated (the fake group), so a 70B
+device, apply the pipeline split and every strategy's executor half in the order `parallelize`
+runs them (`dtorch.parallel.halves`: tensor, context, expert parallelism, checkpointing, compile,
+FSDP2 / HSDP), create gradients and AdamW moments, and count this rank's bytes from the real local
+shard shapes. Nothing is allocated (meta tensors) and nothing is communicated (the fake group), so a 70B
 model on 64 ranks takes seconds on a laptop. The planner's estimate is returned beside the
 measurement: the estimate is checked, not trusted.
 
@@ -33,12 +34,12 @@ from torch.distributed.tensor import DTensor
 
 from dtorch.errors import ConfigError
 from dtorch.parallel.check import check_executable, check_plan, model_dims
-from dtorch.parallel.compile import check_compile
-from dtorch.parallel.fsdp import apply_ddp, apply_fsdp, uses_fsdp
-from dtorch.parallel.mesh import build_mesh, fsdp_mesh, sub_mesh
+from dtorch.parallel.fsdp import uses_fsdp
+from dtorch.parallel.halves import apply_all, check_all
+from dtorch.parallel.mesh import build_mesh, sub_mesh
 from dtorch.parallel.model import uneven_shares
+from dtorch.parallel.parallelize import halves_meshes
 from dtorch.parallel.pipeline import apply_pipeline_split, stage_ids
-from dtorch.parallel.tp import apply_tp
 from dtorch.plan.plan import Plan
 
 
@@ -93,16 +94,13 @@ def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int,
     try:
         mesh = build_mesh(plan, "cpu", cache=False)
         model = _build_meta(model_spec, seq_len)
+        meshes = halves_meshes(plan, model, mesh, "cpu", plan.world_size)
         pp_rank = sub_mesh(mesh, "pp").get_local_rank() if plan.pp > 1 else 0
         parts = apply_pipeline_split(model, plan, pp_rank) if plan.pp > 1 else [(0, model)]
-        for stage, part in parts:
-            if plan.tp > 1:
-                apply_tp(part, sub_mesh(mesh, "tp"), sp=plan.sp, loss_parallel=plan.pp == 1,
-                         last_stage=stage == plan.num_stages - 1)
-            if uses_fsdp(plan):
-                apply_fsdp(part, fsdp_mesh(mesh), plan, last_stage=stage == plan.num_stages - 1)
-            elif plan.dp_replicate > 1:
-                apply_ddp(part, sub_mesh(mesh, "dp_replicate"), plan)
+        for stage, part in parts:  # every strategy's executor half, in parallelize's order (halves.py)
+            meshes.last_stage = stage == plan.num_stages - 1
+            apply_all(part, meshes, plan)
+        # (classic DDP wraps the whole model after materialisation: its replicas hold every byte)
         params = [p for _, m in parts for p in m.parameters()]
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -156,8 +154,8 @@ def verify(plan: Plan, model_spec: str, seq_len: int, cluster: Any = None) -> di
         check_plan(plan, model_dims(_build_meta(model_spec, seq_len)), seq_len=seq_len, executable=False)
     try:
         check_executable(plan)
-        with torch.device("meta"):  # torch.compile's limits (the compiler itself is the target's)
-            check_compile(plan, _build_meta(model_spec, seq_len), device_type=None)
+        with torch.device("meta"):  # every executor half's own check (the compiler itself is the target's)
+            check_all(_build_meta(model_spec, seq_len), plan, None)
         not_executable = None
     except ConfigError as e:  # the sharding is measurable even where this executor cannot run it yet
         not_executable = str(e)
