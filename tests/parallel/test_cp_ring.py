@@ -7,7 +7,8 @@
 - Training: 5 AdamW steps in float32 under each plan give per-step losses within 1e-5 relative of
   one process training on the same global batch (tests/parallel/_training.py): ring CP at world 2
   (and with full activation checkpointing, whose recompute runs the ring again), CP x PP at world 4
-  (cp=2, pp=2: all-gather with 1F1B on Llama, ring with interleaved 1F1B on GPT) and ring CP at cp=4.
+  (cp=2, pp=2: all-gather with 1F1B on Llama, ring with interleaved 1F1B on GPT and with zero-bubble
+  on Llama) and ring CP at cp=4.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ CASES_4 = {
     "gpt_ring_cp_x_pp_interleaved": dict(model="gpt-tiny", cp=2, pp=2, cp_attention="ring", virtual_stages=2,
                                          schedule="interleaved_1f1b", num_microbatches=2, microbatch_size=2),
     "ring_cp4": dict(cp=4, cp_attention="ring", microbatch_size=4),
+    # zero-bubble's split backward under FSDP (cp > 1 shards over cp) needs the stage kept gathered
+    "ring_cp_x_pp_zero_bubble": dict(cp=2, pp=2, cp_attention="ring", schedule="zero_bubble", num_microbatches=2,
+                                     microbatch_size=2, reshard_after_forward=False),
 }
 ATTENTION = [("allgather", 2), ("ring", 2), ("allgather", 4), ("ring", 4)]
 """(cp_attention, cp) cases of the attention core alone, run in the same groups as the training."""

@@ -102,13 +102,15 @@ class Pipeline(Strategy):
             # extra time"), seen on a 2-worker gloo job re-planned after an OOM
             yield Limit("zero-bubble with selective activation checkpointing fails in torch 2.13; use ac=full or "
                         "another schedule", "schedule", plan.schedule, "use schedule=interleaved_1f1b or ac=full")
-        if plan.pp > 1 and plan.schedule == "zero_bubble" and plan.dp_shard > 1 and plan.reshard_after_forward:
+        if (plan.pp > 1 and plan.schedule == "zero_bubble" and (plan.dp_shard > 1 or plan.cp > 1)
+                and plan.reshard_after_forward):
             # torch's split backward (pipelining/_backward.py) finds a stage's weights through
             # `submod.parameters()` when its input-gradient pass starts; FSDP2 resharding after forward
             # has swapped the module's parameters back to the sharded DTensors by then, which the
             # forward graph never used, so the weight pass computes nothing: every stage but the first
             # (which runs a full backward) ends the step without gradients (measured: pp=2 x dp_shard=2,
-            # dense and MoE alike). Kept gathered, the forward's parameters are the module's own.
+            # dense and MoE alike; and pp=2 x cp=2, FSDP sharding over cp). Kept gathered, the forward's
+            # parameters are the module's own.
             yield Limit("zero-bubble with FSDP resharding after forward loses the weight gradients of every stage "
                         "but the first in torch 2.13", "reshard_after_forward", True,
                         "set reshard_after_forward=false with schedule=zero_bubble, or use schedule=interleaved_1f1b")
