@@ -1,7 +1,8 @@
 """Per-step training metrics: loss, gradient norm, tokens/s, MFU, step time, peak memory.
 
 One `MetricsLogger` per process. Every rank measures; rank 0 writes the JSONL log, draws the console
-progress line and (when installed) TensorBoard scalars. Units: seconds, tokens/s, bytes.
+progress line and hands every record to its `sinks` (the live page's state, TensorBoard and W&B:
+`dtorch.train.callbacks.TensorBoard` / `WandB`). Units: seconds, tokens/s, bytes.
 
 `metrics.jsonl` is private (0600) and never appended through a planted link (refused with a
 ConfigError); on a full disk a line that cannot be written is dropped with one warning, so that the
@@ -45,19 +46,19 @@ class StepMetrics:
 
 
 class MetricsLogger:
-    """Writes StepMetrics as JSON lines (rank 0), a console progress line, and TensorBoard if present."""
+    """Writes StepMetrics as JSON lines (rank 0), a console progress line, and hands each record to
+    its sinks."""
 
     def __init__(self, log_dir: str | Path | None, *, rank: int = 0, total_steps: int | None = None,
-                 console: bool = True, tensorboard: bool = True):
+                 console: bool = True):
         self.rank = rank
         self.total_steps = total_steps
         self.console = console and rank == 0
         self._jsonl: int | None = None
         self._jsonl_path: Path | None = None
-        self._tb = None
         self._t0 = time.perf_counter()
         self.sinks: list = []
-        """Callables given every record written (rank 0): the live monitor's state."""
+        """Callables given every record written (rank 0): the live monitor's state, TensorBoard, W&B."""
         self.note = ""
         """Appended to the console line (the per-rank view's slowest rank)."""
         self._ema_step: float | None = None
@@ -72,13 +73,6 @@ class MetricsLogger:
             eventlog.reserve(path)
             if eventlog.events_path() is not None:  # under `dtorch run`: where `dtorch report` finds failures
                 self.event("events_log", path=eventlog.events_path())
-            if tensorboard:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
-
-                    self._tb = SummaryWriter(str(path / "tb"))
-                except Exception:  # noqa: BLE001 - tensorboard is optional
-                    self._tb = None
 
     @property
     def path(self) -> Path | None:
@@ -94,9 +88,6 @@ class MetricsLogger:
             sink(record)
         # ETA from a moving average of the step time (the first steps are slow, old ones stale)
         self._ema_step = m.step_time_s if self._ema_step is None else 0.9 * self._ema_step + 0.1 * m.step_time_s
-        if self._tb is not None:
-            for k in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu"):
-                self._tb.add_scalar(k, record[k], m.step)
         tty = sys.stderr.isatty()
         # a log file gets ~30 progress lines per run, a terminal one line redrawn in place
         every = max(1, (self.total_steps or 0) // 30)
@@ -134,9 +125,6 @@ class MetricsLogger:
         if self._jsonl is not None:
             os.close(self._jsonl)
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
 
 
 def format_eta(seconds: float) -> str:

@@ -165,6 +165,147 @@ class MetricsSink(Callback):
         tr.metrics.close()
 
 
+def require_extra(package: str, field: str, value: Any) -> None:
+    """ConfigError naming the extra that installs `package` when it is not importable (a sink asked
+    for and missing: one line, exit 2 from the CLI)."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(field, value, f"{package} is not installed: pip install 'dtorch-os[{package}]'")
+
+
+class Sink(Callback):
+    """A metrics sink outside DTorch, on rank 0 only: once `open`ed it gets every record
+    metrics.jsonl gets and writes the scalars people chart (`STEP_SCALARS` each step, `EVAL_SCALARS`
+    at each evaluation) at their global step. Subclasses implement `open`, `write` and `finish`."""
+
+    STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                    "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu", "step_time_s": "train/step_time_s",
+                    "peak_memory_bytes": "memory/peak_bytes"}
+    """Step record key -> tag. MFU as a ratio (0..1), the one definition (`dtorch.cluster.peak`)."""
+    EVAL_SCALARS = {"loss": "eval/loss", "perplexity": "eval/perplexity"}
+
+    def __init__(self) -> None:
+        self.opened = False
+        self.failed = False
+
+    def open(self, tr: Trainer, run: FitRun) -> None:
+        raise NotImplementedError
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def finish(self, failed: bool) -> None:
+        raise NotImplementedError
+
+    def on_start(self, tr: Trainer, run: FitRun) -> None:
+        if tr.rank != 0:
+            return
+        self.open(tr, run)
+        self.opened = True
+        tr.metrics.sinks.append(self.feed)
+
+    def feed(self, record: dict[str, Any]) -> None:
+        """One record of metrics.jsonl (a step's metrics or an event)."""
+        import math
+
+        if "event" not in record and "step" in record:
+            keys = self.STEP_SCALARS
+        elif record.get("event") == "eval":
+            keys = self.EVAL_SCALARS
+        else:
+            return
+        values = {tag: float(record[k]) for k, tag in keys.items() if isinstance(record.get(k), (int, float))}
+        # an infinite perplexity (a diverged run) is no point on a chart
+        self.write(int(record["step"]), {k: v for k, v in values.items() if math.isfinite(v)})
+
+    def on_error(self, tr: Trainer, run: FitRun, exc: BaseException) -> None:
+        self.failed = True
+
+    def close(self, tr: Trainer, run: FitRun) -> None:
+        if self.opened:
+            if self.feed in tr.metrics.sinks:
+                tr.metrics.sinks.remove(self.feed)
+            self.opened = False
+            self.finish(self.failed)
+
+
+class TensorBoard(Sink):
+    """TensorBoard event files (`pip install 'dtorch-os[tensorboard]'`) in `log_dir`, default
+    ``<log_dir of the run>/tb``: the scalars of `Sink`, and the plan as text."""
+
+    def __init__(self, log_dir: str | None = None) -> None:
+        require_extra("tensorboard", "tensorboard", log_dir or True)
+        super().__init__()
+        self.log_dir = log_dir
+        self.writer: Any = None
+
+    def open(self, tr: Trainer, run: FitRun) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.log_dir is None and tr.log_dir is None:
+            raise ConfigError("tensorboard", True, "TensorBoard writes to <checkpoint_dir>/tb: give a checkpoint_dir "
+                              "or log_dir, or TensorBoard(log_dir=...)")
+        self.writer = SummaryWriter(str(self.log_dir or tr.log_dir / "tb"))
+        self.writer.add_text("plan", f"{tr.plan.family()}: {tr.plan.describe()}", tr.step)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def finish(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class WandB(Sink):
+    """A Weights & Biases run (`pip install 'dtorch-os[wandb]'`) in `project`: the scalars of `Sink`
+    and the run's plan and shape as its config. The wandb library reads its own settings
+    (``WANDB_MODE=offline``, ``WANDB_DIR``, ``WANDB_API_KEY``, ``WANDB_ENTITY``). A run that resumes
+    from its checkpoint continues the W&B run its first start made (the id is kept in
+    ``<log_dir>/wandb-run-id``); a fresh start makes a new one."""
+
+    def __init__(self, project: str, *, name: str | None = None, entity: str | None = None) -> None:
+        if not project or not isinstance(project, str):
+            raise ConfigError("wandb", project, "give the Weights & Biases project to log to")
+        require_extra("wandb", "wandb", project)
+        super().__init__()
+        self.project, self.name, self.entity = project, name, entity
+        self.run: Any = None
+
+    def _run_id(self, tr: Trainer) -> str | None:
+        """This run's W&B id: the first start's when the trainer resumed, else a new one."""
+        if tr.log_dir is None:
+            return None
+        import secrets
+
+        from dtorch import trust
+
+        path = tr.log_dir / "wandb-run-id"
+        if tr.resumed.step is not None and path.is_file():
+            kept = path.read_text().strip()
+            if kept.isalnum():
+                return kept
+        run_id = secrets.token_hex(8)
+        trust.replace_file(path, run_id.encode(), durable=False)
+        return run_id
+
+    def open(self, tr: Trainer, run: FitRun) -> None:
+        import wandb
+
+        config = {"plan": tr.plan.describe(), "family": tr.plan.family(), "world_size": tr.world,
+                  "global_batch": tr.global_batch, "seq_len": tr.seq_len, "param_dtype": tr.plan.param_dtype,
+                  "flops_per_token": run.flops_per_token, "mfu_peak_flops_per_rank": run.peak_flops}
+        self.run = wandb.init(project=self.project, entity=self.entity, id=self._run_id(tr), resume="allow",
+                              name=self.name or (tr.log_dir.name if tr.log_dir is not None else None),
+                              config=config)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
 class SampleAudit(Callback):
     """DTORCH_RECORD_SAMPLES: which sample indices each rank consumed at each step."""
 

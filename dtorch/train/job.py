@@ -86,6 +86,10 @@ class JobConfig:
                                     "(0 = a free port; see docs/monitoring.md for another interface)")
     trace_comms: bool = _opt(False, "record every collective per rank to <checkpoint-dir>/comms-rank<r>.jsonl "
                              "(slow; for debugging)")
+    tensorboard: bool = _opt(False, "write loss, lr, tokens/s, MFU, memory, eval loss and perplexity as TensorBoard "
+                             "scalars to <checkpoint-dir>/tb (pip install 'dtorch-os[tensorboard]')")
+    wandb: str | None = _opt(None, "log the same metrics to this Weights & Biases project (pip install "
+                             "'dtorch-os[wandb]'; WANDB_MODE=offline logs without an account)", metavar="PROJECT")
     offload: str | None = _opt(None, "optimizer state and fp32 masters in host memory (optimizer) or in files in "
                                "--offload-dir (optimizer_nvme), the step on the CPU; default: what the plan says "
                                "(docs/memory-tiers.md)", choices=("none", "optimizer", "optimizer_nvme"))
@@ -115,6 +119,7 @@ class JobConfig:
     def __post_init__(self) -> None:
         """Values wrong on their own are refused here, before any worker starts (ConfigError)."""
         self.schedule()
+        self.sinks()  # a sink asked for whose package is missing names its extra here
         from dtorch.train.evaluate import EvalSpec
 
         EvalSpec.resolve(self.eval_every, self.eval_data, self.eval_split, self.eval_batches)
@@ -133,6 +138,12 @@ class JobConfig:
             if e.field not in ours:
                 raise
             raise ConfigError(ours[e.field], e.value, e.fix) from None
+
+    def sinks(self) -> list[Any]:
+        """The metrics sinks `--tensorboard` and `--wandb` ask for (`dtorch.train.callbacks`)."""
+        from dtorch.train.callbacks import TensorBoard, WandB
+
+        return [*([TensorBoard()] if self.tensorboard else []), *([WandB(self.wandb)] if self.wandb else [])]
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> JobConfig:
@@ -280,6 +291,7 @@ def run(config: JobConfig) -> int:
         eval_every=config.eval_every,
         eval_split=config.eval_split,
         eval_batches=config.eval_batches,
+        sinks=config.sinks(),
     )
     if make_model is not None and config.checkpoint_dir and current_env().rank in (None, 0):
         from dtorch.checkpoint.export import save_run_model

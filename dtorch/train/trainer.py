@@ -103,6 +103,8 @@ class Trainer:
         the end (0: at the end only; off unless one of the three is given); global batches per evaluation.
       trace_comms: record every collective of every rank to <log_dir>/comms-rank<r>.jsonl, with a
         per-step summary and CommDebugMode's per-module counts (default $DTORCH_TRACE_COMMS=1).
+      sinks: metrics sinks beside metrics.jsonl, rank 0: dtorch.train.callbacks.TensorBoard(),
+        WandB(project) (docs/monitoring.md).
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class Trainer:
         offload_dir: str | os.PathLike | None = None,
         eval_data: Any = None, eval_every: int = 0,
         eval_split: float | None = None, eval_batches: int | None = None,
+        sinks: Any = (),
     ):
         if int(global_batch) < 1:
             raise ConfigError("global_batch", global_batch, "use a positive number of samples per step")
@@ -191,6 +194,7 @@ class Trainer:
         self.async_checkpoint = async_checkpoint
         self.keep_last = keep_last
         self.console = console
+        self.sinks = list(sinks)
         # set up in _setup()
         self.plan: Plan | None = None
         self.env = env.current()  # the process's environment, read once (a scheduler's ranks: again in _join)
@@ -389,7 +393,7 @@ class Trainer:
             self.snapshots, cb.Seam(), cb.Monitor(), cb.Stragglers(),
             cb.Evaluate.of(self),
             cb.Checkpoints() if self.ckpt is not None else None, cb.OOMGuard(), cb.Feedback(), cb.Status(),
-            cb.Preempted(),
+            cb.Preempted(), *self.sinks,
         ) if c is not None]
 
     def _train_step(self, run: FitRun, callbacks: list[cb.Callback]) -> StepRecord:

@@ -99,6 +99,7 @@ def test_every_dtorch_train_option_reaches_both_workers(inputs, tmp_path):
         "heartbeat_timeout": "45", "run_dir": str(run_dir), "snapshot_every": "2",
         "lr_schedule": "wsd", "lr_min_factor": "0.05", "lr_decay_ratio": "0.5",
         "eval_every": "1", "eval_data": inputs["data"], "eval_batches": "1",
+        "tensorboard": None, "wandb": "dtorch-test",
     }
     parser = _train_parser()
     # eval_split excludes eval_data (the held-out split is tests/train/test_eval.py's)
@@ -110,7 +111,8 @@ def test_every_dtorch_train_option_reaches_both_workers(inputs, tmp_path):
     defaults = {f.name: f.default for f in dataclasses.fields(JobConfig)}
     assert all(ns[d] != defaults[d] for d in values), [d for d in values if ns[d] == defaults[d]]
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTORCH_NO_CALIBRATION": "1", "DTORCH_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTORCH_NO_CALIBRATION": "1", "DTORCH_CACHE": str(tmp_path / "cache"),
+           "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
     p = subprocess.run([sys.executable, "-m", "dtorch.cli", "train", *argv], env=env, capture_output=True, text=True,
                        timeout=300, cwd=tmp_path)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
@@ -126,3 +128,6 @@ def test_every_dtorch_train_option_reaches_both_workers(inputs, tmp_path):
     assert offload and offload[0]["tier"] == "nvme" and offload[0]["directory"] == str(tmp_path / "offload")
     assert [r["step"] for r in records if "loss" in r and "event" not in r] == [1, 2]
     assert [r["step"] for r in records if r.get("event") == "eval"] == [1, 2]  # --eval-every 1, and at the end
+    # the sinks (rank 0): TensorBoard's event file, one offline W&B run (tests/train/test_sinks.py reads them)
+    assert list((ckpt / "tb").glob("events.out.tfevents.*"))
+    assert len(list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))) == 1

@@ -1,0 +1,160 @@
+"""Metric sinks people use (`dtorch.train.callbacks.TensorBoard`, `WandB`): what each wrote is read
+back with the tools' own readers (TensorBoard's EventAccumulator, the W&B offline run file) and is
+what metrics.jsonl holds; a sink asked for whose package is missing names its extra (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dtorch.errors import ConfigError
+
+SPEC = "gpt:layers=2,hidden=32,heads=2,vocab=64,seq=16"
+
+
+def _fit(tmp_path: Path, sinks: list, steps: int = 4):
+    from dtorch.models import build_model
+    from dtorch.train.optim import AdamW, Constant
+    from dtorch.train.trainer import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(64, (17,), generator=g) for _ in range(40)]
+    tr = Trainer(model=partial(build_model, SPEC), data=data, global_batch=4, seq_len=16, plan={},
+                 optimizer=AdamW(lr=1e-2), lr_schedule=Constant(), console=False, straggler_every=0, metrics_every=0,
+                 eval_every=2, eval_split=0.2, checkpoint_dir=tmp_path / "run", checkpoint_every=100, sinks=sinks)
+    tr.fit(steps)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps_ = {r["step"]: r for r in recs if "event" not in r and "loss" in r}
+    evals = {r["step"]: r for r in recs if r.get("event") == "eval"}
+    return steps_, evals
+
+
+def test_tensorboard_sink_writes_what_metrics_jsonl_holds(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dtorch.train.callbacks import TensorBoard
+
+    steps, evals = _fit(tmp_path, [TensorBoard()])
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "train/mfu", "memory/peak_bytes", "eval/loss",
+            "eval/perplexity"} <= tags
+
+    def series(tag):
+        return {e.step: e.value for e in acc.Scalars(tag)}
+
+    assert series("train/loss") == {s: pytest.approx(r["loss"], rel=1e-6) for s, r in steps.items()}
+    assert series("train/mfu") == {s: pytest.approx(r["mfu"], rel=1e-6) for s, r in steps.items()}
+    assert series("train/tokens_per_s") == {s: pytest.approx(r["tokens_per_s"], rel=1e-6) for s, r in steps.items()}
+    assert series("memory/peak_bytes") == {s: pytest.approx(r["peak_memory_bytes"], rel=1e-6) for s, r in steps.items()}
+    assert sorted(evals) == [2, 4]
+    assert series("eval/loss") == {s: pytest.approx(e["loss"], rel=1e-6) for s, e in evals.items()}
+    assert series("eval/perplexity") == {s: pytest.approx(math.exp(e["loss"]), rel=1e-5) for s, e in evals.items()}
+    assert "plan/text_summary" in acc.Tags()["tensors"]
+
+
+def _wandb_records(path: Path):
+    """The protobuf records of a W&B run file (`run-<id>.wandb`): a 7-byte header (':W&B', magic,
+    version), then LevelDB-log records (crc32c, length, type: full/first/middle/last) in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, part = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(part + chunk)
+            part = b""
+            yield rec
+        elif kind in (2, 3):
+            part += chunk
+
+
+def _wandb_history(run_file: Path) -> tuple[dict[int, dict], dict]:
+    """(history rows by step, config) of a finished W&B run file. wandb's service process writes the
+    file after `finish()` returns: wait (at most 30 s) for the run's exit record."""
+    deadline = time.monotonic() + 30
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_file)):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record"
+        time.sleep(0.1)
+    history, config = {}, {}
+    for rec in _wandb_records(run_file):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            history.setdefault(row["_step"], {}).update(row)
+        elif kind == "run":
+            config.update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+    return history, config
+
+
+def test_wandb_sink_offline_run_holds_the_metrics_and_a_resume_continues_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wb").mkdir()
+    from dtorch.train.callbacks import WandB
+
+    steps, evals = _fit(tmp_path, [WandB("dtorch-test")])
+    runs = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    history, config = _wandb_history(runs[0])
+    assert sorted(history) == sorted(steps)
+    for s, r in steps.items():
+        for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("tokens_per_s", "train/tokens_per_s"),
+                         ("mfu", "train/mfu"), ("peak_memory_bytes", "memory/peak_bytes")):
+            assert history[s][tag] == pytest.approx(r[key], rel=1e-9), (s, tag)
+    for s, e in evals.items():
+        assert history[s]["eval/loss"] == pytest.approx(e["loss"]) and history[s]["eval/perplexity"] > 1
+    assert config["world_size"] == 1 and config["plan"] and config["mfu_peak_flops_per_rank"] > 0
+    run_id = (tmp_path / "run" / "wandb-run-id").read_text()
+    assert runs[0].name == f"run-{run_id}.wandb"
+
+    # the same command again resumes from the checkpoint: the same W&B run, steps 5-6 only
+    steps2, _ = _fit(tmp_path, [WandB("dtorch-test")], steps=6)
+    again = [p for p in (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb") if p != runs[0]]
+    assert [p.name for p in again] == [f"run-{run_id}.wandb"]
+    assert sorted(_wandb_history(again[0])[0]) == [5, 6]
+
+
+def test_sinks_write_on_rank_0_only(tmp_path):
+    from dtorch.train.callbacks import TensorBoard
+
+    sink = TensorBoard(log_dir=str(tmp_path / "tb"))
+    worker = SimpleNamespace(rank=1, log_dir=tmp_path, metrics=SimpleNamespace(sinks=[]))
+    sink.on_start(worker, None)
+    sink.close(worker, None)
+    assert not worker.metrics.sinks and not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("flag,extra", [(["--tensorboard"], "tensorboard"), (["--wandb", "proj"], "wandb")])
+def test_a_sink_asked_for_and_missing_names_its_extra(monkeypatch, capsys, flag, extra):
+    import importlib.util
+
+    from dtorch.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == extra else real(name, *a))
+    capsys.readouterr()
+    assert main(["train", *flag, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"pip install 'dtorch-os[{extra}]'" in err, err
+    with pytest.raises(ConfigError, match=extra):
+        from dtorch.train.job import JobConfig
+
+        JobConfig(**{"tensorboard": True} if extra == "tensorboard" else {"wandb": "proj"})
