@@ -52,10 +52,13 @@ from dtorch.plan.strategies import (  # noqa: F401
     unsupported,
 )
 from dtorch.plan.strategies.base import divisors as _divisors
-from dtorch.plan.strategies.context import CONTEXT
-from dtorch.plan.strategies.data import DATA
-from dtorch.plan.strategies.expert import EXPERT, replicas_fit
-from dtorch.plan.strategies.fsdp import FSDP
+
+# Inside a mesh the search walks three strategies' candidates in an order that prunes (module doc):
+# memory's offload levels and checkpointing ladder in order of cost, each stopping at the first that
+# fits; the pipeline's schedules and partitions per micro-batch count; expert parallelism's degrees,
+# which borrow data-parallel ranks rather than being a mesh axis. Those name their strategy; the
+# meshes, the lower bound and the checks of fixed fields are loops over the registry.
+from dtorch.plan.strategies.expert import EXPERT
 from dtorch.plan.strategies.memory import MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PARTITION_MARGIN, PIPELINE, bubble_fraction, ideal_load  # noqa: F401
 from dtorch.plan.strategies.precision import PRECISION, PRECISION_MARGIN  # noqa: F401
@@ -118,7 +121,8 @@ def parse_fix(text: str | None) -> dict[str, Any]:
 
 
 def valid_tp(profile: ModelProfile, cluster: Cluster) -> list[int]:
-    """TP degrees that divide the query and key/value heads and fit in one node."""
+    """TP degrees that divide the query and key/value heads and fit in one node (the error message's
+    largest non-data-parallel degree, `_max_non_dp`)."""
     return TENSOR.degrees(profile.num_heads, profile.num_kv_heads, cluster.devices_per_node, cluster.world_size)
 
 
@@ -131,15 +135,17 @@ def dims(profile: ModelProfile, world_size: int | None, seq_len: int | None = No
 
 def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster, global_batch: int) -> None:
     """The fixed fields against the model and the world before any search: the registry's rules on
-    the fixed mesh degrees, then what only a partial plan can break (products dividing the world
-    size and the global batch)."""
+    the fixed mesh degrees the model decides (`strategies.DEGREED`), then what only a partial plan
+    can break (products dividing the world size and the global batch), then each strategy's
+    `fixed_rules`."""
     W = cluster.world_size
     strategies.check_applies(SimpleNamespace(**{f: fixed.get(f, 1) for f in strategies.refused_fields(profile)}),
                              profile)
-    mesh = {a: fixed[a] for a in ("tp", "pp", "cp") if a in fixed}
+    mesh = {s.axis: fixed[s.axis] for s in strategies.DEGREED if s.axis in fixed}
+    # (gpipe takes any micro-batch count: only the degrees are under test)
     partial = Plan(**mesh, num_microbatches=max(mesh.get("pp", 1), 1), schedule="gpipe",
                    virtual_stages=1, sp=False)
-    for s in (TENSOR, PIPELINE, CONTEXT):
+    for s in strategies.DEGREED:
         for v in s.rules(partial, dims(profile, W)):
             if v.field in mesh:
                 raise v.error()
@@ -156,25 +162,13 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
         raise ConfigError("microbatch_size", fixed["microbatch_size"],
                           f"does not divide the global batch {global_batch}; use one of its divisors "
                           f"{{{', '.join(map(str, _divisors(global_batch)[:12]))}}}")
-    if "virtual_stages" in fixed and fixed["virtual_stages"] > 1 and fixed.get("schedule") in ("gpipe", "1f1b"):
-        raise ConfigError("virtual_stages", fixed["virtual_stages"],
-                          f"schedule {fixed['schedule']} runs one stage per rank; use schedule=interleaved_1f1b")
     per_dp = fixed.get("num_microbatches", 1) * fixed.get("microbatch_size", 1)
     if global_batch % per_dp:
         raise ConfigError("num_microbatches" if "num_microbatches" in fixed else "microbatch_size",
                           fixed.get("num_microbatches", fixed.get("microbatch_size")),
                           f"microbatch_size x num_microbatches = {per_dp} does not divide the global batch "
                           f"{global_batch}; use values whose product divides it")
-    if "ep" in fixed:
-        from dtorch.plan.strategies.base import divisors
-
-        ep = fixed["ep"]
-        if ep > 1 and not profile.num_experts:
-            raise ConfigError("ep", ep, f"{profile.name} is dense (no routed experts); use ep=1")
-        if ep > 1 and (profile.num_experts % ep or W % ep):
-            ok = [d for d in divisors(profile.num_experts) if W % d == 0]
-            raise ConfigError("ep", ep, f"must divide the {profile.num_experts} routed experts and the world size "
-                              f"{W}; use ep in {{{', '.join(map(str, ok))}}}")
+    strategies.check_fixed(fixed, profile, W)
     dp_fixed = fixed.get("dp_replicate", 1) * fixed.get("dp_shard", 1)
     if global_batch % dp_fixed:
         raise ConfigError("global_batch", global_batch,
@@ -223,6 +217,9 @@ def rescale_seq(profile: ModelProfile, seq_len: int) -> ModelProfile:
 
 @dataclass
 class _Mesh:
+    """One factorisation of the world over the mesh axes (`MESH_AXES`; a new axis is a field here),
+    and the search's bookkeeping of it."""
+
     pp: int
     dp_replicate: int
     dp_shard: int
@@ -233,37 +230,26 @@ class _Mesh:
     """On a mixed cluster, the (speed, memory) of every pipeline rank (`hetero.stage_weights`)."""
 
     @property
+    def degrees(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+    def plan(self, **fields: Any) -> Plan:
+        """A plan on this mesh: every plan the search builds is made here."""
+        return Plan(**self.degrees, **fields)
+
+    @property
     def family(self) -> str:
-        return strategies.family(Plan(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
-                                      cp=self.cp, tp=self.tp, sp=self.tp > 1))
+        return strategies.family(self.plan(sp=self.tp > 1))
 
 
 def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> list[_Mesh]:
-    """Every mesh the strategies' candidates make, tp innermost first: tp, then cp, pp and the
-    data-parallel split of the rest (dp dividing the global batch)."""
+    """Every mesh the strategies' candidates make (`_degrees`: tp innermost first, then cp and pp)
+    with the data-parallel split of the rest (dp dividing the global batch)."""
     W = cluster.world_size
-
-    refused = strategies.refused_fields(profile)
-
-    def pick(axis: str, candidates: list[int]) -> list[int]:
-        # a strategy that cannot apply to this model is never tried (a fixed degree of it was refused)
-        return [fixed[axis]] if axis in fixed else [1] if axis in refused else candidates
-
     out = []
-    # MoE meshes search tp=1 unless tp is fixed (`--fix tp=2` runs: expert-tensor parallelism): with tp
-    # free the DeepSeek-V3 search on 256 GPUs grows from ~500 to ~20,000 plans (4 s against 0.05 s)
-    tps = [1] if profile.num_experts or "tp" in refused else valid_tp(profile, cluster)
-    for tp in pick("tp", tps):
-        if W % tp:
-            continue
-        for cp in pick("cp", CONTEXT.degrees(W // tp, profile.seq_len, tp)):
-            if (W // tp) % cp:
-                continue
-            rest = W // tp // cp
-            for pp in pick("pp", PIPELINE.degrees(rest, profile.num_layers)):
-                if rest % pp or global_batch % (rest // pp):
-                    continue
-                out += [_Mesh(pp, dpr, dps, cp, tp) for dpr, dps in _dp_splits(rest // pp, fixed)]
+    for picked, rest in _degrees(W, {}, profile, cluster, fixed, strategies.refused_fields(profile)):
+        if global_batch % rest == 0:
+            out += [_Mesh(dp_replicate=dpr, dp_shard=dps, **picked) for dpr, dps in _dp_splits(rest, fixed)]
     if not cluster.homogeneous:
         # tensor- and context-parallel groups stay on one kind of device (docs/heterogeneous.md)
         out = [m for m in out if not hetero.span_violation(cluster, m.cp, m.tp)]
@@ -277,6 +263,22 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
             f"{W // _max_non_dp(profile, cluster)} or fix fewer fields",
         )
     return out
+
+
+def _degrees(rest: int, picked: dict[str, int], profile: ModelProfile, cluster: Cluster, fixed: dict[str, Any],
+             refused: dict[str, str]):
+    """Every choice of the model-decided mesh degrees (`strategies.DEGREED`, innermost axis first)
+    dividing `rest` devices, as (axis -> degree, devices left for data parallelism). A fixed degree
+    is the only one tried; a strategy that cannot apply to this model is never tried."""
+    if len(picked) == len(strategies.DEGREED):
+        yield picked, rest
+        return
+    s = strategies.DEGREED[len(picked)]
+    axis = s.axis
+    for d in [fixed[axis]] if axis in fixed else [1] if axis in refused else s.mesh_degrees(rest, profile, cluster,
+                                                                                             picked):
+        if rest % d == 0:
+            yield from _degrees(rest // d, {**picked, axis: d}, profile, cluster, fixed, refused)
 
 
 def _dp_splits(dp: int, fixed: dict[str, Any]) -> list[tuple[int, int]]:
@@ -302,10 +304,9 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     the contention floor only, over the smallest groups, without per-unit or per-bucket latencies."""
     local = global_batch // (m.dp_replicate * m.dp_shard)
     mb = mbs or local
-    sched, v = PIPELINE.OPTIMISTIC if m.pp > 1 else ("1f1b", 1)
-    plan = Plan(pp=m.pp, dp_replicate=m.dp_replicate, dp_shard=m.dp_shard, cp=m.cp, tp=m.tp, sp=m.tp > 1,
-                microbatch_size=mb, num_microbatches=local // mb, schedule=sched, virtual_stages=v,
-                param_dtype="bfloat16", reduce_dtype="bfloat16")
+    # 16-bit widths; the step shape below takes the fastest precision's peak and element-wise speed
+    plan = m.plan(**strategies.optimistic(m.degrees), microbatch_size=mb, num_microbatches=local // mb,
+                  param_dtype="bfloat16", reduce_dtype="bfloat16")
     dev = group.device
     peak = max(dev.peak(p) for p, _ in precisions)
     elem = max(dev.elementwise(p) for p, _ in precisions)
@@ -314,24 +315,21 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     step.attn_speed = max([step.speed] + [dev.attention_speed(p, step.h / profile.num_heads, step.s) or 0.0
                                           for p, _ in precisions if profile.num_heads])
     step.fs, step.st_fs = m.dp_shard, m.tp * m.cp  # the shard group without its context-parallel ranks
-    load = ideal_load(m.pp, profile.num_layers, profile.num_dense_layers)
+    load = ideal_load(m.pp, profile.num_layers, profile.num_dense_layers)  # (the cost model's pipeline rank)
     r = RankShare(p_stage=step.p_stage(load))
     compute_time(step, load, r, head_elementwise=False)
-    if TENSOR.prepare(step):
-        TENSOR.rank_time(step, load, r, NO_COUNTS)
+    for s in strategies.BOUNDED:  # (tensor parallelism: async, without its small collectives)
+        if s.prepare(step):
+            s.rank_time(step, load, r, NO_COUNTS)
     t = plan.num_microbatches * r.per_microbatch
-    if m.pp > 1:
-        t += bubble_fraction(m.pp, v, sched) * t / (local // mbs if mbs else local)
-    # data-parallel traffic: the least over the ep degrees the mesh's executor layout allows (EP's own
-    # all-to-all left out; with replicas a larger ep shrinks the gradient all-reduce too)
+    for s in strategies.PACE_BOUNDED:  # (the pipeline's bubble)
+        t += s.bound_pace(step, t, local // mbs if mbs else local)
+    # gradient and parameter traffic: the least over the bound's plan variants (expert parallelism's degrees)
     dp_terms = []
-    for ep in EXPERT.degrees(profile, m.dp_replicate * m.dp_shard, {}):
-        step.plan = replace(plan, ep=ep)
-        if ep > 1 and not replicas_fit(step.plan):
-            continue
-        d = sum(FSDP.comm(step, load, r.p_stage, unit_latency=False)) if step.fs > 1 else 0.0
-        if m.dp_replicate > 1:
-            d += DATA.grad_comm(step, load, r.p_stage, latency=False)
+    for variant in strategies.bound_plans(plan, profile):
+        step.plan, d = variant, 0.0
+        for s in strategies.SYNC_BOUNDED:
+            d += s.bound_sync(step, load, r.p_stage)
         dp_terms.append(d)
     step.plan = plan
     return t + c.dp_exposed_floor * min(dp_terms, default=0.0)
@@ -601,8 +599,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
     head_blocks = profile.flops_per_token_head / (profile.flops_per_token_block or 1.0)
     eps = EXPERT.degrees(profile, mesh.dp_replicate * mesh.dp_shard * mesh.cp, fixed)
     if book.executable_only:  # an ep this executor cannot run on the mesh is never ranked
-        eps = [e for e in eps if e == 1 or not next(EXPERT.limits(Plan(
-            ep=e, pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp)), None)]
+        eps = [e for e in eps if e == 1 or not next(EXPERT.limits(mesh.plan(ep=e)), None)]
     eps = [e for e in eps if (mesh.dp_replicate * mesh.dp_shard * mesh.cp) % e == 0]
     if not eps:
         return
@@ -658,9 +655,8 @@ def _plan_on(mesh: _Mesh, profile: ModelProfile, fixed: dict[str, Any], global_b
     """A plan on `mesh`: its degrees, sequence parallelism with TP (unless fixed; not for MoE
     models), the model's sequence length and the batch, the declared fields `--fix` pins
     (`strategies.pinned`), and `fields` (the search's choices)."""
-    return Plan(pp=mesh.pp, dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard, cp=mesh.cp, tp=mesh.tp,
-                sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1,
-                seq_len=profile.seq_len, global_batch=global_batch, **pinned(fixed), **fields)
+    return mesh.plan(sp=fixed.get("sp", mesh.tp > 1 and not profile.num_experts) and mesh.tp > 1,
+                     seq_len=profile.seq_len, global_batch=global_batch, **pinned(fixed), **fields)
 
 
 def _max_non_dp(profile: ModelProfile, cluster: Cluster) -> int:

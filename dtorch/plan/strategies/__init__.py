@@ -50,6 +50,18 @@ _MESH_FIELDS = tuple(n for n in FIELDS if n in MESH_AXES)
 TIMED = tuple(s for s in REGISTRY if type(s).rank_time is not Strategy.rank_time)
 """The strategies with time terms, in registry order: the cost model keeps those whose `prepare`
 says they apply to the plan, and adds their `rank_time` on every pipeline rank."""
+DEGREED = tuple(sorted((s for s in REGISTRY if type(s).mesh_degrees is not Strategy.mesh_degrees),
+                       key=lambda s: -FIELDS[s.axis].mesh_position))
+"""The strategies whose mesh degree the search picks from the model (`Strategy.mesh_degrees`),
+innermost axis first: tp (the fastest links), cp (its chunks depend on tp), pp; the data-parallel
+axes take the devices left."""
+_FIXED_RULES = tuple(s for s in REGISTRY if type(s).fixed_rules is not Strategy.fixed_rules)
+BOUNDED = tuple(s for s in REGISTRY if s.bound_terms)
+"""The strategies whose time terms the search's lower bound adds (`Strategy.bound_terms`)."""
+PACE_BOUNDED = tuple(s for s in REGISTRY if type(s).bound_pace is not Strategy.bound_pace)
+SYNC_BOUNDED = tuple(s for s in REGISTRY if type(s).bound_sync is not Strategy.bound_sync)
+_OPTIMISTIC = tuple(s for s in REGISTRY if type(s).optimistic is not Strategy.optimistic)
+_BOUND_PLANS = tuple(s for s in REGISTRY if type(s).bound_plans is not Strategy.bound_plans)
 PACED = tuple(s for s in REGISTRY if type(s).pace_terms is not Strategy.pace_terms)
 """The strategies with per-step terms at the pipeline's pace (`Strategy.pace_terms`: the pipeline's)."""
 COUNTING = tuple(s for s in REGISTRY if type(s).counts is not Strategy.counts)
@@ -125,6 +137,26 @@ def amortised_s(step_time_s: float, plan: Any, cluster: Any, steps: int | None) 
     """Seconds per step over a run of `steps` steps, the one-off seconds included:
     (step_time x steps + once_s) / steps; the step time itself when the run length is unknown."""
     return step_time_s + once_s(plan, cluster) / steps if steps else step_time_s
+
+
+def optimistic(degrees: dict[str, int]) -> dict[str, Any]:
+    """The fields of the search's lower-bound plan on a mesh of `degrees`, every strategy's."""
+    return {k: v for s in _OPTIMISTIC for k, v in s.optimistic(degrees).items()}
+
+
+def bound_plans(plan: Any, profile: Any) -> list[Any]:
+    """The lower bound's plan and its variants (`Strategy.bound_plans`), combined over the strategies."""
+    plans = [plan]
+    for s in _BOUND_PLANS:
+        plans = [v for p in plans for v in s.bound_plans(p, profile)]
+    return plans
+
+
+def check_fixed(fixed: dict[str, Any], profile: Any, world: int) -> None:
+    """ConfigError on the first rule the `--fix` fields break on their own (`Strategy.fixed_rules`)."""
+    for s in _FIXED_RULES:
+        for v in s.fixed_rules(fixed, profile, world):
+            raise v.error()
 
 
 def world_size(plan: Any) -> int:

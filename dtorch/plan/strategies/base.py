@@ -128,6 +128,15 @@ class Strategy:
 
     refusal_fields: tuple[str, ...] = ()
     """The fields that must stay 1 when `unsupported_for` refuses the model (its mesh degree)."""
+    bound_terms: bool = False
+    """Its `prepare`/`rank_time` never overestimate on the search's optimistic plan (`optimistic`;
+    async TP, no small collectives): the search's lower bound adds them (the tensor strategy's
+    activation traffic, large on every plan of a mesh)."""
+
+    @property
+    def axis(self) -> str | None:
+        """Its mesh axis: the name of its `degree` field, if it has one."""
+        return next((f.name for f in self.fields if f.kind == "degree"), None)
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
         return iter(())
@@ -150,6 +159,40 @@ class Strategy:
         """(position, text) parts of the one-line form."""
         return ()
 
+    # ---- the search ------------------------------------------------------------------------------
+    def mesh_degrees(self, rest: int, profile: Any, cluster: Any, picked: dict[str, int]) -> list[int]:
+        """The search's candidates for its mesh `axis` with `rest` devices left once the inner axes
+        took theirs (`picked`: axis -> degree), before `--fix` and `unsupported_for` narrow them.
+        Overridden by the strategies whose degree depends on the model (tp, cp, pp); the
+        data-parallel axes take what is left."""
+        return [1]
+
+    def fixed_rules(self, fixed: dict[str, Any], profile: Any, world: int) -> Iterator[Violation]:
+        """What the `--fix` fields (normalised) break on their own for this model and `world`
+        devices, before the search builds any plan (ep not dividing the experts)."""
+        return iter(())
+
+    def optimistic(self, degrees: dict[str, int]) -> dict[str, Any]:
+        """Its fields on the search's lower-bound plan of a mesh with `degrees` (axis -> degree):
+        the settings no plan of the mesh is faster than (the pipeline's smallest bubble)."""
+        return {}
+
+    def bound_pace(self, step: StepShape, t: float, n: int) -> float:
+        """Seconds the lower bound adds per step at the pace of `t`, the rank's seconds for a step of
+        `n` micro-batches of the smallest size (the pipeline's bubble); never more than any plan's."""
+        return 0.0
+
+    def bound_sync(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
+        """Seconds of gradient and parameter traffic this strategy adds to the lower bound, before the
+        contention floor exposes a share of it: no per-unit or per-bucket latencies (FSDP, DDP)."""
+        return 0.0
+
+    def bound_plans(self, plan: Any, profile: Any) -> list[Any]:
+        """Variants of the lower bound's plan whose traffic the bound takes the least of (expert
+        parallelism's degrees: a larger ep shrinks the replicas' all-reduce); default `[plan]`."""
+        return [plan]
+
+    # ---- time and memory ---------------------------------------------------------------------------
     def prepare(self, step: StepShape) -> bool:
         """Whether `rank_time` has anything to add for this plan; if so, compute once per plan what
         it needs for every rank (collectives whose size does not depend on the pipeline rank) as

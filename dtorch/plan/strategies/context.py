@@ -103,6 +103,9 @@ class Context(Strategy):
     def degrees(self, rest: int, seq_len: int, tp: int) -> list[int]:
         return [c for c in divisors(rest) if c <= MAX_CP and seq_len % (2 * c * tp) == 0 or c == 1]
 
+    def mesh_degrees(self, rest: int, profile: Any, cluster: Any, picked: dict[str, int]) -> list[int]:
+        return self.degrees(rest, profile.seq_len, picked["tp"])  # (the 2*cp*tp chunks: tp is picked first)
+
     def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
         """The other attention for a cp plan, unless `--fix` pinned one: the estimate picks."""
         if plan.cp == 1 or "cp_attention" in fixed:

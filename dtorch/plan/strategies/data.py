@@ -61,6 +61,9 @@ class DataParallel(Strategy):
         grad_bytes = r.p_stage * step.red_b / step.fs
         r.dp = exposed(self.comm(step, grad_bytes), (2.0 / 3.0) * r.compute, c)
 
+    def bound_sync(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
+        return self.grad_comm(step, load, p_stage, latency=False) if step.plan.dp_replicate > 1 else 0.0
+
     def grad_comm(self, step: StepShape, load: RankLoad, p_stage: float, latency: bool = True) -> float:
         """Seconds of one gradient sync over the replicas of the `p_stage` parameters of pipeline rank
         `load`: DDP's bucketed all-reduce, or with EP the HSDP units' all-reduces (module doc), with a

@@ -37,6 +37,7 @@ replicas' gradient all-reduce moves them over edp_rep only (`DataParallel.grad_c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -310,6 +311,21 @@ class Expert(Strategy):
         if not profile.num_experts:
             return [1]
         return [d for d in divisors(data) if profile.num_experts % d == 0]
+
+    def fixed_rules(self, fixed: dict[str, Any], profile: Any, world: int) -> Iterator[Violation]:
+        ep = fixed.get("ep", 1)
+        if ep > 1 and not profile.num_experts:
+            yield Violation("ep", ep, f"{profile.name} is dense (no routed experts); use ep=1")
+        elif ep > 1 and (profile.num_experts % ep or world % ep):
+            ok = [d for d in divisors(profile.num_experts) if world % d == 0]
+            yield Violation("ep", ep, f"must divide the {profile.num_experts} routed experts and the world size "
+                            f"{world}; use ep in {{{', '.join(map(str, ok))}}}")
+
+    def bound_plans(self, plan: Any, profile: Any) -> list[Any]:
+        # the ep degrees the mesh's executor layout allows (EP's own all-to-all is left out of the
+        # bound); with replicas a larger ep shrinks the gradient all-reduce too
+        return [v for ep in self.degrees(profile, plan.dp_replicate * plan.dp_shard, {})
+                for v in (dataclasses.replace(plan, ep=ep),) if ep == 1 or replicas_fit(v)]
 
     # ---- time --------------------------------------------------------------------------------
     def prepare(self, step: StepShape) -> bool:

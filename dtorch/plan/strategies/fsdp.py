@@ -98,6 +98,9 @@ class Sharded(Strategy):
             rs += load.blocks * u.rs_unit
         return ag, rs
 
+    def bound_sync(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
+        return sum(self.comm(step, load, p_stage, unit_latency=False)) if step.fs > 1 else 0.0
+
     def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         plan, c, u = step.plan, step.c, step.term(FsdpUnits)
         apart = u.fixed_apart

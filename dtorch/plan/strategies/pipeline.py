@@ -133,6 +133,23 @@ class Pipeline(Strategy):
     def degrees(self, rest: int, num_layers: int) -> list[int]:
         return [p for p in divisors(rest) if p <= num_layers]
 
+    def mesh_degrees(self, rest: int, profile: Any, cluster: Any, picked: dict[str, int]) -> list[int]:
+        return self.degrees(rest, profile.num_layers)
+
+    def fixed_rules(self, fixed: dict[str, Any], profile: Any, world: int) -> Iterator[Violation]:
+        v = fixed.get("virtual_stages", 1)
+        if v > 1 and fixed.get("schedule") in ("gpipe", "1f1b"):
+            yield Violation("virtual_stages", v, f"schedule {fixed['schedule']} runs one stage per rank; "
+                            "use schedule=interleaved_1f1b")
+
+    def optimistic(self, degrees: dict[str, int]) -> dict[str, Any]:
+        sched, v = self.OPTIMISTIC if degrees["pp"] > 1 else ("1f1b", 1)
+        return {"schedule": sched, "virtual_stages": v}
+
+    def bound_pace(self, step: StepShape, t: float, n: int) -> float:
+        plan = step.plan  # the bound's plan: the smallest bubble any schedule leaves (`optimistic`)
+        return bubble_fraction(plan.pp, plan.virtual_stages, plan.schedule) * t / n
+
     def schedules(self, pp: int, nmb: int, L: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
         """(schedule, virtual_stages) worth searching for `nmb` micro-batches on `pp` ranks."""
         if pp == 1:
