@@ -29,7 +29,8 @@ def _factory():
          "multiple of 2"),
         (Plan(tp=2, sp=True), 15, "seq_len", "multiple of 2"),
         (Plan(tp=2, cp=2), 20, "seq_len", "tp*2*cp = 8"),
-        (Plan(cp=2, pp=2, num_microbatches=2), 16, "cp", "use cp=1 or pp=1"),
+        (Plan(cp=2, pp=2, num_microbatches=2, schedule="zero_bubble"), 16, "reshard_after_forward",
+         "reshard_after_forward=false"),
         (Plan(tp=2, sp=True, pp=2, virtual_stages=2, schedule="zero_bubble", num_microbatches=2), 16,
          "schedule", "interleaved_1f1b"),
         (Plan(pp=2, layer_partition=[1, 2], num_microbatches=2), 16, "layer_partition", "model has 4 blocks"),
@@ -132,5 +133,5 @@ def test_optimizer_offload_is_run_by_the_executor_and_offered_by_the_planner():
         check_executable(Plan(dp_shard=2, offload=tier))
         assert unsupported(Plan(dp_shard=2, offload=tier)) is None
     # and the executor's other limits still hold for such a plan
-    with pytest.raises(ConfigError, match="cp"):
-        check_executable(Plan(cp=2, pp=2, offload="optimizer"))
+    with pytest.raises(ConfigError, match="cp_attention"):
+        check_executable(Plan(cp=2, cp_attention="ring", compile=True, offload="optimizer"))

@@ -200,8 +200,6 @@ def test_planner_ranks_only_plans_this_executor_can_run():
     assert result.ranked
     assert all(unsupported(p) is None for p, _ in result.ranked)
     assert all(unsupported(p) is None for p, _ in result.best_by_family.values())
-    # context parallelism fits but cannot run yet: the explanation says so instead of hiding it
-    assert "cannot run here" in result.rejected.get("FSDPxCPxTP+SPxPP", "cannot run here")
 
 
 def test_fixing_an_unsupported_field_is_evaluated_with_a_note():
@@ -209,8 +207,9 @@ def test_fixing_an_unsupported_field_is_evaluated_with_a_note():
     from dtorch.model import profile
     from dtorch.plan.search import search
 
-    result = search(profile("llama3-8b", 8192), load_cluster("h100:1x8"), global_batch=16, fixed={"cp": 2, "pp": 2})
-    assert result.ranked and all(p.cp == 2 and p.pp == 2 for p, _ in result.ranked)
+    result = search(profile("llama3-8b", 8192), load_cluster("h100:1x8"), global_batch=16,
+                    fixed={"pp": 2, "schedule": "zero_bubble", "ac": "selective"})
+    assert result.ranked and all(p.pp == 2 and p.schedule == "zero_bubble" for p, _ in result.ranked)
     assert any("cannot run" in n for n in result.notes)
 
 
@@ -222,4 +221,6 @@ def test_sizing_search_without_family_bests_finds_the_same_best_plan_with_fewer_
     full = search(l70, cl, global_batch=512, top_k=1, suggest=False)
     lean = search(l70, cl, global_batch=512, top_k=1, suggest=False, families=False)
     assert lean.best[0] == full.best[0] and lean.best[1].step_time_s == full.best[1].step_time_s
-    assert lean.evaluated < full.evaluated
+    # (fewer where a family is slow to reach its first fitting plan; since CP x PP runs, none of the
+    # 70B cases here has one, and both count the same)
+    assert lean.evaluated <= full.evaluated
