@@ -113,7 +113,7 @@ def preflight(args: JobConfig, nproc: int) -> None:
         raise ConfigError("snapshot_every", args.snapshot_every, "use steps >= 1, or 0 for no snapshots")
     if args.heartbeat_timeout < 0:
         raise ConfigError("heartbeat_timeout", args.heartbeat_timeout, "use seconds > 0, or 0 to disable")
-    if args.data:
+    if args.data and not args.tokenizer:  # text with a tokenizer is checked by _check_inputs and tokenised later
         from dtorch.train.data import TokenFile
 
         TokenFile(args.data, args.seq_len)  # exists, whole tokens, long enough

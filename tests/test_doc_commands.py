@@ -1,0 +1,336 @@
+"""Every command in README.md and docs/*.md runs as written, on a fresh clone.
+
+What is a command (the rule the docs follow):
+- every line of a fenced block tagged `bash`, `sh` or `shell` (a trailing backslash continues it;
+  blank lines and `#` comment lines are not commands);
+- in a block tagged `console`, a line starting with `$ `; the lines after it are its output as
+  shown. When that output starts with `dtorch ...: error: FIELD=...:`, the command must exit 2
+  and print that line up to the field's value;
+- an untagged or `text` block is output or a file's contents and is never run: one that starts
+  with a command (`$ `, `dtorch `, `.venv/bin/`, `python -m`, `bash `) fails this test, so a
+  command cannot hide from it by leaving its block untagged.
+
+A doc marks a command this test must skip with an HTML comment (not shown when rendered) before it
+in the same file, naming the start of the command (whole words, after `.venv/bin/`) and the reason:
+
+    <!-- doc-test skip: dtorch probe --nproc 2,4 -- spawns 6 ranks for minutes -->
+
+A marker that matches no command fails the test. Keep them few: a GPU, a second machine, the
+whole suite or an hour-long benchmark.
+
+How they run: each doc in its own empty directory (its `runs/train` stays there for the doc's
+next command, as for a reader following it), with the calibration store, the caches and HOME in
+that directory, never the user's. `dtorch ...` runs in this process through `dtorch.cli.main`
+(the console script calls the same function; it saves the interpreter's start and torch's import
+per command; a `dtorch plan` or `submit slurm` another doc already ran, which writes no file, is
+not run again), `python -m ...` in a subprocess with the checkout on PYTHONPATH, anything with
+shell syntax (`&&`, `|`, `$(...)`) through bash. Before running, `SUBSTITUTIONS` below shrinks
+what a doc names at full size, each rule with its reason; the inputs a reader brings (a Hugging
+Face model directory, a corpus) are made tiny by `_inputs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RUN_LANGS = {"bash", "sh", "shell"}
+COMMAND_START = re.compile(r"^(\$ |dtorch [\w-]+(\s|$)|\.venv/bin/|python -m |bash )")
+SKIP = re.compile(r"<!--\s*doc-test skip:\s*(.+?)\s+--\s+(.+?)\s*-->", re.S)
+ERROR_LINE = re.compile(r"^(dtorch(?: [\w-]+)?: error: [\w.-]+=)")
+
+TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=512,seq=128"
+VERIFY_MODEL = "llama:layers=4,hidden=256,heads=8,kv_heads=8,vocab=512"
+
+@dataclass
+class Command:
+    doc: str
+    line: int
+    text: str  # as written, continuation lines joined
+    expect_code: int = 0
+    expect_err: str | None = None  # the start of the error line a console block shows
+    skip: str | None = None
+
+
+def _blocks(text: str):
+    """(line of the opening fence, language, body) of every fenced block, at any indentation."""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^\s*```([\w-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        yield i + 1, m.group(1).lower(), "\n".join(lines[i + 1:j])
+        i = j + 1
+
+
+def _joined(body: str) -> list[tuple[int, str]]:
+    out, cur, start = [], "", 0
+    for i, raw in enumerate(body.splitlines()):
+        line = raw.strip()
+        if not cur:
+            start = i
+        if line.endswith("\\"):
+            cur += line[:-1] + " "
+            continue
+        cur += line
+        out.append((start, cur.strip()))
+        cur = ""
+    return out
+
+
+def commands(path: Path) -> tuple[list[Command], list[str]]:
+    """The commands of a doc (with its skip markers applied) and the problems found: untagged
+    blocks that hold commands, markers that match nothing."""
+    text = path.read_text()
+    name = str(path.relative_to(REPO))
+    found: list[Command] = []
+    problems: list[str] = []
+    for line, lang, body in _blocks(text):
+        first = next((s.strip() for s in body.splitlines() if s.strip()), "")
+        if lang in ("", "text") and COMMAND_START.match(first):
+            problems.append(f"{name}:{line}: a block of commands without a language: tag it bash (or console "
+                            "with $ before each command)")
+        if lang in RUN_LANGS:
+            for i, cmd in _joined(body):
+                if cmd and not cmd.startswith("#"):
+                    found.append(Command(name, line + 1 + i, cmd))
+        elif lang == "console":
+            rows = body.splitlines()
+            for i, row in enumerate(rows):
+                if row.startswith("$ "):
+                    cmd = Command(name, line + 1 + i, row[2:].strip())
+                    after = rows[i + 1].strip() if i + 1 < len(rows) else ""
+                    m = ERROR_LINE.match(after)
+                    if m:
+                        cmd.expect_code, cmd.expect_err = 2, m.group(1)
+                    found.append(cmd)
+    for m in SKIP.finditer(text):
+        prefix, reason = " ".join(m.group(1).split()), " ".join(m.group(2).split())
+        at = text[:m.start()].count("\n") + 1
+        hits = [c for c in found if c.line > at and re.match(re.escape(prefix) + r"(\s|$)", _bare(c.text))]
+        if not hits:
+            problems.append(f"{name}:{at}: the skip marker for {prefix!r} matches no command after it")
+        for c in hits:
+            c.skip = reason
+    return found, problems
+
+
+def _bare(cmd: str) -> str:
+    return cmd.removeprefix(".venv/bin/")
+
+
+# ---- what the docs name at full size, shrunk: (applies to, change, why) ----
+
+def _set(argv: list[str], flag: str, value: str, *, cap: int | None = None) -> None:
+    """Set `flag` to `value` (or, with `cap`, to the smaller of the given value and cap)."""
+    if flag in argv:
+        i = argv.index(flag)
+        argv[i + 1] = str(min(int(argv[i + 1]), cap)) if cap is not None else value
+    else:
+        argv += [flag, value]
+
+
+def _train(argv: list[str]) -> None:
+    if "--print-config" in argv:
+        return  # writes the configuration only: as written
+    _set(argv, "--steps", "2", cap=2)
+    _set(argv, "--global-batch", "4", cap=4)
+    _set(argv, "--seq-len", "32", cap=32)
+    _set(argv, "--warmup", "1", cap=1)
+    for flag, value in (("--nproc", "1"), ("--sample-tokens", "4"), ("--no-progress", None)):
+        if flag not in argv:
+            argv += [flag] + ([value] if value else [])
+    if "--monitor-port" in argv:
+        _set(argv, "--monitor-port", "0")
+
+
+def _verify(argv: list[str]) -> None:
+    argv[argv.index("--model") + 1] = VERIFY_MODEL
+
+
+def _probe(argv: list[str]) -> None:
+    if "--quick" not in argv and "--disk" not in argv:
+        argv.append("--quick")
+
+
+SUBSTITUTIONS = [
+    (lambda a: a[:1] == ["train"], _train,
+     "training: 2 steps of at most 4 x 32 tokens (1 warm-up step), one process in this one (--nproc 1), 4 "
+     "sampled tokens, no progress line; the rest of the command as written. The flags still reach the "
+     "trainer; the 300-step job on 2 workers is the main job's own tests'. A --monitor-port becomes 0 "
+     "(any free port: the doc's may be taken on a test machine)"),
+    (lambda a: a[:1] == ["plan"] and "--verify" in a, _verify,
+     "--verify builds every rank's model on a fake process group: the doc's 70B at 64 ranks takes ~30 s, "
+     f"{VERIFY_MODEL} (8 heads, so tp=8 holds) the same path in ~1 s"),
+    (lambda a: a[:1] == ["probe"], _probe, "dtorch probe --quick: the same measurements, fewer shapes and sizes"),
+]
+
+
+def _inputs(root: Path) -> None:
+    """What a reader brings, tiny, under the names the docs use: a Hugging Face Llama directory
+    (`./Llama-3.2-1B`: config.json, safetensors, tokenizer.json; written by DTorch's own exporter) and
+    a JSON-lines corpus (`corpus.jsonl`)."""
+    import torch.distributed.checkpoint as dcp
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from dtorch.checkpoint.hf_weights import export_hf
+    from dtorch.models import build_model, model_config
+
+    docs = [" ".join(["alpha beta gamma delta epsilon"] * (3 + i % 7)) + f" {i}." for i in range(300)]
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    dcp.save({"model": build_model(TINY_LLAMA).state_dict()}, checkpoint_id=str(root / ".dcp"))
+    hf = export_hf(root / ".dcp", root / "Llama-3.2-1B", model_config(TINY_LLAMA), family="llama")
+    shutil.rmtree(root / ".dcp")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"]))
+    tok.save(str(hf / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """The environment of every command: this one's, with the calibration store, the caches and HOME
+    in a temporary directory (a doc's `dtorch probe` or run never touches the user's)."""
+    root = tmp_path_factory.mktemp("doc-env")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    env.update(HOME=str(root / "home"), DTORCH_CALIBRATION_DIR=str(root / "calibration"),
+               DTORCH_CACHE=str(root / "cache"), OMP_NUM_THREADS="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, env) -> Path:
+    """A reader's directory before a doc's first command: the tiny inputs of `_inputs`, and the
+    main job's checkpoints in runs/train (`dtorch train`, shrunk as SUBSTITUTIONS says), which
+    the README's first command makes and the other docs take for granted."""
+    root = tmp_path_factory.mktemp("doc-inputs")
+    _inputs(root)
+    code, said = _run(Command("(the main job)", 0, "dtorch train"), root, env)
+    assert code == 0, said
+    return root
+
+
+_PURE: dict[tuple[str, ...], tuple[int, str]] = {}
+
+
+def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """(exit code, stderr + the end of stdout) of one command, in process where it is `dtorch`."""
+    text = _bare(cmd.text)
+    try:
+        tokens = shlex.split(text, comments=True)
+    except ValueError:
+        tokens = ["<shell>"]
+    assigns = {}
+    while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
+        k, _, v = tokens.pop(0).partition("=")
+        assigns[k] = v
+    redirect = None
+    if len(tokens) >= 2 and tokens[-2] in (">", ">>"):
+        redirect = (tokens[-1], tokens[-2])
+        tokens = tokens[:-2]
+    shell = any(t in ("&&", "||", "|", ";") for t in tokens) or "$(" in text or "`" in text
+    if tokens[:1] == ["dtorch"] and not shell:
+        argv = tokens[1:]
+        for applies, change, _why in SUBSTITUTIONS:
+            if applies(argv):
+                change(argv)
+        pure = (argv[:1] == ["plan"] or argv[:2] == ["submit", "slurm"] and "--now" not in argv) \
+            and "--out" not in argv and not redirect and not assigns
+        if pure and tuple(argv) in _PURE:  # the same plan in another doc: pure arithmetic, one answer
+            return _PURE[tuple(argv)]
+        result = _in_process(argv, cwd, {**env, **assigns}, redirect)
+        if pure:
+            _PURE[tuple(argv)] = result
+        return result
+    argv = tokens
+    if tokens[:2] == ["python", "-m"]:
+        argv = [sys.executable, *tokens[1:]]
+    if shell or not argv:
+        argv = ["bash", "-c", text]
+    p = subprocess.run(argv, cwd=cwd, env={**env, **assigns, "PYTHONPATH": str(REPO),
+                                           "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
+                       capture_output=True, text=True, timeout=300)
+    if redirect:
+        with open(cwd / redirect[0], "a" if redirect[1] == ">>" else "w") as f:
+            f.write(p.stdout)
+    return p.returncode, p.stderr + p.stdout[-2000:]
+
+
+def _in_process(argv: list[str], cwd: Path, env: dict[str, str], redirect) -> tuple[int, str]:
+    from dtorch.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old_env, old_cwd = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse: a bad flag
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(old_env)
+    if redirect:
+        with open(cwd / redirect[0], "a" if redirect[1] == ">>" else "w") as f:
+            f.write(out.getvalue())
+    return code, err.getvalue() + out.getvalue()[-2000:]
+
+
+def _all() -> list[tuple[Path, list[Command], list[str]]]:
+    return [(p, *commands(p)) for p in DOCS]
+
+
+def test_the_docs_hold_commands_and_mark_few_skips():
+    every = [c for _, cmds, _ in _all() for c in cmds]
+    skipped = [c for c in every if c.skip]
+    problems = [x for _, _, probs in _all() for x in probs]
+    assert not problems, "\n".join(problems)
+    assert len(every) >= 40 and len(skipped) < len(every) // 2, (len(every), [(c.text, c.skip) for c in skipped])
+
+
+@pytest.mark.slow  # ~50 s of CPU for the docs' ~35 commands
+@pytest.mark.parametrize("doc", [p.name for p in DOCS])
+def test_every_command_of_the_doc_runs_as_written(doc, inputs, env, tmp_path):
+    path = next(p for p in DOCS if p.name == doc)
+    cmds, _ = commands(path)
+    runnable = [c for c in cmds if not c.skip]
+    if not runnable:
+        pytest.skip(f"{doc}: no commands to run")
+    cwd = tmp_path / "cwd"
+    shutil.copytree(inputs, cwd)
+    if any("benchmarks" in c.text for c in runnable):  # they read and write benchmarks/: a copy of it
+        shutil.copytree(REPO / "benchmarks", cwd / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
+    failed = []
+    for c in runnable:
+        t0 = time.perf_counter()
+        code, said = _run(c, cwd, env)
+        took = time.perf_counter() - t0
+        print(f"{c.doc}:{c.line} exit {code} in {took:.1f} s: {c.text}")
+        if code != c.expect_code or (c.expect_err and not any(
+                line.startswith(c.expect_err) for line in said.splitlines())):
+            failed.append(f"{c.doc}:{c.line}: exit {code} (documented {c.expect_code}"
+                          f"{', ' + c.expect_err if c.expect_err else ''}): {c.text}\n{said[-1500:]}")
+    assert not failed, "\n\n".join(failed)
