@@ -72,9 +72,11 @@ from dtorch.plan.plan import Plan
 from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's shared helpers and constants)
     DEFAULT_CONSTANTS,
     DTYPE_BYTES,
+    NO_COUNTS,
     CostConstants,
     GiB,
     RankMemory,
+    StepCounts,
     StepShape,
     _block_params,
     base_efficiency,
@@ -194,26 +196,6 @@ def autocast_applies(plan: Plan) -> bool:
     # (with EP, replicas are FSDP2 units: `dtorch.parallel.expert.apply_fsdp_with_experts`)
     classic_ddp = plan.dp_replicate > 1 and plan.tp == 1 and plan.pp == 1 and plan.ep == 1
     return plan.dp_replicate == 1 or classic_ddp
-
-
-@dataclass(frozen=True)
-class StepCounts:
-    """What one step dispatches on the busiest rank besides arithmetic (see `step_counts`)."""
-
-    ops_per_microbatch: float
-    """Operators of one micro-batch's forward, backward and recompute on the worst stage."""
-    dtensor_ops_per_microbatch: float
-    """Those of them that run on DTensors (all of them under tensor parallelism)."""
-    optimizer_ops: float
-    dtensor_optimizer_ops: float
-    tp_small_per_microbatch: float = 0.0
-    """Latency-bound TP collectives per micro-batch (the activation-sized ones are counted apart;
-    filled by the tensor strategy's `counts`, like every field after this one)."""
-    tp_small_per_step: float = 0.0
-
-
-NO_COUNTS = StepCounts(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-"""Nothing dispatched: the search's lower bound leaves host overhead and small collectives out."""
 
 
 def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",

@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -96,7 +96,7 @@ class SearchResult:
     steps: int | None = None
     """The run's length the ranking amortised one-off seconds (compilation) over; None: unknown,
     ranked by step time alone (`strategies.amortised_s`)."""
-    constants: Any = None
+    constants: CostConstants | None = None
     """The cost model's constants the plans were priced with (e.g. whether the run clips gradients)."""
     refused: dict[str, str] = field(default_factory=dict)
     """Strategies that cannot apply to this model -> why (`strategies.refusals`): never searched."""
@@ -266,7 +266,7 @@ def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: d
 
 
 def _degrees(rest: int, picked: dict[str, int], profile: ModelProfile, cluster: Cluster, fixed: dict[str, Any],
-             refused: dict[str, str]):
+             refused: dict[str, str]) -> Iterator[tuple[dict[str, int], int]]:
     """Every choice of the model-decided mesh degrees (`strategies.DEGREED`, innermost axis first)
     dividing `rest` devices, as (axis -> degree, devices left for data parallelism). A fixed degree
     is the only one tried; a strategy that cannot apply to this model is never tried."""
@@ -420,7 +420,8 @@ def _corrected(plan: Plan, est: Estimate, correction: Callable[[Plan, Estimate],
 
 
 def _when_nothing_fits(book: _Book, profile: ModelProfile, cluster: Cluster, global_batch: int,
-                       fixed: dict[str, Any], constants: CostConstants, suggest: bool) -> tuple[Any, list]:
+                       fixed: dict[str, Any], constants: CostConstants,
+                       suggest: bool) -> tuple[tuple[Plan, Estimate] | None, list[str]]:
     """When no plan fits: the plan that came closest (least memory) and what would make one fit."""
     if book.ranked:
         return None, []
@@ -506,7 +507,8 @@ class _Book:
     best plan of each family and precision, the leanest plan of families with none fitting, and the
     families whose fitting plans this executor cannot run."""
 
-    def __init__(self, estimate_fn, top_k: int, executable_only: bool, families: bool = True, time_fn=None):
+    def __init__(self, estimate_fn: Callable[[Plan], Estimate], top_k: int, executable_only: bool,
+                 families: bool = True, time_fn: Callable[[Plan, Estimate], float] | None = None):
         self.estimate_fn, self.top_k, self.executable_only = estimate_fn, top_k, executable_only
         self.time_fn = time_fn or (lambda plan, est: est.step_time_s)
         """What a plan is ranked by before its handicap: the step time, amortised where the run's length is known."""
@@ -671,7 +673,8 @@ def _rung(base: Plan, ac: str, reshard: bool) -> Plan:
     return plan
 
 
-def _inner(base: Plan, fixed: dict[str, Any], consider, hopeless) -> bool:
+def _inner(base: Plan, fixed: dict[str, Any], consider: Callable[[Plan], Estimate],
+           hopeless: Callable[[float], bool]) -> bool:
     """Walk the checkpointing/resharding ladder (`MEMORY.rungs`) for one base plan; True if something fit.
 
     Every rung is at least as slow as the one before it (more recomputation or more traffic), so

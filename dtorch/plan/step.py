@@ -327,3 +327,23 @@ class StepShape:
         prof = self.profile
         return (_block_params(load, prof) + prof.params_embedding * load.embedding
                 + prof.params_head * load.head) / self.plan.tp
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What one step dispatches on the busiest rank besides arithmetic (`dtorch.plan.cost.step_counts`)."""
+
+    ops_per_microbatch: float
+    """Operators of one micro-batch's forward, backward and recompute on the worst stage."""
+    dtensor_ops_per_microbatch: float
+    """Those of them that run on DTensors (all of them under tensor parallelism)."""
+    optimizer_ops: float
+    dtensor_optimizer_ops: float
+    tp_small_per_microbatch: float = 0.0
+    """Latency-bound TP collectives per micro-batch (the activation-sized ones are counted apart;
+    filled by the tensor strategy's `counts`, like every field after this one)."""
+    tp_small_per_step: float = 0.0
+
+
+NO_COUNTS = StepCounts(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+"""Nothing dispatched: the search's lower bound leaves host overhead and small collectives out."""

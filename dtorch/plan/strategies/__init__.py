@@ -16,7 +16,9 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any
 
+from dtorch.cluster.spec import Cluster
 from dtorch.errors import ConfigError, choices
+from dtorch.model.profile import ModelProfile
 from dtorch.plan.strategies.base import (
     Dims,
     Field,
@@ -114,7 +116,7 @@ def pinned(fixed: dict[str, Any]) -> dict[str, Any]:
     return {n: fixed[n] for n in DECLARED_NAMES if n in fixed}
 
 
-def variants(plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+def variants(plan: Any, fixed: dict[str, Any], cluster: Cluster) -> list[Any]:
     """Every strategy's variants of `plan`, combined (a variant of one strategy is offered to the
     ones after it: a compiled plan reducing in bf16)."""
     out: list[Any] = []
@@ -123,17 +125,17 @@ def variants(plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
     return out
 
 
-def notes(plan: Any, cluster: Any) -> list[str]:
+def notes(plan: Any, cluster: Cluster) -> list[str]:
     """What the strategies say `plan` costs beyond its step time."""
     return [n for s in _NOTES for n in s.notes(plan, cluster)]
 
 
-def once_s(plan: Any, cluster: Any) -> float:
+def once_s(plan: Any, cluster: Cluster) -> float:
     """Seconds `plan` costs once per run beyond its steps (compilation), summed over the strategies."""
     return sum(s.once_s(plan, cluster) for s in _ONCE)
 
 
-def amortised_s(step_time_s: float, plan: Any, cluster: Any, steps: int | None) -> float:
+def amortised_s(step_time_s: float, plan: Any, cluster: Cluster, steps: int | None) -> float:
     """Seconds per step over a run of `steps` steps, the one-off seconds included:
     (step_time x steps + once_s) / steps; the step time itself when the run length is unknown."""
     return step_time_s + once_s(plan, cluster) / steps if steps else step_time_s
@@ -144,7 +146,7 @@ def optimistic(degrees: dict[str, int]) -> dict[str, Any]:
     return {k: v for s in _OPTIMISTIC for k, v in s.optimistic(degrees).items()}
 
 
-def bound_plans(plan: Any, profile: Any) -> list[Any]:
+def bound_plans(plan: Any, profile: ModelProfile) -> list[Any]:
     """The lower bound's plan and its variants (`Strategy.bound_plans`), combined over the strategies."""
     plans = [plan]
     for s in _BOUND_PLANS:
@@ -152,7 +154,7 @@ def bound_plans(plan: Any, profile: Any) -> list[Any]:
     return plans
 
 
-def check_fixed(fixed: dict[str, Any], profile: Any, world: int) -> None:
+def check_fixed(fixed: dict[str, Any], profile: ModelProfile, world: int) -> None:
     """ConfigError on the first rule the `--fix` fields break on their own (`Strategy.fixed_rules`)."""
     for s in _FIXED_RULES:
         for v in s.fixed_rules(fixed, profile, world):
@@ -215,18 +217,18 @@ def check_executable(plan: Any) -> None:
         raise lim.error()
 
 
-def refusals(profile: Any) -> dict[str, str]:
+def refusals(profile: ModelProfile) -> dict[str, str]:
     """Strategy name -> why it cannot apply to the model `profile` describes (`Strategy.unsupported_for`),
     in registry order; the strategies absent apply."""
     return {s.name: why for s in _REFUSING if (why := s.unsupported_for(profile))}
 
 
-def refused_fields(profile: Any) -> dict[str, str]:
+def refused_fields(profile: ModelProfile) -> dict[str, str]:
     """Plan field -> why it must stay 1 for this model (the `refusal_fields` of every refused strategy)."""
     return {f: why for s in _REFUSING if (why := s.unsupported_for(profile)) for f in s.refusal_fields}
 
 
-def check_applies(plan: Any, profile: Any) -> None:
+def check_applies(plan: Any, profile: ModelProfile) -> None:
     """ConfigError naming the field when `plan` uses a strategy that cannot apply to this model: the
     one rule the planner's search (which never tries such a degree) and the executor
     (`dtorch.parallel.check.check_applies`, before any process group) share."""

@@ -32,8 +32,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dtorch.cluster.spec import Cluster
 from dtorch.errors import ConfigError
-from dtorch.plan.step import RankLoad, RankMemory, RankShare, StepShape  # noqa: F401  (re-exported: the terms' records)
+from dtorch.model.profile import ModelProfile
+from dtorch.plan.step import (  # noqa: F401  (re-exported: the terms' records)
+    CostConstants,
+    RankLoad,
+    RankMemory,
+    RankShare,
+    StepCounts,
+    StepShape,
+)
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ class Strategy:
     def limits(self, plan: Any) -> Iterator[Limit]:
         return iter(())
 
-    def unsupported_for(self, profile: Any) -> str | None:
+    def unsupported_for(self, profile: ModelProfile) -> str | None:
         """Why this strategy cannot apply to the model `profile` (a `ModelProfile`) describes, in one
         line naming what is missing, or None if it can. Reads only the profile's model-side facts
         (`tp_roles_reason`, `pipeline_reason`, `context_reason`, `input_kind`, `num_heads`,
@@ -160,14 +169,14 @@ class Strategy:
         return ()
 
     # ---- the search ------------------------------------------------------------------------------
-    def mesh_degrees(self, rest: int, profile: Any, cluster: Any, picked: dict[str, int]) -> list[int]:
+    def mesh_degrees(self, rest: int, profile: ModelProfile, cluster: Cluster, picked: dict[str, int]) -> list[int]:
         """The search's candidates for its mesh `axis` with `rest` devices left once the inner axes
         took theirs (`picked`: axis -> degree), before `--fix` and `unsupported_for` narrow them.
         Overridden by the strategies whose degree depends on the model (tp, cp, pp); the
         data-parallel axes take what is left."""
         return [1]
 
-    def fixed_rules(self, fixed: dict[str, Any], profile: Any, world: int) -> Iterator[Violation]:
+    def fixed_rules(self, fixed: dict[str, Any], profile: ModelProfile, world: int) -> Iterator[Violation]:
         """What the `--fix` fields (normalised) break on their own for this model and `world`
         devices, before the search builds any plan (ep not dividing the experts)."""
         return iter(())
@@ -187,7 +196,7 @@ class Strategy:
         contention floor exposes a share of it: no per-unit or per-bucket latencies (FSDP, DDP)."""
         return 0.0
 
-    def bound_plans(self, plan: Any, profile: Any) -> list[Any]:
+    def bound_plans(self, plan: Any, profile: ModelProfile) -> list[Any]:
         """Variants of the lower bound's plan whose traffic the bound takes the least of (expert
         parallelism's degrees: a larger ep shrinks the replicas' all-reduce); default `[plan]`."""
         return [plan]
@@ -201,7 +210,7 @@ class Strategy:
         `StepShape` (`tp_act`), never an open attribute."""
         return True
 
-    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: StepCounts) -> None:
         """Add this strategy's per-micro-batch and per-step seconds to `r` (after `prepare`)."""
 
     def pace_terms(self, step: StepShape, t_mb: float) -> tuple[StepTerm, ...]:
@@ -209,7 +218,7 @@ class Strategy:
         micro-batch, in the order the step time sums them (the pipeline's bubble, then its sends)."""
         return ()
 
-    def counts(self, plan: Any, blocks: float, head_share: float, c: Any, selective: str) -> dict[str, float]:
+    def counts(self, plan: Any, blocks: float, head_share: float, c: CostConstants, selective: str) -> dict[str, float]:
         """The `StepCounts` fields this strategy fills for a pipeline rank with `blocks` blocks and
         `head_share` of the embedding and head (the tensor strategy's latency-bound collectives);
         the fields it leaves out stay 0."""
@@ -230,23 +239,23 @@ class Strategy:
         """Add this strategy's bytes to the rank's `m`: the buffers of the strategy that syncs the
         gradients (one of data, FSDP, expert applies), host and disk bytes of offloaded states."""
 
-    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: Any) -> float:
+    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: StepCounts) -> float:
         """Collectives per micro-batch that stop the rank's compute until every peer has joined
         (issued inline in the forward or backward, nothing scheduled around them): each waits for
         the slowest peer (`Link.skew`). Asynchronous ones (gradient buckets, FSDP's prefetched
         units, a pipeline's posted receives) leave the wait to slack in the schedule: 0."""
         return 0.0
 
-    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Cluster) -> list[Any]:
         """Variants of a fitting plan worth estimating too (the search tries them on the plans that
         made the ranking and on each family's best); `cluster` carries its `calibration`."""
         return []
 
-    def notes(self, plan: Any, cluster: Any) -> Iterable[str]:
+    def notes(self, plan: Any, cluster: Cluster) -> Iterable[str]:
         """What a ranked plan costs beyond its step time (start-up seconds), for the search's notes."""
         return ()
 
-    def once_s(self, plan: Any, cluster: Any) -> float:
+    def once_s(self, plan: Any, cluster: Cluster) -> float:
         """Seconds the plan's choice costs once per run, not per step (compilation); the search
         amortises them over the run's length when it is given."""
         return 0.0

@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
+from dtorch.cluster.spec import Cluster
 from dtorch.errors import choices
+from dtorch.model.profile import ModelProfile
 from dtorch.plan.comm import oversubscribed, p2p_time
 from dtorch.plan.step import StepShape
 from dtorch.plan.strategies.base import (
@@ -51,7 +53,7 @@ class Pipeline(Strategy):
     family_fields = ("pp",)
     refusal_fields = ("pp",)
 
-    def unsupported_for(self, profile: Any) -> str | None:
+    def unsupported_for(self, profile: ModelProfile) -> str | None:
         # the profiler tries the cut on the meta model (dtorch.model.split), ties across the first
         # and last stage included: a tie the executor cannot keep in sync is a reason there
         if profile.pipeline_reason:
@@ -133,10 +135,10 @@ class Pipeline(Strategy):
     def degrees(self, rest: int, num_layers: int) -> list[int]:
         return [p for p in divisors(rest) if p <= num_layers]
 
-    def mesh_degrees(self, rest: int, profile: Any, cluster: Any, picked: dict[str, int]) -> list[int]:
+    def mesh_degrees(self, rest: int, profile: ModelProfile, cluster: Cluster, picked: dict[str, int]) -> list[int]:
         return self.degrees(rest, profile.num_layers)
 
-    def fixed_rules(self, fixed: dict[str, Any], profile: Any, world: int) -> Iterator[Violation]:
+    def fixed_rules(self, fixed: dict[str, Any], profile: ModelProfile, world: int) -> Iterator[Violation]:
         v = fixed.get("virtual_stages", 1)
         if v > 1 and fixed.get("schedule") in ("gpipe", "1f1b"):
             yield Violation("virtual_stages", v, f"schedule {fixed['schedule']} runs one stage per rank; "

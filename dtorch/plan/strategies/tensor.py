@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dtorch.cluster.spec import Cluster
+from dtorch.model.profile import ModelProfile
 from dtorch.plan.comm import functional_time, sync_skew
-from dtorch.plan.step import StepShape, activation_share
+from dtorch.plan.step import CostConstants, StepCounts, StepShape, activation_share
 from dtorch.plan.strategies.base import (
     Dims,
     Field,
@@ -50,7 +52,7 @@ class Tensor(Strategy):
     refusal_fields = ("tp",)
     bound_terms = True  # its activation traffic is large on every plan of a mesh: the search's bound adds it
 
-    def unsupported_for(self, profile: Any) -> str | None:
+    def unsupported_for(self, profile: ModelProfile) -> str | None:
         if not profile.num_heads:
             return "no attention heads found (tensor parallelism splits attention by heads)"
         return profile.tp_roles_reason or None
@@ -87,7 +89,7 @@ class Tensor(Strategy):
         g = math.gcd(heads, kv_heads)
         return [t for t in divisors(g) if devices_per_node % t == 0 and world_size % t == 0]
 
-    def mesh_degrees(self, rest: int, profile: Any, cluster: Any, picked: dict[str, int]) -> list[int]:
+    def mesh_degrees(self, rest: int, profile: ModelProfile, cluster: Cluster, picked: dict[str, int]) -> list[int]:
         # MoE meshes search tp=1 unless tp is fixed (`--fix tp=2` runs: expert-tensor parallelism): with
         # tp free the DeepSeek-V3 search on 256 GPUs grows from ~500 to ~20,000 plans (4 s against 0.05 s)
         if profile.num_experts:
@@ -108,12 +110,12 @@ class Tensor(Strategy):
     def _activation_collectives(self, step: StepShape) -> int:
         return 8 + (4 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0)
 
-    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: Any) -> float:
+    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: StepCounts) -> float:
         # every TP collective sits between two operators of the block (async TP overlaps its
         # all-gathers with the matmul, not with the peers' arrival)
         return load.blocks * self._activation_collectives(step) + counts.tp_small_per_microbatch
 
-    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: StepCounts) -> None:
         c, small = step.c, step.term(TensorSmall).small_s
         n_ops = self._activation_collectives(step)
         r.tp = load.blocks * n_ops * step.tp_act + counts.tp_small_per_microbatch * small  # norms, RoPE, loss
@@ -122,11 +124,11 @@ class Tensor(Strategy):
         r.tp += self.blocking_collectives(step, load, counts) * sync_skew(step.g.intra, r.segment_s(), step.plan.tp)
         r.tp_step = counts.tp_small_per_step * small * c.tp_exposed
 
-    def counts(self, plan: Any, blocks: float, head_share: float, c: Any, selective: str) -> dict[str, float]:
+    def counts(self, plan: Any, blocks: float, head_share: float, c: CostConstants, selective: str) -> dict[str, float]:
         per_mb, per_step = self.small_collectives(plan, blocks, head_share, c, selective)
         return {"tp_small_per_microbatch": per_mb, "tp_small_per_step": per_step}
 
-    def small_collectives(self, plan: Any, blocks: float, head_share: float, c: Any,
+    def small_collectives(self, plan: Any, blocks: float, head_share: float, c: CostConstants,
                           selective: str = "matmuls_saved") -> tuple[float, float]:
         """Latency-bound TP collectives (per micro-batch, per step) of a rank with `blocks` blocks and
         `head_share` of the embedding and head: DTensor redistributions counted on the reference
