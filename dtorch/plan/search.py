@@ -56,7 +56,8 @@ from dtorch.plan.strategies.base import divisors as _divisors
 # Inside a mesh the search walks three strategies' candidates in an order that prunes (module doc):
 # memory's offload levels and checkpointing ladder in order of cost, each stopping at the first that
 # fits; the pipeline's schedules and partitions per micro-batch count; expert parallelism's degrees,
-# which borrow data-parallel ranks rather than being a mesh axis. Those name their strategy; the
+# which borrow data-parallel ranks rather than being a mesh axis. Those name their strategy, as do
+# the precisions a device offers (searched around every mesh) and valid_tp (an error's hint); the
 # meshes, the lower bound and the checks of fixed fields are loops over the registry.
 from dtorch.plan.strategies.expert import EXPERT
 from dtorch.plan.strategies.memory import MEMORY, OFFLOAD_POLICIES
