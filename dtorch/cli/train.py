@@ -113,10 +113,12 @@ def preflight(args: JobConfig, nproc: int) -> None:
         raise ConfigError("snapshot_every", args.snapshot_every, "use steps >= 1, or 0 for no snapshots")
     if args.heartbeat_timeout < 0:
         raise ConfigError("heartbeat_timeout", args.heartbeat_timeout, "use seconds > 0, or 0 to disable")
-    if args.data and not args.tokenizer:  # text with a tokenizer is checked by _check_inputs and tokenised later
+    if args.data and not args.tokenizer:
         from dtorch.train.data import TokenFile
 
         TokenFile(args.data, args.seq_len)  # exists, whole tokens, long enough
+    elif args.data and not os.path.exists(args.data):  # text, tokenised by the workers: at least there
+        raise ConfigError("data", args.data, "no such file or directory")
     _check_checkpoint_dir(args.checkpoint_dir)
     if args.monitor_port:  # found here, not as an error in rank 0 that every restart meets again
         from dtorch.monitor.server import check_port
