@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+from dtorch.cluster.spec import Cluster
 from dtorch.plan import hetero
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation, positive_int
 
@@ -74,7 +75,7 @@ class Batch(Strategy):
         if plan.dp_shares is not None:
             yield 1, "shares=" + _runs(plan.dp_shares)
 
-    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Cluster) -> list[Any]:
         """On a mixed cluster, `plan` with each data-parallel rank's micro-batches in proportion to
         its speed (`hetero.dp_shares`), at its micro-batch size and at 2, 4 and 8 times smaller ones
         (more micro-batches of the same global batch apportion more finely). Not where a

@@ -37,7 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dtorch.plan.step import StepShape
+from dtorch.cluster.spec import Cluster
+from dtorch.plan.step import RankLoad, RankShare, StepCounts, StepShape
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation
 
 RECORD_KEY = "compile"
@@ -103,12 +104,12 @@ class Compile(Strategy):
             step.elem_s_per_byte *= step.c.compile_elementwise_factor
         return False
 
-    def rank_time(self, step: StepShape, load: Any, r: Any, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: StepCounts) -> None:
         """Divide the rank's compute, recompute and host seconds per micro-batch by the measured speed-up."""
         s = step.term(CompileGain).speedup
         r.compute, r.recompute, r.host = r.compute / s, r.recompute / s, r.host / s
 
-    def once_s(self, plan: Any, cluster: Any) -> float:
+    def once_s(self, plan: Any, cluster: Cluster) -> float:
         """The calibrated compile seconds of `plan`'s family (0 when not compiled or not measured)."""
         rec = measurement(getattr(cluster, "calibration", None), plan.family()) if plan.compile else None
         return float(rec.get("compile_s") or 0.0) if rec is not None else 0.0
@@ -124,12 +125,12 @@ class Compile(Strategy):
             return [False]
         return [False, True]
 
-    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Cluster) -> list[Any]:
         if plan.compile or True not in self.candidates(plan, fixed, getattr(cluster, "calibration", None)):
             return []
         return [dataclasses.replace(plan, compile=True)]
 
-    def notes(self, plan: Any, cluster: Any) -> Iterator[str]:
+    def notes(self, plan: Any, cluster: Cluster) -> Iterator[str]:
         if not plan.compile:
             return
         rec = measurement(getattr(cluster, "calibration", None), plan.family())

@@ -30,8 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dtorch.cluster.spec import Cluster
+from dtorch.model.profile import ModelProfile
 from dtorch.plan.comm import functional_time, oversubscribed, p2p_time, sync_skew
-from dtorch.plan.step import StepShape
+from dtorch.plan.step import StepCounts, StepShape
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 from dtorch.plan.strategies.memory import recompute_reruns_collectives
 
@@ -66,7 +68,7 @@ class Context(Strategy):
     family_fields = ("cp",)
     refusal_fields = ("cp",)
 
-    def unsupported_for(self, profile: Any) -> str | None:
+    def unsupported_for(self, profile: ModelProfile) -> str | None:
         if profile.context_reason:
             return profile.context_reason
         if profile.input_kind != "tokens":
@@ -103,10 +105,10 @@ class Context(Strategy):
     def degrees(self, rest: int, seq_len: int, tp: int) -> list[int]:
         return [c for c in divisors(rest) if c <= MAX_CP and seq_len % (2 * c * tp) == 0 or c == 1]
 
-    def mesh_degrees(self, rest: int, profile: Any, cluster: Any, picked: dict[str, int]) -> list[int]:
+    def mesh_degrees(self, rest: int, profile: ModelProfile, cluster: Cluster, picked: dict[str, int]) -> list[int]:
         return self.degrees(rest, profile.seq_len, picked["tp"])  # (the 2*cp*tp chunks: tp is picked first)
 
-    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any) -> list[Any]:
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Cluster) -> list[Any]:
         """The other attention for a cp plan, unless `--fix` pinned one: the estimate picks."""
         if plan.cp == 1 or "cp_attention" in fixed:
             return []
@@ -131,12 +133,12 @@ class Context(Strategy):
             attn_fwd_s=attn_s / 3.0, attn_bwd_s=attn_s * 2.0 / 3.0,
             overlap=not oversubscribed(step.g)))
 
-    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: Any) -> float:
+    def blocking_collectives(self, step: StepShape, load: RankLoad, counts: StepCounts) -> float:
         # forward exchange (once more when AC recomputes the block), backward exchange: the
         # all-gather and its reduce-scatter, or the ring's steps, which wait on the neighbours
         return load.blocks * (2 + (1 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0))
 
-    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: StepCounts) -> None:
         plan, t = step.plan, step.term(KvExchange)
         rerun = 1 if recompute_reruns_collectives(plan.ac, step.selective) else 0
         if plan.cp_attention == "ring":

@@ -43,7 +43,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from dtorch.plan.step import RankMemory, StepShape, base_efficiency, mean_block_flops, mean_block_params  # noqa: F401  (re-exported: the average block)
+from dtorch.model.profile import ModelProfile
+from dtorch.plan.step import (  # noqa: F401  (re-exported: the average block)
+    RankMemory,
+    StepCounts,
+    StepShape,
+    base_efficiency,
+    mean_block_flops,
+    mean_block_params,
+)
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation, divisors
 
 LOAD_IMBALANCE = 1.0
@@ -57,14 +65,14 @@ def data_ranks(plan: Any) -> int:
     return plan.dp_replicate * plan.dp_shard * plan.cp
 
 
-def moe_fraction(profile: Any) -> float:
+def moe_fraction(profile: ModelProfile) -> float:
     """Share of the blocks that are MoE blocks (DeepSeek-V3: 58 of 61)."""
     if not profile.num_experts:
         return 0.0
     return (profile.num_layers - profile.num_dense_layers) / profile.num_layers
 
 
-def moe_blocks(load: Any, profile: Any) -> float:
+def moe_blocks(load: RankLoad, profile: ModelProfile) -> float:
     """MoE blocks on pipeline rank `load` (its blocks less the dense first ones it holds)."""
     if not profile.num_experts:
         return 0.0
@@ -76,7 +84,7 @@ def moe_blocks(load: Any, profile: Any) -> float:
 _moe_blocks = moe_blocks  # (rank_time has a local of that name)
 
 
-def expert_params_per_block(profile: Any) -> float:
+def expert_params_per_block(profile: ModelProfile) -> float:
     """Routed-expert parameters of one MoE block."""
     return float(profile.num_experts * profile.params_per_expert)
 
@@ -191,14 +199,14 @@ def expert_shard(plan: Any) -> int:
     return plan.ep * expert_groups(plan)[0]
 
 
-def stage_experts(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> float:
+def stage_experts(plan: Any, profile: ModelProfile, load: RankLoad, p_stage: float) -> float:
     """Routed-expert parameters among the `p_stage` of pipeline rank `load` (per TP rank), before EP."""
     if not profile.num_experts:
         return 0.0
     return min(p_stage, moe_blocks(load, profile) * expert_params_per_block(profile) / plan.tp)
 
 
-def local_params(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> float:
+def local_params(plan: Any, profile: ModelProfile, load: RankLoad, p_stage: float) -> float:
     """Parameters a rank holds as its (sharded) model states of the `p_stage` of pipeline rank `load`:
     the non-expert ones / (dp_shard x cp), the routed experts / `expert_shard` (with EP)."""
     fs = plan.dp_shard * plan.cp
@@ -249,7 +257,7 @@ class Expert(Strategy):
         finally:
             self.dispatcher = saved
 
-    def unsupported_for(self, profile: Any) -> str | None:
+    def unsupported_for(self, profile: ModelProfile) -> str | None:
         return None if profile.num_experts else "a dense model: no routed experts to spread"
 
     def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
@@ -303,7 +311,7 @@ class Expert(Strategy):
         if plan.ep > 1:
             yield 5, f"ep={plan.ep}"
 
-    def degrees(self, profile: Any, data: int, fixed: dict[str, Any]) -> list[int]:
+    def degrees(self, profile: ModelProfile, data: int, fixed: dict[str, Any]) -> list[int]:
         """The search's ep candidates on a mesh of `data` data-parallel ranks: divisors of both the
         routed experts and `data` (only 1 for a dense model)."""
         if "ep" in fixed:
@@ -312,7 +320,7 @@ class Expert(Strategy):
             return [1]
         return [d for d in divisors(data) if profile.num_experts % d == 0]
 
-    def fixed_rules(self, fixed: dict[str, Any], profile: Any, world: int) -> Iterator[Violation]:
+    def fixed_rules(self, fixed: dict[str, Any], profile: ModelProfile, world: int) -> Iterator[Violation]:
         ep = fixed.get("ep", 1)
         if ep > 1 and not profile.num_experts:
             yield Violation("ep", ep, f"{profile.name} is dense (no routed experts); use ep=1")
@@ -321,7 +329,7 @@ class Expert(Strategy):
             yield Violation("ep", ep, f"must divide the {profile.num_experts} routed experts and the world size "
                             f"{world}; use ep in {{{', '.join(map(str, ok))}}}")
 
-    def bound_plans(self, plan: Any, profile: Any) -> list[Any]:
+    def bound_plans(self, plan: Any, profile: ModelProfile) -> list[Any]:
         # the ep degrees the mesh's executor layout allows (EP's own all-to-all is left out of the
         # bound); with replicas a larger ep shrinks the gradient all-reduce too
         return [v for ep in self.degrees(profile, plan.dp_replicate * plan.dp_shard, {})
@@ -367,7 +375,7 @@ class Expert(Strategy):
         width = step.h / (1 if d.ep_borrows_tp else plan.tp)
         return step.peak * base_efficiency(step.g, c) * shape_factor(width, rows, c.gemm_width_half, c.gemm_rows_half)
 
-    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: StepCounts) -> None:
         plan, prof, x = step.plan, step.profile, step.term(ExpertExchange)
         moe_blocks = _moe_blocks(load, prof)
         # the routed experts' GEMMs at their own speed (the compute term priced them at the block's)
@@ -434,7 +442,7 @@ class Expert(Strategy):
         return gathered_params(step.plan, step.profile, load, p_stage)
 
 
-def gathered_params(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> float:
+def gathered_params(plan: Any, profile: ModelProfile, load: RankLoad, p_stage: float) -> float:
     """`Expert.gathered_stage_params` without a step shape (the dry run's model-state estimate)."""
     ep = plan.ep
     if ep == 1 or not profile.num_experts:
@@ -443,7 +451,7 @@ def gathered_params(plan: Any, profile: Any, load: RankLoad, p_stage: float) -> 
     return p_stage - pe * (1.0 - 1.0 / ep)
 
 
-def gathered_block_params(profile: Any, plan: Any) -> float:
+def gathered_block_params(profile: ModelProfile, plan: Any) -> float:
     """Parameters of one block FSDP gathers on a rank (per TP rank): the experts only 1/ep."""
     p = float(profile.params_per_block)
     if plan.ep > 1 and profile.num_experts:
@@ -454,7 +462,7 @@ def gathered_block_params(profile: Any, plan: Any) -> float:
 EXPERT = Expert()
 
 
-def routing_traffic(plan: Any, profile: Any, devices_per_node: int) -> str | None:
+def routing_traffic(plan: Any, profile: ModelProfile, devices_per_node: int) -> str | None:
     """One line for the explanation: the bytes each rank sends per MoE block per micro-batch (one
     direction, mean load) and where the ep group lies, or None without EP."""
     if plan.ep == 1 or not profile.num_experts:

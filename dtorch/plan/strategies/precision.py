@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+from dtorch.cluster.spec import Cluster, DeviceType
 from dtorch.errors import choices
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation
 
@@ -64,7 +65,7 @@ class Precision(Strategy):
                                                        if plan.reduce_dtype != "float32" else "")
 
     # ---- search candidates and ranking ---------------------------------------------------------
-    def candidates(self, dev: Any, fixed: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
+    def candidates(self, dev: DeviceType, fixed: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
         """(param_dtype, reduce_dtype) pairs worth searching on device `dev`, and why others were left
         out. A 16-bit dtype is a candidate where the device has it (emulation is priced by its measured
         or detected peak, so an emulated one loses on its own) and this executor can train in it
@@ -93,7 +94,7 @@ class Precision(Strategy):
         red = fixed.get("reduce_dtype", "float32")
         return [(p, red) for p in params], notes
 
-    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Any = None) -> list[Any]:
+    def variants(self, plan: Any, fixed: dict[str, Any], cluster: Cluster | None = None) -> list[Any]:
         """Variants of a fitting plan that reduce gradients in its 16-bit compute dtype. Reduction
         precision changes only communication (and a little buffer memory), so the search tries it on
         the plans that made the ranking rather than on every plan."""
