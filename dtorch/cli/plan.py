@@ -46,7 +46,7 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--model", required=True, help="preset (llama3-70b, gpt2-xl, ...), llama:/gpt: spec, factory or HF config")
     p.add_argument("--cluster", default=None,
                    help="preset shorthand (h100:8x8, h100:4x8+a100:2x8), cluster YAML/JSON, or 'detect' (default)")
-    from dtorch.train.job import CLUSTER_SEQ_LEN, DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
+    from dtorch.train.job import CLUSTER_SEQ_LEN, DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN, JobConfig
 
     p.add_argument("--seq-len", type=int, default=CLUSTER_SEQ_LEN,
                    help=f"tokens per sequence (default {CLUSTER_SEQ_LEN}, a cluster-scale model's, as dtorch submit; "
@@ -63,8 +63,9 @@ def add_parser(sub, help_text: str) -> None:
                         "it, (step x steps + once) / steps, in the ranking; default: unknown, ranked by step time")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="pin the compute dtype (param_dtype); default: searched, like --fix param_dtype=...")
-    p.add_argument("--max-grad-norm", type=float, default=1.0,
-                   help="the gradient clipping `dtorch train` will run with (default 1.0, as there; 0 = none, "
+    p.add_argument("--max-grad-norm", type=float, default=JobConfig.max_grad_norm,
+                   help=f"the gradient clipping `dtorch train` will run with (default {JobConfig.max_grad_norm}, as "
+                        "there; 0 = none, "
                         "which lets the optimizer offload tiers step during the backward): priced the same way")
     p.add_argument("--json", action="store_true", help="print the chosen Plan as JSON (with `predicted`)")
     p.add_argument("--progress", action="store_true",
