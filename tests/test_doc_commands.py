@@ -311,6 +311,42 @@ def test_the_docs_hold_commands_and_mark_few_skips():
     assert len(every) >= 40 and len(skipped) < len(every) // 2, (len(every), [(c.text, c.skip) for c in skipped])
 
 
+def test_the_rule_reads_commands_outputs_skips_and_untagged_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "x.md").write_text("""<!-- doc-test skip: dtorch probe -- minutes -->
+```bash
+# a comment
+.venv/bin/dtorch probe --quick
+dtorch plan --model a \\
+    --cluster b   # trailing words
+```
+
+```console
+$ dtorch plan --fix tp=3
+dtorch plan: error: tp=3: no
+$ dtorch status runs/train
+runs/train: finished
+```
+
+```
+dtorch report runs/train
+```
+
+```text
+dtorch plan: error: tp=3: output, not a command
+```
+<!-- doc-test skip: dtorch gone -- stale -->
+""")
+    cmds, problems = commands(tmp_path / "x.md")
+    assert [(c.text, c.expect_code, c.expect_err, bool(c.skip)) for c in cmds] == [
+        (".venv/bin/dtorch probe --quick", 0, None, True),
+        ("dtorch plan --model a  --cluster b   # trailing words", 0, None, False),
+        ("dtorch plan --fix tp=3", 2, "dtorch plan: error: tp=", False),
+        ("dtorch status runs/train", 0, None, False)]
+    assert len(problems) == 2 and "without a language" in problems[0]
+    assert "'dtorch gone' matches no command" in problems[1]
+
+
 @pytest.mark.slow  # ~50 s of CPU for the docs' ~35 commands
 @pytest.mark.parametrize("doc", [p.name for p in DOCS])
 def test_every_command_of_the_doc_runs_as_written(doc, inputs, env, tmp_path):
