@@ -6,14 +6,19 @@ All in process through `dtorch.cli.main` with `--print-config` (nothing trains).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
-import tomllib
 import yaml
 
 from dtorch.cli import main
 from dtorch.train.config import dumps, read, schema
 from dtorch.train.job import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the parser dtorch uses there (a dependency on Python 3.10)
+    import tomli as tomllib
 
 
 def _printed(capsys, *argv: str) -> str:
