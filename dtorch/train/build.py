@@ -111,25 +111,30 @@ def join(run_env: RuntimeEnv, by_scheduler: bool) -> tuple[int, int, torch.devic
 
 def announce_plan(tr: Trainer) -> None:
     """The `plan` event and, on rank 0, the plan's console line."""
+    from dtorch.cluster.peak import mfu
     from dtorch.plan.explain import memory_parts, memory_summary
 
     pred = tr.plan.predicted or {}
     breakdown = pred.get("memory_breakdown") or {}
     parts = memory_parts(breakdown) if breakdown else {}
+    peak, fpt = device_peak(tr), flops_per_token(tr)
+    # the prediction's MFU over this run's denominator (a plan kept from a checkpoint or a file may
+    # carry one computed elsewhere); for a plan searched here it is the plan's own figure
+    predicted_mfu = mfu(pred["tokens_per_s"], fpt, peak, tr.world) if pred.get("tokens_per_s") else pred.get("mfu")
     tr.metrics.event("plan", plan=tr.plan.describe(), family=tr.plan.family(), source=tr.plan_source.source,
-                     predicted_step_time_s=pred.get("step_time_s"), predicted_mfu=pred.get("mfu"),
+                     predicted_step_time_s=pred.get("step_time_s"), predicted_mfu=predicted_mfu,
                      predicted_tokens_per_s=pred.get("tokens_per_s"),
                      predicted_memory_bytes_per_rank=pred.get("memory_bytes_per_rank"),
                      predicted_memory_breakdown=breakdown or None,
                      predicted_memory_parts=parts or None,
                      # MFU's denominator (per rank) and numerator's FLOPs: dtorch.cluster.peak
-                     mfu_peak_flops=device_peak(tr), flops_per_token=flops_per_token(tr), world_size=tr.world)
+                     mfu_peak_flops=peak, flops_per_token=fpt, world_size=tr.world)
     if tr.rank == 0 and tr.console:
         extra = ""
         if pred:
             extra = f" (predicted {pred.get('step_time_s', float('nan')) * 1e3:.0f} ms/step"
-            if pred.get("mfu") is not None:
-                extra += f", MFU {pred['mfu']:.1%}"
+            if predicted_mfu is not None:
+                extra += f", MFU {predicted_mfu:.1%}"
             extra += f"; per rank {memory_summary(breakdown, detail=False)})" if breakdown else ")"
         print(f"dtorch: plan {tr.plan.family()}: {tr.plan.describe()}{extra}", flush=True)
 
