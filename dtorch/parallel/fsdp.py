@@ -182,6 +182,8 @@ class UnusedParameters:
 def _apply(part: nn.Module, meshes: Meshes, plan: Plan) -> None:
     if meshes.ep is not None:  # (with EP the expert half shards: apply_fsdp_with_experts)
         return
+    if getattr(plan, "zero", 0):  # ZeRO-1/2 build their own units (dtorch.parallel.zero)
+        return
     if uses_fsdp(plan):
         apply_fsdp(part, fsdp_mesh(meshes.mesh), plan, last_stage=meshes.last_stage)
     elif plan.dp_replicate > 1 and not classic_ddp(plan):

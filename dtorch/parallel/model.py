@@ -43,6 +43,7 @@ from dtorch.model.outputs import batch_size, call_model, logits_of
 from dtorch.model.structure import ModelStructure, blocks_of
 from dtorch.parallel.cp import ContextParallel
 from dtorch.parallel.fsdp import UnusedParameters, uses_fsdp
+from dtorch.parallel.zero import microbatch_controls
 from dtorch.plan.plan import Plan
 
 
@@ -230,6 +231,8 @@ class ParallelModel:
             sync = contextlib.nullcontext()
             if isinstance(model, DistributedDataParallel) and not last:
                 sync = model.no_sync()  # likewise for DDP
+            elif getattr(self.plan, "zero", 0) and isinstance(model, FSDPModule):
+                microbatch_controls(model, self.plan, last)  # ZeRO-1/2: gathered all step (zero.py)
             elif self.uneven and isinstance(model, FSDPModule):
                 self._hold_unsharded(model, last)
             with sync:

@@ -122,6 +122,9 @@ class Plan:
     # ---- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        for f in strategies.DECLARED:  # (a field added since, at its "off" default: not written)
+            if f.omit_default and d[f.name] == f.default:
+                del d[f.name]
         return {"version": d.pop("version"), **d}
 
     def to_json(self, indent: int = 2) -> str:

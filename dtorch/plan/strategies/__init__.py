@@ -1,6 +1,6 @@
 """The strategy registry: every parallelism and policy declared once, for planner and executor alike.
 
-One file per strategy (`batch`, `precision`, `data`, `fsdp`, `expert`, `context`, `tensor`, `memory`,
+One file per strategy (`batch`, `precision`, `data`, `fsdp`, `zero`, `expert`, `context`, `tensor`, `memory`,
 `pipeline`, `compile`), each an instance of `base.Strategy`. Everything that used to repeat a strategy's
 knowledge is a loop over `REGISTRY`: `Plan.validate` and `Plan.family/describe` (`validate`,
 `family`, `describe`), the planner's and the executor's checks (`check`), what this executor
@@ -39,8 +39,10 @@ from dtorch.plan.strategies.memory import AC_POLICIES, MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PIPELINE, SCHEDULES
 from dtorch.plan.strategies.precision import DTYPES, PRECISION
 from dtorch.plan.strategies.tensor import TENSOR
+from dtorch.plan.strategies.zero import ZERO
 
-REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, EXPERT, CONTEXT, TENSOR, MEMORY, PIPELINE, COMPILE)
+REGISTRY: tuple[Strategy, ...] = (BATCH, PRECISION, DATA, FSDP, ZERO, EXPERT, CONTEXT, TENSOR, MEMORY, PIPELINE,
+                                  COMPILE)
 
 FIELDS: dict[str, Field] = {f.name: f for s in REGISTRY for f in s.fields}
 OWNER: dict[str, Strategy] = {f.name: s for s in REGISTRY for f in s.fields}
@@ -298,4 +300,4 @@ def _value(f: Field, val: Any) -> Any:
         raise ConfigError(f.name, val, refused[v])
     if v not in f.choices:
         raise ConfigError(f.name, val, choices(f.choices))
-    return v
+    return int(v) if f.plan_type == "int" else v  # (a numbered choice: zero's stage)

@@ -70,6 +70,9 @@ class Field:
     """The declared field's default; it must mean "off", so every older plan document still loads."""
     doc: str = ""
     """What the declared field does (plan.py's field docstrings, for declared fields)."""
+    omit_default: bool = False
+    """A declared field left out of the plan document while at its default (`Plan.to_dict`): plan
+    files and golden plans written before it existed stay byte-identical."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,12 +47,12 @@ class Sharded(Strategy):
     family_fields = ("dp_replicate", "dp_shard")
 
     def family(self, plan: Any) -> str | None:
-        if plan.dp_shard > 1:
+        if plan.dp_shard > 1 and not getattr(plan, "zero", 0):  # (ZeRO-1/2 on this axis: strategies/zero.py)
             return "HSDP" if plan.dp_replicate > 1 else "FSDP"
         return None
 
     def describe(self, plan: Any):
-        if plan.dp_shard > 1 and not plan.reshard_after_forward:
+        if plan.dp_shard > 1 and not plan.reshard_after_forward and not getattr(plan, "zero", 0):
             yield 50, "no-reshard"
 
     def prepare(self, step: StepShape) -> bool:

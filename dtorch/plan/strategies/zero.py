@@ -1,0 +1,146 @@
+"""ZeRO-1 and ZeRO-2 over the sharded data-parallel axis: the plan's `zero` field (0, 1, 2), declared here.
+
+Megatron's distributed optimizer and DeepSpeed's stages 1-2: parameters replicated over data
+parallelism for the whole step, the optimizer state sharded over it (ZeRO-1), and the gradients
+too (ZeRO-2). `zero` changes what the `dp_shard` axis (x cp, as FSDP's) shards; 0 is FSDP's
+ZeRO-3, the default, and is left out of plan documents (`Field.omit_default`), so every plan file
+and golden plan written before it is unchanged.
+
+Executor half: `dtorch.parallel.zero`, FSDP2 with its gradient-accumulation controls
+(`set_requires_gradient_sync`, `set_reshard_after_backward`, ``reshard_after_forward=False``):
+every unit all-gathers its parameters once per step, at the first micro-batch's forward, and keeps
+them gathered until the last backward; ZeRO-1 accumulates full-size gradients locally over the
+micro-batches and reduce-scatters them once, after the last; ZeRO-2 reduce-scatters every
+micro-batch's gradients into the sharded ones. AdamW then steps on its shard only.
+
+Time (as it runs): one all-gather per FSDP unit per step, hidden behind the first micro-batch's
+forward at best (one block's never hidden); ZeRO-1 one reduce-scatter per unit per step behind the
+last backward, whatever the micro-batch count; ZeRO-2 one per micro-batch (per pipeline chunk),
+each behind its own backward. Memory: parameters = the float32 shard plus the whole stage gathered
+in param_dtype (the whole step), gradients = the float32 shard plus, for ZeRO-1 with more than one
+micro-batch, the full-size accumulation in reduce_dtype (FSDP2 accumulates unsharded gradients in
+reduce_dtype); optimizer state sharded; one block's gradient staging as buffers.
+
+Limits: dp_replicate > 1 (the replicas would all-reduce each unit as HSDP does: not built for
+ZeRO), expert parallelism (the expert half shards with its own FSDP units), parameter offload
+(FSDP's CPU offload keeps nothing gathered), ZeRO-2 with uneven `dp_shares` (ranks would issue
+different numbers of reduce-scatters). `reshard_after_forward` does not apply under ZeRO (nothing
+is resharded within a step); the search's ladder leaves it false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from dtorch.plan.comm import exposed
+from dtorch.plan.step import RankMemory, StepShape
+from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation
+from dtorch.plan.strategies.fsdp import FSDP, FsdpUnits
+
+STAGES = (0, 1, 2)
+
+
+def zero_stage(plan: Any) -> int:
+    """The plan's ZeRO stage: 1 or 2, or 0 (off: FSDP's ZeRO-3 on dp_shard, or no sharding)."""
+    return getattr(plan, "zero", 0) or 0
+
+
+class Zero(Strategy):
+    name = "zero"
+    executor = "dtorch.parallel.zero"
+    fields = (Field("zero", "choice", choices=("0", "1", "2"), aliases=("zero_stage",),
+                    value_aliases=(("off", "0"), ("none", "0"), ("false", "0")),
+                    refuse=(("3", "ZeRO-3 is FSDP, the default on dp_shard: leave zero at 0"),),
+                    plan_type="int", default=0, omit_default=True,
+                    doc="ZeRO stage over dp_shard (x cp): 1 shards the optimizer state, 2 the gradients "
+                        "too, parameters stay replicated; 0 (default) is FSDP (dtorch/parallel/zero.py)."),)
+    family_fields = ("zero",)
+
+    def rules(self, plan: Any, dims: Dims | None) -> Iterator[Violation]:
+        z = plan.zero
+        if isinstance(z, bool) or z not in STAGES:
+            yield Violation("zero", z, "use 0 (off), 1 (optimizer state sharded) or 2 (gradients too)")
+        elif z and plan.dp_shard * plan.cp == 1:
+            yield Violation("zero", z, "ZeRO shards over dp_shard (x cp): use dp_shard > 1, or zero=0")
+
+    def limits(self, plan: Any) -> Iterator[Limit]:
+        z = zero_stage(plan)
+        if not z:
+            return
+        if plan.dp_shard * plan.cp == 1:  # (the rule refuses it too; the search reads limits)
+            yield Limit("ZeRO shards over dp_shard (x cp): this plan has no such axis", "zero", z,
+                        "use dp_shard > 1 with zero, or zero=0")
+            return
+        if plan.dp_replicate > 1:
+            yield Limit("ZeRO over replicas (HSDP) is not built", "dp_replicate", plan.dp_replicate,
+                        "put the data-parallel degree on dp_shard with zero, or use zero=0")
+        if plan.ep > 1:
+            yield Limit("ZeRO with expert parallelism is not built (the expert half shards with its own FSDP "
+                        "units)", "ep", plan.ep, "use ep=1 with zero, or zero=0")
+        if plan.offload == "params":
+            yield Limit("ZeRO keeps parameters gathered all step; parameter offload gathers them per unit",
+                        "offload", plan.offload, "use offload=none or optimizer with zero")
+        shares = getattr(plan, "dp_shares", None)
+        if z == 2 and shares is not None and len(set(shares)) > 1:
+            yield Limit("ZeRO-2 reduce-scatters every micro-batch: uneven dp_shares would issue different "
+                        "numbers of reduce-scatters per rank", "zero", z, "use zero=1 with uneven dp_shares")
+
+    def family(self, plan: Any) -> str | None:
+        z = zero_stage(plan)
+        return f"ZeRO{z}" if z and plan.dp_shard * plan.cp > 1 else None
+
+    def describe(self, plan: Any):
+        if zero_stage(plan) and plan.dp_shard * plan.cp > 1:
+            yield 50, f"zero{zero_stage(plan)}"
+
+    # ---- time -----------------------------------------------------------------------------------
+    def prepare(self, step: StepShape) -> bool:
+        # FSDP's prepare (before this one in the registry) kept the per-unit costs this reads
+        return bool(zero_stage(step.plan)) and step.fs > 1
+
+    def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
+        """Replaces FSDP's `r.fsdp` (the data-parallel collectives of this axis) with ZeRO's."""
+        r.fsdp = self.comm_time(step, load, r)
+
+    def collectives(self, plan: Any) -> tuple[int, int]:
+        """(all-gathers, reduce-scatters) per FSDP unit per step: one gather; ZeRO-1 one reduction,
+        ZeRO-2 one per micro-batch (a unit belongs to one pipeline chunk)."""
+        return 1, 1 if zero_stage(plan) == 1 else plan.num_microbatches
+
+    def comm_time(self, step: StepShape, load: RankLoad, r: RankShare) -> float:
+        plan, c, u = step.plan, step.c, step.term(FsdpUnits)
+        n_ag, n_rs = self.collectives(plan)
+        units = load.blocks + 1  # every block and the stage's root (embedding, final norm, head)
+        busy = r.compute + r.recompute
+        if u.ag_byte or u.rs_byte:
+            # the probe timed FSDP2's units with their bytes on this CPU: that, not the ring, is the cost
+            ag = units * u.ag_unit + u.ag_byte * r.p_stage * step.param_b
+            rs = units * u.rs_unit + u.rs_byte * r.p_stage * step.red_b
+            return n_ag * ag + n_rs * rs
+        ag, rs = FSDP.comm(step, load, r.p_stage, unit_latency=not u.fixed_apart)
+        # the gather: behind the first micro-batch's forward (a third of its work), one block never hidden
+        t = exposed(ag, busy / 3.0, c) + u.ag_block
+        # the reductions: each behind the backward (two thirds) of the micro-batch it ends
+        t += exposed(n_rs * rs, (2.0 / 3.0) * r.compute * n_rs, c)
+        if u.fixed_apart:
+            t += units * (n_ag * u.ag_unit + n_rs * u.rs_unit)
+        return t
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        plan = step.plan
+        if not zero_stage(plan) or step.fs == 1:
+            return
+        shard = 0.0 if plan.offload == "params" else 4.0 * m.p_local  # float32 masters / gradients, this rank's
+        # the whole stage gathered in param_dtype from the first forward to the last backward
+        m.states["params"] = m.states.get("params", 0.0) + m.p_gathered * step.param_b
+        grads = shard
+        if zero_stage(plan) == 1 and plan.num_microbatches > 1:
+            # the full-size accumulation, reduced once after the last micro-batch: each unit's is
+            # freed as its shard is made, so the two never coexist
+            grads = m.p_gathered * step.red_b
+        m.states["grads"] = grads
+
+
+ZERO = Zero()
