@@ -39,8 +39,9 @@ intercepting the CUDA-only flash / efficient / cuDNN SDPA ops and has no shardin
 op ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
 strategy registered"); its `_templated_ring_attention` rotates with an all-to-all over the whole
 group and reads process-wide options. Ours is point-to-point (batched isend/irecv between ring
-neighbours) on any backend; the block kernel is the CPU flash op on CPU and an explicit float32
-softmax elsewhere (correct on any device, not tuned: not measured on a GPU).
+neighbours) on any backend; the block kernel is the CPU flash op on CPU, on CUDA the flash op for
+16-bit blocks (called as torch's ring calls it) and otherwise an explicit float32 softmax (correct
+on any device, slow). The CUDA paths have not been run: no GPU was at hand.
 
 Not supported: models that do not declare the two hooks (e.g. transformers models), see `check_cp`
 (ConfigError before any process group). Attention dropout (GPT's dropout > 0 in training) runs
@@ -105,6 +106,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(_acc(q))
+    if _cuda_flash(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse.float()
     return math_block_attention(q, k, v, causal, scale)
 
 
@@ -116,7 +120,19 @@ def block_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(_acc(q)), 0.0, causal, scale=scale)
+    if _cuda_flash(q):
+        # the dense (not variable-length) kernel: no cumulative lengths; no dropout, so no RNG state
+        none = torch.empty(0, device=q.device, dtype=torch.int64)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.float().contiguous(), none, none, q.shape[2], k.shape[2], 0.0, causal,
+            none, none, scale=scale)
     return math_block_attention_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _cuda_flash(q: torch.Tensor) -> bool:
+    """Whether the CUDA flash kernel takes this block (16-bit, head dim a multiple of 8 up to 256),
+    as torch's own ring attention calls it; otherwise the explicit float32 path."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
