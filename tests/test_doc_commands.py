@@ -311,6 +311,27 @@ def test_the_docs_hold_commands_and_mark_few_skips():
     assert len(every) >= 40 and len(skipped) < len(every) // 2, (len(every), [(c.text, c.skip) for c in skipped])
 
 
+def test_skipped_dtorch_commands_still_parse():
+    """A skipped command is not run, but its flags are checked: a renamed or removed flag fails here."""
+    from dtorch.cli import build_parser
+
+    bad = []
+    for path in DOCS:
+        for c in commands(path)[0]:
+            tokens = shlex.split(_bare(c.text), comments=True)
+            while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
+                tokens.pop(0)
+            if not c.skip or tokens[:1] != ["dtorch"] or "$(" in c.text:
+                continue
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):
+                    build_parser(tokens[1:]).parse_args(tokens[1:])
+            except SystemExit:
+                bad.append(f"{c.doc}:{c.line}: {c.text}\n{err.getvalue()}")
+    assert not bad, "\n".join(bad)
+
+
 def test_the_rule_reads_commands_outputs_skips_and_untagged_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     (tmp_path / "x.md").write_text("""<!-- doc-test skip: dtorch probe -- minutes -->
