@@ -15,8 +15,9 @@ On a CPU no spec sheet exists, and a measured GEMM rate is not a peak (MFU again
 
     peak = physical cores x clock x FLOP per cycle per core (dtype)
 
-- cores: distinct (physical id, core id) pairs among the CPUs this process may run on
-  (`os.sched_getaffinity`); hyper-threads share a core's vector units, so they do not count twice;
+- cores: distinct (physical id, core id) pairs among the CPUs of the node's container (its cgroup
+  CPU set; all of them outside one); hyper-threads share a core's vector units, so they do not count
+  twice;
 - clock: the highest the cores may run at: ``cpufreq/cpuinfo_max_freq`` where the kernel exposes
   it (the turbo clock), else the ``@ 2.60GHz`` of the model name, else the highest ``cpu MHz``
   (a VM reports its nominal clock there);
@@ -104,14 +105,40 @@ def _cpuinfo() -> list[dict[str, str]]:
     return out
 
 
+CPUSET_FILES = ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus")
+"""Where a container's CPU set is read (cgroup v2, v1)."""
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def node_cpus(files: tuple[str, ...] = CPUSET_FILES) -> set[int] | None:
+    """The logical CPUs the node's ranks may use: the container's CPU set where one is readable, else
+    None (all of them). Not this process's affinity: a launcher that pins each rank to its own cores
+    would make one rank's share look like the node."""
+    for path in files:
+        try:
+            with open(path) as f:
+                cpus = parse_cpu_list(f.read())
+            if cpus:
+                return cpus
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def physical_cores(cpuinfo: list[dict[str, str]] | None = None, allowed: set[int] | None = None) -> int:
-    """Physical cores among the logical CPUs `allowed` (default: this process's affinity)."""
+    """Physical cores among the logical CPUs `allowed` (default: `node_cpus()`, else all)."""
     cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
     if allowed is None:
-        try:
-            allowed = set(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            allowed = None
+        allowed = node_cpus()
     cores = set()
     for i, e in enumerate(cpuinfo):
         cpu = int(e["processor"]) if e.get("processor", "").isdigit() else i
@@ -176,7 +203,7 @@ def flops_per_cycle(dtype: str, flags: set[str], *, half_width_avx512: bool = Fa
 
 def cpu_peak(dtype: str = "float32", *, flags: set[str] | None = None, cores: int | None = None,
              ghz: float | None = None, cpuinfo: list[dict[str, str]] | None = None) -> CpuPeak:
-    """This CPU's peak FLOP/s in `dtype` over the cores this process may use (see the module doc).
+    """This CPU's peak FLOP/s in `dtype` over the node's cores (see the module doc).
     Arguments replace what is detected (tests, another machine's figures)."""
     info = _cpuinfo() if cpuinfo is None and (cores is None or ghz is None or flags is None) else (cpuinfo or [])
     flags = cpu_flags() if flags is None else flags

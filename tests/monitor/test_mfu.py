@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from dtorch.cluster.peak import cpu_clock_ghz, cpu_peak, flops_per_cycle, physical_cores
+from dtorch.cluster.peak import cpu_clock_ghz, cpu_peak, flops_per_cycle, node_cpus, physical_cores
 
 SPR = {"fma", "avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}
 
@@ -35,11 +35,15 @@ def test_cpu_peak_is_cores_times_clock_times_flops_per_cycle_per_dtype():
     assert "2 cores x 2.60 GHz" in peak.describe() and "332.8 GFLOP/s float32" in peak.describe()
 
 
-def test_hyperthreads_count_once_and_only_the_cpus_this_process_may_use(tmp_path):
+def test_hyperthreads_count_once_and_only_the_containers_cpus(tmp_path):
     info = [{"processor": str(i), "physical id": "0", "core id": str(i % 4)} for i in range(8)]  # 4 cores x 2 threads
     assert physical_cores(info, allowed=set(range(8))) == 4
     assert physical_cores(info, allowed={0, 4}) == 1  # two threads of core 0
     assert physical_cores(info, allowed={0, 1}) == 2
+    cpuset = tmp_path / "cpuset.cpus.effective"
+    cpuset.write_text("0-1,4\n")
+    assert node_cpus((str(tmp_path / "missing"), str(cpuset))) == {0, 1, 4}
+    assert node_cpus((str(tmp_path / "missing"),)) is None  # outside a container: every CPU
 
 
 def test_the_clock_is_the_highest_the_cores_may_run_at(tmp_path):
@@ -54,13 +58,13 @@ def test_the_clock_is_the_highest_the_cores_may_run_at(tmp_path):
 
 def test_the_detected_peak_bounds_what_a_gemm_reaches_on_this_cpu():
     """A measured rate is no peak (MFU against one read 91-104 %): the detected peak must be above
-    the best a large GEMM reaches here with every core this process may use."""
+    the best a large GEMM reaches here with every core."""
     import torch
 
     from dtorch.monitor.metrics import measured_gemm_rate
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(os.cpu_count() or 1)
     try:
         best = max(measured_gemm_rate(torch.device("cpu"), torch.float32, 512) for _ in range(3))
     finally:
