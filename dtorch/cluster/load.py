@@ -202,7 +202,7 @@ def _device(v: Any, path: str) -> tuple[DeviceType, str | None]:
         attention_flops={str(dt): _rows(rows, f"{path}.attention_flops.{dt}", 3) for dt, rows in
                          _mapping(d.get("attention_flops", base.attention_flops if base else {}) or {},
                                   f"{path}.attention_flops").items()},
-
+        mfu_peak_flops=_speeds(d.get("mfu_peak_flops", base.mfu_peak_flops if base else {}), f"{path}.mfu_peak_flops"),
     )
     return dev, base_key
 

@@ -82,6 +82,10 @@ def test_the_plan_divides_by_the_detected_peak_shared_by_the_ranks_of_a_node():
     dev = cluster.slowest_group().device
     assert dev.mfu_peak("float32") == pytest.approx(cpu_peak("float32").flops / 2)
     assert dev.mfu_peak("float32") != dev.peak("float32")  # the cost model's figure is another one
+    from dtorch.cluster.load import cluster_from_dict, cluster_to_dict
+
+    saved = cluster_from_dict(cluster_to_dict(cluster))  # a cluster file keeps it (`dtorch probe --cluster-out`)
+    assert saved.slowest_group().device.mfu_peak("float32") == dev.mfu_peak("float32")
     prof = get_profile("gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256", 128)
     assert mfu(1000.0, prof, cluster, "float32") == pytest.approx(1000.0 * prof.flops_per_token / cpu_peak("float32").flops)
 
