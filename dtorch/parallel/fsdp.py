@@ -43,6 +43,7 @@ from dtorch.model.structure import block_items, find_blocks
 from dtorch.parallel.halves import Half, Meshes
 from dtorch.parallel.mesh import fsdp_mesh, sub_mesh
 from dtorch.plan.plan import Plan
+from dtorch.plan.strategies.zero import zero_stage
 
 
 def mp_policy(plan: Plan) -> MixedPrecisionPolicy:
@@ -182,7 +183,7 @@ class UnusedParameters:
 def _apply(part: nn.Module, meshes: Meshes, plan: Plan) -> None:
     if meshes.ep is not None:  # (with EP the expert half shards: apply_fsdp_with_experts)
         return
-    if getattr(plan, "zero", 0):  # ZeRO-1/2 build their own units (dtorch.parallel.zero)
+    if zero_stage(plan):  # ZeRO-1/2 build their own units (dtorch.parallel.zero)
         return
     if uses_fsdp(plan):
         apply_fsdp(part, fsdp_mesh(meshes.mesh), plan, last_stage=meshes.last_stage)

@@ -45,6 +45,7 @@ from dtorch.parallel.cp import ContextParallel
 from dtorch.parallel.fsdp import UnusedParameters, uses_fsdp
 from dtorch.parallel.zero import microbatch_controls
 from dtorch.plan.plan import Plan
+from dtorch.plan.strategies.zero import zero_stage
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -231,7 +232,7 @@ class ParallelModel:
             sync = contextlib.nullcontext()
             if isinstance(model, DistributedDataParallel) and not last:
                 sync = model.no_sync()  # likewise for DDP
-            elif getattr(self.plan, "zero", 0) and isinstance(model, FSDPModule):
+            elif zero_stage(self.plan) and isinstance(model, FSDPModule):
                 microbatch_controls(model, self.plan, last)  # ZeRO-1/2: gathered all step (zero.py)
             elif self.uneven and isinstance(model, FSDPModule):
                 self._hold_unsharded(model, last)

@@ -15,17 +15,18 @@ micro-batch's gradients into the sharded ones. AdamW then steps on its shard onl
 
 Time (as it runs): one all-gather per FSDP unit per step, hidden behind the first micro-batch's
 forward at best (one block's never hidden); ZeRO-1 one reduce-scatter per unit per step behind the
-last backward, whatever the micro-batch count; ZeRO-2 one per micro-batch (per pipeline chunk),
+last backward, whatever the micro-batch count; ZeRO-2 one per unit per micro-batch,
 each behind its own backward. Memory: parameters = the float32 shard plus the whole stage gathered
-in param_dtype (the whole step), gradients = the float32 shard plus, for ZeRO-1 with more than one
-micro-batch, the full-size accumulation in reduce_dtype (FSDP2 accumulates unsharded gradients in
-reduce_dtype); optimizer state sharded; one block's gradient staging as buffers.
+in param_dtype (the whole step); gradients = for ZeRO-1 with more than one micro-batch the full-size
+accumulation in reduce_dtype (FSDP2 accumulates unsharded gradients in reduce_dtype; each unit's is
+freed as its shard is made), else the float32 shard; optimizer state sharded.
 
-Limits: dp_replicate > 1 (the replicas would all-reduce each unit as HSDP does: not built for
-ZeRO), expert parallelism (the expert half shards with its own FSDP units), parameter offload
-(FSDP's CPU offload keeps nothing gathered), ZeRO-2 with uneven `dp_shares` (ranks would issue
-different numbers of reduce-scatters). `reshard_after_forward` does not apply under ZeRO (nothing
-is resharded within a step); the search's ladder leaves it false.
+Without a dp_shard x cp axis there is nothing to shard and `zero` changes nothing (`zero_stage`).
+Limits: dp_replicate > 1 (DDP or HSDP replicas: not built for ZeRO), expert parallelism (the
+expert half shards with its own FSDP units), parameter offload (FSDP's CPU offload keeps nothing
+gathered), ZeRO-2 with uneven `dp_shares` (ranks would issue different numbers of
+reduce-scatters). `reshard_after_forward` does not apply under ZeRO (nothing is resharded within a
+step).
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ STAGES = (0, 1, 2)
 
 
 def zero_stage(plan: Any) -> int:
-    """The plan's ZeRO stage: 1 or 2, or 0 (off: FSDP's ZeRO-3 on dp_shard, or no sharding)."""
-    return getattr(plan, "zero", 0) or 0
+    """The ZeRO stage the plan runs: 1 or 2, or 0 (off: FSDP's ZeRO-3 on dp_shard; or no dp_shard x cp
+    axis, where there is nothing to shard and `zero` changes nothing, as Megatron's distributed
+    optimizer at one data-parallel rank)."""
+    z = getattr(plan, "zero", 0) or 0
+    return z if plan.dp_shard * plan.cp > 1 else 0
 
 
 class Zero(Strategy):
@@ -61,20 +65,14 @@ class Zero(Strategy):
         z = plan.zero
         if isinstance(z, bool) or z not in STAGES:
             yield Violation("zero", z, "use 0 (off), 1 (optimizer state sharded) or 2 (gradients too)")
-        elif z and plan.dp_shard * plan.cp == 1:
-            yield Violation("zero", z, "ZeRO shards over dp_shard (x cp): use dp_shard > 1, or zero=0")
 
     def limits(self, plan: Any) -> Iterator[Limit]:
+        if getattr(plan, "zero", 0) and plan.dp_replicate > 1:
+            yield Limit("ZeRO over dp_replicate (DDP or HSDP replicas) is not built", "dp_replicate",
+                        plan.dp_replicate, "put the data-parallel degree on dp_shard with zero, or use zero=0")
         z = zero_stage(plan)
         if not z:
             return
-        if plan.dp_shard * plan.cp == 1:  # (the rule refuses it too; the search reads limits)
-            yield Limit("ZeRO shards over dp_shard (x cp): this plan has no such axis", "zero", z,
-                        "use dp_shard > 1 with zero, or zero=0")
-            return
-        if plan.dp_replicate > 1:
-            yield Limit("ZeRO over replicas (HSDP) is not built", "dp_replicate", plan.dp_replicate,
-                        "put the data-parallel degree on dp_shard with zero, or use zero=0")
         if plan.ep > 1:
             yield Limit("ZeRO with expert parallelism is not built (the expert half shards with its own FSDP "
                         "units)", "ep", plan.ep, "use ep=1 with zero, or zero=0")
@@ -88,16 +86,16 @@ class Zero(Strategy):
 
     def family(self, plan: Any) -> str | None:
         z = zero_stage(plan)
-        return f"ZeRO{z}" if z and plan.dp_shard * plan.cp > 1 else None
+        return f"ZeRO{z}" if z else None
 
     def describe(self, plan: Any):
-        if zero_stage(plan) and plan.dp_shard * plan.cp > 1:
+        if zero_stage(plan):
             yield 50, f"zero{zero_stage(plan)}"
 
     # ---- time -----------------------------------------------------------------------------------
     def prepare(self, step: StepShape) -> bool:
         # FSDP's prepare (before this one in the registry) kept the per-unit costs this reads
-        return bool(zero_stage(step.plan)) and step.fs > 1
+        return bool(zero_stage(step.plan))
 
     def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         """Replaces FSDP's `r.fsdp` (the data-parallel collectives of this axis) with ZeRO's."""
@@ -130,17 +128,18 @@ class Zero(Strategy):
     # ---- memory ---------------------------------------------------------------------------------
     def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
         plan = step.plan
-        if not zero_stage(plan) or step.fs == 1:
+        if not zero_stage(plan):
             return
         shard = 0.0 if plan.offload == "params" else 4.0 * m.p_local  # float32 masters / gradients, this rank's
         # the whole stage gathered in param_dtype from the first forward to the last backward
         m.states["params"] = m.states.get("params", 0.0) + m.p_gathered * step.param_b
-        grads = shard
         if zero_stage(plan) == 1 and plan.num_microbatches > 1:
             # the full-size accumulation, reduced once after the last micro-batch: each unit's is
             # freed as its shard is made, so the two never coexist
-            grads = m.p_gathered * step.red_b
-        m.states["grads"] = grads
+            m.states["grads"] = m.p_gathered * step.red_b
+        elif plan.num_microbatches > 1 or plan.pp > 1:
+            m.states["grads"] = shard  # every micro-batch reduce-scattered into the shard
+        # (one micro-batch without a pipeline: what coexists at the peak, `memory.at_peak`)
 
 
 ZERO = Zero()
