@@ -187,8 +187,8 @@ SUBSTITUTIONS = [
 
 def _inputs(root: Path) -> None:
     """What a reader brings, tiny, under the names the docs use: a Hugging Face Llama directory
-    (`./Llama-3.2-1B`: config.json, safetensors, tokenizer.json; written by DTorch's own exporter) and
-    a JSON-lines corpus (`corpus.jsonl`)."""
+    (`./Llama-3.2-1B`: config.json, safetensors, tokenizer.json; written by DTorch's own exporter),
+    a JSON-lines corpus (`corpus.jsonl`) and a package with an image classifier (`mypkg.models:cnn`)."""
     import torch.distributed.checkpoint as dcp
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -204,6 +204,12 @@ def _inputs(root: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"]))
     tok.save(str(hf / "tokenizer.json"))
+    # `mypkg.models:cnn`, a reader's own image classifier: the suite's (tests/plan/_user_cnn.py)
+    (root / "mypkg").mkdir()
+    (root / "mypkg" / "__init__.py").write_text("")
+    (root / "mypkg" / "models.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'tests' / 'plan')!r})\n"
+        "from _user_cnn import cnn, example_input  # noqa: F401\n")
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +254,8 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
         redirect = (tokens[-1], tokens[-2])
         tokens = tokens[:-2]
     shell = any(t in ("&&", "||", "|", ";") for t in tokens) or "$(" in text or "`" in text
-    if tokens[:1] == ["dtorch"] and not shell:
+    # PYTHONPATH acts when an interpreter starts: such a command gets one of its own
+    if tokens[:1] == ["dtorch"] and not shell and "PYTHONPATH" not in assigns:
         argv = tokens[1:]
         for applies, change, _why in SUBSTITUTIONS:
             if applies(argv):
@@ -266,7 +273,7 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
         argv = [sys.executable, *tokens[1:]]
     if shell or not argv:
         argv = ["bash", "-c", text]
-    p = subprocess.run(argv, cwd=cwd, env={**env, **assigns, "PYTHONPATH": str(REPO),
+    p = subprocess.run(argv, cwd=cwd, env={**env, "PYTHONPATH": str(REPO), **assigns,
                                            "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
                        capture_output=True, text=True, timeout=300)
     if redirect:
