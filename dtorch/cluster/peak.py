@@ -38,9 +38,10 @@ On a CPU no spec sheet exists, and a measured GEMM rate is not a peak (MFU again
   A 16-bit dtype without such a flag is computed in float32 (PyTorch converts), so its peak is
   float32's.
 
-Every factor is an upper bound (turbo clock, two FMA units, no AVX-512 clock offset), so a CPU's
-MFU is never flattered. The figure and how it was reached: `dtorch plan` prints it
-(`describe_cpu_peak`), and docs/monitoring.md ("MFU") documents it.
+The factors are upper bounds (two FMA units, no AVX-512 or AMX clock offset, the turbo clock where
+the kernel exposes it), so a CPU's MFU errs low. One exception: a VM without cpufreq reports its
+nominal clock, and its host may turbo above it. The figure and how it was reached: `dtorch plan`
+prints it (`CpuPeak.describe`), and docs/monitoring.md ("MFU") documents it.
 
 Torch-free: `dtorch plan` imports it.
 """
@@ -54,8 +55,6 @@ from dtorch.cluster.capability import cpu_flags
 
 _AMX = 1024.0
 """FLOP per cycle per core of an AMX tile multiply in bfloat16/float16 (Intel: 1024 BF16 ops/cycle)."""
-FMA_UNITS = 2
-"""Vector FMA units per core assumed: the most a current x86 server core has (an upper bound)."""
 
 
 def compute_dtype(param_dtype: str) -> str:
