@@ -319,8 +319,10 @@ def test_the_docs_hold_commands_and_mark_few_skips():
 
 
 def test_skipped_dtorch_commands_still_parse():
-    """A skipped command is not run, but its flags are checked: a renamed or removed flag fails here."""
+    """A skipped command is not run, but its flags (and a drill's --chaos spec) are checked: a renamed
+    or removed flag fails here."""
     from dtorch.cli import build_parser
+    from dtorch.errors import ConfigError
 
     bad = []
     for path in DOCS:
@@ -333,9 +335,13 @@ def test_skipped_dtorch_commands_still_parse():
             err = io.StringIO()
             try:
                 with contextlib.redirect_stderr(err):
-                    build_parser(tokens[1:]).parse_args(tokens[1:])
-            except SystemExit:
-                bad.append(f"{c.doc}:{c.line}: {c.text}\n{err.getvalue()}")
+                    args = build_parser(tokens[1:]).parse_args(tokens[1:])
+                if getattr(args, "chaos", None):  # a drill's fault spec, as the launcher reads it
+                    from dtorch.elastic.chaos import parse
+
+                    parse(args.chaos)
+            except (SystemExit, ConfigError) as e:
+                bad.append(f"{c.doc}:{c.line}: {c.text}\n{err.getvalue()}{e}")
     assert not bad, "\n".join(bad)
 
 
