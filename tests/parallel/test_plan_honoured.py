@@ -95,6 +95,11 @@ HAND_MADE = {
                                                                     reshard_after_forward=False)),
     "ddp x pp uneven shares [3,1] gpipe": ("gpt-tiny", Plan(dp_replicate=2, pp=2, schedule="gpipe", num_microbatches=2,
                                                             dp_shares=[3, 1])),
+    # ZeRO-1/2 are only emitted under --fix zero=N
+    "zero1 accumulation": ("llama-tiny", Plan(dp_shard=2, zero=1, num_microbatches=2)),
+    "zero2 x tp accumulation bf16": ("llama-tiny", Plan(dp_shard=2, tp=2, zero=2, num_microbatches=2,
+                                                        param_dtype="bfloat16")),
+    "zero2 x pp": ("gpt-tiny", Plan(dp_shard=2, pp=2, zero=2, num_microbatches=2)),
 }
 PLANS = {**_emitted(), **HAND_MADE}
 
@@ -374,7 +379,9 @@ def check_reshard_after_forward(plan: Plan, pm, rec: dict) -> None:
         for i, block in enumerate(blocks):
             keep_last = stage == plan.num_stages - 1 and i == len(blocks) - 1 and plan.pp == 1
             group = block._get_fsdp_state()._fsdp_param_group
-            assert (group.post_forward_mesh_info is not None) == (plan.reshard_after_forward and not keep_last)
+            # (ZeRO-1/2 keep every unit gathered within the step: check_zero)
+            reshard = plan.reshard_after_forward and not keep_last and not getattr(plan, "zero", 0)
+            assert (group.post_forward_mesh_info is not None) == reshard
 
 
 def check_param_dtype(plan: Plan, pm, rec: dict) -> None:
@@ -423,6 +430,22 @@ def check_ep(plan: Plan, pm, rec: dict) -> None:
             assert w.shape[0] * plan.ep == m.w1.shape[0]
 
 
+def check_zero(plan: Plan, pm, rec: dict) -> None:
+    # ZeRO-1/2: every FSDP unit stays gathered from forward to backward, and one step's backward
+    # reduce-scatters what the planner prices per unit (ZeRO-1 once, ZeRO-2 every micro-batch);
+    # the collectives themselves, counted on real ranks: tests/parallel/test_zero.py
+    from dtorch.plan.strategies.zero import ZERO, zero_stage
+
+    if not zero_stage(plan):
+        return
+    units = [m for part in _parts(pm) for m in part.modules() if isinstance(m, FSDPModule)]
+    groups = [g for u in units if (g := u._get_fsdp_state()._fsdp_param_group) is not None]
+    assert groups and all(g.post_forward_mesh_info is None for g in groups)
+    if plan.pp == 1:  # (a pipeline's schedule does not run on the fake group)
+        rs = sum(1 for name, _ in rec["collectives"] if name.startswith("reduce_scatter"))
+        assert rs == ZERO.collectives(plan)[1] * len(groups), rec["collectives"]
+
+
 CHECKS = {
     "ep": check_ep,
     "dp_replicate": check_dp_replicate, "dp_shard": check_dp_shard, "cp": check_cp, "tp": check_tp,
@@ -435,6 +458,7 @@ CHECKS = {
 }
 if "compile" in {f.name for f in dataclasses.fields(Plan)}:  # the field the strategy registry adds
     CHECKS["compile"] = check_compile
+CHECKS["zero"] = check_zero
 INFORMATIONAL = {
     "model": "names the model the plan was made for; the model itself is passed to parallelize",
     "cluster": "names the cluster the plan was made for; the executor runs where it is launched",
