@@ -125,6 +125,8 @@ class Tensor(Strategy):
         r.tp_step = counts.tp_small_per_step * small * c.tp_exposed
 
     def counts(self, plan: Any, blocks: float, head_share: float, c: CostConstants, selective: str) -> dict[str, float]:
+        if plan.tp == 1:
+            return {}  # (the fields' default, 0; asked per rank of every plan the search prices)
         per_mb, per_step = self.small_collectives(plan, blocks, head_share, c, selective)
         return {"tp_small_per_microbatch": per_mb, "tp_small_per_step": per_step}
 
