@@ -335,9 +335,11 @@ def _apply(part: nn.Module, meshes: Meshes, plan) -> None:
 
 def _shard(part: nn.Module, meshes: Meshes, plan) -> None:
     if meshes.ep is not None:  # experts FSDP'd over edp (gradients summed over ep), the rest over all ranks
-        # (a DDP plan's units shard over one rank: nothing to free, so they never reshard)
+        # (a DDP plan's units shard over one rank: nothing to free, so they never reshard; ZeRO-1/2
+        # keep them gathered all step, dtorch.parallel.zero)
         apply_fsdp_with_experts(part, meshes.ep, mp_policy=mp_policy(plan),
-                                reshard_after_forward=plan.reshard_after_forward and plan.dp_shard > 1)
+                                reshard_after_forward=plan.reshard_after_forward and plan.dp_shard > 1
+                                and not getattr(plan, "zero", 0))
 
 
 HALVES = (Half(30, apply=_apply), Half(60, apply=_shard))

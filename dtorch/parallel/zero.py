@@ -27,7 +27,8 @@ then: with them a second, all-zero reduce-scatter would follow).
 Why FSDP2 and not `torch.distributed.optim.ZeroRedundancyOptimizer`: parameters stay DTensors, so
 tensor parallelism composes as FSDP x TP does (2-D meshes), the pipeline schedule drives the
 controls above, and `torch.distributed.checkpoint` saves and reshards the model and optimizer state
-like FSDP's (ZeroRedundancyOptimizer takes plain tensors, all-reduces full gradients through DDP,
+like FSDP's, and expert parallelism's own FSDP units (`dtorch.parallel.expert`) take the same
+controls (ZeroRedundancyOptimizer takes plain tensors, all-reduces full gradients through DDP,
 broadcasts parameters after its step and consolidates its state on one rank to save it).
 """
 
@@ -73,7 +74,8 @@ def microbatch_controls(model: FSDPModule, plan: Plan, last: bool) -> None:
 
 # ---- the executor half (dtorch.parallel.halves) ---------------------------------------------------
 def _apply(part: nn.Module, meshes: Meshes, plan: Plan) -> None:
-    if zero_stage(plan):  # (the strategy's limits keep it to dp_shard x cp without EP: FSDP's half stands aside)
+    # (FSDP's half stands aside; with EP the expert half builds the units, gathered all step too)
+    if zero_stage(plan) and meshes.ep is None:
         apply_zero(part, plan, meshes)
 
 

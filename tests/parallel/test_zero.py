@@ -2,11 +2,12 @@
 
 - Loss equivalence: from the same initial weights, 3 AdamW steps in float32 with gradient
   accumulation (num_microbatches > 1) under ZeRO-1 and ZeRO-2 with tensor and with pipeline
-  parallelism, and on a transformers Llama (a model DTorch did not write), give per-step losses
-  within 1e-5 relative of one process training on the same global batch.
-- Collectives: one step's all-gathers and reduce-scatters (the c10d operators torch dispatches) are what the
-  planner prices (`Zero.collectives` per FSDP unit): ZeRO-1 one of each per unit per step whatever
-  the micro-batch count, ZeRO-2 one reduce-scatter per unit per micro-batch.
+  parallelism, ZeRO-1 with expert parallelism (the tiny MoE), and ZeRO-2 on a transformers Llama
+  (a model DTorch did not write) give per-step losses within 1e-5 relative of one process
+  training on the same global batch.
+- Collectives: one step's all-gathers and reduce-scatters (the c10d operators torch dispatches)
+  are what the planner prices (`Zero.collectives` per FSDP unit): ZeRO-1 one of each per unit per
+  step whatever the micro-batch count, ZeRO-2 one reduce-scatter per unit per micro-batch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CASES = {
     "zero1_x_pp": dict(dp_shard=2, pp=2, zero=1, schedule="1f1b", num_microbatches=2),
     "zero2_x_pp": dict(dp_shard=2, pp=2, zero=2, schedule="1f1b", num_microbatches=4),
     "zero2_hf_llama": dict(model="hf-llama", dp_shard=4, zero=2, num_microbatches=2),
+    "zero1_x_ep": dict(model="moe-tiny", dp_shard=4, ep=2, zero=1, num_microbatches=2),
     # collectives only: ZeRO-1 at twice the micro-batches of zero1_x_tp
     "zero1_m4": dict(dp_shard=4, zero=1, num_microbatches=4, steps=2),
 }

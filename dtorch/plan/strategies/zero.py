@@ -22,11 +22,11 @@ accumulation in reduce_dtype (FSDP2 accumulates unsharded gradients in reduce_dt
 freed as its shard is made), else the float32 shard; optimizer state sharded.
 
 Without a dp_shard x cp axis there is nothing to shard and `zero` changes nothing (`zero_stage`).
-Limits: dp_replicate > 1 (DDP or HSDP replicas: not built for ZeRO), expert parallelism (the
-expert half shards with its own FSDP units), parameter offload (FSDP's CPU offload keeps nothing
-gathered), ZeRO-2 with uneven `dp_shares` (ranks would issue different numbers of
-reduce-scatters). `reshard_after_forward` does not apply under ZeRO (nothing is resharded within a
-step).
+Limits: dp_replicate > 1 (DDP or HSDP replicas: not built for ZeRO), ZeRO-2 with expert
+parallelism under a pipeline (the expert half builds its own units), parameter offload (FSDP's CPU
+offload keeps nothing gathered), ZeRO-2 with uneven `dp_shares` (ranks would issue different
+numbers of reduce-scatters). `reshard_after_forward` does not apply under ZeRO (nothing is
+resharded within a step).
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ class Zero(Strategy):
         z = zero_stage(plan)
         if not z:
             return
-        if plan.ep > 1:
-            yield Limit("ZeRO with expert parallelism is not built (the expert half shards with its own FSDP "
-                        "units)", "ep", plan.ep, "use ep=1 with zero, or zero=0")
+        if plan.ep > 1 and z == 2 and plan.pp > 1:
+            yield Limit("ZeRO-2 with expert parallelism under a pipeline is not built (the expert half's units "
+                        "keep the schedule's deferred reduction)", "zero", z, "use zero=1 with ep and pp")
         if plan.offload == "params":
             yield Limit("ZeRO keeps parameters gathered all step; parameter offload gathers them per unit",
                         "offload", plan.offload, "use offload=none or optimizer with zero")
