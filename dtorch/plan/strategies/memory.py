@@ -158,9 +158,9 @@ class Memory(Strategy):
         for ac, reshard in LADDER:
             if "ac" in fixed and fixed["ac"] != ac:
                 continue
-            if dp_shard == 1:
+            if dp_shard == 1 or fixed.get("zero"):
                 if reshard:
-                    continue  # nothing to reshard without FSDP
+                    continue  # nothing to reshard without FSDP; ZeRO-1/2 never reshard within a step
             elif "reshard_after_forward" in fixed and fixed["reshard_after_forward"] != reshard:
                 continue
             out.append((ac, reshard))
