@@ -57,11 +57,13 @@ def marker():
 
 
 def dtorch_run(out: str, marker: str, *flags: str, steps: int = 12, nproc: int = 4, step_sleep: float = 0.0,
-               timeout: float = 150, wait: bool = True):
-    """Run (or start, with wait=False) `dtorch run` on the toy worker writing into `out`."""
+               pace_file: str = "", timeout: float = 150, wait: bool = True):
+    """Run (or start, with wait=False) `dtorch run` on the toy worker writing into `out`; with
+    `pace_file`, `step_sleep` paces the steps only while that file exists (see toy_worker.py)."""
     os.makedirs(out, exist_ok=True)
+    pace = ["--pace-file", pace_file] if pace_file else []
     cmd = [*CLI, "--nproc-per-node", str(nproc), "--run-dir", os.path.join(out, "run"), *flags,
-           TOY, "--out", out, "--steps", str(steps), "--step-sleep", str(step_sleep), "--marker", marker]
+           TOY, "--out", out, "--steps", str(steps), "--step-sleep", str(step_sleep), *pace, "--marker", marker]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DTORCH_TEST_MARKER": marker}
     if not wait:
         # output to a file, not a pipe: nobody reads a pipe while the test waits, and a full pipe

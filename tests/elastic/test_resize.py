@@ -67,7 +67,11 @@ def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path
     out = str(tmp_path)
     flags = ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker,
              "--heartbeat-timeout", "10", "--max-restarts", "5"]
-    kw = {"steps": 80, "nproc": 2, "step_sleep": 0.25, "wait": False}
+    # 0.25 s a step keeps the job running while the node is killed and restarted; once it has grown
+    # back the pace file goes and the steps left run at full speed
+    pace = os.path.join(out, "pace")
+    open(pace, "w").close()
+    kw = {"steps": 80, "nproc": 2, "step_sleep": 0.25, "pace_file": pace, "wait": False}
     a = dtorch_run(out, marker, *flags, **kw)
     time.sleep(2)  # agent A hosts the rendezvous store; B joins it
     b = dtorch_run(out, marker, *flags, **kw)
@@ -82,6 +86,7 @@ def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path
     time.sleep(1)
     b2 = dtorch_run(out, marker, *flags, **kw)
     t_grow = _wait_for(lambda: _steps(out)[-1]["world"] == 4, 120, "the job to grow back to 4 workers")
+    os.remove(pace)
     for p in (a, b2):
         p.wait(timeout=120)
         assert p.returncode == 0, open(p.log_path).read()
@@ -202,7 +207,7 @@ def test_chaos_drill_failure_every_25_steps_over_100_steps(tmp_path, marker, dto
     # stretched the run (the drill measures each recovery, not the length of the run)
     t0 = time.time()
     r = dtorch_run(str(tmp_path), marker, "--chaos", "every=25:kill:seed=1", "--max-restarts", "5",
-                   steps=100, step_sleep=0.05, timeout=400)
+                   steps=100, step_sleep=0.01, timeout=400)
     wall = time.time() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     steps = _steps(str(tmp_path))

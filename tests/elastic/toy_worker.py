@@ -3,7 +3,11 @@
 Each step: the global batch (a pure function of the step) is split over the ranks, gradients are
 averaged with one gloo all_reduce, SGD with momentum updates the weights; rank 0 then saves the whole
 state with torch.save to a temp file + os.replace, so a restarted group resumes from the last step.
-Usage: toy_worker.py --out DIR --steps N [--step-sleep S] [--marker M]
+Usage: toy_worker.py --out DIR --steps N [--step-sleep S [--pace-file F]] [--marker M]
+
+--step-sleep paces the steps (a test that acts while the job runs needs the job to last); with
+--pace-file the pacing holds only while that file exists: a test removes it once what it checks
+in order has happened, and the rest of the run goes at full speed.
 """
 
 import argparse
@@ -30,6 +34,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--pace-file", default="")
     p.add_argument("--coll-timeout", type=float, default=60.0)
     p.add_argument("--marker", default="")
     a = p.parse_args()
@@ -63,7 +68,7 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(xs), ys)
         opt.zero_grad()
         loss.backward()
-        if a.step_sleep:
+        if a.step_sleep and (not a.pace_file or os.path.exists(a.pace_file)):
             time.sleep(a.step_sleep)  # stands for real compute (a chaos `slow` fault stretches it)
         with worker.phase("allgather_times", step):
             report = detector.update(gather_compute_times(time.time() - t0), step)
