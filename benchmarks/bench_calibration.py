@@ -3,7 +3,7 @@
     python -m benchmarks.bench_calibration     # writes benchmarks/results/published_loso.{json,md}
 
 Two procedures, side by side: (1) per held-out source, refit the per-device matmul efficiencies on
-the other sources, global constants as shipped; (2) refit the four global constants too. Also the
+the other sources, global constants as shipped; (2) refit the two global constants too. Also the
 sizing example (`dtorch plan --model llama3-405b --recommend ...`) with its wall time. Pure CPU.
 
 `run() -> dict` is the entry point for a benchmark runner.
@@ -75,7 +75,7 @@ def markdown(result: dict, fixed: list[C.HeldOut], refit: list[C.HeldOut]) -> st
     lines = ["# Published runs, leave-one-source-out", "",
              "(1) per fold, device efficiencies refit, global constants as shipped "
              f"({result['loso_seconds']:.1f} s):", "", C.loso_table(fixed), "",
-             f"(2) per fold, the four global constants refit too ({result['loso_refit_seconds']:.1f} s):", "",
+             f"(2) per fold, the two global constants (GEMM-width half point, element-wise passes) refit too ({result['loso_refit_seconds']:.1f} s):", "",
              C.loso_table(refit), "", "Per row, procedure (1):", "", C.loso_rows_table(fixed), "",
              "Efficiencies fitted on every source: "
              + ", ".join(f"{d} {e:.4f}" for d, e in result["fitted_on_every_source"]["efficiencies"].items()), "",

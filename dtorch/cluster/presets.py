@@ -52,35 +52,35 @@ DEVICES: dict[str, DeviceType] = {
         peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "tf32": 156e12},
         memory_bytes=80 * GiB,
         memory_bandwidth=2.0e12,
-        matmul_efficiency=0.8611,  # fitted on Korthikanti et al. (dtorch.plan.calibration)
+        matmul_efficiency=0.795,  # fitted on every A100 source (dtorch.plan.calibration: fms-fsdp, Korthikanti et al., llm-foundry, Megatron-LM 2021)
     ),
     "h100-sxm": DeviceType(
         name="H100-SXM-80GB",
         peak_flops=dict(_H100_SXM_PEAKS),  # at its 700 W TDP
         memory_bytes=80 * GiB,
         memory_bandwidth=3.35e12,
-        matmul_efficiency=0.7148,  # fitted on llm-foundry (dtorch.plan.calibration)
+        matmul_efficiency=0.6569,  # fitted on every H100 SXM source (dtorch.plan.calibration: llm-foundry, Llama 3, Megatron-Bridge)
     ),
     "h100-96gb": DeviceType(
         name="H100-96GB-500W",
         peak_flops=power_capped(_H100_SXM_PEAKS, rated_w=700.0, limit_w=500.0),
         memory_bytes=96 * GB,
         memory_bandwidth=2.4e12,
-        matmul_efficiency=0.6438,  # fitted on torchtitan's two 500 W sources over the capped peak (dtorch.plan.calibration)
+        matmul_efficiency=0.6408,  # fitted on torchtitan's two 500 W sources over the capped peak (dtorch.plan.calibration)
     ),
     "h200": DeviceType(
         name="H200-141GB",
         peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12, "tf32": 494e12},
         memory_bytes=141 * GB,
         memory_bandwidth=4.8e12,
-        matmul_efficiency=0.7148,  # the H100 SXM fit: same GH100 die and clocks
+        matmul_efficiency=0.7401,  # fitted on torchtitan-h200-2025-06 (dtorch.plan.calibration; 2 rows)
     ),
     "b200": DeviceType(
         name="B200-180GB",
         peak_flops={"bfloat16": 2.25e15, "float16": 2.25e15, "float8": 4.5e15, "float32": 75e12, "tf32": 1.1e15},
         memory_bytes=180 * GB,
         memory_bandwidth=8.0e12,
-        matmul_efficiency=0.6,
+        matmul_efficiency=0.5893,  # fitted on Megatron-Bridge 25.11's B200 rows (dtorch.plan.calibration; 2 rows)
     ),
     "mi300x": DeviceType(
         name="MI300X-192GB",

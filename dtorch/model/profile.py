@@ -64,6 +64,9 @@ class ModelProfile:
     token over the full s^2 (causal mask not halved), as torchtitan reports MFU."""
     max_seq_len: int = 0
     """Longest sequence the model accepts (learned positions / RoPE table); 0 if unknown."""
+    unfused_attention: bool = False
+    """The attention core runs unfused (QK^T, softmax, dropout and PV as separate kernels, the a*s^2
+    scores in memory: Megatron-LM before flash attention); False: a fused (flash) kernel, as SDPA runs."""
     ops_per_block: int = 0
     """Operators one block's forward dispatches in eager mode (aten ops, any batch size); the cost
     model's host-overhead term counts backward and recompute from it. 0 if unknown."""

@@ -8,20 +8,21 @@ configuration (model, cluster, Plan, dtype, compile / async-TP where the run use
 What is fitted, and how it is judged:
 
 - the base matmul efficiency of each device (A100 80GB, H100 SXM at 700 W, H100 96GB at 500 W
-  over its power-capped peak, H200, B200, ...), and four global constants of the cost model (GEMM-width
-  half point, element-wise passes, exposed TP share, exposed data-parallel floor), minimising the mean
-  squared log error with every source weighted alike;
+  over its power-capped peak, H200, B200, ...), and two global constants of the cost model (GEMM-width
+  half point, element-wise passes; `--refit-globals`), minimising the mean squared log error with
+  every source weighted alike;
 - leave-one-source-out (`loso`): for each source, fit on all the others and report the error on
   the one left out. A device that only the held-out source measured borrows the efficiency fitted
   for its generation's other devices (else the previous generation's); the report says so.
 
 What is described, not fitted: each row's configuration, and per source what its run did that the
 cost model prices (`selective:` policy, `compiled`, `async_tp`, `float8_recipe:`, see
-`FLOAT8_RECIPES`).
+`FLOAT8_RECIPES`, `attention_kernel:`). What is taken from public benchmarks, not fitted: the
+attention kernels' speeds (benchmarks/published/kernels/attention.yaml).
 
     python -m dtorch.plan.calibration                   # fit on every source: constants, in-sample errors
     python -m dtorch.plan.calibration --loso            # leave-one-source-out table (< 1 s)
-    python -m dtorch.plan.calibration --loso --refit-globals   # also refit the 4 global constants per fold
+    python -m dtorch.plan.calibration --loso --refit-globals   # also refit the 2 global constants per fold
     python -m benchmarks.bench_calibration              # both LOSO tables -> benchmarks/results/published_loso.*
 """
 
@@ -69,6 +70,9 @@ class Source:
     assumed: str = ""
     float8_recipe: str = ""
     """How the source's float8 runs scale and cast (a key of `FLOAT8_RECIPES`; "" for none)."""
+    attention_kernel: str = "fa2"
+    """The fused attention kernel the source's flash models ran (`CostConstants.attention_kernel`):
+    'fa2' for torch's SDPA (the default), 'cudnn' for Transformer Engine, 'fa3'."""
 
 
 FLOAT8_RECIPES: dict[str, float] = {
@@ -91,9 +95,8 @@ Blackwell). Not fitted to the published tables, taken from the recipes' own laye
   kernels that produce the operands: the spec ratio.
 
 Held out, the torchtitan tables with torchao's 1.5 agree with themselves (the bf16 and float8 rows of
-torchtitan-2024-12 fit one efficiency, 0.620 and 0.616; with 2x they needed 0.620 and 0.508) and the
-H200's fitted efficiency lands on the H100 SXM's (same die and clocks: 0.71 against 0.73; with 2x
-it was 0.60)."""
+torchtitan-2024-12 fit 0.620 and 0.659 with attention priced at flash-attention 2's published speed,
+0.620 and 0.616 when it ran at the GEMMs'; with 2x they need 0.620 and 0.496)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ class Row:
     """The number as the source prints it, with its unit."""
     float8_linear_speedup: float = 0.0
     """What the source's float8 recipe realises on the linear layers (`FLOAT8_RECIPES`; 0: the spec ratio)."""
+    attention_kernel: str = "fa2"
+    """The source's fused attention kernel (`Source.attention_kernel`)."""
 
 
 def _profile(name: str, d: dict) -> ModelProfile:
@@ -144,7 +149,8 @@ def _load(folder: str) -> tuple[tuple[Source, ...], tuple[Row, ...], tuple[tuple
         src = Source(id=doc["source"], title=doc["title"], url=doc["url"], table=doc["table"], date=str(doc["date"]),
                      hardware=doc.get("hardware", ""), framework=doc.get("framework", ""),
                      metric=doc.get("metric", "tokens_per_s_per_gpu"), notes=doc.get("notes", ""),
-                     assumed=doc.get("assumed", ""), float8_recipe=doc.get("float8_recipe", ""))
+                     assumed=doc.get("assumed", ""), float8_recipe=doc.get("float8_recipe", ""),
+                     attention_kernel=doc.get("attention_kernel", "fa2"))
         if src.float8_recipe and src.float8_recipe not in FLOAT8_RECIPES:
             raise ValueError(f"{path.name}: float8_recipe {src.float8_recipe!r} is not one of {sorted(FLOAT8_RECIPES)}")
         sources.append(src)
@@ -180,7 +186,8 @@ def _load(folder: str) -> tuple[tuple[Source, ...], tuple[Row, ...], tuple[tuple
                        tokens_per_s_per_gpu=tps, dtype=r.get("dtype", "bfloat16"), compiled=r.get("compiled", False),
                        async_tp=r.get("async_tp", False),
                        selective=r.get("selective", "attention_core"), memory_gib=r.get("memory_gib"), published=shown,
-                       float8_linear_speedup=FLOAT8_RECIPES.get(src.float8_recipe, 0.0)))
+                       float8_linear_speedup=FLOAT8_RECIPES.get(src.float8_recipe, 0.0),
+                       attention_kernel=src.attention_kernel))
     return tuple(sources), tuple(out), tuple(sorted(models.items()))
 
 
@@ -224,6 +231,8 @@ def predict(row: Row, constants: CostConstants = DEFAULT_CONSTANTS, models: dict
     plan.validate(cluster.world_size)
     if row.dtype == "float8" and row.float8_linear_speedup:
         constants = replace(constants, float8_linear_speedup=row.float8_linear_speedup)
+    if row.attention_kernel != constants.attention_kernel:
+        constants = replace(constants, attention_kernel=row.attention_kernel)
     est = estimate(plan, models[row.model], cluster, row.dtype, compiled=row.compiled, async_tp=row.async_tp,
                    selective=row.selective, constants=constants)
     return est.tokens_per_s_per_gpu, est
@@ -240,9 +249,10 @@ def errors(constants: CostConstants = DEFAULT_CONSTANTS, rows: list[Row] | None 
 
 
 # ---- fitting -------------------------------------------------------------------------------------
-GRID = [(w, e, t, f) for w in (64.0, 128.0, 192.0) for e in (8.0, 16.0, 24.0) for t in (0.5, 0.75, 1.0)
-        for f in (0.0, 0.2, 0.4)]
-"""(gemm_width_half, elementwise_passes, tp_exposed, dp_exposed_floor) candidates of the global fit."""
+GRID = [(w, e) for w in (64.0, 128.0, 192.0) for e in (8.0, 12.0, 16.0, 24.0)]
+"""(gemm_width_half, elementwise_passes) candidates of the global fit. The exposed share of TP
+traffic and the data-parallel overlap are not fitted: TP is exposed unless the run overlaps it
+(`async_tp`), and FSDP/DDP transfers hide one unit ahead (`dtorch.plan.comm.prefetched`)."""
 
 
 def _with(c: CostConstants, effs: dict[str, float]) -> CostConstants:
@@ -280,8 +290,8 @@ def fit(base: CostConstants = CALIBRATION_BASE, rows: list[Row] | None = None, g
     for cand in candidates or [None]:
         c = base
         if cand is not None:
-            w, e, t, f = cand
-            c = replace(base, gemm_width_half=w, elementwise_passes=e, tp_exposed=t, dp_exposed_floor=f)
+            w, e = cand
+            c = replace(base, gemm_width_half=w, elementwise_passes=e)
         effs = dict(c.device_efficiency)
         for dev in devices:
             lo, hi = 0.15, 1.0
@@ -316,8 +326,8 @@ reach of the spec peak on A100/H100-class parts (70-80 %), the same for every de
 
 
 def prior(devices) -> CostConstants:
-    """The cost model before any fitting: `CostConstants`' own defaults (every TP transfer exposed, no
-    data-parallel floor, eight element-wise passes) and `PRIOR_EFFICIENCY` on every device of `devices`."""
+    """The cost model before any fitting: `CostConstants`' own defaults (GEMM-width half point 192,
+    eight element-wise passes) and `PRIOR_EFFICIENCY` on every device of `devices`."""
     return _with(CostConstants(), {d: PRIOR_EFFICIENCY for d in devices})
 
 
@@ -424,8 +434,7 @@ def _main(argv: list[str]) -> None:
     f = fit(grid=grid)
     c = f.constants
     print(f"fitted on every source: efficiencies {f.efficiencies}; gemm_width_half={c.gemm_width_half} "
-          f"elementwise_passes={c.elementwise_passes} tp_exposed={c.tp_exposed} "
-          f"dp_exposed_floor={c.dp_exposed_floor}; loss {f.loss:.4f}")
+          f"elementwise_passes={c.elementwise_passes}; loss {f.loss:.4f}")
     print(report(c))
 
 

@@ -103,3 +103,17 @@ def exposed(comm: float, compute: float, c) -> float:
     share of compute (`c.fsdp_overlap`), and never less than the contention floor (`c.dp_exposed_floor`)."""
     floor, rest = c.dp_exposed_floor * comm, comm - c.fsdp_overlap * compute
     return floor if floor >= rest else rest
+
+
+def prefetched(comm_unit: float, compute_unit: float, units: float, c, contention: float = 0.0) -> float:
+    """Exposed seconds of `units` transfers of `comm_unit` seconds each, issued one unit ahead of the
+    compute that needs them (FSDP2's gathers, its and DDP's gradient reductions behind the next
+    unit's backward): one transfer is never hidden (the first gather, the last reduction), every
+    other hides behind one unit's `compute_unit` up to the overlappable share `c.fsdp_overlap`
+    (a comm-bound unit shows the difference), and what hides slows the compute under it by
+    `contention` of its time (`StepShape.contention`). On a CPU (`fsdp_overlap` 0) nothing hides."""
+    if units <= 0 or comm_unit <= 0:
+        return 0.0
+    shown = max(0.0, comm_unit - c.fsdp_overlap * compute_unit)
+    rest = comm_unit + max(0.0, units - 1.0) * (shown + contention * (comm_unit - shown))
+    return max(rest, c.dp_exposed_floor * comm_unit * units)

@@ -81,6 +81,7 @@ def analytic_profile(
         act_bytes_per_token_head=4.0 * h + 10.0 * V,
         tp_roles={},
         tied_embeddings=tied,
+        unfused_attention=not flash,
     )
 
 

@@ -313,7 +313,7 @@ def _bound(m: _Mesh, mbs: int, profile: ModelProfile, group: NodeGroup, global_b
     elem = max(dev.elementwise(p) for p, _ in precisions)
     step = StepShape(plan, profile, group, c, "bfloat16", peak, elem, async_tp=True)
     # the attention kernel at the fastest speed any precision's plan could see (its measured speed or the GEMMs')
-    step.attn_speed = max([step.speed] + [dev.attention_speed(p, step.h / profile.num_heads, step.s) or 0.0
+    step.attn_speed = max([step.speed, step.attn_speed] + [dev.attention_speed(p, step.h / profile.num_heads, step.s) or 0.0
                                           for p, _ in precisions if profile.num_heads])
     step.fs, step.st_fs = m.dp_shard, m.tp * m.cp  # the shard group without its context-parallel ranks
     load = ideal_load(m.pp, profile.num_layers, profile.num_dense_layers)  # (the cost model's pipeline rank)

@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dtorch.cluster.shape import ELEMENTWISE_PASSES, GEMM_ROWS_HALF, GEMM_WIDTH_HALF
+from dtorch.cluster.shape import (
+    ELEMENTWISE_PASSES,
+    GEMM_ROWS_HALF,
+    GEMM_WIDTH_HALF,
+    attention_efficiency,
+    streaming_multiprocessors,
+    unfused_attention_s,
+)
 from dtorch.cluster.shape import shape_factor as _shape_factor
 from dtorch.cluster.spec import NodeGroup
 from dtorch.model.profile import ModelProfile
@@ -108,12 +115,22 @@ class CostConstants:
     device_efficiency: tuple[tuple[str, float], ...] = ()
     """(device name, base matmul efficiency) overrides of DeviceType.matmul_efficiency."""
     fsdp_overlap: float = 0.9
-    """Share of compute that FSDP/DDP communication can hide behind."""
+    """Share of one unit's compute that the next unit's FSDP/DDP transfer can hide behind
+    (`dtorch.plan.comm.prefetched`; 0 on a CPU)."""
     dp_exposed_floor: float = 0.0
-    """Share of FSDP/DDP communication exposed even when compute could hide it (NCCL kernels take
-    SMs and HBM bandwidth from the overlapped compute)."""
+    """Share of FSDP/DDP communication exposed whatever hides it (1 on a CPU, where the ranks'
+    collectives run on the cores that compute; 0 on a GPU, whose contention `collective_sms` prices)."""
+    collective_sms: float = 32.0
+    """SMs a hidden NCCL collective occupies (its default limit of 32 channels, one thread block
+    each): the GEMMs it overlaps run on the rest, so a hidden transfer still shows for this share of
+    the device's SMs of its time (`StepShape.contention`)."""
     tp_exposed: float = 1.0
     """Share of TP communication on the critical path (synchronous TP)."""
+    attention_kernel: str = "sdpa"
+    """The fused attention kernel a flash model's plans run, priced from its published benchmarks
+    (`dtorch.cluster.shape.attention_efficiency`): 'sdpa', what torch's SDPA picks on the device
+    (DTorch's executor: cuDNN on Hopper and Blackwell, flash-attention 2 on Ampere); 'fa2', 'fa3',
+    'cudnn' (Transformer Engine's fused attention, Megatron-Core)."""
     async_tp_factor: float = 0.5
     """Async TP (micro-pipelined all-gather/matmul) leaves this share of the exposed TP time."""
     elementwise_passes: float = 8.0
@@ -188,15 +205,20 @@ class CostConstants:
     gradient: operators per weight tensor per micro-batch."""
 
 
-# Fitted by `python -m dtorch.plan.calibration --fit` on the calibration rows (see that module). The
-# fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.8611,
-# H100 SXM 0.7148, H100 96GB/500 W 0.6438 over its power-capped peak), so that `dtorch probe` measurements replace them.
+# Fitted by `python -m dtorch.plan.calibration` on the calibration rows (see that module). The
+# fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.795,
+# H100 SXM 0.6569, H100 96GB/500 W 0.6408 over its power-capped peak, H200 0.7401, B200 0.5893), so
+# that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=GEMM_WIDTH_HALF,  # the device-shape constants live below the planner (dtorch.cluster.shape),
     gemm_rows_half=GEMM_ROWS_HALF,  # where the probe and the CPU capability timing read them too
-    dp_exposed_floor=0.4,
-    tp_exposed=0.5,
     elementwise_passes=ELEMENTWISE_PASSES,
+    # Not fitted: of a block's eight sequence-parallel activation collectives (forward: all-gathers
+    # before the column-parallel q/k/v and MLP-in GEMMs, reduce-scatters after the row-parallel
+    # output and MLP-out GEMMs; backward: the all-gathers of the output gradients, the
+    # reduce-scatters of the column-parallel input gradients), the last two run while autograd
+    # computes the same layers' weight gradients, which do not wait for them: 6 of 8 block the step.
+    tp_exposed=0.75,
 )
 
 
@@ -254,7 +276,7 @@ class StepShape:
         "plan", "profile", "g", "c", "dtype", "peak", "elem_speed", "compiled", "async_tp", "dev", "cpu",
         "compute_dtype", "s", "h", "act_b", "act_scale", "param_b", "red_b", "tokens_mb", "rows", "eff",
         "speed", "attn_fwd", "attn_speed", "elem_s_per_byte", "act_full", "st_cp", "st_dpr", "st_pp", "fs", "st_fs",
-        "a_none", "shard_act", "shard_full", "block_params", "block_flops", "world", "selective", "linear",
+        "a_none", "a_elem", "contention", "shard_act", "shard_full", "block_params", "block_flops", "world", "selective", "linear",
         "cluster", "tp_act", "_terms",
     )
     # No open attributes: what a strategy computes once per plan in `prepare` is its own typed record
@@ -281,15 +303,20 @@ class StepShape:
         self.eff = base_efficiency(self.g, c) * _shape_factor(self.h / tp, self.rows, c.gemm_width_half,
                                                               c.gemm_rows_half)
         self.speed = self.peak * self.eff
+        self.a_none = prof.act_bytes_per_token_block.get("none", 34.0 * self.h)  # 16-bit bytes per token per block
         self.selective = selective  # what ac='selective' recomputes (SELECTIVE_POLICIES)
         # matmul speed of the blocks' linear layers: float8 (published runs) at the device's
         # float8 / bf16 peak ratio unless a speed-up is given
         self.linear = self.speed * ((c.float8_linear_speedup or self.dev.peak("float8") / self.peak)
                                     if self.dtype == "float8" else 1.0)
         self.attn_fwd = 4.0 * self.h * self.s  # per token per block, full s^2 (selective recompute; float8 leaves it bf16)
-        # the attention kernel at its own measured speed (probe), else at the GEMMs'
-        self.attn_speed = (self.dev.attention_speed(self.compute_dtype, self.h / prof.num_heads, self.s)
-                           if prof.num_heads else None) or self.speed  # (no heads: a model without attention)
+        self.attn_speed = self._attention_speed()
+        # element-wise bytes per token per block: an unfused core's a*s^2 scores (Korthikanti's 5as) are
+        # priced by the attention roofline, not as element-wise passes
+        self.a_elem = self.a_none - (5.0 * prof.num_heads * self.s if getattr(prof, "unfused_attention", False) else 0.0)
+        # share of a hidden data-parallel transfer that still shows: the SMs its kernels take
+        sms = streaming_multiprocessors(self.dev.name)
+        self.contention = min(1.0, c.collective_sms / sms) if sms else 0.25
         passes = c.elementwise_passes * (c.compile_elementwise_factor if self.compiled else 1.0)
         # element-wise seconds per 16-bit activation byte: memory-bound on a GPU (a float32 element costs
         # twice a bf16 one), converted and computed in float32 on a CPU (measured per dtype)
@@ -299,7 +326,6 @@ class StepShape:
         self.st_cp, self.st_dpr = tp, tp * cp * plan.dp_shard
         self.st_pp = self.st_dpr * plan.dp_replicate
         self.fs, self.st_fs = plan.dp_shard * cp, tp
-        self.a_none = prof.act_bytes_per_token_block.get("none", 34.0 * self.h)  # 16-bit bytes per token per block
         self.shard_act, self.shard_full = activation_share(plan)
         # an average block (a MoE model's dense first blocks are smaller; equal to the block for dense models)
         self.block_params = mean_block_params(prof)
@@ -311,6 +337,27 @@ class StepShape:
         """Seconds of one activation all-gather over tp (set by the tensor strategy's `prepare`; expert
         parallelism's expert-tensor term reads it)."""
         self._terms: dict[type, Any] = {}
+
+    def _attention_speed(self) -> float:
+        """FLOP/s of the attention core (the cost model's 12 h s per token per block): as the probe
+        measured it on this device; an unfused core as its roofline (`unfused_attention_s`); a fused
+        kernel at its published speed for the device's generation, head dimension and sequence
+        (`attention_efficiency`, `CostConstants.attention_kernel`); else (a CPU, an unlisted
+        device, a model without attention) at the GEMMs' speed."""
+        prof = self.profile
+        if not prof.num_heads:
+            return self.speed
+        head_dim = self.h / prof.num_heads
+        measured = self.dev.attention_speed(self.compute_dtype, head_dim, self.s)
+        if measured:
+            return measured
+        if self.cpu:
+            return self.speed
+        if getattr(prof, "unfused_attention", False):
+            t = unfused_attention_s(self.h, prof.num_heads, self.s, self.speed, self.dev.memory_bandwidth, self.act_b)
+            return 3.0 * self.attn_fwd / t
+        eff = attention_efficiency(self.dev.name, self.c.attention_kernel, head_dim, self.s)
+        return self.peak * eff if eff else self.speed
 
     def keep(self, record: Any) -> bool:
         """Keep a strategy's per-plan record (what its `prepare` computed once), found by its type

@@ -3,8 +3,9 @@ one all-reduce of the (sharded) gradients per step.
 
 Executor half: `dtorch.parallel.model` (DistributedDataParallel, or FSDP2's replicate axis).
 
-Time: DDP's all-reduce, a small first bucket then one per `ddp_bucket_bytes`, overlapped with the last
-micro-batch's backward. HSDP (dp_shard x cp > 1): FSDP2 all-reduces each unit's reduce-scattered
+Time: DDP's all-reduce, a small first bucket then one per `ddp_bucket_bytes`, each issued as its
+gradients are ready and hidden behind the backward of the layers before it (`comm.prefetched`: the
+last bucket is exposed), on the last micro-batch. HSDP (dp_shard x cp > 1): FSDP2 all-reduces each unit's reduce-scattered
 gradient shard over the replicas, one all-reduce per unit, every micro-batch's backward without PP,
 once per step with PP. Memory: two DDP buckets in flight when nothing is sharded.
 
@@ -22,10 +23,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from dtorch.plan.comm import collective_time, exposed
+from dtorch.plan.comm import collective_time, prefetched
 from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
 from dtorch.plan.strategies.expert import expert_groups, expert_shard, moe_blocks, stage_experts
+from dtorch.plan.strategies.fsdp import FSDP, FsdpUnits
 
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -54,12 +56,26 @@ class DataParallel(Strategy):
 
     def rank_time(self, step: StepShape, load: RankLoad, r: RankShare, counts: Any) -> None:
         c, plan = step.c, step.plan
+        bwd = 2.0 * r.compute / 3.0 + r.recompute
         if step.fs > 1 or (plan.ep > 1 and step.profile.num_experts):
             n = plan.num_microbatches if plan.pp == 1 else 1  # FSDP2 syncs every micro-batch without PP
-            r.dp = exposed(n * self.grad_comm(step, load, r.p_stage), n * (2.0 / 3.0) * r.compute, c)
+            # one all-reduce per unit as its reduce-scatter lands, behind the next unit's backward:
+            # it shares that window with FSDP's own backward traffic (its gather when resharded and
+            # its reduce-scatter), so what shows is what the sum exposes beyond FSDP's alone
+            units = load.blocks + 1
+            ar_u = self.grad_comm(step, load, r.p_stage) / units
+            own = 0.0
+            if step.fs > 1 and not step.term(FsdpUnits).fixed_apart:
+                ag, rs = FSDP.comm(step, load, r.p_stage)
+                own = (rs + (ag if plan.reshard_after_forward and plan.pp == 1 else 0.0)) / units
+            k = step.contention
+            r.dp = n * (prefetched(own + ar_u, bwd / units, units, c, k) - prefetched(own, bwd / units, units, c, k))
             return
+        # DDP: one all-reduce per bucket as its gradients are ready, behind the backward of the next
+        # bucket's layers; the last bucket (the first layers) exposed
         grad_bytes = r.p_stage * step.red_b / step.fs
-        r.dp = exposed(self.comm(step, grad_bytes), (2.0 / 3.0) * r.compute, c)
+        buckets = max(1, math.ceil(grad_bytes / c.ddp_bucket_bytes))
+        r.dp = prefetched(self.comm(step, grad_bytes) / buckets, bwd / buckets, buckets, c, step.contention)
 
     def bound_sync(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
         return self.grad_comm(step, load, p_stage, latency=False) if step.plan.dp_replicate > 1 else 0.0

@@ -6,10 +6,11 @@ Time (ZeRO paper; FSDP2; torchtitan shards over dp_shard x cp): parameters all-g
 param_dtype before forward (and again before backward when `reshard_after_forward`), gradients
 reduce-scattered in reduce_dtype, one unit (block, and the root's rest) at a time; per micro-batch
 without PP (gradient accumulation as torchtitan does it), once per step with PP (gradients sync on
-the last micro-batch only; parameters stay gathered when not resharding). Overlapped with compute
-up to `fsdp_overlap`; one block's gather is never hidden. Memory: model states divided by the
-shard group; one gathered block plus a prefetch and a gradient block in flight, or the whole stage
-when parameters stay gathered from forward to backward.
+the last micro-batch only; parameters stay gathered when not resharding). Each unit's transfer is
+prefetched behind one unit's compute (`comm.prefetched`): the first gather and the last
+reduce-scatter are never hidden, and a unit whose transfer outlasts its compute shows the
+difference. Memory: model states divided by the shard group; one gathered block plus a prefetch and
+a gradient block in flight, or the whole stage when parameters stay gathered from forward to backward.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dtorch.plan.comm import collective_time, exposed, unit_fixed
+from dtorch.plan.comm import collective_time, prefetched, unit_fixed
 from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
 from dtorch.plan.strategies.expert import EXPERT, gathered_block_params
@@ -105,7 +106,7 @@ class Sharded(Strategy):
         plan, c, u = step.plan, step.c, step.term(FsdpUnits)
         apart = u.fixed_apart
         ag, rs = self.comm(step, load, r.p_stage, unit_latency=not apart)
-        m, busy = plan.num_microbatches, r.compute + r.recompute
+        m = plan.num_microbatches
         units = load.blocks + 1  # every block and the stage's root (embedding, final norm, head)
         if u.ag_byte or u.rs_byte:
             # the probe timed FSDP2's units with their bytes on this CPU: that, not the ring, is the cost
@@ -116,17 +117,31 @@ class Sharded(Strategy):
             else:
                 r.fsdp = (m * plan.virtual_stages * 2 if plan.reshard_after_forward else 1) * ag + rs
             return
+        # one unit at a time, prefetched one ahead (`prefetched`): the forward gathers behind the
+        # previous unit's forward, the backward's gather (resharded) and the previous unit's
+        # reduce-scatter behind its backward; the first gather and the last reduce-scatter exposed
+        fwd, bwd = r.compute / 3.0, 2.0 * r.compute / 3.0 + r.recompute
+        ag_u, rs_u, k = ag / units, rs / units, step.contention
         if plan.pp == 1:
-            gathers = 2 if plan.reshard_after_forward else 1
-            comm = m * (ag * gathers + rs)
-            r.fsdp = exposed(comm, m * busy, c) + m * u.ag_block
+            # every micro-batch gathers and reduces (gradient accumulation as torchtitan does it)
+            ag_b = ag_u if plan.reshard_after_forward else 0.0
+            r.fsdp = m * (prefetched(ag_u, fwd / units, units, c, k)
+                          + prefetched(ag_b + rs_u, bwd / units, units, c, k))
             if apart:
-                r.fsdp += m * units * (gathers * u.ag_unit + u.rs_unit)
+                r.fsdp += m * units * ((2 if plan.reshard_after_forward else 1) * u.ag_unit + u.rs_unit)
         else:
-            gathers = m * plan.virtual_stages * 2 if plan.reshard_after_forward else 1
-            r.fsdp = exposed(ag * gathers, m * busy, c) + u.ag_block
-            # gradients sync on the last micro-batch only: hidden behind its backward at best
-            r.fsdp += exposed(rs, (2.0 / 3.0) * r.compute, c)
+            v = plan.virtual_stages
+            if plan.reshard_after_forward:
+                # each micro-batch's pass through each virtual stage gathers its units, forward and backward
+                runs, per_run = m * v, units / v
+                r.fsdp = runs * (prefetched(ag_u, fwd / units, per_run, c, k)
+                                 + prefetched(ag_u, bwd / units, per_run, c, k))
+                gathers = m * v * 2
+            else:  # gathered once, by the first micro-batch, and kept
+                r.fsdp = prefetched(ag_u, fwd / units, units, c, k)
+                gathers = 1
+            # gradients sync on the last micro-batch only, behind its backward
+            r.fsdp += prefetched(rs_u, bwd / units, units, c, k)
             if apart:
                 r.fsdp += units * (gathers * u.ag_unit + u.rs_unit)
 
