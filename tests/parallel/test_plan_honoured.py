@@ -100,6 +100,10 @@ HAND_MADE = {
     "zero2 x tp accumulation bf16": ("llama-tiny", Plan(dp_shard=2, tp=2, zero=2, num_microbatches=2,
                                                         param_dtype="bfloat16")),
     "zero2 x pp": ("gpt-tiny", Plan(dp_shard=2, pp=2, zero=2, num_microbatches=2)),
+    # ring attention where the CPU prices the all-gather lower
+    "cp ring": ("llama-tiny", Plan(cp=2, cp_attention="ring", reshard_after_forward=False)),
+    "cp ring x pp": ("gpt-tiny", Plan(cp=2, pp=2, cp_attention="ring", num_microbatches=2,
+                                      reshard_after_forward=False)),
 }
 PLANS = {**_emitted(), **HAND_MADE}
 
@@ -262,6 +266,13 @@ def check_cp(plan: Plan, pm, rec: dict) -> None:
         assert hooks[0] is not None and all(c is not None for c in cores)
     else:
         assert pm.context is None and hooks[0] is None and all(c is None for c in cores)
+
+
+def check_cp_attention(plan: Plan, pm, rec: dict) -> None:
+    # the attention over the whole sequence is the plan's: all-gathered K/V or the ring's send/recv
+    if plan.cp > 1:
+        assert pm.context.method == plan.cp_attention
+        assert (pm.context._ring is not None) == (plan.cp_attention == "ring")
 
 
 def check_tp(plan: Plan, pm, rec: dict) -> None:
@@ -459,6 +470,7 @@ CHECKS = {
 if "compile" in {f.name for f in dataclasses.fields(Plan)}:  # the field the strategy registry adds
     CHECKS["compile"] = check_compile
 CHECKS["zero"] = check_zero
+CHECKS["cp_attention"] = check_cp_attention
 INFORMATIONAL = {
     "model": "names the model the plan was made for; the model itself is passed to parallelize",
     "cluster": "names the cluster the plan was made for; the executor runs where it is launched",
