@@ -75,6 +75,7 @@ from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's sha
     NO_COUNTS,
     CostConstants,
     GiB,
+    MemoryBytes,
     RankMemory,
     StepCounts,
     StepShape,
@@ -90,9 +91,12 @@ from dtorch.plan.strategies.expert import gathered_params, local_params
 from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC policies' terms)
     SELECTIVE_POLICIES,
     act_bytes_per_token_block,
+    at_peak,
     every_second_matmul_params,
     host_adam_rate,
     matmuls_saved_act_bytes,
+    model_buffer_bytes,
+    rank_activations,
     recompute_reruns_collectives,
 )
 from dtorch.plan.strategies.memory import recompute_ops_per_block as _recompute_ops_per_block
@@ -136,6 +140,11 @@ class Estimate:
     """On a mixed cluster, one entry per node group: its ranks, the micro-batches per step and
     blocks of its ranks, its busiest pipeline's seconds, its fullest rank's bytes and its capacity
     (`hetero.group_summary`); empty on one kind of device."""
+
+    @property
+    def memory(self) -> MemoryBytes:
+        """The fullest rank's bytes at its peak by category, typed (`memory_breakdown`'s figures)."""
+        return MemoryBytes.of(self.memory_breakdown)
 
     def to_dict(self) -> dict:
         return {
@@ -365,20 +374,15 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare, m: RankMemory) ->
     (`Strategy.rank_memory`), margin; and the host and disk bytes of offloaded states."""
     plan, prof, c = step.plan, step.profile, step.c
     m.states = _states(plan, m.p_stage, m.p_gathered, m.p_local)
-    a_none, shard_act = step.a_none, step.shard_act
-    a_pol = act_bytes_per_token_block(prof, plan.ac, step.selective) * step.act_scale
     in_flight = activation_in_flight(plan, load.pp_rank)
-    acts = a_pol * step.rows * (step.shard_full if plan.ac == "full" else shard_act) * load.blocks * in_flight
-    if plan.ac == "full":
-        acts += a_none * step.act_scale * step.rows * shard_act  # one block re-materialised during its backward
-    if load.head:  # logits of every micro-batch the last stage holds (one under 1F1B, m under GPipe)
-        acts += prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp * in_flight
+    acts = rank_activations(step, load, in_flight)
+    m.states["grads"], acts = at_peak(step, m.states["grads"], acts, in_flight)  # (what coexists at the peak)
     for s in MEMORY_TERMS:
         s.rank_memory(step, load, m)
     states = {k: int(v) for k, v in m.states.items()}
-    sub = sum(states.values()) + acts + m.buffers
-    margin = c.fixed_overhead_bytes + c.fragmentation * sub
-    r.memory = {**states, "activations": int(acts), "buffers": int(m.buffers), "margin": int(margin)}
+    buffers = m.buffers + model_buffer_bytes(prof)
+    margin = c.fixed_overhead_bytes + c.fragmentation * (states.get("grads", 0) + acts + buffers)
+    r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}
     r.host_bytes, r.disk_bytes = m.host_bytes, m.disk_bytes
 
 

@@ -100,6 +100,42 @@ class RankMemory:
     before the strategies' terms: a strategy that holds them differently (ZeRO-1/2) changes them."""
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryBytes:
+    """One rank's predicted bytes at its peak, by category (`Estimate.memory`): what torch's
+    MemTracker attributes to each at that moment (tests/plan/test_memory_categories.py), and the
+    reserve kept free beside them (CUDA context, NCCL and allocator fragmentation), which no tensor fills.
+
+    params: the rank's parameters, its shard and the unsharded copies it holds gathered;
+    grads: gradients alive at the peak; optimizer: AdamW's moments; activations: what the forward
+    saved and the backward's working tensors; buffers: the model's buffers and the gradient
+    strategy's communication buffers."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    buffers: int = 0
+    reserve: int = 0
+
+    @classmethod
+    def of(cls, breakdown: dict) -> MemoryBytes:
+        """From an estimate's `memory_breakdown` (its `margin` is the reserve; a search's `correction`
+        for a measured plan counts with the activations, what it corrects)."""
+        get = lambda k: int(breakdown.get(k, 0))  # noqa: E731
+        return cls(get("params"), get("grads"), get("optimizer"), get("activations") + get("correction"),
+                   get("buffers"), get("margin") + get("reserve"))
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def tensors(self) -> int:
+        """The job's own bytes at its peak (everything but the reserve)."""
+        return self.model_states + self.activations + self.buffers
+
+
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 

@@ -16,6 +16,7 @@ from dtorch.plan.cost import (
     collective_time,
     estimate,
     model_state_bytes,
+    rank_loads,
     shape_factor,
     step_counts,
     with_constants,
@@ -117,12 +118,25 @@ def test_gpipe_keeps_all_microbatches_in_flight_1f1b_only_p():
     prof = llama(layers=8, vocab=256)  # a small head: the first stage holds the most
     cl = load_cluster("h100:4")
     p, m = 4, 16
-    one = estimate(Plan(param_dtype="bfloat16", pp=p, num_microbatches=m, schedule="1f1b"), prof, cl)
-    gp = estimate(Plan(param_dtype="bfloat16", pp=p, num_microbatches=m, schedule="gpipe"), prof, cl)
-    per_mb = one.memory_breakdown["activations"] / p  # 1F1B's first stage: p micro-batches, no head
+    p1, pg = (Plan(param_dtype="bfloat16", pp=p, num_microbatches=m, schedule=s) for s in ("1f1b", "gpipe"))
+    one, gp = estimate(p1, prof, cl), estimate(pg, prof, cl)
+    first, last = rank_loads(p1, prof.num_layers)[0], rank_loads(pg, prof.num_layers)[-1]
+    # 1F1B's first stage: p micro-batches, no head, and the backward's working set of one block
+    per_mb = (one.memory_breakdown["activations"] - _working_set(p1, prof, cl, first)) / p
     # GPipe: every stage holds all m; the last one also the logits of each
     head = prof.act_bytes_per_token_head * prof.seq_len
-    assert gp.memory_breakdown["activations"] == pytest.approx((per_mb + head) * m, rel=1e-6)
+    assert gp.memory_breakdown["activations"] == pytest.approx(
+        (per_mb + head) * m + _working_set(pg, prof, cl, last), rel=1e-6)
+
+
+def _working_set(plan, prof, cl, load):
+    """The backward's working set the estimate adds to rank `load`'s saved activations."""
+    from dtorch.plan.cost import step_shape
+    from dtorch.plan.strategies.memory import backward_working_set
+
+    step = step_shape(plan, prof, cl)
+    head = prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp if load.head else 0.0
+    return backward_working_set(step, load, head)
 
 
 def test_full_checkpointing_keeps_the_block_input_plus_one_block():
@@ -133,6 +147,8 @@ def test_full_checkpointing_keeps_the_block_input_plus_one_block():
     expect = (2 * prof.hidden * tokens * prof.num_layers  # Korthikanti: 2 s b h per block
               + prof.act_bytes_per_token_block["none"] * tokens  # the block being recomputed
               + prof.act_bytes_per_token_head * tokens)
+    plan = Plan(param_dtype="bfloat16", ac="full", microbatch_size=2)
+    expect += _working_set(plan, prof, cl, rank_loads(plan, prof.num_layers)[0])
     assert est.memory_breakdown["activations"] == pytest.approx(expect, rel=1e-6)
 
 
@@ -140,10 +156,15 @@ def test_sequence_parallel_divides_activations_by_tp():
     prof = llama(layers=8)
     cl = load_cluster("h100:4")
     sp = estimate(Plan(tp=4, sp=True), prof, cl)
-    single = estimate(Plan(), prof, load_cluster("h100:1"))
-    blocks = prof.act_bytes_per_token_block["none"] * prof.seq_len * prof.num_layers
+    one = load_cluster("h100:1")
+    single = estimate(Plan(), prof, one)
+    load = rank_loads(Plan(), prof.num_layers)[0]
+    saved = single.memory_breakdown["activations"] - _working_set(Plan(), prof, one, load)
+    # everything the blocks and the head keep, over tp; beyond it the attention's and the feed-forward's
+    # all-gathered inputs, whole on every rank (2 h per token per block, float32 here: 3/4 of it more)
+    gathered = 2 * prof.hidden * 4 * (1 - 1 / 4) * prof.seq_len * prof.num_layers
     assert sp.memory_breakdown["activations"] == pytest.approx(
-        (single.memory_breakdown["activations"] - blocks) / 4 + blocks / 4, rel=1e-6)
+        saved / 4 + gathered + _working_set(Plan(tp=4, sp=True), prof, cl, load), rel=1e-6)
 
 
 def test_tp_traffic_is_eight_activation_collectives_per_block_plus_latency_bound_ones():

@@ -10,7 +10,7 @@ import pytest
 
 from dtorch.cluster.load import parse_shorthand
 from dtorch.errors import ConfigError
-from dtorch.plan.cost import DEFAULT_CONSTANTS, _rank_params, estimate
+from dtorch.plan.cost import DEFAULT_CONSTANTS, _rank_params, estimate, model_buffer_bytes, model_state_bytes
 from dtorch.plan.plan import Plan
 from dtorch.plan.profiles import get_profile
 from dtorch.plan.search import _bound, _Mesh, check, parse_fix, precisions, search
@@ -95,7 +95,7 @@ def test_ep_term_in_the_estimate_and_load_imbalance():
     assert e8.time_breakdown["ep"] == pytest.approx(2 * 32 * (6 * a2a + 2 * counts), rel=1e-9)
     # EP shrinks FSDP's traffic (experts gathered over edp only) and its gathered block
     assert e8.time_breakdown["fsdp"] < e1.time_breakdown["fsdp"]
-    assert e8.memory_breakdown["buffers"] < e1.memory_breakdown["buffers"]
+    assert e8.memory_breakdown["params"] < e1.memory_breakdown["params"]  # (the gathered copies are parameters)
     # model states are sharded over all 32 ranks either way
     assert e8.memory_breakdown["optimizer"] == e1.memory_breakdown["optimizer"]
     old = EXPERT.load_imbalance
@@ -117,7 +117,7 @@ def test_a_pipelined_or_unresharded_ep_rank_holds_only_its_own_experts_gathered(
     pe = 16 * prof.num_experts * prof.params_per_expert  # a stage's routed experts (16 of 32 blocks)
     saved = 2 * pe * (1 - 1 / 8)  # bf16 bytes of the other ep ranks' experts
     assert e1.memory_breakdown["grads"] - e8.memory_breakdown["grads"] == pytest.approx(saved, rel=1e-6)
-    assert e1.memory_breakdown["buffers"] - e8.memory_breakdown["buffers"] >= saved
+    assert e1.memory_breakdown["params"] - e8.memory_breakdown["params"] >= saved  # (gathered copies are params)
     assert e8.memory_breakdown["optimizer"] == e1.memory_breakdown["optimizer"]  # sharded over all 16 either way
 
 
@@ -166,11 +166,15 @@ def test_ep_with_replicas_prices_the_rank_s_own_experts_over_the_executor_s_grou
                      (dict(dp_replicate=4, ep=4), N + E / 4),
                      (dict(dp_replicate=2, dp_shard=2, ep=2), N / 2 + E / 2),  # ep inside a replica
                      (dict(dp_replicate=2, dp_shard=2, ep=4), N / 2 + E / 4)):  # ep over both replicas
-        mem = estimate(Plan(**kw, **f32), prof, cpu).memory_breakdown
-        assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * held, 4 * held, 8 * held), kw
+        states = model_state_bytes(Plan(**kw, **f32), prof)
+        assert (states["params"], states["grads"], states["optimizer"]) == (4 * held, 4 * held, 8 * held), kw
+        assert estimate(Plan(**kw, **f32), prof, cpu).memory_breakdown["optimizer"] == 8 * held, kw
     # (measured on 4 gloo ranks after one AdamW step, dp_replicate=4 ep=2: 480,512 / 480,512 / 961,024 bytes)
     ddp_ep = estimate(Plan(dp_replicate=4, ep=2, **f32), prof, cpu).memory_breakdown
-    assert ddp_ep["buffers"] == 4 * (N + E / 2) + 4 * (68224 - 8 * 6144 / 2)  # gathered stage + a block's grads
+    # at the peak: the float32 masters and the stage gathered beside them (FSDP2 replica units never
+    # reshard); no DDP buckets, the model's RoPE tables as buffers
+    assert ddp_ep["params"] == 4 * (N + E / 2) + 4 * (N + E / 2)
+    assert ddp_ep["buffers"] == model_buffer_bytes(prof)
     # mesh (edp_rep, edp_shard, ep_rep, ep_shard): (shard size, stride, replica size, stride)
     assert expert_groups(Plan(dp_replicate=2, dp_shard=4, ep=2)) == (2, 2, 2, 4)
     assert expert_groups(Plan(dp_replicate=4, dp_shard=2, ep=4)) == (1, 4, 2, 4)

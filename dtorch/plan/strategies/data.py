@@ -112,8 +112,17 @@ class DataParallel(Strategy):
         return ar + math.ceil(grad_bytes / step.c.ddp_bucket_bytes) * step.term(ReplicaUnit).ar_unit
 
     def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
-        if step.fs == 1 and step.plan.ep == 1:
-            m.buffers = self.buffers(step.plan)
+        """DistributedDataParallel's buckets cover every gradient (float32, the masters' dtype: its
+        reducer copies each gradient into them), allocated once; replicas run as FSDP2 units over
+        one-rank shard groups (with TP or PP, `dtorch.parallel.model`) hold their unsharded copy of
+        the stage in param_dtype, never resharded."""
+        plan = step.plan
+        if step.fs > 1 or plan.ep > 1 or plan.dp_replicate == 1:
+            return
+        if plan.tp == 1 and plan.pp == 1:
+            m.buffers = 4.0 * m.p_stage
+        else:
+            m.states["params"] = m.states.get("params", 0.0) + m.p_gathered * step.param_b
 
     def buffers(self, plan: Any) -> float:
         if plan.dp_replicate > 1 and plan.dp_shard * plan.cp == 1:

@@ -419,7 +419,7 @@ class Expert(Strategy):
 
     def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
         if step.fs == 1 and step.plan.ep > 1:  # DDP x EP: FSDP2 units over one-rank shard groups
-            m.buffers = self.replica_buffers(step, m.p_gathered)
+            m.states["params"] = m.states.get("params", 0.0) + m.p_gathered * step.param_b  # never resharded
 
     def replica_buffers(self, step: StepShape, p_gathered: float) -> float:
         """Gathered-parameter bytes of EP with DDP replicas (dp_shard = 1): the executor runs them as

@@ -146,8 +146,27 @@ class Sharded(Strategy):
                 r.fsdp += units * (gathers * u.ag_unit + u.rs_unit)
 
     def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
-        if step.fs > 1:
-            m.buffers = self.buffers(step, m.p_gathered)
+        """The unsharded copies a rank holds at its peak are parameters (MemTracker's PARAM): with
+        resharding the stage's root unit (embedding, final norm, head: FSDP2 never reshards the root)
+        and the block being re-gathered for its backward; without, the whole stage. ZeRO-1/2 hold
+        theirs (`strategies.zero`)."""
+        plan, prof = step.plan, step.profile
+        if step.fs > 1 and not getattr(plan, "zero", 0):
+            m.states["params"] = m.states.get("params", 0.0) + self.gathered(step, load, m.p_gathered)
+            if plan.pp == 1 and (plan.reshard_after_forward or plan.offload == "params"):
+                # the peak is the last block's re-gather, after the head's backward made the root
+                # unit's unsharded gradients (reduce-scattered with the root's, last)
+                root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
+                m.states["grads"] = m.states.get("grads", 0.0) + root * step.param_b
+
+    def gathered(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
+        """Bytes of unsharded parameters at the rank's peak; `p_stage`: the stage's parameters as a
+        rank gathers them (with EP its own routed experts only, `Expert.gathered_stage_params`)."""
+        plan, prof = step.plan, step.profile
+        if not (plan.reshard_after_forward or plan.offload == "params"):
+            return p_stage * step.param_b  # the whole stage stays gathered from forward to backward
+        root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
+        return (root + gathered_block_params(prof, plan)) * step.param_b
 
     def buffers(self, step: StepShape, p_stage: float) -> float:
         """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a

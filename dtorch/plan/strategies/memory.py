@@ -113,6 +113,108 @@ def act_bytes_per_token_block(profile: Any, ac: str, selective: str = "matmuls_s
     return per_tok.get(ac, a_none)
 
 
+RMSNORM_FAMILIES = ("llama", "moe")
+"""Model families whose norms are `nn.RMSNorm` (GPT's LayerNorm is one aten kernel on every device)."""
+
+
+def composite_norm_bytes(profile: Any, act_b: float, cpu: bool) -> float:
+    """Bytes per token one RMSNorm keeps beyond the fused kernel's input and statistics (what the
+    profile counts): none on an accelerator; on a CPU torch 2.13 runs RMSNorm as composite operators
+    that keep the input upcast to float32 (4h, none when computing in float32: the same tensor) and
+    the normalised product in the compute dtype (`act_b` h) for the weight's multiply."""
+    if not cpu or profile.family not in RMSNORM_FAMILIES:
+        return 0.0
+    return profile.hidden * ((4.0 if act_b < 4 else 0.0) + act_b)
+
+
+def block_act_bytes(step: StepShape, ac: str) -> float:
+    """Bytes per token per block (compute dtype, full over TP and CP) a block keeps for backward
+    under `ac`: the profile's 16-bit figure at the compute dtype's width, plus on a CPU what the
+    composite norms keep (two per block, kept unless the policy re-runs them)."""
+    a = act_bytes_per_token_block(step.profile, ac, step.selective) * step.act_scale
+    if ac == "none":
+        a += 2 * composite_norm_bytes(step.profile, step.act_b, step.cpu)
+    return a
+
+
+def sp_gathered_bytes(step: StepShape, ac: str) -> float:
+    """Bytes per token per block that sequence parallelism keeps whole on every TP rank: the executor
+    all-gathers the attention's and the feed-forward's input on entry (`dtorch.parallel.tp`,
+    `gather_sequence_on_entry`) and their column-wise linears save that gathered input for the
+    weight gradient (Megatron re-gathers it in backward instead). Beyond the 1/tp share the profile's
+    norm outputs already count: 2 h (1 - 1/tp) at the compute dtype. Not kept where the policy
+    re-runs the gathers in backward (selective, full)."""
+    plan = step.plan
+    if not plan.sp or plan.tp == 1 or ac != "none":
+        return 0.0
+    return 2.0 * step.h * step.act_b * (1.0 - 1.0 / plan.tp)
+
+
+def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float:
+    """Activation bytes pipeline rank `load` holds at its peak: its blocks' saved activations for the
+    `in_flight` micro-batches (`pipeline.activation_in_flight`), sharded by TP (all of them with SP,
+    Korthikanti's share without) and CP; under full AC one block re-materialised during its backward;
+    on the last stage the head's (final norm, logits and loss) for every micro-batch in flight."""
+    plan, prof = step.plan, step.profile
+    share = step.shard_full if plan.ac == "full" else step.shard_act
+    per_token = block_act_bytes(step, plan.ac) * share + sp_gathered_bytes(step, plan.ac)
+    acts = per_token * step.rows * load.blocks * in_flight
+    if plan.ac == "full":  # (its re-run gathers keep the whole input while the block's backward runs)
+        acts += (block_act_bytes(step, "none") * step.shard_act + sp_gathered_bytes(step, "none")) * step.rows
+    head = 0.0
+    if load.head:
+        head = (prof.act_bytes_per_token_head * step.act_scale
+                + composite_norm_bytes(prof, step.act_b, step.cpu)) * step.rows / plan.tp
+        acts += head * in_flight
+    return acts + backward_working_set(step, load, head)
+
+
+GATED_FAMILIES = ("llama", "moe")
+"""Families whose feed-forward is SwiGLU (four f-wide tensors: w1 and w3 out, silu out, product)."""
+
+
+def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> float:
+    """Bytes the backward holds beyond the saved activations at the rank's peak, the larger of two
+    moments of the last micro-batch's backward: the loss's (on the last stage: the float32 gradient
+    of the log-probabilities and that of the logits in the compute dtype, vocabulary-parallel over
+    tp), and a block's, once the head's saved activations (`head_saved`) are freed: the gradients of
+    the feed-forward's f-wide tensors (four for SwiGLU, two for GeLU, f/tp each) and of four h-wide
+    ones (the block's input and output, the two norms'; sharded with SP)."""
+    plan, prof = step.plan, step.profile
+    loss = (4.0 + step.act_b) * prof.vocab_size * step.rows / plan.tp if load.head else 0.0
+    if not load.blocks:
+        return loss
+    wide = 4.0 if prof.family in GATED_FAMILIES else 2.0
+    h_share = 1.0 / plan.tp if plan.sp else 1.0
+    block = (wide * prof.ffn_hidden / plan.tp + 4.0 * step.h * h_share) * step.act_b * step.rows
+    return max(loss, block - head_saved)
+
+
+def at_peak(step: StepShape, grads: float, acts: float, in_flight: float = 1.0) -> tuple[float, float]:
+    """(gradient bytes, activation bytes) that coexist at the rank's peak, `acts` being those of the
+    `in_flight` micro-batches it holds at most. The optimizer leaves the gradients None
+    (`zero_grad`), and a backward releases a micro-batch's activations as it makes the gradients.
+    Where a backward runs before the rank holds its most micro-batches (accumulation without a
+    pipeline; a pipeline rank with more micro-batches than it holds), every gradient is there at the
+    peak. Else the peak is when the last forward ends (every activation, no gradient) or after the
+    first backward (one micro-batch's activations fewer, every gradient), whichever is larger."""
+    plan = step.plan
+    m = plan.num_microbatches
+    if (plan.pp == 1 and m > 1) or (plan.pp > 1 and m > in_flight):
+        return grads, acts
+    after = acts * (in_flight - 1.0) / in_flight
+    return (0.0, acts) if acts >= after + grads else (grads, after)
+
+
+def model_buffer_bytes(profile: Any) -> float:
+    """Bytes of the model's own buffers on every rank: the RoPE cosine and sine tables of the
+    RMSNorm/RoPE families (float32, max_seq_len x head_dim / 2 each), replicated by every strategy."""
+    if profile.family not in RMSNORM_FAMILIES or not profile.num_heads:
+        return 0.0
+    seq = profile.max_seq_len or profile.seq_len
+    return 2.0 * seq * (profile.hidden / profile.num_heads) / 2.0 * 4.0
+
+
 def every_second_matmul_params(profile: Any) -> float:
     """Weights per block of the matmuls an op-level policy that saves every matmul output except
     every second one (torchtitan's 'op' selective AC, counting per block in call order) recomputes.
