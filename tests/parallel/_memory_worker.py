@@ -1,0 +1,85 @@
+"""The worker of tests/plan/test_memory_categories.py: one steady-state step of a plan under torch's
+MemTracker, the rank's peak by category (see that test for the categories). Here, in tests/parallel,
+so that the harness's forkserver (which has this folder on its path) can import it."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+SEQ = 64
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def _tracker():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _StepTracker(MemTracker):
+        """MemTracker that lets a root module run forward more than once in the tracked region
+        (pipeline micro-batches): its module statistics start afresh; the storages' categories,
+        which are what is compared, are kept."""
+
+        def _pre_fw_hook(self, module, inputs):
+            name = self._mod_tracker.get_known_fqn(module)
+            if (module in self.memory_tracking and not self._mod_tracker.is_bw
+                    and set(self._mod_tracker.parents) - {name} <= {"Global"}):
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return _StepTracker()
+
+
+_NAMES = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "Activation": "activations",
+          "Temp": "activations", "Buffer": "buffers", "Other": "other"}
+
+
+def _ddp_bucket_bytes(parts) -> int:
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = 0
+    for part in parts:
+        for mod in part.modules():
+            if isinstance(mod, DistributedDataParallel):
+                sizes = mod._get_ddp_logging_data().get("bucket_sizes", "")  # "b0, b1, ..." bytes
+                out += sum(int(b) for b in str(sizes).replace(",", " ").split())
+    return int(out)
+
+
+def measure(case, rank):
+    """One steady-state step of `case` on this rank: the peak's bytes by category."""
+    from dtorch.models import build_model
+    from dtorch.parallel import parallelize
+    from dtorch.plan.plan import Plan
+    from dtorch.train.losses import next_token
+
+    torch.set_num_threads(1)
+    spec, fields = case
+    plan = Plan(**fields)
+    pm = parallelize(partial(build_model, spec), plan, loss_fn=next_token, seed=0, seq_len=SEQ)
+    opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    local = pm.local_batch
+    rows = slice(pm.dp_rank * local, (pm.dp_rank + 1) * local)
+    for step in range(2):  # the first step builds the schedule and the optimizer states
+        x = torch.randint(0, 256, (plan.dp * local, SEQ + 1), generator=g)
+        tracker = _tracker() if step else None
+        if tracker is not None:
+            tracker.track_external(*pm.model_parts, opt)
+            tracker.__enter__()
+        try:
+            pm.forward_backward(x[rows, :-1], x[rows, 1:])
+            opt.step()
+            opt.zero_grad()
+        finally:
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    out = dict.fromkeys(CATEGORIES, 0)
+    for kind, nbytes in peak.items():
+        name = _NAMES.get(getattr(kind, "value", kind))
+        if name:
+            out[name] = out.get(name, 0) + nbytes
+    out["buffers"] += _ddp_bucket_bytes(pm.model_parts)
+    out["peak"] = sum(out[c] for c in CATEGORIES) + out.get("other", 0)
+    return out

@@ -1,0 +1,149 @@
+"""The planner's memory per category against what torch measures, for every plan family.
+
+One group of 2 and one of 4 gloo processes (the forkserver harness of tests/parallel) run one
+steady-state training step (the second: optimizer states exist, gradients were zeroed to None) of
+every plan family on a tiny model, under torch's `MemTracker`
+(`torch.distributed._tools.mem_tracker`), which attributes every tensor storage to a category on
+any device. What is compared is the rank's peak and its composition at that moment (MemTracker's
+peak snapshot), the fullest rank of the plan against the estimate's `memory_breakdown`:
+
+  params      PARAM: the rank's parameters, sharded masters and unsharded (gathered) copies alike
+  grads       GRAD: gradients alive at the peak
+  optimizer   OPT: AdamW's moments (and step counters)
+  activations ACT + TEMP: what the forward saved and the backward's working tensors at the peak
+  buffers     BUFFER: module buffers (RoPE tables), plus DDP's gradient buckets, which DDP allocates
+              at construction (MemTracker never sees them; counted from DDP's own logging data)
+
+The estimate's reserve (`margin`: CUDA context, fragmentation) is not tensor bytes and is left out.
+Pipelines run several micro-batches through the same modules in one step, which MemTracker refuses
+("multiple iterative calls"); `_StepTracker` starts a root module's statistics afresh each time
+it runs forward again (the categories are per storage and unaffected).
+
+About 30 s on two busy cores (the two groups and their imports dominate).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+from _harness import run_group  # noqa: E402
+from _memory_worker import CATEGORIES, SEQ, measure  # noqa: E402
+
+LLAMA = "llama-tiny:layers=4,hidden=64,heads=4,kv_heads=2"
+MOE = "moe-tiny"
+TOLERANCE = 0.05
+
+WORLD2 = {
+    "DDP": (LLAMA, dict(dp_replicate=2, microbatch_size=2)),
+    "FSDP": (LLAMA, dict(dp_shard=2, microbatch_size=2)),
+    "FSDP no-reshard": (LLAMA, dict(dp_shard=2, microbatch_size=2, reshard_after_forward=False)),
+    "FSDP ac=selective": (LLAMA, dict(dp_shard=2, microbatch_size=2, ac="selective")),
+    "FSDP ac=full": (LLAMA, dict(dp_shard=2, microbatch_size=2, ac="full")),
+    "TP": (LLAMA, dict(tp=2, microbatch_size=2)),
+    "TP+SP": (LLAMA, dict(tp=2, sp=True, microbatch_size=2)),
+    "PP 1f1b": (LLAMA, dict(pp=2, microbatch_size=2, num_microbatches=2)),
+    "PP gpipe": (LLAMA, dict(pp=2, schedule="gpipe", microbatch_size=2, num_microbatches=2)),
+    "PP interleaved": (LLAMA, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatch_size=2,
+                                   num_microbatches=2)),
+    "CP": (LLAMA, dict(cp=2, microbatch_size=2)),
+    "EP": (MOE, dict(dp_shard=2, ep=2, microbatch_size=2)),
+    "ZeRO-1": (LLAMA, dict(dp_shard=2, zero=1, microbatch_size=2, num_microbatches=2)),
+    "ZeRO-2": (LLAMA, dict(dp_shard=2, zero=2, microbatch_size=2, num_microbatches=2)),
+}
+WORLD4 = {
+    "FSDP+TP": (LLAMA, dict(dp_shard=2, tp=2, microbatch_size=2)),
+    "HSDP": (LLAMA, dict(dp_replicate=2, dp_shard=2, microbatch_size=2)),
+    "FSDP+PP": (LLAMA, dict(dp_shard=2, pp=2, microbatch_size=2, num_microbatches=2)),
+    "TP+SP+CP": (LLAMA, dict(tp=2, sp=True, cp=2, microbatch_size=2)),
+    "DDP+PP": (LLAMA, dict(dp_replicate=2, pp=2, microbatch_size=2, num_microbatches=2)),
+}
+
+
+def _predict(spec: str, fields: dict, world: int) -> dict:
+    from dtorch.cluster.load import parse_shorthand
+    from dtorch.plan.cost import estimate
+    from dtorch.plan.plan import Plan
+    from dtorch.plan.profiles import get_profile
+
+    est = estimate(Plan(**fields), get_profile(spec, SEQ), parse_shorthand(f"cpu:1x{world}"))
+    out = {c: int(est.memory_breakdown.get(c, 0)) for c in CATEGORIES}
+    out["peak"] = sum(out.values())
+    return out
+
+
+def _runnable(cases: dict) -> dict:
+    from dtorch.plan.plan import Plan
+
+    ok = {}
+    for name, (spec, fields) in cases.items():
+        try:
+            Plan(**fields)
+        except TypeError:  # a field this checkout does not declare yet (zero: the ZeRO strategy)
+            continue
+        ok[name] = (spec, fields)
+    return ok
+
+
+@pytest.fixture(scope="module")
+def table() -> dict:
+    """{family: (world, predicted, measured on the fullest rank)}."""
+    out = {}
+    for world, cases in ((2, WORLD2), (4, WORLD4)):
+        cases = _runnable(cases)
+        results = run_group(world, list(cases.values()), measure)
+        for (name, (spec, fields)), per_rank in zip(cases.items(), results):
+            errors = [r["error"] for r in per_rank if "error" in r]
+            if errors:
+                out[name] = (world, None, errors[0])
+                continue
+            fullest = max(per_rank, key=lambda r: r["peak"])
+            out[name] = (world, _predict(spec, fields, world), fullest)
+    lines = [f"{'family':18s} {'category':11s} {'predicted':>10s} {'measured':>10s}  error"]
+    for name, (world, pred, meas) in out.items():
+        if pred is None:
+            continue
+        for c in (*CATEGORIES, "peak"):
+            err = (pred[c] - meas[c]) / meas[c] if meas[c] else float(pred[c] != 0)
+            lines.append(f"{name + f' w{world}':18s} {c:11s} {pred[c]:10d} {meas[c]:10d}  {err:+.1%}")
+    print("\n".join(lines))
+    return out
+
+
+KNOWN = {
+    # what the model still misses, measured (`table` prints every figure); strict: a fix must say so
+    "DDP": "activations -19 %: DDP's forward keeps about 1 MB more than the plain model's (not found)",
+    "FSDP ac=selective": "activations -10 %: the recomputed block's working set under selective AC",
+    "FSDP ac=full": "peak -10 %: the peak falls inside a recomputed block's backward, with its gradients",
+    "CP": "activations -8 %: the gathered K/V (and their gradients) of the block at the peak",
+    "TP+SP+CP": "activations -11 %: the gathered K/V under CP, as in CP",
+    "EP": "params +18 %, activations +22 %: the experts' gathered share and the routed tokens' bytes",
+    "TP": "activations +5.1 %: the block's backward working set without SP is over-counted",
+    "FSDP+TP": "activations +5.0 %: as TP",
+    "PP 1f1b": "activations +8 %: the first stage's peak holds no backward working set (its first "
+               "backward's end, the embedding's gradient made); priced with one",
+    "PP interleaved": "activations +6 %: as PP 1f1b",
+    "DDP+PP": "activations +8 %: as PP 1f1b",
+}
+FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=KNOWN[f])) if f in KNOWN else f
+            for f in (*WORLD2, *WORLD4)]
+NOISE = 0.02
+"""A category under 2 % of the rank's peak is judged against that floor: on a tiny model the
+gradients some unit holds for an instant at the peak (the root's, the embedding's, a few hundred KB
+of a few MB) are a detail a large model's peak never sees."""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_memory_per_category_and_peak_within_tolerance(family, table):
+    if family not in table:
+        pytest.skip(f"{family}: its plan fields are not in this checkout")
+    world, pred, meas = table[family]
+    assert pred is not None, f"{family} (world {world}) did not run: {meas}"
+    off = {}
+    for c in (*CATEGORIES, "peak"):
+        if abs(pred[c] - meas[c]) > max(TOLERANCE * meas[c], NOISE * meas["peak"]):
+            off[c] = (pred[c], meas[c])
+    assert not off, f"{family} (world {world}): predicted vs measured bytes off by more than 5 %: {off}"
