@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from dtorch.plan.comm import exposed
+from dtorch.plan.comm import prefetched
 from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Dims, Field, Limit, RankLoad, RankShare, Strategy, Violation
 from dtorch.plan.strategies.fsdp import FSDP, FsdpUnits
@@ -110,17 +110,17 @@ class Zero(Strategy):
         plan, c, u = step.plan, step.c, step.term(FsdpUnits)
         n_ag, n_rs = self.collectives(plan)
         units = load.blocks + 1  # every block and the stage's root (embedding, final norm, head)
-        busy = r.compute + r.recompute
         if u.ag_byte or u.rs_byte:
             # the probe timed FSDP2's units with their bytes on this CPU: that, not the ring, is the cost
             ag = units * u.ag_unit + u.ag_byte * r.p_stage * step.param_b
             rs = units * u.rs_unit + u.rs_byte * r.p_stage * step.red_b
             return n_ag * ag + n_rs * rs
         ag, rs = FSDP.comm(step, load, r.p_stage, unit_latency=not u.fixed_apart)
-        # the gather: behind the first micro-batch's forward (a third of its work), one block never hidden
-        t = exposed(ag, busy / 3.0, c) + u.ag_block
-        # the reductions: each behind the backward (two thirds) of the micro-batch it ends
-        t += exposed(n_rs * rs, (2.0 / 3.0) * r.compute * n_rs, c)
+        # one unit at a time, prefetched one ahead, as FSDP's (`prefetched`): the step's one gather per
+        # unit behind the first micro-batch's forward, each reduction behind the backward it ends
+        fwd, bwd = r.compute / 3.0, 2.0 * r.compute / 3.0 + r.recompute
+        ag_u, rs_u, k = ag / units, rs / units, step.contention
+        t = prefetched(ag_u, fwd / units, units, c, k) + n_rs * prefetched(rs_u, bwd / units, units, c, k)
         if u.fixed_apart:
             t += units * (n_ag * u.ag_unit + n_rs * u.rs_unit)
         return t
