@@ -53,7 +53,7 @@ class Sharded(Strategy):
         return None
 
     def describe(self, plan: Any):
-        if plan.dp_shard > 1 and not plan.reshard_after_forward and not getattr(plan, "zero", 0):
+        if plan.dp_shard * plan.cp > 1 and not plan.reshard_after_forward and not getattr(plan, "zero", 0):
             yield 50, "no-reshard"
 
     def prepare(self, step: StepShape) -> bool:
