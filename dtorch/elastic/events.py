@@ -23,7 +23,7 @@ from dtorch.eventlog import EVENTS_FILE, events_path, log, read  # noqa: F401  (
 
 # Worker-side phases that belong to a recovery, in the order a (re)started worker meets them:
 # process-group init (`worker.init_process_group`), choosing the plan, building the model and
-# optimizers, loading the checkpoint, preparing the loop (the MFU denominator, ...). The trainer
+# optimizers, loading the checkpoint, preparing the loop (callbacks, sinks, the monitor). The trainer
 # reports them with `phase(name)`; `snapshot_restore` is logged by the worker on its own.
 RECOVERY_PHASES = ("pg_init", "replan", "build", "load", "prepare")
 REPORTED_PHASES = ("detect", "stop", "rendezvous", "fork", "start", "pg_init", "replan", "build", "load",
