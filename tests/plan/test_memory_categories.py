@@ -1,8 +1,8 @@
 """The planner's memory per category against what torch measures, for every plan family.
 
 One group of 2 and one of 4 gloo processes (the forkserver harness of tests/parallel) run one
-steady-state training step (the second: optimizer states exist, gradients were zeroed to None) of
-every plan family on a tiny model, under torch's `MemTracker`
+steady-state training step (the third: optimizer states exist, gradients were zeroed to None,
+DDP has rebuilt its buckets) of every plan family on a tiny model, under torch's `MemTracker`
 (`torch.distributed._tools.mem_tracker`), which attributes every tensor storage to a category on
 any device. What is compared is the rank's peak and its composition at that moment (MemTracker's
 peak snapshot), the fullest rank of the plan against the estimate's `memory_breakdown`:
@@ -116,7 +116,6 @@ def table() -> dict:
 KNOWN = {
     # what the model still misses, measured (`table` prints every figure); strict: a fix must say so
     "DDP": "activations -19 %: DDP's forward keeps about 1 MB more than the plain model's (not found)",
-    "FSDP ac=selective": "activations -10 %: the recomputed block's working set under selective AC",
     "FSDP ac=full": "peak -10 %: the peak falls inside a recomputed block's backward, with its gradients",
     "CP": "activations -8 %: the gathered K/V (and their gradients) of the block at the peak",
     "TP+SP+CP": "activations -11 %: the gathered K/V under CP, as in CP",

@@ -41,7 +41,8 @@ DOES_NOT_FIT = {
     "405b-576xH100": "activations ~74 GiB per rank beside ~40 GiB of model states under this executor: "
                      "142 block-micro-batches in flight on the interleaved schedule's first rank, sequence "
                      "parallelism keeping the gathered attention and feed-forward inputs whole (Megatron "
-                     "re-gathers them in backward), eager SwiGLU's four f-wide tensors (docs/plan.md)",
+                     "re-gathers them in backward), eager SwiGLU's four f-wide tensors (docs/plan.md); with "
+                     "ac=selective it fits (about 71 GiB)",
 }
 
 

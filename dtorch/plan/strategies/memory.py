@@ -153,7 +153,8 @@ def sp_gathered_bytes(step: StepShape, ac: str) -> float:
 def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float:
     """Activation bytes pipeline rank `load` holds at its peak: its blocks' saved activations for the
     `in_flight` micro-batches (`pipeline.activation_in_flight`), sharded by TP (all of them with SP,
-    Korthikanti's share without) and CP; under full AC one block re-materialised during its backward;
+    Korthikanti's share without) and CP; under full AC one block re-materialised during its backward,
+    under selective AC what one block's re-run forward makes beside what the policy kept;
     on the last stage the head's (final norm, logits and loss) for every micro-batch in flight."""
     plan, prof = step.plan, step.profile
     share = step.shard_full if plan.ac == "full" else step.shard_act
@@ -161,6 +162,8 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
     acts = per_token * step.rows * load.blocks * in_flight
     if plan.ac == "full":  # (its re-run gathers keep the whole input while the block's backward runs)
         acts += (block_act_bytes(step, "none") * step.shard_act + sp_gathered_bytes(step, "none")) * step.rows
+    elif plan.ac == "selective":  # the block being recomputed: what its re-run forward makes beside the cache
+        acts += (block_act_bytes(step, "none") - block_act_bytes(step, "selective")) * share * step.rows
     head = 0.0
     if load.head:
         head = (prof.act_bytes_per_token_head * step.act_scale
