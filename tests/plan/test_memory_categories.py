@@ -19,7 +19,8 @@ Pipelines run several micro-batches through the same modules in one step, which 
 ("multiple iterative calls"); `_StepTracker` starts a root module's statistics afresh each time
 it runs forward again (the categories are per storage and unaffected).
 
-About 30 s on two busy cores (the two groups and their imports dominate).
+About 40 s on two busy cores (the two groups and their imports dominate); marked slow, with the
+multi-process tests.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
 from _harness import run_group  # noqa: E402
 from _memory_worker import CATEGORIES, SEQ, measure  # noqa: E402
+
+pytestmark = pytest.mark.slow  # two process groups (scripts/test.sh runs them with the multi-process tests)
 
 LLAMA = "llama-tiny:layers=4,hidden=64,heads=4,kv_heads=2"
 MOE = "moe-tiny"
