@@ -2,13 +2,16 @@
 each with its own snapshot directory as if on two nodes. Rank 1's directory is wiped (its node
 lost); a fresh pair of snapshotters (the restarted job) restores every rank's newest step, rank
 1's from the replica that rank 0's node holds, bit-exactly; the newest step (4) is not restored:
-rank 1 had turned snapshots off by then. About 4-13 s (two spawned processes)."""
+rank 1 had turned snapshots off by then. About 4-13 s (two processes, forked from the suite's
+forkserver that imported torch once: tests/parallel/_harness.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +19,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtorch.checkpoint.snapshot import Snapshotter, peer_ranks
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+from _harness import PRELOAD  # noqa: E402
+
+
+def _start(worker, port: int, root: str):
+    """Run `worker(rank, port, root, queue)` on ranks 0 and 1; returns the queue. The processes fork
+    from the forkserver the parallel tests use (torch imported once per session, not per process);
+    each gets this process's environment as it is now, as a spawned one would."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
+    q = mp.get_context("forkserver").Queue()
+    mp.start_processes(_in_env, args=(dict(os.environ), worker, port, root, q), nprocs=2, start_method="forkserver")
+    return q
+
+
+def _in_env(rank: int, env: dict, worker, port: int, root: str, q) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    worker(rank, port, root, q)
 
 
 def _state(seed: int) -> dict:
@@ -71,9 +93,7 @@ def test_a_lost_node_restores_from_the_replica_its_peer_node_holds(tmp_path):
     s.close()
     for r in range(2):
         os.makedirs(tmp_path / f"node{r}", mode=0o700)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_worker, args=(port, str(tmp_path), q), nprocs=2, start_method="spawn")
+    q = _start(_worker, port, str(tmp_path))
     res = sorted(q.get(timeout=5) for _ in range(2))
     for rank, got, same, held, restored_from in res:
         assert got == 3 and same, res
@@ -136,8 +156,7 @@ def test_an_edited_own_snapshot_is_restored_from_the_peer_nodes_replica(tmp_path
     s.close()
     for r in range(2):
         os.makedirs(tmp_path / f"node{r}", mode=0o700)
-    q = mp.get_context("spawn").Queue()
-    mp.start_processes(_edited_worker, args=(port, str(tmp_path), q), nprocs=2, start_method="spawn")
+    q = _start(_edited_worker, port, str(tmp_path))
     res = sorted(q.get(timeout=5) for _ in range(2))
     for _, got, same, restored_from, rejected in res:
         assert got == 3 and same, res
