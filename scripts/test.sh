@@ -9,18 +9,58 @@
 #
 # Other arguments go to pytest (a file, -k EXPR, -x, ...). Exit code 5 (no tests) is a failure of the
 # suite's wiring, not a pass, so it is reported and turned into 1.
+#
+# The whole suite (no arguments) runs as two pytest sessions side by side: the multi-process tests
+# (-m slow) and the single-process ones (-m "not slow"). The multi-process tests leave a core idle
+# much of the time (an agent importing torch, a job's single-threaded start, waits for a rendezvous,
+# a kill or a timeout); the single-process tests fill it, at a lower priority (nice 10) so that the
+# drills' timings (hang detection, stragglers) see the machine as before. Each test still runs
+# exactly once: the two selections together are the whole suite. The single-process session's
+# output follows the other's; the exit code is a failure if either failed. DTORCH_TEST_SERIAL=1
+# runs the whole suite as one session instead.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 select=()
+whole=0
 case "${1:-}" in
   --quick) select=(-m "not slow"); shift ;;
   --drills) select=(-m drill); shift ;;
+  "") [ "${DTORCH_TEST_SERIAL:-0}" = 1 ] || whole=1 ;;
 esac
 bash scripts/setup.sh || exit 1
-.venv/bin/python -m pytest -q --durations=15 "${select[@]}" "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "pytest collected no tests: the suite is miswired" >&2
-  exit 1
+
+# pytest's exit code, with 5 (nothing collected) turned into 1
+checked() {
+  if [ "$1" -eq 5 ]; then
+    echo "pytest collected no tests ($2): the suite is miswired" >&2
+    return 1
+  fi
+  return "$1"
+}
+
+if [ "$whole" = 0 ]; then
+  .venv/bin/python -m pytest -q --durations=15 "${select[@]}" "$@"
+  checked $? "pytest $*"
+  exit $?
 fi
-exit "$rc"
+
+start=$(date +%s)
+log=$(mktemp "${TMPDIR:-/tmp}/dtorch-tests-single.XXXXXX")
+nice -n 10 .venv/bin/python -m pytest -q --durations=15 -m "not slow" >"$log" 2>&1 &
+single=$!
+trap 'kill "$single" 2>/dev/null; exit 130' INT TERM
+.venv/bin/python -m pytest -q --durations=15 -m slow
+multi=$?
+wait "$single"
+single_rc=$?
+trap - INT TERM
+echo
+echo "=== the single-process tests (-m \"not slow\"), run beside the multi-process ones ==="
+cat "$log"
+rm -f "$log"
+checked "$multi" "-m slow"
+multi=$?
+checked "$single_rc" "-m \"not slow\""
+single_rc=$?
+echo "whole suite: $(( $(date +%s) - start )) s (multi-process tests: exit $multi; single-process tests: exit $single_rc)"
+[ "$multi" -eq 0 ] && [ "$single_rc" -eq 0 ]
