@@ -4,9 +4,9 @@ rank killed mid-save (no commit)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +17,8 @@ from dtorch.checkpoint import CheckpointManager
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+sys.path.insert(0, str(HERE.parent / "parallel"))
+from _harness import PRELOAD  # noqa: E402
 
 
 def _free_port() -> int:
@@ -25,26 +27,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank(rank: int, scenario: str, world: int, root: str, port: int, env: dict, log: str) -> None:
+    """One rank of `_dist_worker.py SCENARIO ROOT`, in a process forked from the forkserver: the
+    environment a launched worker would have, its output into `log`."""
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.path.insert(0, str(HERE))
+    import _dist_worker
+
+    _dist_worker.main(scenario, Path(root))
+
+
 def _launch(scenario: str, world: int, root: Path, killed: tuple[int, ...] = ()) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "_dist_worker.py"), scenario, str(root)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
+    """Run the scenario on `world` ranks forked from the forkserver the parallel tests use (torch
+    and DTorch imported once per session, not once per rank); ranks in `killed` must die of SIGKILL,
+    the others exit 0."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
+    log_dir = root.with_name(root.name + "-logs")  # beside the checkpoint root, not in it
+    log_dir.mkdir(exist_ok=True)
+    logs = [str(log_dir / f"{scenario}-rank{r}.log") for r in range(world)]
+    ctx, port, env = multiprocessing.get_context("forkserver"), _free_port(), dict(os.environ)
+    procs = [ctx.Process(target=_rank, args=(rank, scenario, world, str(root), port, env, logs[rank]))
+             for rank in range(world)]
     for p in procs:
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out)
-    for rank, (p, out) in enumerate(zip(procs, outs)):
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    if any(p.is_alive() for p in procs):
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"{scenario}: a rank did not finish within 120 s")
+    for rank, p in enumerate(procs):
         want = -9 if rank in killed else 0
-        assert p.returncode == want, f"{scenario} rank {rank} exit {p.returncode}, expected {want}:\n{out[-4000:]}"
+        out = Path(logs[rank]).read_text() if Path(logs[rank]).exists() else ""
+        assert p.exitcode == want, f"{scenario} rank {rank} exit {p.exitcode}, expected {want}:\n{out[-4000:]}"
 
 
 @pytest.mark.slow
