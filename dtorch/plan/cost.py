@@ -380,7 +380,7 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare, m: RankMemory) ->
     for s in MEMORY_TERMS:
         s.rank_memory(step, load, m)
     states = {k: int(v) for k, v in m.states.items()}
-    buffers = m.buffers + model_buffer_bytes(prof)
+    buffers = m.buffers + model_buffer_bytes(prof) * plan.virtual_stages  # (each stage module keeps its own)
     margin = c.fixed_overhead_bytes + c.fragmentation * (states.get("grads", 0) + acts + buffers)
     r.memory = {**states, "activations": int(acts), "buffers": int(buffers), "margin": int(margin)}
     r.host_bytes, r.disk_bytes = m.host_bytes, m.disk_bytes

@@ -210,8 +210,9 @@ def at_peak(step: StepShape, grads: float, acts: float, in_flight: float = 1.0) 
 
 
 def model_buffer_bytes(profile: Any) -> float:
-    """Bytes of the model's own buffers on every rank: the RoPE cosine and sine tables of the
-    RMSNorm/RoPE families (float32, max_seq_len x head_dim / 2 each), replicated by every strategy."""
+    """Bytes of the model's own buffers in one copy of it (every pipeline stage module keeps its
+    own): the RoPE cosine and sine tables of the RMSNorm/RoPE families (float32, max_seq_len x
+    head_dim / 2 each), replicated by every strategy."""
     if profile.family not in RMSNORM_FAMILIES or not profile.num_heads:
         return 0.0
     seq = profile.max_seq_len or profile.seq_len
