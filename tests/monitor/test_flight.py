@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -73,11 +72,23 @@ def test_a_dump_that_is_not_plain_data_is_refused(tmp_path):
         raise AssertionError("a pickle naming a callable was loaded")
 
 
-_WORKER = textwrap.dedent('''
-    import datetime, os, pickle, sys
-    import torch, torch.distributed as dist
+def _worker(rank: int, d: str, env: dict) -> None:
+    """One of the two ranks, forked from the suite's forkserver (torch imported once per session,
+    tests/parallel/_harness.py) with the test's environment. Rank 1 calls another collective than
+    rank 0; the 3 s collective timeout ends the wait."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace
+
     from dtorch.monitor.comms import CommTimer
-    rank, d = int(sys.argv[1]), sys.argv[2]
+
+    os.environ.clear()
+    os.environ.update(env)  # TORCH_FR_BUFFER_SIZE is read when the group is made, not at import
+    fd = os.open(os.path.join(d, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     dist.init_process_group("gloo", init_method=f"file://{d}/rdzv", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=3))
     t = CommTimer().install()
@@ -91,24 +102,33 @@ _WORKER = textwrap.dedent('''
         else:
             dist.broadcast(x, src=0)
     except Exception as e:  # the timeout: what a hang becomes with a bounded collective timeout
-        print("timed out:", type(e).__name__)
-    from torch._C._distributed_c10d import _dump_fr_trace
+        print("timed out:", type(e).__name__, flush=True)
     os.makedirs(os.path.join(d, "fr"), exist_ok=True)
     with open(os.path.join(d, "fr", f"rank_{rank}"), "wb") as f:  # as the NCCL watchdog names them
         f.write(_dump_fr_trace())
     os._exit(0)
-''')
 
 
 @pytest.mark.slow
 def test_a_real_mismatch_between_two_gloo_ranks_is_named_with_both_ranks(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
+    import multiprocessing
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+    from _harness import PRELOAD
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "100"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    ctx = multiprocessing.get_context("forkserver")
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path), env)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    logs = [(tmp_path / f"rank{r}.log").read_text() if (tmp_path / f"rank{r}.log").exists() else "" for r in (0, 1)]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), ([p.exitcode for p in procs], logs)
     # DTorch's own trace (gloo): written before each collective ran
     m = find_mismatch(tmp_path)
     assert m is not None and (m["rank_a"], m["rank_b"], m["index"]) == (0, 1, 1)
