@@ -40,15 +40,46 @@ def _free_port() -> int:
     return port
 
 
-ATTACKER = """
-import base64, sys
-from datetime import timedelta
-from torch.distributed import TCPStore
-port, key, payload, fake_tag = int(sys.argv[1]), sys.argv[2], bytes.fromhex(sys.argv[3]), sys.argv[4] == "1"
-store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), multi_tenant=True)
-bits = (b"0" * 64 + payload) if fake_tag else payload
-store.set(key, base64.b64encode(bits).decode())
-"""
+def _forked(target, *args, timeout: float = 60) -> tuple[int | None, str]:
+    """Run `target(*args)` in another process, forked from the suite's forkserver (torch imported once
+    per session, tests/parallel/_harness.py) with this process's environment; (exit code, its output)."""
+    import multiprocessing
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+    from _harness import PRELOAD
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+        p = multiprocessing.get_context("forkserver").Process(target=_in_env, args=(dict(os.environ), log.name,
+                                                                                     target, *args))
+        p.start()
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        return p.exitcode, log.read()
+
+
+def _in_env(env: dict, log: str, target, *args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    target(*args)
+
+
+def _attacker(port: int, key: str, payload: bytes, fake_tag: bool) -> None:
+    """Another process of the machine: a plain TCPStore client sets a pickle under the rendezvous key."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10), multi_tenant=True)
+    bits = (b"0" * 64 + payload) if fake_tag else payload
+    store.set(key, base64.b64encode(bits).decode())
 
 
 @pytest.mark.parametrize("fake_tag", [False, True])
@@ -66,8 +97,8 @@ def test_pickle_set_under_the_rendezvous_key_by_another_process_runs_nothing(tmp
         assert rdzv_store.read_state(backend).participants  # the real, signed state reads back
         marker = tmp_path / "PWNED"
         payload = pickle.dumps(_Payload(str(marker)))
-        subprocess.run([sys.executable, "-c", ATTACKER, str(port), "torch.rendezvous.victim", payload.hex(),
-                        "1" if fake_tag else "0"], check=True, timeout=60)
+        code, out = _forked(_attacker, port, "torch.rendezvous.victim", payload, fake_tag)
+        assert code == 0, out
         got = base64.b64decode(handler._store.get("torch.rendezvous.victim"))
         assert got.endswith(payload)  # the forgery is in the store
         assert handler.num_nodes_waiting() == 0  # torch's handler syncs the state: nothing runs
