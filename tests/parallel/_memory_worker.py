@@ -34,16 +34,36 @@ _NAMES = {"Parameter": "params", "Gradient": "grads", "Optstate": "optimizer", "
           "Temp": "activations", "Buffer": "buffers", "Other": "other"}
 
 
-def _ddp_bucket_bytes(parts) -> int:
-    from torch.nn.parallel import DistributedDataParallel
+class _BucketRecorder:
+    """Records the gradient buckets DistributedDataParallel hands its communication hook (DTorch's
+    `reduce_in_dtype`) in the latest step. The reducer allocates them once, when it (re)builds its
+    buckets, outside the tracked step; MemTracker first meets a bucket's storage when the reducer
+    copies a gradient into it during the backward and would call it a temporary (an activation).
+    They are registered as buffers before the tracked step instead, each storage once."""
 
-    out = 0
-    for part in parts:
-        for mod in part.modules():
-            if isinstance(mod, DistributedDataParallel):
-                sizes = mod._get_ddp_logging_data().get("bucket_sizes", "")  # "b0, b1, ..." bytes
-                out += sum(int(b) for b in str(sizes).replace(",", " ").split())
-    return int(out)
+    def __init__(self):
+        import dtorch.parallel.fsdp as fsdp
+
+        self.buckets: dict[int, torch.Tensor] = {}
+        self._hook = fsdp.reduce_in_dtype
+
+        def recording(state, bucket):
+            buf = bucket.buffer()
+            self.buckets[bucket.index()] = buf
+            return self._hook(state, bucket)
+
+        fsdp.reduce_in_dtype = recording  # (wrap_ddp looks the hook up when it registers it)
+
+    def restore(self) -> None:
+        import dtorch.parallel.fsdp as fsdp
+
+        fsdp.reduce_in_dtype = self._hook
+
+    def register(self, tracker) -> None:
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        for buf in self.buckets.values():
+            tracker._update_and_maybe_create_winfos(buf, _MemRefType.BUFFER)
 
 
 def measure(case, rank):
@@ -56,7 +76,11 @@ def measure(case, rank):
     torch.set_num_threads(1)
     spec, fields = case
     plan = Plan(**fields)
-    pm = parallelize(partial(build_model, spec), plan, loss_fn=next_token, seed=0, seq_len=SEQ)
+    buckets = _BucketRecorder()
+    try:
+        pm = parallelize(partial(build_model, spec), plan, loss_fn=next_token, seed=0, seq_len=SEQ)
+    finally:
+        buckets.restore()
     opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3, foreach=False)
     g = torch.Generator().manual_seed(0)
     local = pm.local_batch
@@ -68,7 +92,9 @@ def measure(case, rank):
         tracker = _tracker() if step == 2 else None
         if tracker is not None:
             tracker.track_external(*pm.model_parts, opt)
+            buckets.register(tracker)  # (the second step's: the rebuilt buckets every later step uses)
             tracker.__enter__()
+        buckets.buckets.clear()
         try:
             pm.forward_backward(x[rows, :-1], x[rows, 1:])
             opt.step()
@@ -82,6 +108,5 @@ def measure(case, rank):
         name = _NAMES.get(getattr(kind, "value", kind))
         if name:
             out[name] = out.get(name, 0) + nbytes
-    out["buffers"] += _ddp_bucket_bytes(pm.model_parts)
     out["peak"] = sum(out[c] for c in CATEGORIES) + out.get("other", 0)
     return out
