@@ -279,10 +279,12 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         target = labels if self.has_last_stage else None
         run = self.schedule.eval if forward_only else self.schedule.step
+        # return_outputs=False: only the losses are used; else the last stage keeps every
+        # micro-batch's logits until the step ends (torch's `output_chunks`, merged for the return)
         if self.has_first_stage:
-            run(inputs, target=target, losses=losses)
+            run(inputs, target=target, losses=losses, return_outputs=False)
         else:
-            run(target=target, losses=losses)
+            run(target=target, losses=losses, return_outputs=False)
         if not self.has_last_stage:
             return torch.zeros((), device=self.device)
         stacked = torch.stack([_local(x.detach()).float() for x in losses])
