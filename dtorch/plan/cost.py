@@ -93,6 +93,7 @@ from dtorch.plan.strategies.memory import (  # noqa: F401  (re-exported: the AC 
     act_bytes_per_token_block,
     at_peak,
     every_second_matmul_params,
+    full_ac_peak,
     host_adam_rate,
     matmuls_saved_act_bytes,
     model_buffer_bytes,
@@ -377,8 +378,11 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare, m: RankMemory) ->
     in_flight = activation_in_flight(plan, load.pp_rank)
     acts = rank_activations(step, load, in_flight)
     m.states["grads"], acts = at_peak(step, m.states["grads"], acts, in_flight)  # (what coexists at the peak)
+    at_peak_grads = m.states["grads"]
     for s in MEMORY_TERMS:
         s.rank_memory(step, load, m)
+    # full AC: the peak may be a moment late in the backward (with what the strategies hold throughout)
+    m.states["grads"], acts = full_ac_peak(step, load, m.states["grads"], acts, m.states["grads"] - at_peak_grads)
     states = {k: int(v) for k, v in m.states.items()}
     buffers = m.buffers + model_buffer_bytes(prof) * plan.virtual_stages  # (each stage module keeps its own)
     margin = c.fixed_overhead_bytes + c.fragmentation * (states.get("grads", 0) + acts + buffers)

@@ -123,8 +123,9 @@ def test_gpipe_keeps_all_microbatches_in_flight_1f1b_only_p():
     first, last = rank_loads(p1, prof.num_layers)[0], rank_loads(pg, prof.num_layers)[-1]
     # 1F1B's first stage: p micro-batches, no head, and the backward's working set of one block
     per_mb = (one.memory_breakdown["activations"] - _working_set(p1, prof, cl, first)) / p
-    # GPipe: every stage holds all m; the last one also the logits of each
-    head = prof.act_bytes_per_token_head * prof.seq_len
+    # GPipe: every stage holds all m; the last one also the head's of each, and the stage keeps
+    # each one's output (the logits, bf16) for its backward
+    head = (prof.act_bytes_per_token_head + 2 * prof.vocab_size) * prof.seq_len
     assert gp.memory_breakdown["activations"] == pytest.approx(
         (per_mb + head) * m + _working_set(pg, prof, cl, last), rel=1e-6)
 
@@ -139,17 +140,23 @@ def _working_set(plan, prof, cl, load):
     return backward_working_set(step, load, head)
 
 
-def test_full_checkpointing_keeps_the_block_input_plus_one_block():
+def test_full_checkpointing_peaks_at_the_loss_or_late_in_the_backward():
     prof = llama(layers=8)
     cl = load_cluster("h100:1")
-    est = estimate(Plan(param_dtype="bfloat16", ac="full", microbatch_size=2), prof, cl)
-    tokens = 2 * prof.seq_len
-    expect = (2 * prof.hidden * tokens * prof.num_layers  # Korthikanti: 2 s b h per block
-              + prof.act_bytes_per_token_block["none"] * tokens  # the block being recomputed
-              + prof.act_bytes_per_token_head * tokens)
     plan = Plan(param_dtype="bfloat16", ac="full", microbatch_size=2)
-    expect += _working_set(plan, prof, cl, rank_loads(plan, prof.num_layers)[0])
-    assert est.memory_breakdown["activations"] == pytest.approx(expect, rel=1e-6)
+    est = estimate(plan, prof, cl)
+    tokens, n = 2 * prof.seq_len, prof.num_layers
+    block_input = 2 * prof.hidden * tokens  # Korthikanti: 2 s b h per block
+    # the loss's moment: every block's input, the head's, the loss's working set; no gradient yet
+    loss = block_input * n + prof.act_bytes_per_token_head * tokens
+    loss += _working_set(plan, prof, cl, rank_loads(plan, n)[0])
+    # inside the feed-forward of the i-th block of the backward: the inputs of the blocks not yet
+    # done, the recomputed block, two f-wide gradients net of what its backward freed (SwiGLU), the
+    # float32 gradients of the i - 1 blocks done
+    recomputed = prof.act_bytes_per_token_block["none"] * tokens + 2 * prof.ffn_hidden * 2 * tokens
+    late = [block_input * (n - i + 1) + recomputed + (i - 1) * 4 * prof.params_per_block for i in (n - 1, n)]
+    peak = est.memory_breakdown["grads"] + est.memory_breakdown["activations"]
+    assert peak == pytest.approx(max(loss, *late), rel=1e-6)
 
 
 def test_sequence_parallel_divides_activations_by_tp():

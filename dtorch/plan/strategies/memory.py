@@ -150,47 +150,128 @@ def sp_gathered_bytes(step: StepShape, ac: str) -> float:
     return 2.0 * step.h * step.act_b * (1.0 - 1.0 / plan.tp)
 
 
+def head_act_bytes(step: StepShape) -> float:
+    """Bytes per token the head keeps for backward at the compute dtype: of the profile's 16-bit
+    figure (`dtorch.model.analytic.head_act_bytes`) only the two h-wide tensors (the final norm's
+    input, the output projection's input: 4 h at 16 bits) follow the compute dtype; the float32
+    log-probabilities the loss keeps (4 V: the logits are upcast for it, whatever the compute
+    dtype), the norm's float32 statistics and the token ids do not."""
+    total = step.profile.act_bytes_per_token_head
+    scaled = min(total, 4.0 * step.profile.hidden)
+    return total - scaled + scaled * step.act_scale
+
+
 def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float:
     """Activation bytes pipeline rank `load` holds at its peak: its blocks' saved activations for the
     `in_flight` micro-batches (`pipeline.activation_in_flight`), sharded by TP (all of them with SP,
     Korthikanti's share without) and CP; under full AC one block re-materialised during its backward,
     under selective AC what one block's re-run forward makes beside what the policy kept;
-    on the last stage the head's (final norm, logits and loss) for every micro-batch in flight."""
+    on the last stage the head's (final norm, logits and loss) for every micro-batch in flight, and
+    under a pipeline their logits, which the stage keeps as its output."""
     plan, prof = step.plan, step.profile
     share = step.shard_full if plan.ac == "full" else step.shard_act
     per_token = block_act_bytes(step, plan.ac) * share + sp_gathered_bytes(step, plan.ac)
     acts = per_token * step.rows * load.blocks * in_flight
-    if plan.ac == "full":  # (its re-run gathers keep the whole input while the block's backward runs)
-        acts += (block_act_bytes(step, "none") * step.shard_act + sp_gathered_bytes(step, "none")) * step.rows
+    if plan.ac == "full" and not block_moment_applies(step):
+        acts += recomputed_block_bytes(step)  # (else priced at its own moment: `full_ac_peak`)
     elif plan.ac == "selective":  # the block being recomputed: what its re-run forward makes beside the cache
         acts += (block_act_bytes(step, "none") - block_act_bytes(step, "selective")) * share * step.rows
     head = 0.0
     if load.head:
-        head = (prof.act_bytes_per_token_head * step.act_scale
-                + composite_norm_bytes(prof, step.act_b, step.cpu)) * step.rows / plan.tp
+        head = (head_act_bytes(step) + composite_norm_bytes(prof, step.act_b, step.cpu)) * step.rows / plan.tp
         acts += head * in_flight
+        if plan.pp > 1:
+            # torch's pipeline stage keeps each micro-batch's output (the logits, compute dtype) for
+            # its backward (`fwd_cache`), beside the loss's float32 log-probabilities
+            acts += step.act_b * prof.vocab_size * step.rows / plan.tp * in_flight
     return acts + backward_working_set(step, load, head)
 
 
 GATED_FAMILIES = ("llama", "moe")
-"""Families whose feed-forward is SwiGLU (four f-wide tensors: w1 and w3 out, silu out, product)."""
+"""Families whose feed-forward is SwiGLU (w1 and w3 out, silu out, their product: f wide each)."""
 
 
 def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> float:
     """Bytes the backward holds beyond the saved activations at the rank's peak, the larger of two
     moments of the last micro-batch's backward: the loss's (on the last stage: the float32 gradient
     of the log-probabilities and that of the logits in the compute dtype, vocabulary-parallel over
-    tp), and a block's, once the head's saved activations (`head_saved`) are freed: the gradients of
-    the feed-forward's f-wide tensors (four for SwiGLU, two for GeLU, f/tp each) and of four h-wide
-    ones (the block's input and output, the two norms'; sharded with SP)."""
+    tp), and a block's (`block_working_set`), once the head's saved activations (`head_saved`)
+    are freed."""
     plan, prof = step.plan, step.profile
     loss = (4.0 + step.act_b) * prof.vocab_size * step.rows / plan.tp if load.head else 0.0
     if not load.blocks:
         return loss
-    wide = 4.0 if prof.family in GATED_FAMILIES else 2.0
+    return max(loss, block_working_set(step) - head_saved)
+
+
+def block_working_set(step: StepShape, net: bool = False) -> float:
+    """Bytes a block's backward holds beyond its saved activations at its fullest, inside the
+    feed-forward's backward: the gradients of the f-wide tensors autograd holds at once (f/tp each;
+    SwiGLU: those of the silu output and of w3's output beside the one the silu's backward makes,
+    three; GeLU: the activation's and the one its backward makes, two) and the residual stream's
+    (h wide, sharded with SP). `net`: less what the backward has freed of the block's saved tensors
+    by then (the product w2 kept as its input, f wide, and the block's output, h wide), as a
+    recomputed block's is (`full_ac_peak`); a stage that holds every micro-batch's activations at
+    its peak is priced gross (a pipeline's first stage measured so). Measured per module with
+    MemTracker (tests/plan/test_memory_categories.py)."""
+    plan, prof = step.plan, step.profile
+    wide = 3.0 if prof.family in GATED_FAMILIES else 2.0
     h_share = 1.0 / plan.tp if plan.sp else 1.0
-    block = (wide * prof.ffn_hidden / plan.tp + 4.0 * step.h * h_share) * step.act_b * step.rows
-    return max(loss, block - head_saved)
+    if net:
+        return (wide - 1.0) * prof.ffn_hidden / plan.tp * step.act_b * step.rows
+    return (wide * prof.ffn_hidden / plan.tp + step.h * h_share) * step.act_b * step.rows
+
+
+def recomputed_block_bytes(step: StepShape) -> float:
+    """Bytes of one block's activations re-made by full AC's recompute for its backward (its re-run
+    gathers keep the whole input while the block's backward runs)."""
+    return (block_act_bytes(step, "none") * step.shard_act + sp_gathered_bytes(step, "none")) * step.rows
+
+
+def block_moment_applies(step: StepShape) -> bool:
+    """Whether full AC's peak is priced per moment of the backward (`full_ac_peak`): one pipeline
+    stage, no ZeRO (a pipeline's in-flight micro-batches and ZeRO's held gradients are priced with
+    the recomputed block beside everything else)."""
+    return step.plan.ac == "full" and step.plan.pp == 1 and not getattr(step.plan, "zero", 0)
+
+
+def full_ac_peak(step: StepShape, load: RankLoad, grads: float, acts: float,
+                 held_grads: float = 0.0) -> tuple[float, float]:
+    """(gradient bytes, activation bytes) at a full-AC rank's peak: the larger of `at_peak`'s
+    (`grads`, `acts`: the loss's moment, with every block's input, the head's and the loss's working
+    set, or the backward's end, with every gradient) and the moment
+    inside the feed-forward's backward of a recomputed block late in the backward, where the
+    gradients of the blocks done so far have accumulated. There the rank holds the inputs of the
+    blocks not yet done, the recomputed block and its working set (`block_working_set`), the
+    gradients of the done blocks (reduce-scattered: 4 B per parameter over the shard group; whole
+    without sharding) and, under FSDP, the flat reduce-scatter input of the block before (reduce
+    dtype) and the all-gather output of the block prefetched next (param dtype, resharding only).
+    The last two blocks of the backward are the candidates (the last has one more block of
+    gradients, no prefetch). `held_grads`: the gradients the strategies hold at every moment of the
+    backward (FSDP's root unit's unsharded ones); with gradient accumulation every gradient is
+    there already. Measured: tests/plan/test_memory_categories.py."""
+    plan = step.plan
+    n = load.blocks
+    if not block_moment_applies(step) or n < 1:
+        return grads, acts
+    from dtorch.plan.strategies.expert import gathered_block_params
+
+    p_block = gathered_block_params(step.profile, plan)
+    saved_input = block_act_bytes(step, "full") * step.shard_full * step.rows
+    held = recomputed_block_bytes(step) + block_working_set(step, net=True)
+    accumulating = plan.num_microbatches > 1
+    base = grads if accumulating else held_grads
+    done_grad = 0.0 if accumulating else 4.0 * p_block / step.fs
+    fsdp = step.fs > 1 and plan.offload != "params"
+    rs = p_block * step.red_b if fsdp else 0.0
+    ag = p_block * step.param_b if fsdp and plan.reshard_after_forward else 0.0
+    best = (grads, acts)
+    for i in range(max(1, n - 1), n + 1):  # i-th block of the backward
+        a = saved_input * (n - i + 1) + held + (rs if i > 1 else 0.0) + (ag if i < n else 0.0)
+        g = base + (i - 1) * done_grad
+        if g + a > sum(best):
+            best = (g, a)
+    return best
 
 
 def at_peak(step: StepShape, grads: float, acts: float, in_flight: float = 1.0) -> tuple[float, float]:
