@@ -117,8 +117,12 @@ def commands(path: Path) -> tuple[list[Command], list[str]]:
             rows = body.splitlines()
             for i, row in enumerate(rows):
                 if row.startswith("$ "):
-                    cmd = Command(name, line + 1 + i, row[2:].strip())
-                    after = rows[i + 1].strip() if i + 1 < len(rows) else ""
+                    typed, j = row[2:].strip(), i
+                    while typed.endswith("\\") and j + 1 < len(rows):  # continued on the next line
+                        j += 1
+                        typed = typed[:-1] + " " + rows[j].strip()
+                    cmd = Command(name, line + 1 + i, typed)
+                    after = rows[j + 1].strip() if j + 1 < len(rows) else ""
                     m = ERROR_LINE.match(after)
                     if m:
                         cmd.expect_code, cmd.expect_err = 2, m.group(1)
@@ -243,8 +247,8 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     text = _bare(cmd.text)
     try:
         tokens = shlex.split(text, comments=True)
-    except ValueError:
-        tokens = ["<shell>"]
+    except ValueError:  # not a plain word list: bash reads it
+        tokens = []
     assigns = {}
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
         k, _, v = tokens.pop(0).partition("=")
@@ -253,7 +257,7 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     if len(tokens) >= 2 and tokens[-2] in (">", ">>"):
         redirect = (tokens[-1], tokens[-2])
         tokens = tokens[:-2]
-    shell = any(t in ("&&", "||", "|", ";") for t in tokens) or "$(" in text or "`" in text
+    shell = not tokens or any(t in ("&&", "||", "|", ";") for t in tokens) or "$(" in text or "`" in text
     # PYTHONPATH acts when an interpreter starts: such a command gets one of its own
     if tokens[:1] == ["dtorch"] and not shell and "PYTHONPATH" not in assigns:
         argv = tokens[1:]
@@ -358,7 +362,8 @@ dtorch plan --model a \\
 ```console
 $ dtorch plan --fix tp=3
 dtorch plan: error: tp=3: no
-$ dtorch status runs/train
+$ dtorch status runs/train \\
+    --json
 runs/train: finished
 ```
 
@@ -376,7 +381,7 @@ dtorch plan: error: tp=3: output, not a command
         (".venv/bin/dtorch probe --quick", 0, None, True),
         ("dtorch plan --model a  --cluster b   # trailing words", 0, None, False),
         ("dtorch plan --fix tp=3", 2, "dtorch plan: error: tp=", False),
-        ("dtorch status runs/train", 0, None, False)]
+        ("dtorch status runs/train  --json", 0, None, False)]  # continued
     assert len(problems) == 2 and "without a language" in problems[0]
     assert "'dtorch gone' matches no command" in problems[1]
 
