@@ -121,8 +121,10 @@ def test_gpipe_keeps_all_microbatches_in_flight_1f1b_only_p():
     p1, pg = (Plan(param_dtype="bfloat16", pp=p, num_microbatches=m, schedule=s) for s in ("1f1b", "gpipe"))
     one, gp = estimate(p1, prof, cl), estimate(pg, prof, cl)
     first, last = rank_loads(p1, prof.num_layers)[0], rank_loads(pg, prof.num_layers)[-1]
-    # 1F1B's first stage: p micro-batches, no head, and the backward's working set of one block
+    # 1F1B's first stage: p micro-batches, no head but the embedding's output (bf16, the first
+    # block's input), and the backward's working set of one block
     per_mb = (one.memory_breakdown["activations"] - _working_set(p1, prof, cl, first)) / p
+    per_mb -= 2 * prof.hidden * prof.seq_len
     # GPipe: every stage holds all m; the last one also the head's of each, and the stage keeps
     # each one's output (the logits, bf16) for its backward
     head = (prof.act_bytes_per_token_head + 2 * prof.vocab_size) * prof.seq_len

@@ -53,7 +53,8 @@ WORLD2 = {
     "PP gpipe": (LLAMA, dict(pp=2, schedule="gpipe", microbatch_size=2, num_microbatches=2)),
     "PP interleaved": (LLAMA, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatch_size=2,
                                    num_microbatches=2)),
-    "CP": (LLAMA, dict(cp=2, microbatch_size=2)),
+    "CP": (LLAMA, dict(cp=2, microbatch_size=2)),  # (cp_attention=allgather, the default)
+    "CP ring": (LLAMA, dict(cp=2, cp_attention="ring", microbatch_size=2)),
     "EP": (MOE, dict(dp_shard=2, ep=2, microbatch_size=2)),
     "ZeRO-1": (LLAMA, dict(dp_shard=2, zero=1, microbatch_size=2, num_microbatches=2)),
     "ZeRO-2": (LLAMA, dict(dp_shard=2, zero=2, microbatch_size=2, num_microbatches=2)),
@@ -119,9 +120,8 @@ def table() -> dict:
 
 KNOWN = {
     # what the model still misses, measured (`table` prints every figure); strict: a fix must say so
-    "CP": "activations -11 %: the gathered K/V (and their gradients) of the block at the peak",
-    "TP+SP+CP": "activations -12 %: the gathered K/V under CP, as in CP",
-    "EP": "params +18 %, activations +14 %: the experts' gathered share and the routed tokens' bytes",
+    "EP": "activations +14 %, peak +9 %: the peak falls in the last block's experts' backward, not at the "
+          "loss; the MoE head and routed tokens' bytes are not measured per tensor yet",
 }
 FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=KNOWN[f])) if f in KNOWN else f
             for f in (*WORLD2, *WORLD4)]

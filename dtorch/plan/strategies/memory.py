@@ -161,6 +161,19 @@ def head_act_bytes(step: StepShape) -> float:
     return total - scaled + scaled * step.act_scale
 
 
+def cp_gathered_bytes(step: StepShape, ac: str) -> float:
+    """Bytes per local token per block that all-gather context parallelism keeps beyond the local
+    K and V the profile counts: the executor gathers the whole sequence's K and V
+    (`dtorch.parallel.cp`, `_gathered`) and the attention kernel saves them for its backward,
+    (cp - 1) x 2 kv per local token (kv heads split over tp). The ring keeps only its local K/V
+    (one block in flight is transient); a policy that re-runs the gather in backward keeps none."""
+    plan, prof = step.plan, step.profile
+    if plan.cp == 1 or getattr(plan, "cp_attention", "allgather") != "allgather" or ac != "none" or not prof.num_heads:
+        return 0.0
+    kv = prof.hidden * prof.num_kv_heads / prof.num_heads
+    return (plan.cp - 1) * 2.0 * kv * step.act_b / plan.tp
+
+
 def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float:
     """Activation bytes pipeline rank `load` holds at its peak: its blocks' saved activations for the
     `in_flight` micro-batches (`pipeline.activation_in_flight`), sharded by TP (all of them with SP,
@@ -170,7 +183,7 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
     under a pipeline their logits, which the stage keeps as its output."""
     plan, prof = step.plan, step.profile
     share = step.shard_full if plan.ac == "full" else step.shard_act
-    per_token = block_act_bytes(step, plan.ac) * share + sp_gathered_bytes(step, plan.ac)
+    per_token = block_act_bytes(step, plan.ac) * share + sp_gathered_bytes(step, plan.ac) + cp_gathered_bytes(step, plan.ac)
     acts = per_token * step.rows * load.blocks * in_flight
     if plan.ac == "full" and not block_moment_applies(step):
         acts += recomputed_block_bytes(step)  # (else priced at its own moment: `full_ac_peak`)
@@ -184,6 +197,10 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
             # torch's pipeline stage keeps each micro-batch's output (the logits, compute dtype) for
             # its backward (`fwd_cache`), beside the loss's float32 log-probabilities
             acts += step.act_b * prof.vocab_size * step.rows / plan.tp * in_flight
+    elif load.embedding:
+        # a first pipeline stage: the embedding's output, the first block's input (which the head's
+        # bytes stand for where one rank holds both ends of the model)
+        acts += step.h * step.act_b * step.rows * in_flight
     return acts + backward_working_set(step, load, head)
 
 
@@ -195,13 +212,28 @@ def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> 
     """Bytes the backward holds beyond the saved activations at the rank's peak, the larger of two
     moments of the last micro-batch's backward: the loss's (on the last stage: the float32 gradient
     of the log-probabilities and that of the logits in the compute dtype, vocabulary-parallel over
-    tp), and a block's (`block_working_set`), once the head's saved activations (`head_saved`)
-    are freed."""
+    tp), and the first block's (`block_working_set`, and under FSDP the all-gather output of the
+    block it prefetches for the backward next: `prefetch_bytes`), once the head's saved activations
+    (`head_saved`) are freed."""
     plan, prof = step.plan, step.profile
     loss = (4.0 + step.act_b) * prof.vocab_size * step.rows / plan.tp if load.head else 0.0
     if not load.blocks:
         return loss
-    return max(loss, block_working_set(step) - head_saved)
+    block = block_working_set(step, net=True) + (prefetch_bytes(step) if load.blocks > 1 else 0.0)
+    return max(loss, block - head_saved)
+
+
+def prefetch_bytes(step: StepShape) -> float:
+    """Bytes of the flat all-gather output FSDP holds for the block it prefetches while one block's
+    backward runs (param dtype; MemTracker: a temporary), where it re-gathers blocks for the backward
+    (resharding after forward). None without sharding, without resharding or under ZeRO (the
+    parameters stay gathered)."""
+    plan = step.plan
+    if step.fs == 1 or not plan.reshard_after_forward or getattr(plan, "zero", 0) or plan.offload == "params":
+        return 0.0
+    from dtorch.plan.strategies.expert import held_block_params
+
+    return held_block_params(step.profile, plan) * step.param_b
 
 
 def block_working_set(step: StepShape, net: bool = False) -> float:
@@ -210,10 +242,9 @@ def block_working_set(step: StepShape, net: bool = False) -> float:
     SwiGLU: those of the silu output and of w3's output beside the one the silu's backward makes,
     three; GeLU: the activation's and the one its backward makes, two) and the residual stream's
     (h wide, sharded with SP). `net`: less what the backward has freed of the block's saved tensors
-    by then (the product w2 kept as its input, f wide, and the block's output, h wide), as a
-    recomputed block's is (`full_ac_peak`); a stage that holds every micro-batch's activations at
-    its peak is priced gross (a pipeline's first stage measured so). Measured per module with
-    MemTracker (tests/plan/test_memory_categories.py)."""
+    by then (the product w2 kept as its input, f wide, and the block's output, h wide), which is
+    what the peak holds beyond the saved activations. Measured per module with MemTracker
+    (tests/plan/test_memory_categories.py)."""
     plan, prof = step.plan, step.profile
     wide = 3.0 if prof.family in GATED_FAMILIES else 2.0
     h_share = 1.0 / plan.tp if plan.sp else 1.0
@@ -262,9 +293,8 @@ def full_ac_peak(step: StepShape, load: RankLoad, grads: float, acts: float,
     accumulating = plan.num_microbatches > 1
     base = grads if accumulating else held_grads
     done_grad = 0.0 if accumulating else 4.0 * p_block / step.fs
-    fsdp = step.fs > 1 and plan.offload != "params"
-    rs = p_block * step.red_b if fsdp else 0.0
-    ag = p_block * step.param_b if fsdp and plan.reshard_after_forward else 0.0
+    rs = p_block * step.red_b if step.fs > 1 and plan.offload != "params" else 0.0
+    ag = prefetch_bytes(step)
     best = (grads, acts)
     for i in range(max(1, n - 1), n + 1):  # i-th block of the backward
         a = saved_input * (n - i + 1) + held + (rs if i > 1 else 0.0) + (ag if i < n else 0.0)
