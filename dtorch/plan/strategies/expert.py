@@ -451,6 +451,17 @@ def gathered_params(plan: Any, profile: ModelProfile, load: RankLoad, p_stage: f
     return p_stage - pe * (1.0 - 1.0 / ep)
 
 
+def held_block_params(profile: ModelProfile, plan: Any) -> float:
+    """Parameters of one block a rank holds unsharded beside its shards while FSDP has the block
+    gathered (per TP rank): `gathered_block_params`, less its own routed experts where their shard
+    group is one rank (edp = 1: FSDP2 all-gathers nothing and the shard is the unsharded tensor,
+    measured with MemTracker in tests/plan/test_memory_categories.py)."""
+    p = gathered_block_params(profile, plan)
+    if plan.ep > 1 and profile.num_experts and expert_groups(plan)[0] == 1:
+        p -= expert_params_per_block(profile) / plan.ep / plan.tp
+    return p
+
+
 def gathered_block_params(profile: ModelProfile, plan: Any) -> float:
     """Parameters of one block FSDP gathers on a rank (per TP rank): the experts only 1/ep."""
     p = float(profile.params_per_block)

@@ -21,7 +21,7 @@ from typing import Any
 from dtorch.plan.comm import collective_time, prefetched, unit_fixed
 from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Field, RankLoad, RankShare, Strategy
-from dtorch.plan.strategies.expert import EXPERT, gathered_block_params
+from dtorch.plan.strategies.expert import EXPERT, gathered_block_params, held_block_params
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +166,7 @@ class Sharded(Strategy):
         if not (plan.reshard_after_forward or plan.offload == "params"):
             return p_stage * step.param_b  # the whole stage stays gathered from forward to backward
         root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
-        return (root + gathered_block_params(prof, plan)) * step.param_b
+        return (root + held_block_params(prof, plan)) * step.param_b
 
     def buffers(self, step: StepShape, p_stage: float) -> float:
         """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a
