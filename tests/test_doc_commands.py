@@ -219,11 +219,15 @@ def _inputs(root: Path) -> None:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
     """The environment of every command: this one's, with the calibration store, the caches and HOME
-    in a temporary directory (a doc's `dtorch probe` or run never touches the user's)."""
+    in a temporary directory (a doc's `dtorch probe` or run never touches the user's), and no Slurm
+    controller: the suite's own (a 2-node partition `.ci/run` starts) is not the cluster the docs'
+    `dtorch submit slurm` examples size for, so Slurm's clients read an empty configuration and fail
+    at once, as on a machine without Slurm."""
     root = tmp_path_factory.mktemp("doc-env")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    (root / "slurm.conf").write_text("")
     env.update(HOME=str(root / "home"), DTORCH_CALIBRATION_DIR=str(root / "calibration"),
-               DTORCH_CACHE=str(root / "cache"), OMP_NUM_THREADS="1")
+               DTORCH_CACHE=str(root / "cache"), OMP_NUM_THREADS="1", SLURM_CONF=str(root / "slurm.conf"))
     return env
 
 
