@@ -11,7 +11,8 @@
 # suite's wiring, not a pass, so it is reported and turned into 1.
 #
 # The whole suite (no arguments) runs as two pytest sessions side by side: the multi-process tests
-# (-m slow) and the single-process ones (-m "not slow"). The multi-process tests leave a core idle
+# (-m "slow and not beside") and the single-process ones (-m "not slow or beside": `beside` marks a
+# slow test that starts no process group and times nothing). The multi-process tests leave a core idle
 # much of the time (an agent importing torch, a job's single-threaded start, waits for a rendezvous,
 # a kill or a timeout); the single-process tests fill it, at a lower priority (nice 10) so that the
 # drills' timings (hang detection, stragglers) see the machine as before. Each test still runs
@@ -46,21 +47,21 @@ fi
 
 start=$(date +%s)
 log=$(mktemp "${TMPDIR:-/tmp}/dtorch-tests-single.XXXXXX")
-nice -n 10 .venv/bin/python -m pytest -q --durations=15 -m "not slow" >"$log" 2>&1 &
+nice -n 10 .venv/bin/python -m pytest -q --durations=15 -m "not slow or beside" >"$log" 2>&1 &
 single=$!
 trap 'kill "$single" 2>/dev/null; exit 130' INT TERM
-.venv/bin/python -m pytest -q --durations=15 -m slow
+.venv/bin/python -m pytest -q --durations=15 -m "slow and not beside"
 multi=$?
 wait "$single"
 single_rc=$?
 trap - INT TERM
 echo
-echo "=== the single-process tests (-m \"not slow\"), run beside the multi-process ones ==="
+echo "=== the single-process tests (-m \"not slow or beside\"), run beside the multi-process ones ==="
 cat "$log"
 rm -f "$log"
-checked "$multi" "-m slow"
+checked "$multi" "-m \"slow and not beside\""
 multi=$?
-checked "$single_rc" "-m \"not slow\""
+checked "$single_rc" "-m \"not slow or beside\""
 single_rc=$?
 echo "whole suite: $(( $(date +%s) - start )) s (multi-process tests: exit $multi; single-process tests: exit $single_rc)"
 [ "$multi" -eq 0 ] && [ "$single_rc" -eq 0 ]
