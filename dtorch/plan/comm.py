@@ -98,13 +98,6 @@ def p2p_time(nbytes: float, stride: int, group: NodeGroup) -> float:
     return nbytes / (link.bandwidth * link.efficiency) + latency
 
 
-def exposed(comm: float, compute: float, c) -> float:
-    """Exposed seconds of `comm` overlapped with `compute`: what does not fit under the overlappable
-    share of compute (`c.fsdp_overlap`), and never less than the contention floor (`c.dp_exposed_floor`)."""
-    floor, rest = c.dp_exposed_floor * comm, comm - c.fsdp_overlap * compute
-    return floor if floor >= rest else rest
-
-
 def prefetched(comm_unit: float, compute_unit: float, units: float, c, contention: float = 0.0) -> float:
     """Exposed seconds of `units` transfers of `comm_unit` seconds each, issued one unit ahead of the
     compute that needs them (FSDP2's gathers, its and DDP's gradient reductions behind the next

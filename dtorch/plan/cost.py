@@ -67,7 +67,7 @@ from dtorch.cluster.spec import Cluster, NodeGroup
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
 from dtorch.plan import hetero
-from dtorch.plan.comm import _coll, axis_layout, collective_time, exposed, oversubscribed, p2p_time  # noqa: F401
+from dtorch.plan.comm import _coll, axis_layout, collective_time, oversubscribed, p2p_time  # noqa: F401
 from dtorch.plan.plan import Plan
 from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's shared helpers and constants)
     DEFAULT_CONSTANTS,
@@ -268,9 +268,6 @@ def float8_cast_bytes_per_token_block(profile: ModelProfile, compiled: bool) -> 
     else:  # qkv, proj, fc1, fc2
         elements = (3 * h + f) + (5 * h + f)
     return elements * (5.0 if compiled else 7.0)
-
-
-_exposed = exposed  # the old private name
 
 
 # ---- the shared step shape --------------------------------------------------------------------
