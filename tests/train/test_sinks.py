@@ -104,10 +104,15 @@ def _wandb_history(run_file: Path) -> tuple[dict[int, dict], dict]:
 
 
 def test_wandb_sink_offline_run_holds_the_metrics_and_a_resume_continues_it(tmp_path, monkeypatch):
+    import wandb
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "wb").mkdir()
+    # wandb keeps its settings (the run directory among them) process-wide from its first run: an
+    # earlier test's run in this session (a doc command's --wandb) would put this one's elsewhere
+    wandb.teardown()
     from dtorch.train.callbacks import WandB
 
     steps, evals = _fit(tmp_path, [WandB("dtorch-test")])
