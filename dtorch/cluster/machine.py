@@ -12,17 +12,6 @@ from dtorch.cluster.presets import DEVICES, NODE_DEFAULTS
 from dtorch.cluster.spec import Cluster, DeviceType, Link, NodeGroup
 
 
-def _cpu_ghz() -> float:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("cpu MHz"):
-                    return float(line.split(":")[1]) / 1000.0
-    except (OSError, ValueError):
-        pass
-    return 2.5
-
-
 def _host_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -73,10 +62,10 @@ def cpu_device(threads: int | None = None, *, measure: bool = False,
     timed per dtype on `threads` threads (see `dtorch.cluster.capability`). `dtorch probe` measures
     the real curve."""
     from dtorch.cluster.capability import DEFAULT_WORKLOAD, cpu_speeds, speed_scale
-    from dtorch.cluster.peak import cpu_peaks
+    from dtorch.cluster.peak import cpu_clock_ghz, cpu_peaks
 
     cores = os.cpu_count() or 1
-    flops, bandwidth, eff = cores * _cpu_ghz() * 1e9 * 32, 20e9, 0.5
+    flops, bandwidth, eff = cores * cpu_clock_ghz()[0] * 1e9 * 32, 20e9, 0.5
     threads = threads or cores
     speeds, _ = cpu_speeds(threads, measure=measure, workload=workload)
     block_s = speeds.pop("float32_block_s", None)
