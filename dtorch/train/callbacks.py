@@ -16,6 +16,7 @@ import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dtorch.errors import ConfigError
@@ -262,7 +263,17 @@ class WandB(Sink):
     and the run's plan and shape as its config. The wandb library reads its own settings
     (``WANDB_MODE=offline``, ``WANDB_DIR``, ``WANDB_API_KEY``, ``WANDB_ENTITY``). A run that resumes
     from its checkpoint continues the W&B run its first start made (the id is kept in
-    ``<log_dir>/wandb-run-id``); a fresh start makes a new one."""
+    ``<log_dir>/wandb-run-id``); a fresh start makes a new one.
+
+    W&B drops a row whose ``_step`` is below the run's last one, and a resume re-runs the steps
+    after its checkpoint. So the global step is a metric of its own, `STEP_METRIC`, declared the
+    x-axis of every chart (``define_metric``, as Lightning and transformers do), and ``_step`` is
+    a row counter that only grows across restarts: one row per global step written (an evaluation
+    joins its step's row), the next row kept in ``<log_dir>/wandb-run-step`` (an offline run starts
+    its ``_step`` at 0 again; online, W&B's own count wins when it is higher). A re-run step is a
+    second row with the same `STEP_METRIC`: both are kept."""
+
+    STEP_METRIC = "train/step"
 
     def __init__(self, project: str, *, name: str | None = None, entity: str | None = None) -> None:
         if not project or not isinstance(project, str):
@@ -271,6 +282,10 @@ class WandB(Sink):
         super().__init__()
         self.project, self.name, self.entity = project, name, entity
         self.run: Any = None
+        self.row = 0
+        """The ``_step`` of the row being written."""
+        self.last_step: int | None = None
+        self.row_file: Path | None = None
 
     def _run_id(self, tr: Trainer) -> str | None:
         """This run's W&B id: the first start's when the trainer resumed, else a new one."""
@@ -298,9 +313,26 @@ class WandB(Sink):
         self.run = wandb.init(project=self.project, entity=self.entity, id=self._run_id(tr), resume="allow",
                               name=self.name or (tr.log_dir.name if tr.log_dir is not None else None),
                               config=config)
+        self.run.define_metric(self.STEP_METRIC)
+        self.run.define_metric("*", step_metric=self.STEP_METRIC)
+        self.row_file = tr.log_dir / "wandb-run-step" if tr.log_dir is not None else None
+        kept = 0
+        if tr.resumed.step is not None and self.row_file is not None and self.row_file.is_file():
+            text = self.row_file.read_text().strip()
+            kept = int(text) if text.isdigit() else 0
+        self.row, self.last_step = max(int(self.run.step), kept), None
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
+        from dtorch import trust
+
+        if step != self.last_step:
+            if self.last_step is not None:
+                self.row += 1
+            self.last_step = step
+            if self.row_file is not None:
+                # kept before the row is sent: a kill after it never reuses this row's _step
+                trust.replace_file(self.row_file, str(self.row + 1).encode(), durable=False)
+        self.run.log({**scalars, self.STEP_METRIC: step}, step=self.row)
 
     def finish(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
