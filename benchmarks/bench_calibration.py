@@ -3,8 +3,12 @@
     python -m benchmarks.bench_calibration     # writes benchmarks/results/published_loso.{json,md}
 
 Two procedures, side by side: (1) per held-out source, refit the per-device matmul efficiencies on
-the other sources, global constants as shipped; (2) refit the two global constants too. Also the
-sizing example (`dtorch plan --model llama3-405b --recommend ...`) with its wall time. Pure CPU.
+the other sources, global constants as shipped; (2) refit the two global constants too. Sources
+kept for testing first (`benchmarks/published/testing/*.yaml`) are never fitted: each is predicted
+before any fitting (`calibration.prior`) and with procedures (1) and (2) fitted on every source,
+which is its leave-one-source-out; and, in a separate table, what every source's leave-one-out would
+be if they joined the fit. Also the sizing example (`dtorch plan --model llama3-405b --recommend
+...`) with its wall time. Pure CPU.
 
 `run() -> dict` is the entry point for a benchmark runner.
 """
@@ -12,16 +16,21 @@ sizing example (`dtorch plan --model llama3-405b --recommend ...`) with its wall
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from dtorch.plan import calibration as C
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TESTING = C.PUBLISHED_DIR / "testing"
+"""Published sources kept for testing first: reported, never fitted (move a file up to join the fit)."""
 RECOMMEND = ["plan", "--model", "llama3-405b", "--recommend", "--device-type", "h100", "--tokens", "15T",
              "--deadline", "60d", "--json"]
 
@@ -31,6 +40,56 @@ def _held(res: list[C.HeldOut]) -> list[dict]:
              "max_abs_error": h.max_abs, "borrowed": dict(h.fit.borrowed), "efficiencies": dict(h.fit.efficiencies),
              "per_row": [{"row": r.name, "published": r.tokens_per_s_per_gpu, "predicted": p, "error": e}
                          for r, p, e in h.rows]} for h in res]
+
+
+def testing(grid=(), folder: Path = TESTING) -> list[C.HeldOut]:
+    """Every source of `folder`, predicted before any fitting (`C.prior`) and with the device
+    efficiencies (and, with `grid`, the global constants) fitted on every source of
+    `C.PUBLISHED_DIR`, which never saw it. A device no fitted source measured borrows its
+    generation's efficiency, as in `C.loso`."""
+    if not folder.is_dir():
+        return []
+    _, rows, specs = C._load(str(folder))
+    models = {n: C._profile(n, spec) for n, spec in specs}
+    full = C.fit(grid=grid)
+    out = []
+    for src in sorted({r.source for r in rows}):
+        held = [r for r in rows if r.source == src]
+        devices = {C.device_of(r) for r in held}
+        f = C.Fit(full.constants, dict(full.efficiencies), full.loss)
+        effs = dict(f.efficiencies)
+        for dev in sorted(devices - set(effs)):
+            got = C._borrow(full, dev)
+            if got is None:
+                f.borrowed[dev] = "preset"
+                continue
+            effs[dev], gen = got
+            f.borrowed[dev] = f"{gen} fit"
+        after, before = ([(r, p, p / r.tokens_per_s_per_gpu - 1.0) for r in held for p in [C.predict(r, c, models)[0]]]
+                         for c in (C._with(f.constants, effs), C.prior(devices)))
+        out.append(C.HeldOut(src, after, f, before))
+    return out
+
+
+_ADMITTED = """
+import json
+from dtorch.plan import calibration as C
+res = C.loso()
+print(json.dumps({"table": C.loso_table(res), "held": [
+    {"source": h.source, "rows": len(h.rows), "before_fitting": h.before_mean_abs, "mean_abs_error": h.mean_abs,
+     "mean_signed_error": h.mean_signed, "max_abs_error": h.max_abs} for h in res]}))
+"""
+
+
+def _admitted(folder: Path = TESTING) -> dict:
+    """Procedure (1) over the fitted sources and `folder`'s together, as if the testing sources had
+    joined the fit (a fresh interpreter reading a merged copy through $DTORCH_PUBLISHED_DIR)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in [*sorted(C.PUBLISHED_DIR.glob("*.yaml")), *sorted(folder.glob("*.yaml"))]:
+            shutil.copy(path, Path(tmp) / path.name)
+        out = subprocess.run([sys.executable, "-c", _ADMITTED], capture_output=True, text=True, check=True,
+                             env={**os.environ, "DTORCH_PUBLISHED_DIR": tmp})
+    return json.loads(out.stdout)
 
 
 def _recommend() -> dict:
@@ -56,27 +115,47 @@ def run() -> dict:
     refit = C.loso(grid=C.GRID)
     t_refit = time.perf_counter() - t
     full = C.fit()
+    t = time.perf_counter()
+    tested, tested_refit = testing(), testing(grid=C.GRID)
+    admitted = _admitted() if tested else {}
+    t_testing = time.perf_counter() - t
     result = {
         "host": platform.node(), "python": platform.python_version(),
         "sources": [vars(s) for s in C.sources()],
         "fitted_on_every_source": {"efficiencies": full.efficiencies, "loss": full.loss},
         "loso_efficiencies_only": _held(fixed), "loso_seconds": t_fixed,
         "loso_refit_globals": _held(refit), "loso_refit_seconds": t_refit,
+        "testing_sources": [vars(s) for s in C.sources(TESTING)],
+        "testing_efficiencies_only": _held(tested), "testing_refit_globals": _held(tested_refit),
+        "testing_before_fitting": [{"source": h.source, "mean_abs_error": h.before_mean_abs, "per_row": [
+            {"row": r.name, "published": r.tokens_per_s_per_gpu, "predicted": p, "error": e} for r, p, e in h.before]}
+            for h in tested],
+        "if_testing_sources_joined_the_fit": admitted.get("held", []), "testing_seconds": t_testing,
         "recommend": _recommend(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "published_loso.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "published_loso.md").write_text(markdown(result, fixed, refit))
+    (RESULTS / "published_loso.md").write_text(markdown(result, fixed, refit, tested, tested_refit,
+                                                         admitted.get("table", "")))
     return result
 
 
-def markdown(result: dict, fixed: list[C.HeldOut], refit: list[C.HeldOut]) -> str:
+def markdown(result: dict, fixed: list[C.HeldOut], refit: list[C.HeldOut], tested=(), tested_refit=(),
+             admitted: str = "") -> str:
     rec = result["recommend"]
+    testing_part = [
+        "Sources kept for testing first (`benchmarks/published/testing/`, never fitted): before any fitting "
+        "and fitted on every source above, by procedure (1):", "", C.loso_table(tested), "",
+        "and by procedure (2):", "", C.loso_table(tested_refit), "", "Per row, procedure (1):", "",
+        C.loso_rows_table(tested), "",
+        f"If they joined the fit, procedure (1) over all sources ({result['testing_seconds']:.1f} s for this "
+        "part):", "", admitted, ""] if tested else []
     lines = ["# Published runs, leave-one-source-out", "",
              "(1) per fold, device efficiencies refit, global constants as shipped "
              f"({result['loso_seconds']:.1f} s):", "", C.loso_table(fixed), "",
              f"(2) per fold, the two global constants (GEMM-width half point, element-wise passes) refit too ({result['loso_refit_seconds']:.1f} s):", "",
              C.loso_table(refit), "", "Per row, procedure (1):", "", C.loso_rows_table(fixed), "",
+             *testing_part,
              "Efficiencies fitted on every source: "
              + ", ".join(f"{d} {e:.4f}" for d, e in result["fitted_on_every_source"]["efficiencies"].items()), "",
              f"Sizing: `{rec['command']}` -> {rec['chosen_gpus']} GPUs, "
