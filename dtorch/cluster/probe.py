@@ -86,6 +86,7 @@ from dtorch.cluster.calibration_store import (  # noqa: F401  (the store, re-exp
 from dtorch.cluster.shape import shape_factor as _shape_factor
 from dtorch.cluster.timing import timeit
 from dtorch.errors import ConfigError
+from dtorch.process_group import leave
 
 GEMM_ROWS = (128, 512, 2048)
 GEMM_WIDTHS = (32, 128, 512)
@@ -906,16 +907,10 @@ def _spawn_entry(rank: int, world: int, rdzv: str, out: str, quick: bool, dtypes
         # every rank leaves together: a rank whose peer tore its gloo pairs down first could abort
         # in the C++ teardown ("terminate called without an active exception", seen 1 in 4 runs)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # Leave without the interpreter's finalization: objects that outlive the group (the device
-    # mesh cache, gloo work objects holding tensors) are destroyed there, and gloo's C++ threads
-    # then abort the process ("terminate called without an active exception", 1 probe in 10 on a
-    # loaded 2-core machine, with or without the barrier). The document is written; nothing is
-    # left to flush but the standard streams.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    leave(0)  # the document is written: skip the finalization that can abort in gloo's teardown
 
 
 def run_probe(nproc: int | None = None, *, quick: bool = False, out: str | Path | None = None,

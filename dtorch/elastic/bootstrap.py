@@ -104,8 +104,10 @@ def _run(target: str, args: list[str], module: bool) -> None:
 
 def _run_target(target: str, args: list[str], module: bool) -> None:
     from dtorch.elastic import worker
+    from dtorch.process_group import hosted
 
     worker.setup()
+    hosted()  # the agent reads this function's return: the entry point must not end the process
     if module:
         sys.argv = [target, *args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,4 +337,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dtorch.process_group import leave
+
+    leave(main())  # a finished run exits with its code, not with an abort in gloo's teardown
