@@ -202,13 +202,16 @@ def flops_per_cycle(dtype: str, flags: set[str], *, half_width_avx512: bool = Fa
 
 
 def cpu_peak(dtype: str = "float32", *, flags: set[str] | None = None, cores: int | None = None,
-             ghz: float | None = None, cpuinfo: list[dict[str, str]] | None = None) -> CpuPeak:
+             ghz: float | None = None, cpuinfo: list[dict[str, str]] | None = None,
+             clock_source: str = "given") -> CpuPeak:
     """This CPU's peak FLOP/s in `dtype` over the node's cores (see the module doc).
-    Arguments replace what is detected (tests, another machine's figures)."""
+    Arguments replace what is detected (tests, another machine's figures: the `cpu` preset's
+    nominal socket, `dtorch.cluster.presets.cpu_socket_peak`); `clock_source` names where a given
+    `ghz` comes from."""
     info = _cpuinfo() if cpuinfo is None and (cores is None or ghz is None or flags is None) else (cpuinfo or [])
     flags = cpu_flags() if flags is None else flags
     cores = physical_cores(info) if cores is None else cores
-    source = "given"
+    source = clock_source
     if ghz is None:
         ghz, source = cpu_clock_ghz(info)
     first = info[0] if info else {}

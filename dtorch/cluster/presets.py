@@ -15,7 +15,8 @@ Numbers (dense, no sparsity) and their sources:
   NVLink5 1.8 TB/s per GPU both ways, 400 Gb/s ConnectX-7 per GPU (DGX B200 datasheet).
 - MI300X: 1307 TFLOP/s bf16, 2615 fp8, 163 fp32, 192 GB HBM3, 5.3 TB/s, Infinity Fabric 896 GB/s aggregate
   per GPU both ways (7 links x 64 GB/s), 400 Gb/s NIC per GPU (AMD MI300X datasheet; torchtitan peak table).
-- CPU: nominal numbers for a laptop/server socket; `dtorch.cluster.detect()` measures cores and memory instead.
+- CPU: a nominal server socket (`CPU_SOCKET`: 16 cores, 2.5 GHz, AVX2 + FMA), its peak by the rule that
+  MFU divides by on every CPU (`dtorch.cluster.peak`); `dtorch.cluster.detect()` reads this machine's instead.
 
 Bandwidths in `Link` are bytes/s per device in one direction; link efficiencies are the usual nccl-tests
 bus bandwidth over line rate (about 0.8 on NVLink, 0.85-0.9 on InfiniBand); `dtorch probe` measures them.
@@ -23,10 +24,25 @@ bus bandwidth over line rate (about 0.8 on NVLink, 0.85-0.9 on InfiniBand); `dto
 
 from __future__ import annotations
 
+from dtorch.cluster.peak import CpuPeak, cpu_peak
 from dtorch.cluster.spec import DeviceType, Link
 
 GB = 10**9
 GiB = 2**30
+
+CPU_SOCKET = {"cores": 16, "ghz": 2.5, "flags": frozenset({"avx", "avx2", "fma"})}
+"""The `cpu` preset's nominal server socket: 16 physical cores at 2.5 GHz with AVX2 and FMA (two
+8-wide fp32 FMA units per core, no 16-bit instructions). Not any real machine, and not this one."""
+
+
+def cpu_socket_peak(dtype: str) -> CpuPeak:
+    """The `cpu` preset's peak FLOP/s in `dtype`: `dtorch.cluster.peak.cpu_peak` over `CPU_SOCKET`,
+    the definition MFU uses on a detected CPU, here applied to the nominal socket."""
+    return cpu_peak(dtype, flags=set(CPU_SOCKET["flags"]), cores=CPU_SOCKET["cores"], ghz=CPU_SOCKET["ghz"],
+                    cpuinfo=[], clock_source="nominal")
+
+
+_CPU_PEAKS = {d: cpu_socket_peak(d).flops for d in ("float32", "bfloat16", "float16")}
 
 
 def power_capped(peak_flops: dict[str, float], rated_w: float, limit_w: float) -> dict[str, float]:
@@ -92,14 +108,17 @@ DEVICES: dict[str, DeviceType] = {
     ),
     "cpu": DeviceType(
         name="CPU",
-        # 16 cores x 2.5 GHz x 32 FLOP/cycle (two 8-wide FMA units), a nominal server socket
-        peak_flops={"float32": 1.28e12, "bfloat16": 1.28e12, "float16": 1.28e12},
+        # 16 cores x 2.5 GHz x 32 FLOP/cycle (two 8-wide FMA units; 16-bit dtypes computed in float32)
+        peak_flops=dict(_CPU_PEAKS),
         memory_bytes=64 * GiB,
         memory_bandwidth=100e9,
         matmul_efficiency=0.5,
         kind="cpu",
         op_overhead_s=5e-6,  # eager PyTorch host time per operator, and DTensor's extra (nominal)
         dtensor_op_overhead_s=10e-6,
+        # MFU's denominator apart from the cost model's `peak_flops`: a calibration replaces those with
+        # measured rates (a measured rate is no peak), this stays the socket's peak
+        mfu_peak_flops=dict(_CPU_PEAKS),
     ),
 }
 

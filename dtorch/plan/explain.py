@@ -96,21 +96,33 @@ def memory_summary(breakdown: dict[str, float], detail: bool = True) -> str:
 
 
 def mfu_note(result: SearchResult, plan: Plan) -> str:
-    """What the plan's MFU divides by (`dtorch.cluster.peak`): the spec sheet's peak of a device, or
-    a CPU's peak detected from its features and how."""
+    """What the plan's MFU divides by (`dtorch.cluster.peak`): the spec sheet's peak of a device; a
+    CPU's peak from its features: this machine's as detected, the `cpu` preset's nominal socket, or
+    a cluster file's figure, and then also what a run on this machine divides by."""
+    import math
+
     from dtorch.cluster.peak import compute_dtype, cpu_peak
+    from dtorch.cluster.presets import cpu_socket_peak
 
     dtype = compute_dtype(plan.param_dtype)
     g = result.cluster.slowest_group()
     dev = g.device
     flops = dev.mfu_peak(dtype)
     head = "model FLOPs (6N + attention, no recompute) x tokens/s over"
-    if dev.kind == "cpu" and dev.mfu_peak_flops:  # this machine's CPU, detected (`cpu_device`)
-        cpu = cpu_peak(dtype)
-        share = f" / {g.devices_per_node} ranks" if g.devices_per_node > 1 else ""
-        return (f"{head} {flops / 1e9:,.1f} GFLOP/s {dtype} per rank, the CPU's peak from its flags: "
-                f"{cpu.describe()}{share}")
-    return f"{head} {flops / 1e12:,.1f} TFLOP/s {dtype} per device (its spec sheet's dense peak)"
+    if dev.kind != "cpu":
+        return f"{head} {flops / 1e12:,.1f} TFLOP/s {dtype} per device (its spec sheet's dense peak)"
+    here = cpu_peak(dtype)
+    share = f" / {g.devices_per_node} ranks" if g.devices_per_node > 1 else ""
+    if math.isclose(flops * g.devices_per_node, here.flops, rel_tol=1e-6):  # `cpu_device`: this machine's
+        return f"{head} {flops / 1e9:,.1f} GFLOP/s {dtype} per rank, the CPU's peak from its flags: {here.describe()}{share}"
+    socket = cpu_socket_peak(dtype)
+    what = (f"the cpu preset's nominal socket by the same rule: {socket.describe()}"
+            if math.isclose(flops, socket.flops, rel_tol=1e-6) else "the cluster file's figure")
+    # a run here has all its ranks on this machine, which share its peak (`dtorch.train.build.device_peak`)
+    ranks = plan.world_size
+    return (f"{head} {flops / 1e9:,.1f} GFLOP/s {dtype} per device, {what}; not this machine's CPU: a run "
+            f"here divides by {here.flops / ranks / 1e9:,.1f} GFLOP/s per rank ({here.describe()}"
+            f"{f' / {ranks} ranks' if ranks > 1 else ''})")
 
 
 def memory_breakdown(est: Estimate) -> str:

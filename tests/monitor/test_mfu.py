@@ -96,6 +96,61 @@ def test_the_plan_divides_by_the_detected_peak_shared_by_the_ranks_of_a_node():
     assert mfu(1000.0, prof, cluster, "float32") == pytest.approx(1000.0 * prof.flops_per_token / cpu_peak("float32").flops)
 
 
+def _console_peak(dtype: str, ranks: int) -> float:
+    """What the trainer's console line divides by for one rank of `ranks` on this machine."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dtorch.train.build import device_peak
+
+    tr = SimpleNamespace(plan=SimpleNamespace(param_dtype=dtype), device=torch.device("cpu"), world=ranks,
+                         env=SimpleNamespace(local_world_size=ranks))
+    return device_peak(tr)
+
+
+def test_the_cpu_preset_divides_by_the_same_rule_and_the_plan_says_which_cpu(capsys):
+    """The `cpu` preset (`--cluster cpu:N`) is a nominal socket, not this machine: its MFU peak is
+    `dtorch.cluster.peak`'s rule over the socket's cores, clock and flags, kept apart from the cost
+    model's figures (a calibration replaces those with measured rates, which are no peak); the plan
+    divides by it, and its MFU line names that socket and what a run on this machine (the console)
+    divides by instead. On this machine's detected cluster, plan and console divide by the same."""
+    from dtorch.cli import main
+    from dtorch.cluster import local_cluster
+    from dtorch.cluster.calibration_store import apply_calibration
+    from dtorch.cluster.load import parse_shorthand
+    from dtorch.cluster.presets import CPU_SOCKET, DEVICES
+    from dtorch.plan.cost import mfu
+    from dtorch.plan.profiles import get_profile
+
+    socket = {d: cpu_peak(d, flags=set(CPU_SOCKET["flags"]), cores=CPU_SOCKET["cores"], ghz=CPU_SOCKET["ghz"],
+                          cpuinfo=[], clock_source="nominal") for d in ("float32", "bfloat16", "float16")}
+    assert socket["float32"].flops == pytest.approx(16 * 2.5e9 * 32)  # two 8-wide FMA units per core
+    for d, peak in socket.items():
+        assert DEVICES["cpu"].mfu_peak(d) == peak.flops
+
+    prof = get_profile("gpt:layers=4,hidden=128,heads=4,vocab=256,seq=256", 128)
+    preset = parse_shorthand("cpu:1x2")
+    calibrated = apply_calibration(preset, {"device": {"peak_flops": {"float32": 3e11}}})
+    assert calibrated.slowest_group().device.peak("float32") == 3e11  # the cost model's figure moved...
+    for c in (preset, calibrated):  # ...MFU's peak did not
+        assert mfu(1000.0, prof, c, "float32") == pytest.approx(1000.0 * prof.flops_per_token / (2 * socket["float32"].flops))
+
+    # this machine: the plan's peak is the console's
+    here = local_cluster(2, 2, calibrated=False).slowest_group().device
+    for d in ("float32", "bfloat16"):
+        assert here.mfu_peak(d) == pytest.approx(_console_peak(d, 2))
+
+    capsys.readouterr()
+    assert main(["plan", "--model", "llama-tiny", "--cluster", "cpu:1x2", "--seq-len", "128"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("MFU:"))
+    dtype = re.search(r"GFLOP/s (\w+) per device", line).group(1)
+    assert (f"over {socket[dtype].flops / 1e9:,.1f} GFLOP/s {dtype} per device, the cpu preset's nominal socket "
+            f"by the same rule: {socket[dtype].describe()}; not this machine's CPU") in line, line
+    assert f"a run here divides by {_console_peak(dtype, 2) / 1e9:,.1f} GFLOP/s per rank" in line, line
+    assert "spec sheet" not in line
+
+
 def test_predicted_memory_shows_the_reserve_apart():
     from dtorch.plan.explain import memory_parts, memory_summary
 
