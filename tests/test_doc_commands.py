@@ -16,17 +16,22 @@ in the same file, naming the start of the command (whole words, after `.venv/bin
     <!-- doc-test skip: dtorch probe --nproc 2,4 -- spawns 6 ranks for minutes -->
 
 A marker that matches no command fails the test. Keep them few: a GPU, a second machine, the
-whole suite or an hour-long benchmark.
+network, the whole suite or a benchmark of minutes.
 
 How they run: each doc in its own empty directory (its `runs/train` stays there for the doc's
-next command, as for a reader following it), with the calibration store, the caches and HOME in
-that directory, never the user's. `dtorch ...` runs in this process through `dtorch.cli.main`
-(the console script calls the same function; it saves the interpreter's start and torch's import
-per command; a `dtorch plan` or `submit slurm` another doc already ran, which writes no file, is
-not run again), `python -m ...` in a subprocess with the checkout on PYTHONPATH, anything with
-shell syntax (`&&`, `|`, `$(...)`) through bash. Before running, `SUBSTITUTIONS` below shrinks
-what a doc names at full size, each rule with its reason; the inputs a reader brings (a Hugging
-Face model directory, a corpus) are made tiny by `_inputs`.
+next command, as for a reader following it; `benchmarks/` and `examples/` copied in when a command
+names them), with the calibration store, the caches and HOME in that directory, never the user's.
+`dtorch ...` runs in this process through `dtorch.cli.main` (the console script calls the same
+function; it saves the interpreter's start and torch's import per command; a `dtorch plan` or
+`submit slurm` another doc already ran, which writes no file, is not run again), except a command
+that starts worker processes (`dtorch run`, `dtorch probe`, a drill, `dtorch train --nproc N`):
+`python -m dtorch.cli` in a subprocess, as the console script would. `python -m ...` runs in a
+subprocess with the checkout on PYTHONPATH, anything else with shell syntax (`&&`, `|`, `$(...)`)
+through bash; a `$(...)` in the VAR=value assignments before a command is expanded by bash first,
+so the command after them is still read as one. Before running, `SUBSTITUTIONS` below shrinks
+what a doc names at full size and `ASSIGNMENTS` replaces what only the reader's machine has, each
+rule with its reason; the inputs a reader brings (a Hugging Face model directory, a corpus) are
+made tiny by `_inputs`.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ SKIP = re.compile(r"<!--\s*doc-test skip:\s*(.+?)\s+--\s+(.+?)\s*-->", re.S)
 ERROR_LINE = re.compile(r"^(dtorch(?: [\w-]+)?: error: [\w.-]+=)")
 
 TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=512,seq=128"
+DRILL_STEP = 4  # a drill's fault strikes by this step
 VERIFY_MODEL = "llama:layers=4,hidden=256,heads=8,kv_heads=8,vocab=512"
 
 @dataclass
@@ -156,12 +162,19 @@ def _set(argv: list[str], flag: str, value: str, *, cap: int | None = None) -> N
 def _train(argv: list[str]) -> None:
     if "--print-config" in argv:
         return  # writes the configuration only: as written
-    _set(argv, "--steps", "2", cap=2)
+    drill = "--chaos" in argv
+    if drill:  # the fault strikes by step 4, and the run goes on 4 steps past it
+        i = argv.index("--chaos") + 1
+        argv[i] = re.sub(r"\b(step|every)=(\d+)", lambda m: f"{m.group(1)}={min(int(m.group(2)), DRILL_STEP)}", argv[i])
+        _set(argv, "--steps", str(DRILL_STEP + 4))
+        _set(argv, "--checkpoint-every", "2", cap=2)  # a checkpoint's phase comes by the fault's step
+    else:
+        _set(argv, "--steps", "2", cap=2)
     _set(argv, "--global-batch", "4", cap=4)
     _set(argv, "--seq-len", "32", cap=32)
     _set(argv, "--warmup", "1", cap=1)
-    for flag, value in (("--nproc", "1"), ("--sample-tokens", "4"), ("--no-progress", None)):
-        if flag not in argv:
+    for flag, value in (("--nproc", None if drill else "1"), ("--sample-tokens", "4"), ("--no-progress", "")):
+        if flag not in argv and value is not None:
             argv += [flag] + ([value] if value else [])
     if "--monitor-port" in argv:
         _set(argv, "--monitor-port", "0")
@@ -186,7 +199,43 @@ SUBSTITUTIONS = [
      "--verify builds every rank's model on a fake process group: the doc's 70B at 64 ranks takes ~30 s, "
      f"{VERIFY_MODEL} (8 heads, so tp=8 holds) the same path in ~1 s"),
     (lambda a: a[:1] == ["probe"], _probe, "dtorch probe --quick: the same measurements, fewer shapes and sizes"),
+    (lambda a: "/shared/ckpt/run1" in a, lambda a: a.__setitem__(a.index("/shared/ckpt/run1"), "runs/train"),
+     "a run on a cluster's shared storage: the main job's run directory here"),
 ]
+"""A `dtorch train --chaos` drill keeps the main job's 2 workers (in a subprocess: the launched job's agent
+and its workers are not this process's), and its fault strikes by step 4 (`step=N` and `every=N` at most
+4) of a run 4 steps longer, with a checkpoint every 2 steps, so that a fault in the checkpoint's phase
+comes too; a kill or hang must then show the recovery line, else the drill did not happen."""
+
+ASSIGNMENTS = [
+    ("DTORCH_MONITOR_HOST", "10.0.0.5", lambda: _own_address(),
+     "10.0.0.5 is an interface of the reader's machine: this machine's own non-loopback address (127.0.0.1 "
+     "where it has none)"),
+]
+
+
+def _own_address() -> str:
+    """This machine's address on its default route (no packet is sent), else 127.0.0.1."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _launches(argv: list[str]) -> bool:
+    """Whether a dtorch command starts worker processes of its own (an elastic agent, probe ranks)."""
+    return argv[:1] in (["run"], ["probe"]) or argv[:1] == ["train"] and (
+        "--chaos" in argv or "--nproc" in argv and argv[argv.index("--nproc") + 1] != "1")
+
+
+def _recovered(argv: list[str], said: str) -> bool:
+    """A drill whose fault kills or stops a rank must have recovered from it (the agent's line)."""
+    spec = argv[argv.index("--chaos") + 1] if "--chaos" in argv else ""
+    return not re.search(r"\b(kill|hang|killnode)\b", spec) or "dtorch: recovered from" in said
 
 
 def _inputs(root: Path) -> None:
@@ -248,7 +297,7 @@ _PURE: dict[tuple[str, ...], tuple[int, str]] = {}
 
 def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     """(exit code, stderr + the end of stdout) of one command, in process where it is `dtorch`."""
-    text = _bare(cmd.text)
+    text = _expand(_bare(cmd.text), cwd, env)
     try:
         tokens = shlex.split(text, comments=True)
     except ValueError:  # not a plain word list: bash reads it
@@ -256,7 +305,7 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     assigns = {}
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
         k, _, v = tokens.pop(0).partition("=")
-        assigns[k] = v
+        assigns[k] = next((new() for name, old, new, _why in ASSIGNMENTS if (name, old) == (k, v)), v)
     redirect = None
     if len(tokens) >= 2 and tokens[-2] in (">", ">>"):
         redirect = (tokens[-1], tokens[-2])
@@ -272,22 +321,47 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
             and "--out" not in argv and not redirect and not assigns
         if pure and tuple(argv) in _PURE:  # the same plan in another doc: pure arithmetic, one answer
             return _PURE[tuple(argv)]
-        result = _in_process(argv, cwd, {**env, **assigns}, redirect)
+        if _launches(argv):  # as the console script runs it, in a process of its own
+            code, said = _subprocess([sys.executable, "-m", "dtorch.cli", *argv], cwd, env, assigns, redirect)
+        else:
+            code, said = _in_process(argv, cwd, {**env, **assigns}, redirect)
+        if code == 0 and not _recovered(argv, said):
+            code, said = 1, said + "\n(test) the drill's fault never struck: no 'dtorch: recovered from' line"
         if pure:
-            _PURE[tuple(argv)] = result
-        return result
+            _PURE[tuple(argv)] = code, said
+        return code, said
     argv = tokens
     if tokens[:2] == ["python", "-m"]:
         argv = [sys.executable, *tokens[1:]]
     if shell or not argv:
         argv = ["bash", "-c", text]
+    return _subprocess(argv, cwd, env, assigns, redirect)
+
+
+def _subprocess(argv: list[str], cwd: Path, env: dict[str, str], assigns: dict[str, str], redirect) -> tuple[int, str]:
     p = subprocess.run(argv, cwd=cwd, env={**env, "PYTHONPATH": str(REPO), **assigns,
                                            "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
                        capture_output=True, text=True, timeout=300)
     if redirect:
         with open(cwd / redirect[0], "a" if redirect[1] == ">>" else "w") as f:
             f.write(p.stdout)
-    return p.returncode, p.stderr + p.stdout[-2000:]
+    return p.returncode, p.stderr[-6000:] + p.stdout[-2000:]
+
+
+def _expand(text: str, cwd: Path, env: dict[str, str]) -> str:
+    """The command with each `$(...)` in its leading VAR=value assignments replaced by what bash prints
+    for it (`DTORCH_MONITOR_TOKEN=$(openssl rand -hex 16) dtorch train`), so that the dtorch command
+    after them is still read, and shrunk, like any other."""
+    m = re.match(r"((?:[A-Z_][A-Z0-9_]*=(?:\$\([^()]*\)|\S+)\s+)+)", text)
+    if not m or "$(" not in m.group(1):
+        return text
+
+    def value(sub: re.Match) -> str:
+        out = subprocess.run(["bash", "-c", sub.group(0)[2:-1]], cwd=cwd, env=env, capture_output=True,
+                             text=True, timeout=30, check=True)
+        return shlex.quote(out.stdout.strip())
+
+    return re.sub(r"\$\([^()]*\)", value, m.group(1)) + text[m.end():]
 
 
 def _in_process(argv: list[str], cwd: Path, env: dict[str, str], redirect) -> tuple[int, str]:
@@ -401,8 +475,9 @@ def test_every_command_of_the_doc_runs_as_written(doc, inputs, env, tmp_path):
         pytest.skip(f"{doc}: no commands to run")
     cwd = tmp_path / "cwd"
     shutil.copytree(inputs, cwd)
-    if any("benchmarks" in c.text for c in runnable):  # they read and write benchmarks/: a copy of it
-        shutil.copytree(REPO / "benchmarks", cwd / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
+    for tree in ("benchmarks", "examples"):  # they read (benchmarks: and write) these: a copy of them
+        if any(tree in c.text for c in runnable):
+            shutil.copytree(REPO / tree, cwd / tree, ignore=shutil.ignore_patterns("__pycache__"))
     failed = []
     for c in runnable:
         t0 = time.perf_counter()
