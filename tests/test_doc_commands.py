@@ -185,7 +185,9 @@ def _verify(argv: list[str]) -> None:
 
 
 def _probe(argv: list[str]) -> None:
-    if "--quick" not in argv and "--disk" not in argv:
+    if "--disk" in argv:
+        _set(argv, "--disk-bytes", str(256 * 2**20), cap=256 * 2**20)
+    elif "--quick" not in argv:
         argv.append("--quick")
 
 
@@ -198,7 +200,8 @@ SUBSTITUTIONS = [
     (lambda a: a[:1] == ["plan"] and "--verify" in a, _verify,
      "--verify builds every rank's model on a fake process group: the doc's 70B at 64 ranks takes ~30 s, "
      f"{VERIFY_MODEL} (8 heads, so tp=8 holds) the same path in ~1 s"),
-    (lambda a: a[:1] == ["probe"], _probe, "dtorch probe --quick: the same measurements, fewer shapes and sizes"),
+    (lambda a: a[:1] == ["probe"], _probe, "dtorch probe --quick: the same measurements, fewer shapes and sizes; "
+     "--disk DIR: the same calls over 256 MiB (--disk-bytes) instead of 1 GiB"),
     (lambda a: "/shared/ckpt/run1" in a, lambda a: a.__setitem__(a.index("/shared/ckpt/run1"), "runs/train"),
      "a run on a cluster's shared storage: the main job's run directory here"),
 ]
