@@ -27,6 +27,20 @@ def _tracker():
                 del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
+        def _post_fw_hook(self, module, inputs, outputs):
+            # FSDP2 gathers a unit in the unit's own pre-forward hook, after MemTracker's (global
+            # hooks run first), so the parameters MemTracker meets there are the shards. A unit's
+            # submodules meet the gathered copies in theirs; a unit that holds its parameters itself
+            # (the routed experts' GroupedExperts) would leave them to the op that fills them, and
+            # they would count as an activation. Its post-forward hook runs before FSDP's reshard:
+            # its parameters are the gathered copies there.
+            if not self._mod_tracker.is_bw:
+                from torch.distributed._tools.mem_tracker import _MemRefType
+
+                for p in module.parameters(recurse=False):
+                    self._update_and_maybe_create_winfos(p, _MemRefType.PARAM)
+            super()._post_fw_hook(module, inputs, outputs)
+
     return _StepTracker()
 
 

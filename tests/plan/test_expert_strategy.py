@@ -117,8 +117,10 @@ def test_a_pipelined_or_unresharded_ep_rank_holds_only_its_own_experts_gathered(
     pe = 16 * prof.num_experts * prof.params_per_expert  # a stage's routed experts (16 of 32 blocks)
     saved = 2 * pe * (1 - 1 / 8)  # bf16 bytes of the other ep ranks' experts
     assert e1.memory_breakdown["grads"] - e8.memory_breakdown["grads"] == pytest.approx(saved, rel=1e-6)
-    assert e1.memory_breakdown["params"] - e8.memory_breakdown["params"] >= saved  # (gathered copies are params)
-    assert e8.memory_breakdown["optimizer"] == e1.memory_breakdown["optimizer"]  # sharded over all 16 either way
+    # (gathered copies are params; the fullest ranks may be different stages: the final norm's weight)
+    assert e1.memory_breakdown["params"] - e8.memory_breakdown["params"] == pytest.approx(saved, rel=1e-6)
+    # sharded over all 16 either way
+    assert e8.memory_breakdown["optimizer"] == pytest.approx(e1.memory_breakdown["optimizer"], rel=1e-6)
 
 
 def test_routed_experts_run_at_the_speed_of_their_own_gemms():

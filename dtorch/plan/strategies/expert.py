@@ -453,9 +453,16 @@ def gathered_params(plan: Any, profile: ModelProfile, load: RankLoad, p_stage: f
 
 def held_block_params(profile: ModelProfile, plan: Any) -> float:
     """Parameters of one block a rank holds unsharded beside its shards while FSDP has the block
-    gathered (per TP rank): `gathered_block_params`, less its own routed experts where their shard
-    group is one rank (edp = 1: FSDP2 all-gathers nothing and the shard is the unsharded tensor,
-    measured with MemTracker in tests/plan/test_memory_categories.py)."""
+    gathered (per TP rank): `gathered_block_params`. Its own routed experts count whatever their
+    shard group: over one rank (edp = 1) FSDP2 still copies the shard into the unsharded parameter
+    it computes with (measured with MemTracker in tests/plan/test_memory_categories.py)."""
+    return gathered_block_params(profile, plan)
+
+
+def allgather_block_params(profile: ModelProfile, plan: Any) -> float:
+    """Parameters of one block in the flat all-gather outputs FSDP allocates to gather it (per TP
+    rank): `gathered_block_params`, less its own routed experts where their shard group is one
+    rank (edp = 1: their unit all-gathers nothing, the shard is copied out directly)."""
     p = gathered_block_params(profile, plan)
     if plan.ep > 1 and profile.num_experts and expert_groups(plan)[0] == 1:
         p -= expert_params_per_block(profile) / plan.ep / plan.tp

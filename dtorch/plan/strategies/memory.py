@@ -214,13 +214,34 @@ def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> 
     of the log-probabilities and that of the logits in the compute dtype, vocabulary-parallel over
     tp), and the first block's (`block_working_set`, and under FSDP the all-gather output of the
     block it prefetches for the backward next: `prefetch_bytes`), once the head's saved activations
-    (`head_saved`) are freed."""
+    (`head_saved`) are freed. For a MoE model the two are compared with what else the rank holds
+    at each (`block_moment_states`: under FSDP the first block's moment also holds the gathered
+    block and the root unit's parameters and gradients, the loss's neither): its first block's
+    working set is small beside the loss's, yet that moment is the fuller one (measured). A dense
+    model's are still compared alone: where the loss's wins, its activations are priced beside the
+    block moment's states, an overestimate of large-vocabulary FSDP plans (docs/plan.md, Memory)."""
     plan, prof = step.plan, step.profile
     loss = (4.0 + step.act_b) * prof.vocab_size * step.rows / plan.tp if load.head else 0.0
     if not load.blocks:
         return loss
-    block = block_working_set(step, net=True) + (prefetch_bytes(step) if load.blocks > 1 else 0.0)
-    return max(loss, block - head_saved)
+    block = block_working_set(step, net=True, load=load) + (prefetch_bytes(step) if load.blocks > 1 else 0.0)
+    states = block_moment_states(step, load) if prof.num_experts else 0.0
+    return loss if loss > block - head_saved + states else block - head_saved
+
+
+def block_moment_states(step: StepShape, load: RankLoad) -> float:
+    """Model-state bytes the rank holds at its first block's backward and not at the loss's, where
+    FSDP prices the states at that block's re-gather (`FSDP.rank_memory`: one pipeline stage,
+    resharding, no ZeRO): the re-gathered block and the root unit (embedding, final norm, head:
+    re-gathered for its backward, measured), and the root unit's unsharded gradients."""
+    plan, prof = step.plan, step.profile
+    if step.fs == 1 or getattr(plan, "zero", 0) or plan.pp > 1 or not (plan.reshard_after_forward
+                                                                         or plan.offload == "params"):
+        return 0.0
+    from dtorch.plan.strategies.expert import held_block_params
+
+    root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
+    return (held_block_params(prof, plan) + 2.0 * root) * step.param_b
 
 
 def prefetch_bytes(step: StepShape) -> float:
@@ -231,26 +252,70 @@ def prefetch_bytes(step: StepShape) -> float:
     plan = step.plan
     if step.fs == 1 or not plan.reshard_after_forward or getattr(plan, "zero", 0) or plan.offload == "params":
         return 0.0
-    from dtorch.plan.strategies.expert import held_block_params
+    from dtorch.plan.strategies.expert import allgather_block_params
 
-    return held_block_params(step.profile, plan) * step.param_b
+    return allgather_block_params(step.profile, plan) * step.param_b
 
 
-def block_working_set(step: StepShape, net: bool = False) -> float:
+def block_working_set(step: StepShape, net: bool = False, load: RankLoad | None = None) -> float:
     """Bytes a block's backward holds beyond its saved activations at its fullest, inside the
     feed-forward's backward: the gradients of the f-wide tensors autograd holds at once (f/tp each;
     SwiGLU: those of the silu output and of w3's output beside the one the silu's backward makes,
     three; GeLU: the activation's and the one its backward makes, two) and the residual stream's
     (h wide, sharded with SP). `net`: less what the backward has freed of the block's saved tensors
     by then (the product w2 kept as its input, f wide, and the block's output, h wide), which is
-    what the peak holds beyond the saved activations. Measured per module with MemTracker
-    (tests/plan/test_memory_categories.py)."""
+    what the peak holds beyond the saved activations. A MoE block (the last block of `load`, or of
+    any stage of a MoE model without `load`): `moe_block_working_set`. Measured per module with
+    MemTracker (tests/plan/test_memory_categories.py)."""
     plan, prof = step.plan, step.profile
+    if prof.num_experts and (load is None or load.blocks > load.dense_blocks):
+        return moe_block_working_set(step, net)
     wide = 3.0 if prof.family in GATED_FAMILIES else 2.0
     h_share = 1.0 / plan.tp if plan.sp else 1.0
     if net:
         return (wide - 1.0) * prof.ffn_hidden / plan.tp * step.act_b * step.rows
     return (wide * prof.ffn_hidden / plan.tp + step.h * h_share) * step.act_b * step.rows
+
+
+EXPERT_GRAD_BUFFERS = 4.0 / 3.0
+"""The routed experts' weight gradients autograd holds at once during their backward, in units of
+the rank's local experts of one block: `GroupedExperts.compute` indexes the stacked w1, w2, w3 per
+expert, so each expert's backward yields a zero-filled gradient of a whole stacked weight, which
+autograd adds in place into the sum of the experts before: the three sums (1) and the new term of
+one of them (1/3). (Under MemTracker autograd sums out of place, one more term: see
+tests/plan/test_memory_categories.py.) With one local expert nothing is summed: 1."""
+
+
+def moe_block_working_set(step: StepShape, net: bool = False) -> float:
+    """`block_working_set` of a MoE block (`dtorch.models.moe.MoE` run by `dtorch.parallel.expert`):
+    its fullest moment is inside the routed experts' backward, in the second local expert's (the
+    only one's end where the rank holds one). Held then: the gradient of the experts' output rows
+    in expert order (the rows the rank computes: its tokens x top_k, times `load_imbalance` under
+    EP), the residual stream's and the MoE input's gradients (h wide: the shared experts' or the
+    balance loss's backward ran first), the local experts' weight gradients (`EXPERT_GRAD_BUFFERS`;
+    in param dtype where FSDP gathered the weights, else the float32 masters') and the first
+    expert's input gradient (its share of the rows, h wide) while the others' run. `net`: less
+    what the backward has freed of the block's saved tensors by then: the combine's output and
+    the gate-weighted output (h wide per assignment), the shared experts' four f-wide tensors, and
+    the first expert's four fe-wide ones. Measured with MemTracker
+    (tests/plan/test_memory_categories.py)."""
+    from dtorch.plan.strategies.expert import EXPERT, expert_params_per_block
+
+    plan, prof = step.plan, step.profile
+    h, act, tokens = step.h, step.act_b, step.rows
+    assignments = tokens * prof.experts_per_token
+    rows = assignments * (EXPERT.load_imbalance if plan.ep > 1 else 1.0)
+    local_experts = prof.num_experts / plan.ep
+    first = rows / local_experts if local_experts > 1 else 0.0  # the rows of the expert done
+    sums = EXPERT_GRAD_BUFFERS if local_experts > 1 else 1.0
+    grad_b = step.param_b if (step.fs > 1 or plan.ep > 1) and plan.offload != "params" else 4.0
+    held = (rows * h + 2.0 * tokens * h + first * h) * act
+    held += sums * expert_params_per_block(prof) / plan.ep / plan.tp * grad_b
+    if not net:
+        return held
+    shared_f = prof.num_shared_experts * prof.expert_hidden / plan.tp
+    freed = (2.0 * assignments * h + 4.0 * shared_f * tokens + 4.0 * first * prof.expert_hidden / plan.tp) * act
+    return held - freed
 
 
 def recomputed_block_bytes(step: StepShape) -> float:
