@@ -7,7 +7,8 @@ compute at the mesh's best GEMM efficiency plus its TP traffic), and a mesh is s
 bound cannot beat the k-th best plan found and its family already has a plan no slower than the
 bound. Inside a mesh: micro-batch sizes dividing the local batch, schedules and virtual stages,
 then checkpointing and FSDP resharding in order of cost, stopping at the first that fits (more
-recomputation or more communication is never faster); offload is only tried where nothing else fits.
+recomputation or more communication is never faster), and beside each FSDP plan ZeRO-1/2 down their
+own ladder (`_zero`); offload is only tried where nothing else fits.
 
 What each strategy contributes (its mesh degrees, schedules, precisions, the memory ladder, its
 ranking handicap, its rules) comes from the registry, `dtorch.plan.strategies`.
@@ -64,6 +65,7 @@ from dtorch.plan.strategies.memory import MEMORY, OFFLOAD_POLICIES
 from dtorch.plan.strategies.pipeline import PARTITION_MARGIN, PIPELINE, bubble_fraction, ideal_load  # noqa: F401
 from dtorch.plan.strategies.precision import PRECISION, PRECISION_MARGIN  # noqa: F401
 from dtorch.plan.strategies.tensor import TENSOR
+from dtorch.plan.strategies.zero import ZERO
 
 GiB = 2**30
 
@@ -242,6 +244,13 @@ class _Mesh:
     def family(self) -> str:
         return strategies.family(self.plan(sp=self.tp > 1))
 
+    def families(self, fixed: dict[str, Any]) -> list[str]:
+        """The families the search may rank on this mesh: its own, and ZeRO's where it tries them
+        (`Zero.stages`; never over replicas, which the executor does not run)."""
+        accumulating = self.plan(sp=self.tp > 1, num_microbatches=max(2, self.pp))
+        return [self.family] + [strategies.family(replace(accumulating, zero=z))
+                                for z in ZERO.stages(accumulating, fixed)]
+
 
 def _meshes(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: dict[str, Any]) -> list[_Mesh]:
     """Every mesh the strategies' candidates make (`_degrees`: tp innermost first, then cp and pp)
@@ -391,7 +400,7 @@ def search(
     for i, mesh in enumerate(meshes):
         if progress is not None:
             progress(i, len(meshes), book.evaluated)
-        if not book.worth(mesh.bound, mesh.family):
+        if not any(book.worth(mesh.bound, f) for f in mesh.families(fixed)):
             book.pruned += 1
             continue
         _search_mesh(mesh, book, profile, bgroup, global_batch, fixed, precs, lean_dtype, constants)
@@ -522,6 +531,11 @@ class _Book:
         degree trades all-to-all against FSDP traffic, which the reduction dtype halves)."""
         self.least_mem: dict[str, tuple[Plan, Estimate]] = {}
         self.not_runnable: dict[str, str] = {}
+        self.not_built: dict[str, str] = {}
+        """Families this executor cannot run, never estimated (a ZeRO stage's limits) -> why."""
+        self.zero_why: set[str] = set()
+        """Why ZeRO-1/2 were not tried on some mesh (`Zero.not_searched`): `rejected` says it when
+        they were tried nowhere."""
         self.seen: dict[tuple, Estimate] = {}
         self.evaluated = self.pruned = self.counter = 0
 
@@ -580,6 +594,11 @@ class _Book:
             out[fam] = (f"does not fit: its leanest plan tried needs {est.memory_bytes_per_rank / GiB:.1f} GiB "
                         f"per rank ({plan.describe()}), {est.memory_capacity / GiB:.0f} GiB available"
                         + "".join(f"; {n}" for n in est.notes))
+        for fam, why in sorted(self.not_built.items()):
+            if fam not in self.best_family and fam not in out:
+                out[fam] = f"not searched: cannot run here: {why}"
+        if self.zero_why and not any("ZeRO" in fam for fam in [*self.best_family, *out]):
+            out["ZeRO1/2"] = "not searched: " + "; ".join(sorted(self.zero_why))
         return out
 
 
@@ -592,7 +611,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
     """Inside one mesh: offload levels (each only where the one before fits nothing), micro-batch
     sizes largest first (skipped when their bound cannot matter or their leanest plan does not
     fit), schedules, precisions and partitions, then the memory ladder."""
-    fam, L = mesh.family, profile.num_layers
+    fam, fams, L = mesh.family, mesh.families(fixed), profile.num_layers
     local = global_batch // (mesh.dp_replicate * mesh.dp_shard)
     mbss = [fixed["microbatch_size"]] if "microbatch_size" in fixed else _divisors(local)
     mbss = [b for b in sorted(mbss, reverse=True) if local % b == 0
@@ -617,7 +636,8 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
             continue
         for mbs in mbss:
             nmb = local // mbs
-            if not book.worth(_bound(mesh, mbs, profile, group, global_batch, precs, c), fam):
+            bound = _bound(mesh, mbs, profile, group, global_batch, precs, c)
+            if not any(book.worth(bound, f) for f in fams):
                 continue
             if mbs != mbss[-1]:
                 lean = _leanest(mesh, local, offload, mbs, L, fixed, lean_dtype, profile, global_batch, max(eps))
@@ -631,8 +651,38 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
                                     num_microbatches=nmb, schedule=sched, virtual_stages=v, offload=offload,
                                     param_dtype=pdt, reduce_dtype=rdt, layer_partition=part)
                     fitted |= _inner(base, fixed, book.consider, lambda t, f=fam: not book.worth(t, f))
+                    fitted |= _zero(base, fixed, book)
         if fitted:
             return  # offloading is only worth it where nothing else fits on this mesh
+
+
+def _zero(base: Plan, fixed: dict[str, Any], book: _Book) -> bool:
+    """ZeRO-1/2 beside FSDP's `base` plan (`ZERO.stages`), each down its own memory ladder (nothing
+    to reshard within a step); a stage this executor cannot run is not estimated, its family keeps
+    why (`rejected`). ZeRO-2 only where ZeRO-1 does not fit at the cheapest rung: at any rung it is
+    ZeRO-1's gradient memory bought with a reduce-scatter per micro-batch. True if something fit."""
+    stages = ZERO.stages(base, fixed)
+    if not stages:
+        why = None if "zero" in fixed else ZERO.not_searched(base, fixed)
+        if why:
+            book.zero_why.add(why)
+        return False
+    fitted, first = False, None
+    for z in stages:
+        if first is not None and first.fits:
+            break
+        plan = Plan.__new__(Plan)
+        plan.__dict__ = {**base.__dict__, "zero": z, "reshard_after_forward": False}  # (a shallow copy, as `_rung`)
+        fam = plan.family()
+        if book.executable_only and (why := unsupported(plan)):
+            book.not_built.setdefault(fam, why)
+            continue
+        zfixed = {**fixed, "zero": z}
+        fitted |= _inner(plan, zfixed, book.consider, lambda t, f=fam: not book.worth(t, f))
+        if z == 1:
+            rungs = MEMORY.rungs(plan.dp_shard, zfixed)
+            first = book.consider(_rung(plan, *rungs[0])) if rungs else None  # (estimated: the book's)
+    return fitted
 
 
 def _schedules(pp: int, nmb: int, L: int, fixed: dict[str, Any], profile: ModelProfile) -> list[tuple[str, int]]:

@@ -21,6 +21,10 @@ in param_dtype (the whole step); gradients = for ZeRO-1 with more than one micro
 accumulation in reduce_dtype (FSDP2 accumulates unsharded gradients in reduce_dtype; each unit's is
 freed as its shard is made), else the float32 shard; optimizer state sharded.
 
+Search (`stages`, walked by `search._zero` beside every FSDP plan it tries): ZeRO-1 and ZeRO-2 where
+they are another plan than FSDP's and the executor runs them, each down its own checkpointing
+ladder; `not_searched` and `limits` are what `rejected` says elsewhere. `--fix zero=N` pins it.
+
 Without a dp_shard x cp axis there is nothing to shard and `zero` changes nothing (`zero_stage`).
 Limits: dp_replicate > 1 (DDP or HSDP replicas: not built for ZeRO), ZeRO-2 with expert
 parallelism under a pipeline (the expert half builds its own units), parameter offload (FSDP's CPU
@@ -87,6 +91,36 @@ class Zero(Strategy):
     def family(self, plan: Any) -> str | None:
         z = zero_stage(plan)
         return f"ZeRO{z}" if z else None
+
+    # ---- the search's candidates ----------------------------------------------------------------
+    def stages(self, plan: Any, fixed: dict[str, Any]) -> tuple[int, ...]:
+        """The stages the search tries beside FSDP's `plan` (zero=0), ZeRO-1 first (the faster; ZeRO-2
+        saves its full-size gradients for a reduce-scatter per micro-batch). None where `--fix` pins
+        `zero`, and where `not_searched` says why (no axis to shard, replicas, or the plan FSDP
+        already is). Which of these the executor cannot run is the search's to report (`limits`)."""
+        if "zero" in fixed or self.not_searched(plan, fixed):
+            return ()
+        return (1, 2) if plan.pp == 1 else (2,)
+
+    @staticmethod
+    def not_searched(plan: Any, fixed: dict[str, Any]) -> str | None:
+        """Why the search tries no ZeRO stage on `plan`'s mesh and micro-batching, or None."""
+        if fixed.get("offload") == "params":
+            return "the fixed offload=params gathers parameters per unit; ZeRO keeps them gathered all step"
+        if fixed.get("reshard_after_forward"):
+            return "the fixed reshard_after_forward=true reshards within the step; ZeRO keeps parameters gathered"
+        if plan.dp_shard * plan.cp == 1:
+            return "no dp_shard x cp axis to shard the optimizer state over"
+        if plan.dp_replicate > 1:
+            # (the same data parallelism all on dp_shard is a mesh of its own, searched with ZeRO)
+            return "ZeRO over dp_replicate (DDP or HSDP replicas) is not built"
+        if plan.num_microbatches == 1:
+            # one gather and one reduction per unit either way: the same step, the same bytes
+            return "at one micro-batch per step ZeRO-1/2 run as FSDP without resharding (searched as that)"
+        return None
+    # (under a pipeline FSDP without resharding already gathers once and reduces once per step, as
+    # torch's schedule drives it: ZeRO-1's traffic, for no more memory in the estimate, so only
+    # ZeRO-2, reducing every micro-batch into sharded gradients, is another plan there)
 
     def describe(self, plan: Any):
         if zero_stage(plan):
