@@ -54,10 +54,11 @@ from dtorch.plan.strategies import (  # noqa: F401
 )
 from dtorch.plan.strategies.base import divisors as _divisors
 
-# Inside a mesh the search walks three strategies' candidates in an order that prunes (module doc):
+# Inside a mesh the search walks four strategies' candidates in an order that prunes (module doc):
 # memory's offload levels and checkpointing ladder in order of cost, each stopping at the first that
 # fits; the pipeline's schedules and partitions per micro-batch count; expert parallelism's degrees,
-# which borrow data-parallel ranks rather than being a mesh axis. Those name their strategy, as do
+# which borrow data-parallel ranks rather than being a mesh axis; ZeRO's stages beside each FSDP plan,
+# ZeRO-2 only where ZeRO-1 needs more checkpointing. Those name their strategy, as do
 # the precisions a device offers (searched around every mesh) and valid_tp (an error's hint); the
 # meshes, the lower bound and the checks of fixed fields are loops over the registry.
 from dtorch.plan.strategies.expert import EXPERT

@@ -101,4 +101,5 @@ def test_the_loops_name_no_strategy():
     for mod in ("parallel/parallelize.py", "parallel/halves.py", "parallel/dryrun.py"):
         assert _strategy_names(ROOT / "dtorch" / mod) == set(), mod
     # the search's walk inside a mesh names what it orders (search.py says why); nothing else
-    assert _strategy_names(ROOT / "dtorch/plan/search.py") <= {"EXPERT", "MEMORY", "PIPELINE", "PRECISION", "TENSOR"}
+    assert _strategy_names(ROOT / "dtorch/plan/search.py") <= {"EXPERT", "MEMORY", "PIPELINE", "PRECISION", "TENSOR",
+                                                                       "ZERO"}
