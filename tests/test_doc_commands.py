@@ -467,8 +467,8 @@ dtorch plan: error: tp=3: output, not a command
     assert "'dtorch gone' matches no command" in problems[1]
 
 
-@pytest.mark.slow  # ~50 s of CPU for the docs' ~35 commands
-@pytest.mark.beside  # in process or plain subprocesses: no process group, no timing
+@pytest.mark.slow  # the docs' 64 commands, drills and probes included
+@pytest.mark.beside  # nothing it asserts depends on timing; its drills and probes are short 2-rank jobs
 @pytest.mark.parametrize("doc", [p.name for p in DOCS])
 def test_every_command_of_the_doc_runs_as_written(doc, inputs, env, tmp_path):
     path = next(p for p in DOCS if p.name == doc)
