@@ -467,6 +467,26 @@ dtorch plan: error: tp=3: output, not a command
     assert "'dtorch gone' matches no command" in problems[1]
 
 
+def test_drills_are_shrunk_launched_apart_and_must_recover(tmp_path):
+    argv = ["train", "--chaos", "kill:rank=1:phase=checkpoint:step=50", "--steps", "300"]
+    _train(argv)
+    assert argv[2] == "kill:rank=1:phase=checkpoint:step=4" and "--nproc" not in argv
+    assert argv[argv.index("--steps") + 1] == "8" and argv[argv.index("--checkpoint-every") + 1] == "2"
+    assert _launches(argv) and not _recovered(argv, 'dtorch: {"final_step": 8}')  # the fault never struck
+    assert _recovered(argv, "dtorch: recovered from exit of rank(s) [1] in 0.9 s")
+    every = ["train", "--chaos", "every=20:kill"]
+    _train(every)
+    assert every[2] == "every=4:kill"
+    assert _recovered(["run", "--chaos", "slow:rank=0:factor=3", "x.py"], "")  # a straggler: nothing to recover
+    plain = ["train", "--steps", "20"]
+    _train(plain)
+    assert plain[plain.index("--nproc") + 1] == "1" and not _launches(plain)
+    assert _launches(["train", "--nproc", "2"]) and _launches(["probe"]) and not _launches(["plan"])
+    env = {"PATH": os.environ["PATH"]}
+    assert _expand("A=$(echo hi there) B=1 dtorch plan --x", tmp_path, env) == "A='hi there' B=1 dtorch plan --x"
+    assert _expand("dtorch plan $(echo a)", tmp_path, env) == "dtorch plan $(echo a)"  # not an assignment: bash's
+
+
 @pytest.mark.slow  # the docs' 64 commands, drills and probes included
 @pytest.mark.beside  # nothing it asserts depends on timing; its drills and probes are short 2-rank jobs
 @pytest.mark.parametrize("doc", [p.name for p in DOCS])
