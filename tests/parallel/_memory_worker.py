@@ -80,6 +80,68 @@ class _BucketRecorder:
             tracker._update_and_maybe_create_winfos(buf, _MemRefType.BUFFER)
 
 
+class _Settled:
+    """Collectives that return only once gloo's worker thread has let go of their tensors. The
+    thread wakes the caller when a collective completes and drops its reference to the work (which
+    holds the input and output) a moment later, so a tensor the step has finished with can outlive
+    the call for as long as the machine takes to schedule that thread: on busy cores MemTracker
+    then counted the routed experts' all-to-all buffers (R x h each) at the peak, or moved the peak
+    to another moment, from one run to the next. Each synchronous collective, and each work's
+    `wait`, here waits (at most `TIMEOUT` s) until the tensors passed to it are referenced no more
+    than before the call; the step's own tensors and what it keeps are unchanged."""
+
+    NAMES = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce",
+             "all_gather_into_tensor", "reduce_scatter_tensor")
+    TIMEOUT = 0.05
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self._dist, self._saved, self._works = dist, {}, {}
+        self._wait = dist.Work.wait
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(fn))
+        settled = self
+
+        def wait(work, *args, **kwargs):
+            out = settled._wait(work, *args, **kwargs)
+            settled._settle(settled._works.pop(id(work), ()))
+            return out
+
+        dist.Work.wait = wait
+
+    def _wrap(self, fn):
+        import weakref
+
+        def call(*args, **kwargs):
+            held = [(weakref.ref(t), t._use_count()) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            work = fn(*args, **kwargs)
+            if kwargs.get("async_op") and work is not None:
+                self._works[id(work)] = held
+            else:
+                self._settle(held)
+            return work
+
+        return call
+
+    def _settle(self, held) -> None:
+        import time
+
+        deadline = time.monotonic() + self.TIMEOUT
+        while time.monotonic() < deadline:
+            if all(t is None or t._use_count() <= n for t, n in ((r(), n) for r, n in held)):
+                return
+            time.sleep(0)
+
+    def restore(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(self._dist, name, fn)
+        self._dist.Work.wait = self._wait
+
+
 def measure(case, rank):
     """One steady-state step of `case` on this rank: the peak's bytes by category."""
     from dtorch.models import build_model
@@ -104,6 +166,7 @@ def measure(case, rank):
     for step in range(3):
         x = torch.randint(0, 256, (plan.dp * local, SEQ + 1), generator=g)
         tracker = _tracker() if step == 2 else None
+        settled = _Settled() if step == 2 else None
         if tracker is not None:
             tracker.track_external(*pm.model_parts, opt)
             buckets.register(tracker)  # (the second step's: the rebuilt buckets every later step uses)
@@ -116,6 +179,7 @@ def measure(case, rank):
         finally:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
+                settled.restore()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     out = dict.fromkeys(CATEGORIES, 0)
     for kind, nbytes in peak.items():
