@@ -15,7 +15,14 @@ import sys
 
 import pytest
 
-from dtorch.cluster.peak import cpu_clock_ghz, cpu_peak, flops_per_cycle, node_cpus, physical_cores
+from dtorch.cluster.peak import (
+    compute_dtype,
+    cpu_clock_ghz,
+    cpu_peak,
+    flops_per_cycle,
+    node_cpus,
+    physical_cores,
+)
 
 SPR = {"fma", "avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}
 
@@ -183,10 +190,12 @@ def test_the_main_job_reports_one_mfu_at_most_100_percent_in_plan_console_log_an
     world, peak, fpt = plan["world_size"], plan["mfu_peak_flops"], plan["flops_per_token"]
     assert world == 2 and len(steps) == 6
 
-    # the plan: the same formula over the same peak, which is the detected one shared by 2 ranks
-    assert peak == pytest.approx(cpu_peak("float32").flops / 2)
-    assert plan["predicted_mfu"] == pytest.approx(plan["predicted_tokens_per_s"] * fpt / (peak * world))
+    # the plan: the same formula over the same peak, which is the detected one of the plan's compute
+    # dtype shared by 2 ranks (the search picks bfloat16 where this CPU measured it faster: AMX)
     manifest = json.loads(next(run.glob("step-*/manifest.json")).read_text())["manifest"]
+    dtype = compute_dtype(manifest["plan"]["param_dtype"])
+    assert peak == pytest.approx(cpu_peak(dtype).flops / 2)
+    assert plan["predicted_mfu"] == pytest.approx(plan["predicted_tokens_per_s"] * fpt / (peak * world))
     assert plan["predicted_mfu"] == pytest.approx(manifest["plan"]["predicted"]["mfu"])  # the planner's own figure
     # metrics.jsonl: every step
     for s in steps:
