@@ -12,7 +12,8 @@
 #
 # The whole suite (no arguments) runs as two pytest sessions side by side: the multi-process tests
 # (-m "slow and not beside") and the single-process ones (-m "not slow or beside": `beside` marks a
-# slow test that starts no process group and times nothing). The multi-process tests leave a core idle
+# slow test whose outcome does not depend on timing, such as the doc-command runner, whose drills and
+# probes are short 2-rank jobs of their own). The multi-process tests leave a core idle
 # much of the time (an agent importing torch, a job's single-threaded start, waits for a rendezvous,
 # a kill or a timeout); the single-process tests fill it, at a lower priority (nice 10) so that the
 # drills' timings (hang detection, stragglers) see the machine as before. Each test still runs
