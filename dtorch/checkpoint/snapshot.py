@@ -381,8 +381,9 @@ class LiveOptimizers:
     `_LiveDict` reused while every parameter's state dict and every value in it is still the
     same object (identity tests in C loops; a replaced value, a new parameter or a
     `load_state_dict` rebuilds it); the param groups are copied afresh at every call. An
-    optimizer with state-dict hooks (which may rewrite the dict) is asked for its full state
-    dict every time."""
+    optimizer with state-dict hooks (which may rewrite the dict), or with a `state_dict` of its
+    own (its `state` need not hold its numbers: the NVMe offload tier keeps meta tensors there and
+    the moments in files, `dtorch.train.offload`), is asked for its full state dict every time."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = list(optimizers)
@@ -424,7 +425,8 @@ class LiveOptimizers:
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for i, opt in enumerate(self.optimizers):
-            if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks:
+            if (opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks
+                    or type(opt).state_dict is not torch.optim.Optimizer.state_dict):
                 out[str(i)] = opt.state_dict()
                 continue
             live = self._live[i]
