@@ -193,7 +193,11 @@ def _check_plan(args: JobConfig, nproc: int) -> None:
                       checkpoint_dir=None, checkpoint_every=args.checkpoint_every, plan=request, seed=args.seed,
                       console=False)
     trainer.ckpt = None
-    trainer._choose_plan(nproc, 0)
+    plan = trainer._choose_plan(nproc, 0)
+    from dtorch.train.offload import OptimizerOffload
+
+    # the tier the workers would resolve, here: a missing --offload-dir fails before any worker starts
+    OptimizerOffload.resolve(args.offload, plan.offload, args.offload_dir)
 
 
 def run(args: argparse.Namespace) -> int:

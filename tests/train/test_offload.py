@@ -193,8 +193,8 @@ def test_bad_nvme_directory_fails_the_trainer_before_training(tmp_path):
     from dtorch.plan.plan import Plan
     from dtorch.train.trainer import Trainer
 
-    with pytest.raises(ConfigError, match="offload.directory"):
-        Trainer(model=lambda: None, offload="optimizer_nvme")  # no directory given
+    with pytest.raises(ConfigError, match="offload_dir.*--offload-dir DIR.*offload_dir="):
+        Trainer(model=lambda: None, offload="optimizer_nvme")  # no directory given: both spellings named
     with pytest.raises(ConfigError, match="offload"):
         Trainer(model=lambda: None, offload="disk")
     # a directory the host tier would never use is an error, not silently ignored
@@ -208,6 +208,20 @@ def test_bad_nvme_directory_fails_the_trainer_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"missing.*does not exist.*bytes"):
         tr.fit(2)
     assert tr.step == 0
+
+
+def test_cli_nvme_tier_without_a_directory_names_the_flag_before_any_worker(tmp_path, capsys):
+    """`dtorch train --offload optimizer_nvme` without `--offload-dir`: one line naming the flag,
+    exit 2, in the launcher's preflight (no run directory made, no worker started)."""
+    from dtorch.cli import main
+
+    run = tmp_path / "run"
+    code = main(["train", "--nproc", "2", "--steps", "2", "--offload", "optimizer_nvme", "--model", "llama-tiny",
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("dtorch train: error: offload_dir=None:") and "--offload-dir DIR" in err[0], err
+    assert not run.exists() and not (tmp_path / "ckpt").exists()
 
 
 def test_offloaded_state_lives_where_the_tier_says(tmp_path):

@@ -82,7 +82,7 @@ class OptimizerOffload:
                 if directory is None:
                     raise ConfigError("offload_dir", None,
                                       "the plan says offload=optimizer_nvme: give a directory on a local disk, "
-                                      "Trainer(offload_dir=...) or `dtorch train --offload-dir DIR`")
+                                      "`dtorch train --offload-dir DIR` or Trainer(offload_dir=...)")
                 return cls("nvme", directory=str(directory))
             return cls("host") if plan_offload == "optimizer" else None
         if value == "none":
@@ -90,7 +90,11 @@ class OptimizerOffload:
         if value == "optimizer":
             return cls("host")
         if value == "optimizer_nvme":
-            return cls("nvme", directory=str(directory) if directory is not None else None)
+            if directory is None:
+                raise ConfigError("offload_dir", None,
+                                  "offload=optimizer_nvme keeps the optimizer state in files: give a directory on a "
+                                  "local disk, `dtorch train --offload-dir DIR` or Trainer(offload_dir=...)")
+            return cls("nvme", directory=str(directory))
         raise ConfigError("offload", value, f"use one of {', '.join(OFFLOAD_VALUES)} or an OptimizerOffload")
 
 
