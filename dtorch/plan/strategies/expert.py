@@ -12,8 +12,8 @@ ranks (with replicas, dp_replicate > 1, the ep ranks lie inside one replica, ep 
 whole replicas, ep = dp_shard * k with k | dp_replicate: `replicas_fit`), optionally with TP
 (sp=false: the routed experts' hidden units split over tp, expert-tensor parallelism) and PP (each
 stage's ep groups are its own data-parallel ranks; zero-bubble under FSDP only without resharding
-after forward, a limit of the pipeline strategy for every model); no CP, parameter offload,
-selective AC or compile. With TP each MoE block all-reduces its routed output (top_k rows per
+after forward, a limit of the pipeline strategy for every model); no CP (`EP_WITH_CP`), parameter
+offload, selective AC or compile. With TP each MoE block all-reduces its routed output (top_k rows per
 token) over tp forward and the input gradient backward, priced here on top of the TP strategy's
 collectives.
 
@@ -58,6 +58,16 @@ LOAD_IMBALANCE = 1.0
 """Default hottest-rank load over the mean (1: balanced). DeepSeek-V3's auxiliary-loss-free bias keeps
 loads near balance; pass another value to `EXPERT.load_imbalance` (or the cost model's constants)
 for what-if studies."""
+
+
+EP_WITH_CP = ("expert parallelism with context parallelism is not offered: under cp each rank computes the MoE's "
+              "sequence-wise balance loss on its own chunk of each sequence (not loss-equivalent to one process)")
+"""Why ep > 1 with cp > 1 is refused by the planner (`fixed_rules`, `limits`) and the executor
+(`dtorch.parallel.check`). Measured on 4 gloo ranks with the limit lifted (moe-tiny, dp_shard=2 x cp=2,
+ep=2, 5 float32 AdamW steps): the all-to-alls over the cp ranks are exact (losses within 2e-7 of one
+process without the balance loss), but with it the losses drift by 9e-5 and the gradient norms by 1e-3,
+as they do with cp alone."""
+EP_WITH_CP_FIX = "use ep=1, or cp=1"
 
 
 def data_ranks(plan: Any) -> int:
@@ -283,8 +293,7 @@ class Expert(Strategy):
         if plan.ep == 1:
             return
         if plan.cp > 1:
-            yield Limit("expert parallelism with context parallelism is not wired into parallelize()", "ep", plan.ep,
-                        "use ep=1, or cp=1")
+            yield Limit(EP_WITH_CP, "ep", plan.ep, EP_WITH_CP_FIX)
         elif plan.dp_replicate > 1 and not replicas_fit(plan):
             yield Limit(f"with dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} the ep={plan.ep} ranks "
                         "must lie inside one replica (ep divides dp_shard) or over whole replicas (ep = dp_shard "
@@ -322,7 +331,10 @@ class Expert(Strategy):
 
     def fixed_rules(self, fixed: dict[str, Any], profile: ModelProfile, world: int) -> Iterator[Violation]:
         ep = fixed.get("ep", 1)
-        if ep > 1 and not profile.num_experts:
+        if ep > 1 and fixed.get("cp", 1) > 1:
+            # refused, not planned as a what-if: the executor would train another objective (EP_WITH_CP)
+            yield Violation("ep", ep, f"{EP_WITH_CP}; {EP_WITH_CP_FIX}")
+        elif ep > 1 and not profile.num_experts:
             yield Violation("ep", ep, f"{profile.name} is dense (no routed experts); use ep=1")
         elif ep > 1 and (profile.num_experts % ep or world % ep):
             ok = [d for d in divisors(profile.num_experts) if world % d == 0]
