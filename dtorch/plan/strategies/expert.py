@@ -66,7 +66,7 @@ EP_WITH_CP = ("expert parallelism with context parallelism is not offered: under
 (`dtorch.parallel.check`). Measured on 4 gloo ranks with the limit lifted (moe-tiny, dp_shard=2 x cp=2,
 ep=2, 5 float32 AdamW steps): the all-to-alls over the cp ranks are exact (losses within 2e-7 of one
 process without the balance loss), but with it the losses drift by 9e-5 and the gradient norms by 1e-3,
-as they do with cp alone."""
+as they do with cp alone (`tests/parallel/test_ep_cp_loss.py`)."""
 EP_WITH_CP_FIX = "use ep=1, or cp=1"
 
 
