@@ -192,8 +192,10 @@ def _states(plan: Plan, p_stage: float, p_gathered: float | None = None, p_local
     grads = 0.0 if plan.offload == "params" else grad_bytes * local
     fsdp2 = shard > 1 or plan.ep > 1  # (EP runs DDP replicas as FSDP2 units over one-rank shard groups)
     if plan.pp > 1 and fsdp2 and plan.num_microbatches > 1 and plan.offload != "params":
-        # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter before)
-        grads += DTYPE_BYTES[plan.param_dtype] * (p_stage if p_gathered is None else p_gathered)
+        # pipelining accumulates unsharded gradients until the last micro-batch (no reduce-scatter
+        # before), in reduce_dtype (FSDP2's `to_accumulated_grad_if_needed`); each unit's is freed as
+        # its shard is made and the step's shards were set to None, so the two never coexist
+        grads = DTYPE_BYTES[plan.reduce_dtype] * (p_stage if p_gathered is None else p_gathered)
     optim = 0.0 if plan.offload in ("optimizer", "optimizer_nvme", "params") else 8.0 * local
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}
 

@@ -97,7 +97,7 @@ def test_zero_is_not_tried_where_fsdp_already_is_that_plan() -> None:
         assert (e.step_time_s, e.memory_bytes_per_rank) == (fsdp.step_time_s, fsdp.memory_bytes_per_rank)
     piped = dict(dp_shard=4, pp=2, schedule="1f1b", microbatch_size=1, num_microbatches=8)
     fsdp, z1 = est(**piped), est(**piped, zero=1)
-    assert z1.step_time_s == fsdp.step_time_s and z1.memory_bytes_per_rank >= fsdp.memory_bytes_per_rank
+    assert (z1.step_time_s, z1.memory_bytes_per_rank) == (fsdp.step_time_s, fsdp.memory_bytes_per_rank)
 
     assert ZERO.stages(Plan(dp_shard=8, num_microbatches=4), {}) == (1, 2)
     assert ZERO.stages(Plan(dp_shard=4, pp=2, num_microbatches=4), {}) == (2,)
@@ -110,6 +110,26 @@ def test_zero_is_not_tried_where_fsdp_already_is_that_plan() -> None:
         assert ZERO.stages(plan, fixed) == ()
         assert why in ZERO.not_searched(plan, fixed)
     assert ZERO.stages(Plan(dp_shard=8, num_microbatches=4), {"zero": 1}) == ()  # (--fix pins it on every plan)
+
+
+def test_pipelined_fsdp_and_zero1_accumulate_full_gradients_in_reduce_dtype() -> None:
+    """Under a pipeline FSDP (resharding or not) and ZeRO-1 run the same accumulation: FSDP2 keeps
+    every unit's full-size gradients in reduce_dtype until the last micro-batch's reduce-scatter
+    (`to_accumulated_grad_if_needed`), and the step's sharded gradients were set to None, so the
+    two never coexist. Measured at world 4 (pp=2 x dp_shard=2, llama-tiny hidden 128, 4 micro-batches:
+    the most gradient bytes held at any FSDP post-backward were 4 B x the stage's parameters in
+    float32, and in bfloat16 with float32 reduction, for all three alike)."""
+    prof, cl = get_profile("llama3-8b", 4096), parse_shorthand("h100:1x8")
+    piped = dict(dp_shard=4, pp=2, schedule="1f1b", microbatch_size=1, num_microbatches=8, seq_len=4096,
+                 global_batch=64, param_dtype="bfloat16")
+    for reduce_dtype, b in (("float32", 4), ("bfloat16", 2)):
+        grads = {estimate(Plan(**piped, reduce_dtype=reduce_dtype, **kw), prof, cl).memory_breakdown["grads"]
+                 for kw in (dict(), dict(reshard_after_forward=False), dict(reshard_after_forward=False, zero=1))}
+        assert len(grads) == 1, grads
+        # (a stage: 16 of the 32 blocks and the embedding, or the head, as large)
+        stage = (prof.num_layers // 2) * (prof.params_total - prof.params_embedding - prof.params_head) \
+            / prof.num_layers + prof.params_embedding
+        assert grads.pop() == pytest.approx(b * stage, rel=0.02)
 
 
 def test_rejected_says_why_zero_was_not_searched() -> None:
