@@ -118,3 +118,29 @@ def test_a_plan_with_the_nvme_tier_and_no_directory_is_one_line_naming_the_fix()
     assert "--offload-dir" in str(err.value)
     assert OptimizerOffload.resolve(None, "optimizer_nvme", "/x").tier == "nvme"
     assert dataclasses.asdict(OptimizerOffload.resolve(None, "optimizer"))["tier"] == "host"
+
+
+def test_the_plan_counts_the_device_parameters_the_executor_keeps_under_a_host_tier(tmp_path):
+    """bf16 with the host tier: the executor keeps the device's float32 parameters (cast per step)
+    and a second float32 copy, the masters, in host memory. The plan counts 4 B/param on the
+    device and the masters in host memory, and its offload line says the masters are a copy."""
+    from dtorch.cluster.load import cluster_from_dict
+    from dtorch.model import profile_module
+    from dtorch.plan.cost import DEFAULT_CONSTANTS, estimate
+    from dtorch.plan.plan import Plan
+    from dtorch.plan.strategies.memory import MEMORY
+
+    fields = dict(microbatch_size=2, num_microbatches=2, param_dtype="bfloat16", offload="optimizer",
+                  seq_len=SEQ, global_batch=BATCH)
+    (run,) = run_group(1, [{"plan": fields}], _worker)[0]
+    assert "error" not in run, run.get("error")
+    assert run["tier"] == "host" and run["param_bytes"] == 4 * run["numel"]  # float32 on the device
+    mem = run["memory"][0]
+    assert mem["host_bytes"] - mem["buffer_bytes"] == 12 * run["numel"]  # masters (4) + moments (8)
+    doc = _cluster_doc(2**40)
+    doc["groups"][0]["device"]["peak_flops"]["bfloat16"] = 5e10
+    cluster = cluster_from_dict(doc)
+    est = estimate(Plan(**fields), profile_module(_factory, SEQ), cluster)
+    assert est.memory_breakdown["params"] == run["param_bytes"] and est.memory_breakdown.get("optimizer", 0) == 0
+    line = MEMORY.offload_summary(Plan(**fields), est, cluster.groups[0], DEFAULT_CONSTANTS)
+    assert "a copy of the fp32 master weights in host memory (the device keeps its fp32 parameters" in line

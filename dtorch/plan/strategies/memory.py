@@ -591,8 +591,10 @@ class Memory(Strategy):
             return (f"parameters, gradients and optimizer states in host memory (FSDP CPU offload), {host}; "
                     f"the step on the CPU and every gather and reduction over the host link: {cost}")
         where = "host memory" if plan.offload == "optimizer" else "files on the node's local disk"
-        line = (f"AdamW states (8 B/param) in {where}, fp32 master weights in host memory, the step on the CPU: "
-                f"{host}")
+        # the executor keeps the device's float32 parameters (and gradients): the host masters are a
+        # second copy, not a move (counted so on both sides; dtorch.train.offload.OffloadedOptimizer)
+        line = (f"AdamW states (8 B/param) in {where}, a copy of the fp32 master weights in host memory (the "
+                f"device keeps its fp32 parameters and gradients), the step on the CPU: {host}")
         if plan.offload == "optimizer_nvme":
             read_bw, write_bw = disk_bandwidth(group, c)
             src = "measured" if group.disk_read_bytes_per_s > 0 else "nominal, run `dtorch probe --disk DIR`"
