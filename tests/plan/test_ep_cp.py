@@ -4,7 +4,7 @@ Under cp each rank computes a MoE's sequence-wise balance loss on its own chunk 
 ep x cp is not loss-equivalent to one process (`dtorch.plan.strategies.expert.EP_WITH_CP` has the
 measurement). The planner never ranks it and says why under "why not", `--fix ep=..,cp=..` is a
 one-line ConfigError (not a what-if with a note), and the executor and `dtorch train` refuse it
-before any process group exists. About 5 s (one `dtorch train` subprocess).
+before any process group exists. About 10 s (two `dtorch train` subprocesses).
 """
 
 from __future__ import annotations
@@ -87,9 +87,16 @@ def test_the_executor_refuses_ep_with_cp_before_any_process_group():
     assert not dist.is_initialized()
 
 
-def test_dtorch_train_refuses_ep_with_cp_up_front(tmp_path):
+@pytest.mark.parametrize("given", ["fields", "file"])
+def test_dtorch_train_refuses_ep_with_cp_up_front(tmp_path, given):
+    """`--plan ep=2,cp=2` (fields the search would fix) and a whole plan file alike: one line, exit 2,
+    before any worker starts."""
+    plan = "ep=2,cp=2"
+    if given == "file":
+        plan = str(tmp_path / "plan.json")
+        Plan(dp_shard=2, cp=2, ep=2, microbatch_size=8).save(plan)
     cli = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())"]
-    args = ["train", "--model", MODEL, "--nproc", "4", "--plan", "ep=2,cp=2", "--steps", "3", "--no-progress",
+    args = ["train", "--model", MODEL, "--nproc", "4", "--plan", plan, "--steps", "3", "--no-progress",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     p = subprocess.run([*cli, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
