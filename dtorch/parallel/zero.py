@@ -22,7 +22,10 @@ turns gradient sync and the reshard after backward off for every micro-batch's b
 ZeRO-2 the stage's root unit keeps gradient sync on (`_SyncEveryMicrobatch`), so each micro-batch
 reduce-scatters while the parameters stay gathered; the final `perform_reduce_grad` then finds no
 unsharded gradient left and only reshards (zero gradients of unused parameters are not reduced
-then: with them a second, all-zero reduce-scatter would follow).
+then: with them a second, all-zero reduce-scatter would follow). Not under zero_bubble (a limit of
+the planner half, refused before any process group): there a stage's weight backward runs after the
+input backward that fires FSDP's post-backward hook, so each micro-batch's gradients stay full-size
+until a later input backward reduces them, as many times as the schedule's order makes it.
 
 Why FSDP2 and not `torch.distributed.optim.ZeroRedundancyOptimizer`: parameters stay DTensors, so
 tensor parallelism composes as FSDP x TP does (2-D meshes), the pipeline schedule drives the

@@ -13,7 +13,7 @@ def worker(case: tuple[str, dict], rank: int) -> dict:
     """`_training.parallel`'s loop (AdamW in float32, 3 steps unless `steps` says, on the batches of
     the one-process reference), counting the collectives torch dispatches (c10d operators, by name)
     in the second step (the first builds AdamW's state and, under PP, the stages' shapes). Returns
-    the losses, the checkpoint keys, the counts and this rank's FSDP units."""
+    the losses, the checkpoint keys, the counts and this rank's FSDP units that hold parameters."""
     import contextlib
 
     import torch
@@ -52,5 +52,7 @@ def worker(case: tuple[str, dict], rank: int) -> dict:
         losses.append(float(loss))
         if step == 1:
             counts = mode.n
-    units = sum(isinstance(m, FSDPModule) for part in pm.model_parts for m in part.modules())
+    # (a unit with parameters of its own: a middle stage's root holds none and issues no collective)
+    units = sum(isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+                for part in pm.model_parts for m in part.modules())
     return {"losses": losses, "keys": sorted(pm.state_dict_for_checkpoint()), "counts": counts, "units": units}

@@ -7,7 +7,10 @@
   training on the same global batch.
 - Collectives: one step's all-gathers and reduce-scatters (the c10d operators torch dispatches)
   are what the planner prices (`Zero.collectives` per FSDP unit): ZeRO-1 one of each per unit per
-  step whatever the micro-batch count, ZeRO-2 one reduce-scatter per unit per micro-batch.
+  step whatever the micro-batch count (under zero-bubble too), ZeRO-2 one reduce-scatter per unit
+  per micro-batch, on every stage (two per rank: interleaved 1F1B). Not ZeRO-2 under zero-bubble,
+  a limit: there the weight backward runs after FSDP's post-backward hook and a second stage
+  reduced 2 times per unit at 4 micro-batches, holding full-size gradients in between.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ CASES = {
     "zero2_x_tp": dict(dp_shard=2, tp=2, zero=2, microbatch_size=1, num_microbatches=2),
     "zero1_x_pp": dict(dp_shard=2, pp=2, zero=1, schedule="1f1b", num_microbatches=4),
     "zero2_x_pp": dict(dp_shard=2, pp=2, zero=2, schedule="1f1b", num_microbatches=4),
+    # two stages per rank; ZeRO-2 not under zero_bubble (a limit: tests/parallel/test_zero_plan.py)
+    "zero2_x_interleaved": dict(dp_shard=2, pp=2, virtual_stages=2, zero=2, schedule="interleaved_1f1b",
+                                num_microbatches=4),
+    "zero1_x_zero_bubble": dict(dp_shard=2, pp=2, virtual_stages=2, zero=1, schedule="zero_bubble",
+                                reshard_after_forward=False, num_microbatches=4),
     "zero2_hf_llama": dict(model="hf-llama", dp_shard=4, zero=2, num_microbatches=2),
     "zero1_x_ep": dict(model="moe-tiny", dp_shard=4, ep=2, zero=1, num_microbatches=2),
 }
@@ -87,9 +95,10 @@ def test_collectives_per_step_are_what_the_planner_prices(world4: dict, name: st
 
 
 def test_zero1_reduces_once_per_step_whatever_the_microbatch_count(world4: dict) -> None:
-    """ZeRO-1 at 2 and 4 micro-batches (with TP, with PP): one reduce-scatter and one all-gather per
-    unit per step; ZeRO-2 at 4: four reduce-scatters per unit."""
-    for name, m, rs in (("zero1_x_tp", 2, 1), ("zero1_x_pp", 4, 1), ("zero2_x_pp", 4, 4)):
+    """ZeRO-1 at 2 and 4 micro-batches (with TP, with PP, under zero-bubble): one reduce-scatter and
+    one all-gather per unit per step; ZeRO-2 at 4: four reduce-scatters per unit, on every stage."""
+    for name, m, rs in (("zero1_x_tp", 2, 1), ("zero1_x_pp", 4, 1), ("zero1_x_zero_bubble", 4, 1),
+                        ("zero2_x_pp", 4, 4), ("zero2_x_interleaved", 4, 4)):
         assert _plan(name)[0].num_microbatches == m
         for res in _ok(world4[name]):
             assert _collective(res["counts"], "reduce_scatter") == rs * res["units"] > 0

@@ -48,6 +48,7 @@ def test_rules_and_limits_name_the_field() -> None:
     assert unsupported(Plan(dp_shard=4, ep=2, zero=2)) is None  # EP too (ZeRO-2 x EP x PP is a limit)
     for kw, field in ((dict(dp_replicate=2), "dp_replicate"), (dict(dp_replicate=2, dp_shard=1), "dp_replicate"),
                       (dict(zero=2, ep=2, pp=2), "zero"), (dict(offload="params"), "offload"),
+                      (dict(zero=2, pp=2, schedule="zero_bubble", reshard_after_forward=False), "zero"),
                       (dict(zero=2, dp_shares=[3, 1], num_microbatches=2, reshard_after_forward=False), "zero")):
         plan = Plan(**{"dp_shard": 2, "zero": 1, **kw})
         with pytest.raises(ConfigError) as err:

@@ -27,9 +27,13 @@ ladder; `not_searched` and `limits` are what `rejected` says elsewhere. `--fix z
 
 Without a dp_shard x cp axis there is nothing to shard and `zero` changes nothing (`zero_stage`).
 Limits: dp_replicate > 1 (DDP or HSDP replicas: not built for ZeRO), ZeRO-2 with expert
-parallelism under a pipeline (the expert half builds its own units), parameter offload (FSDP's CPU
-offload keeps nothing gathered), ZeRO-2 with uneven `dp_shares` (ranks would issue different
-numbers of reduce-scatters). `reshard_after_forward` does not apply under ZeRO (nothing is
+parallelism under a pipeline (the expert half builds its own units), ZeRO-2 under zero_bubble (the
+schedule's weight backward runs apart from the input backward that fires FSDP's post-backward hook:
+each unit's full-size gradients wait for a later micro-batch's input backward to reduce them, so
+the number of reduce-scatters follows the schedule's order, 2 per unit instead of 4 on a second
+stage at 4 micro-batches, and the unsharded gradients plus the shard outweigh ZeRO-1's; measured
+at world 4 on gloo), parameter offload (FSDP's CPU offload keeps nothing gathered), ZeRO-2 with
+uneven `dp_shares` (ranks would issue different numbers of reduce-scatters). `reshard_after_forward` does not apply under ZeRO (nothing is
 resharded within a step).
 """
 
@@ -83,6 +87,11 @@ class Zero(Strategy):
         if plan.offload == "params":
             yield Limit("ZeRO keeps parameters gathered all step; parameter offload gathers them per unit",
                         "offload", plan.offload, "use offload=none or optimizer with zero")
+        if z == 2 and plan.pp > 1 and plan.schedule == "zero_bubble":
+            yield Limit("ZeRO-2 under zero_bubble is not built: torch's split weight backward runs after FSDP's "
+                        "post-backward, so gradients stay full-size until a later micro-batch reduces them "
+                        "(more memory than ZeRO-1, reductions by the schedule's order)", "zero", z,
+                        "use zero=1 (or 0) with schedule=zero_bubble, or schedule=interleaved_1f1b with zero=2")
         shares = getattr(plan, "dp_shares", None)
         if z == 2 and shares is not None and len(set(shares)) > 1:
             yield Limit("ZeRO-2 reduce-scatters every micro-batch: uneven dp_shares would issue different "
@@ -119,8 +128,9 @@ class Zero(Strategy):
             return "at one micro-batch per step ZeRO-1/2 run as FSDP without resharding (searched as that)"
         return None
     # (under a pipeline FSDP without resharding already gathers once and reduces once per step, as
-    # torch's schedule drives it: ZeRO-1's traffic, for no more memory in the estimate, so only
-    # ZeRO-2, reducing every micro-batch into sharded gradients, is another plan there)
+    # torch's schedule drives it: ZeRO-1's traffic and memory (both accumulate full-size gradients in
+    # reduce_dtype, measured), so only ZeRO-2, reducing every micro-batch into sharded gradients, is
+    # another plan there)
 
     def describe(self, plan: Any):
         if zero_stage(plan):
