@@ -95,7 +95,8 @@ HAND_MADE = {
                                                                     reshard_after_forward=False)),
     "ddp x pp uneven shares [3,1] gpipe": ("gpt-tiny", Plan(dp_replicate=2, pp=2, schedule="gpipe", num_microbatches=2,
                                                             dp_shares=[3, 1])),
-    # ZeRO-1/2 are only emitted under --fix zero=N
+    # ZeRO-1/2, as the search offers them beside FSDP plans (`Zero.stages`) or --fix zero=N pins them
+    # (the planner's best plan of every family, ZeRO's among them, runs in test_planner_plans.py)
     "zero1 accumulation": ("llama-tiny", Plan(dp_shard=2, zero=1, num_microbatches=2)),
     "zero2 x tp accumulation bf16": ("llama-tiny", Plan(dp_shard=2, tp=2, zero=2, num_microbatches=2,
                                                         param_dtype="bfloat16")),
