@@ -37,7 +37,9 @@ Hooks, None unless a tool installs them (like `core_attention` in dtorch.models.
   MoE.assignment_counts      the measuring profiler (fake tensors, whose routing cannot be read)
                              supplies per-expert counts; FLOPs are linear in them;
   MoETransformer.load_all_reduce  sums the expert-load counts over data-parallel ranks before
-                             the bias update, so every rank moves the bias identically.
+                             the bias update, so every rank moves the bias identically;
+  MoE.sequence_all_reduce    context parallelism (dtorch.parallel.cp) sums each sequence's
+                             balance-loss statistics over the ranks holding its other chunks.
 """
 
 from __future__ import annotations
@@ -204,6 +206,10 @@ class MoE(nn.Module):
     """Weight of the balance loss's injected gradient: a loop that divides each of m accumulated
     micro-batches' LM loss by m sets 1/m here (`dtorch.parallel.model.ParallelModel` does), so
     that the balance loss keeps its weight relative to the LM loss."""
+    sequence_all_reduce = None
+    """None: every sequence of the batch is whole on this rank. Context parallelism installs a
+    callable(tensor) that sums a tensor in place over the cp ranks, which hold the other chunks of
+    the same sequences: the balance loss then uses each whole sequence's statistics."""
     assignment_counts = None
     """None: per-expert assignment counts read from the routing (one host read). The measuring
     profiler installs a callable (num_assignments, num_experts) -> list[int]."""
@@ -292,9 +298,24 @@ class MoE(nn.Module):
         E, k = c.n_experts, c.top_k
         seq_idx = idx.view(b, s * k)
         f = torch.zeros(b, E, device=scores.device).scatter_add_(1, seq_idx, torch.ones_like(seq_idx, dtype=torch.float32))
-        f = f * (E / (k * s))
         p = scores / scores.sum(-1, keepdim=True) if c.score_func == "sigmoid" else scores
-        return c.aux_loss_coef * (f * p.view(b, s, E).mean(1)).sum(-1).mean()
+        p_mean = p.view(b, s, E).mean(1)
+        if self.sequence_all_reduce is None:
+            return c.aux_loss_coef * (f * (E / (k * s)) * p_mean).sum(-1).mean()
+        # Under context parallelism this rank holds s of the n*s tokens of each sequence (n cp ranks):
+        # the counts and the score means are summed over the n ranks (one collective), so f and P
+        # are the whole sequence's. The gradient goes through this rank's P only, as the mean over
+        # its own tokens: the cp ranks' gradients are averaged (FSDP/DDP over dp_shard x cp), and
+        # the mean over n ranks of a local mean over s tokens is the mean over the n*s tokens, as
+        # for the LM loss. The value is the whole sequence's on every rank.
+        stats = torch.stack((f, p_mean.detach()))
+        self.sequence_all_reduce(stats)
+        counts, p_sum = stats[0], stats[1]
+        assignments = counts.sum(-1, keepdim=True)  # k*n*s per sequence (no host read of n)
+        f_all = counts * (E / assignments)
+        exact = c.aux_loss_coef * (f_all * p_sum * (k * s / assignments)).sum(-1).mean()
+        local = c.aux_loss_coef * (f_all * p_mean).sum(-1).mean()
+        return local + (exact - local).detach()
 
     @torch.no_grad()
     def update_bias(self) -> None:

@@ -11,6 +11,9 @@ The sharding is Llama 3's (Grattafiori et al. 2024, section 3.3.2):
   leave None when nothing is installed) give it the rest: `token_positions` returns the global
   positions of the local tokens (RoPE tables and GPT's learned position embedding are indexed by
   them) and every attention module's `core_attention` replaces its causal SDPA.
+- A MoE's sequence-wise balance loss needs whole sequences: `MoE.sequence_all_reduce` sums each
+  sequence's per-expert counts and mean scores over the cp ranks (one small all-reduce per MoE
+  block), and the gradient flows through the local scores' mean, averaged over cp like the LM loss.
 - Parameters are replicated across cp ranks and each rank's loss covers only its tokens, so the
   gradients are averaged over the cp axis too: FSDP shards over dp_shard x cp flattened
   (torchtitan's ``dp_shard_cp``; see mesh.py `fsdp_mesh`). Each rank's loss is the mean over its
@@ -74,6 +77,9 @@ global sequence length)."""
 ATTENTION_HOOK = CONTEXT_ATTENTION_HOOK
 """Attention-module attribute: None, or a callable (q, k, v, *, dropout_p, enable_gqa) -> output,
 q/k/v [batch, heads, local_len, head_dim], replacing causal SDPA over the local sequence."""
+SEQUENCE_REDUCE_HOOK = "sequence_all_reduce"
+"""Module attribute (dtorch.models.moe.MoE): None, or a callable(tensor) summing it in place over the
+cp ranks, for statistics of whole sequences (the sequence-wise balance loss)."""
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -317,6 +323,11 @@ class ContextParallel:
         """(Global positions of this rank's `local_len` tokens, global sequence length)."""
         return self._tables(local_len, device)[0], local_len * self.size
 
+    def sequence_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` in place over the cp ranks (no autograd: statistics only)."""
+        dist.all_reduce(t, group=self.mesh.get_group())
+        return t
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
                   enable_gqa: bool = False) -> torch.Tensor:
         """Causal attention of the local queries to the keys of the whole sequence.
@@ -342,13 +353,20 @@ class ContextParallel:
                                               enable_gqa=enable_gqa)
 
 
+def _install(part: nn.Module, cp: ContextParallel) -> None:
+    setattr(part, POSITIONS_HOOK, cp.positions)
+    for mod in _attention_modules(part):
+        setattr(mod, ATTENTION_HOOK, cp.attention)
+    for mod in part.modules():  # a MoE's sequence-wise balance loss needs the whole sequence's statistics
+        if SEQUENCE_REDUCE_HOOK in dir(type(mod)):
+            setattr(mod, SEQUENCE_REDUCE_HOOK, cp.sequence_all_reduce)
+
+
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, method: str = "allgather") -> ContextParallel:
     """Install the context-parallel hooks on `model` (a whole model or one pipeline stage of it,
     checked by `check_cp`)."""
     cp = ContextParallel(cp_mesh, method)
-    setattr(model, POSITIONS_HOOK, cp.positions)
-    for mod in _attention_modules(model):
-        setattr(mod, ATTENTION_HOOK, cp.attention)
+    _install(model, cp)
     return cp
 
 
@@ -357,9 +375,7 @@ def _apply(part: nn.Module, meshes: Meshes, plan: Plan) -> None:
     if plan.cp > 1:  # every pipeline stage this rank runs: each gets the hooks, one view serves them all
         if meshes.context is None:
             meshes.context = ContextParallel(sub_mesh(meshes.mesh, "cp"), plan.cp_attention)
-        setattr(part, POSITIONS_HOOK, meshes.context.positions)
-        for mod in _attention_modules(part):
-            setattr(mod, ATTENTION_HOOK, meshes.context.attention)
+        _install(part, meshes.context)
 
 
 HALVES = (Half(20, apply=_apply, check=lambda model, plan, device_type: check_cp(plan, model)),)
