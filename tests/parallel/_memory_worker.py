@@ -12,13 +12,63 @@ SEQ = 64
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 
-def _tracker():
-    from torch.distributed._tools.mem_tracker import MemTracker
+class _Autocast:
+    """Whether a `torch.autocast` context is open (the executor computes in param_dtype by autocast
+    where no FSDP casts the parameters, `ParallelModel._compute_context`). Inside the dispatch,
+    `torch.is_autocast_enabled` reads False (autocast excludes itself before it casts), so the
+    contexts are counted as they are entered and left."""
+
+    def __init__(self):
+        self.open = 0
+        self._enter, self._exit = torch.autocast.__enter__, torch.autocast.__exit__
+        counted = self
+
+        def enter(ctx):
+            counted.open += 1
+            return counted._enter(ctx)
+
+        def leave(ctx, *exc):
+            counted.open -= 1
+            return counted._exit(ctx, *exc)
+
+        torch.autocast.__enter__, torch.autocast.__exit__ = enter, leave
+
+    def restore(self) -> None:
+        torch.autocast.__enter__, torch.autocast.__exit__ = self._enter, self._exit
+
+
+def _tracker(autocast: _Autocast | None = None):
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     class _StepTracker(MemTracker):
         """MemTracker that lets a root module run forward more than once in the tracked region
         (pipeline micro-batches): its module statistics start afresh; the storages' categories,
-        which are what is compared, are kept."""
+        which are what is compared, are kept.
+
+        Autocast's copies of the parameters in the compute dtype (`aten._to_copy` of a parameter's
+        storage while an autocast context is open: its cast cache keeps one per weight until the
+        context ends) are parameters (PARAM), as FSDP2's gathered copies in param_dtype are;
+        MemTracker, which meets them as the output of an op in the forward, would call them
+        activations."""
+
+        _param_cast = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._param_cast = bool(autocast is not None and autocast.open and func is torch.ops.aten._to_copy.default
+                                    and args and isinstance(args[0], torch.Tensor) and self._is_param(args[0]))
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._param_cast = False
+
+        def _is_param(self, t) -> bool:
+            from torch.distributed._tools.mem_tracker import get_untyped_storages
+
+            return any(self._WINFO.get(st, (None, None))[0] is not None
+                       and self._WINFO[st][0].reftype == _MemRefType.PARAM for st in get_untyped_storages(t))
+
+        def _track(self, reftype, t):
+            super()._track(_MemRefType.PARAM if self._param_cast else reftype, t)
 
         def _pre_fw_hook(self, module, inputs):
             name = self._mod_tracker.get_known_fqn(module)
@@ -165,7 +215,8 @@ def measure(case, rank):
     # in the second (in call order: an allocation of every gradient's size that no later step makes)
     for step in range(3):
         x = torch.randint(0, 256, (plan.dp * local, SEQ + 1), generator=g)
-        tracker = _tracker() if step == 2 else None
+        autocast = _Autocast() if step == 2 else None
+        tracker = _tracker(autocast) if step == 2 else None
         settled = _Settled() if step == 2 else None
         if tracker is not None:
             tracker.track_external(*pm.model_parts, opt)
@@ -180,6 +231,7 @@ def measure(case, rank):
             if tracker is not None:
                 tracker.__exit__(None, None, None)
                 settled.restore()
+                autocast.restore()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     out = dict.fromkeys(CATEGORIES, 0)
     for kind, nbytes in peak.items():

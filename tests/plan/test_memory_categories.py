@@ -73,6 +73,16 @@ WORLD4 = {
 }
 
 
+AUTOCAST = {
+    # bfloat16 without FSDP: the executor computes under torch.autocast, whose cast cache keeps a
+    # bfloat16 copy of every matmul weight until the step's context ends (the float32 families above
+    # never enter autocast); the worker counts those copies as parameters (`_memory_worker._tracker`)
+    "bf16 DDP": (LLAMA, dict(dp_replicate=2, microbatch_size=2, num_microbatches=2, param_dtype="bfloat16")),
+    "bf16 TP": (LLAMA, dict(tp=2, microbatch_size=2, param_dtype="bfloat16")),
+    "bf16 PP 1f1b": (LLAMA, dict(pp=2, microbatch_size=2, num_microbatches=2, param_dtype="bfloat16")),
+}
+
+
 def _predict(spec: str, fields: dict, world: int) -> dict:
     from dtorch.cluster.load import parse_shorthand
     from dtorch.plan.cost import estimate
@@ -102,7 +112,7 @@ def _runnable(cases: dict) -> dict:
 def table() -> dict:
     """{family: (world, predicted, measured on the fullest rank)}."""
     out = {}
-    for world, cases in ((2, WORLD2), (4, WORLD4)):
+    for world, cases in ((2, {**WORLD2, **AUTOCAST}), (4, WORLD4)):
         cases = _runnable(cases)
         results = run_group(world, list(cases.values()), measure)
         for (name, (spec, fields)), per_rank in zip(cases.items(), results):
@@ -144,4 +154,31 @@ def test_memory_per_category_and_peak_within_tolerance(family, table):
     for c in (*CATEGORIES, "peak"):
         if abs(pred[c] - meas[c]) > max(TOLERANCE * meas[c], NOISE * meas["peak"]):
             off[c] = (pred[c], meas[c])
+    assert not off, f"{family} (world {world}): predicted vs measured bytes off by more than 5 %: {off}"
+
+
+@pytest.mark.parametrize("family", list(AUTOCAST))
+def test_autocast_weight_copies_priced_as_params(family, table):
+    """Autocast's bfloat16 weight copies, alive at the peak whether or not its cache keeps them
+    (autograd saves them for the backward), are in the predicted parameters."""
+    world, pred, meas = table[family]
+    assert pred is not None, f"{family} (world {world}) did not run: {meas}"
+    spec, fields = AUTOCAST[family]
+    masters = _predict(spec, {**fields, "param_dtype": "float32"}, world)["params"]
+    assert meas["params"] > 1.3 * masters, f"{family}: the worker did not see the cast copies: {meas}"
+    assert abs(pred["params"] - meas["params"]) <= TOLERANCE * meas["params"], (
+        f"{family} (world {world}): params predicted {pred['params']}, measured {meas['params']}")
+
+
+AUTOCAST_KNOWN = ("activations under CPU autocast measured 10-21 % above the model's (act_b = 2 B; its "
+                  "composition not examined yet), so the peak is 3.5-10 % under")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=AUTOCAST_KNOWN))
+                                    for f in AUTOCAST])
+def test_autocast_every_category_and_peak(family, table):
+    world, pred, meas = table[family]
+    assert pred is not None, f"{family} (world {world}) did not run: {meas}"
+    off = {c: (pred[c], meas[c]) for c in (*CATEGORIES, "peak")
+           if abs(pred[c] - meas[c]) > max(TOLERANCE * meas[c], NOISE * meas["peak"])}
     assert not off, f"{family} (world {world}): predicted vs measured bytes off by more than 5 %: {off}"

@@ -5,6 +5,9 @@ Executor half: `dtorch.parallel.model` (FSDP2 MixedPrecisionPolicy, or autocast 
 
 Time: compute at the device's peak for the dtype; activations and element-wise bytes scale with
 its width (the step shape's `act_b`); collectives move `param_b` / `red_b` bytes per element.
+Memory: under autocast (no FSDP to cast the parameters) a copy of every matmul weight in param_dtype
+is held through the step (`Precision.rank_memory`); FSDP2's casts are its gathered copies
+(`strategies.fsdp`, `strategies.data`).
 Ranking: a plan computing or reducing in less than float32 must be PRECISION_MARGIN faster than the
 best plan at higher precision.
 """
@@ -17,6 +20,7 @@ from typing import Any
 
 from dtorch.cluster.spec import Cluster, DeviceType
 from dtorch.errors import choices
+from dtorch.plan.step import RankLoad, RankMemory, StepShape
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -106,6 +110,33 @@ class Precision(Strategy):
 
     def penalty(self, plan: Any) -> float:
         return 1.0 + PRECISION_MARGIN * ((plan.param_dtype != "float32") + (plan.reduce_dtype != "float32"))
+
+    # ---- memory ----------------------------------------------------------------------------------
+    def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
+        """Autocast's copies of the weights in param_dtype are parameters (MemTracker's PARAM, as
+        FSDP2's gathered copies are), `param_b` bytes per local weight of the matmuls: where the
+        executor computes by autocast (`cost.autocast_applies`: single device, TP, PP, classic DDP),
+        each matmul casts its float32 weight (and bias) and autocast's cast cache keeps the copy
+        until the step's autocast context ends, after the last micro-batch's backward: alive at
+        every moment of the step, once per step whatever the micro-batch count (without the cache
+        autograd would save one per micro-batch in flight for the backward). Embeddings and norms
+        are not cast."""
+        from dtorch.plan.cost import autocast_applies
+
+        if autocast_applies(step.plan):
+            m.states["params"] = m.states.get("params", 0.0) + cast_params(step, load) * step.param_b
+
+
+def cast_params(step: StepShape, load: RankLoad) -> float:
+    """Weights of pipeline rank `load` per TP rank that autocast casts: its blocks' parameters but
+    their two norms', and the head's matmul weight (the embedding's, when tied)."""
+    from dtorch.plan.step import _block_params
+
+    prof = step.profile
+    head_matmul = float(prof.vocab_size) * prof.hidden
+    norm = max(0.0, prof.params_head - (0.0 if prof.tied_embeddings else head_matmul))  # (the final norm's)
+    blocks = _block_params(load, prof) - 2.0 * norm * load.blocks
+    return (blocks + head_matmul * load.head) / step.plan.tp
 
 
 PRECISION = Precision()
