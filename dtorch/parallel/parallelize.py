@@ -150,8 +150,7 @@ def halves_meshes(plan: Plan, model: nn.Module, mesh: Any, device_type: str, wor
     """What the executor halves apply `plan` with on this rank, around the world `mesh` (None
     single-process): expert parallelism's mesh, the tp mesh, whether the model has MoE blocks.
     `parallelize` and the dry run (`dtorch.parallel.dryrun`) build them the same way."""
-    # expert parallelism borrows ep of the data-parallel ranks (dp_replicate x dp_shard; no cp: the
-    # expert strategy's limits): the ([pp,] edp, ep[, tp]) mesh spans every rank, and its tp axis is
+    # expert parallelism borrows ep of the data-parallel ranks (dp_replicate x dp_shard x cp): the ([pp,] edp, ep[, tp]) mesh spans every rank, and its tp axis is
     # the one TP uses, so that FSDP finds the data- and tensor-parallel meshes under one root
     emesh = (expert_mesh(plan.ep, device_type, world, tp=plan.tp, pp=plan.pp, dp_replicate=plan.dp_replicate)
              if plan.ep > 1 else None)

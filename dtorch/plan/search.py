@@ -624,8 +624,7 @@ def _search_mesh(mesh: _Mesh, book: _Book, profile: ModelProfile, group: NodeGro
     if book.executable_only:  # an ep this executor cannot run on the mesh is never ranked; `rejected` says why
         for e in [e for e in eps if e > 1]:
             if (lim := next(EXPERT.limits(on := mesh.plan(ep=e)), None)) is not None:
-                # (one line for every EPxCP family: the reason is the same for all)
-                book.not_built.setdefault("any EPxCP" if on.cp > 1 else on.family(), lim.why)
+                book.not_built.setdefault(on.family(), lim.why)
                 eps.remove(e)
     eps = [e for e in eps if (mesh.dp_replicate * mesh.dp_shard * mesh.cp) % e == 0]
     if not eps:

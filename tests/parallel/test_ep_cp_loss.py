@@ -29,6 +29,14 @@ CASES = {  # each model's own balance loss: moe-tiny 0.01 (softmax), mixtral-tin
     "ep_cp": dict(model="moe-tiny", dp_shard=2, cp=2, ep=2, microbatch_size=4),
     "ep_cp_ring_mixtral": dict(model="mixtral-tiny", dp_shard=2, cp=2, ep=2, microbatch_size=4,
                                cp_attention="ring"),
+    # the other EP x CP families the planner offers on cpu:1x4: each pipeline stage's cp ranks,
+    # replicas (DDP's averaging), ZeRO-1 with TP and accumulated micro-batches, cp=4
+    "pp2_cp2_ep2_zero_bubble": dict(model="moe-tiny", pp=2, cp=2, ep=2, microbatch_size=2, num_microbatches=2,
+                                    schedule="zero_bubble", reshard_after_forward=False),
+    "ddp2_cp2_ep2_2mb": dict(model="moe-tiny", dp_replicate=2, cp=2, ep=2, microbatch_size=2, num_microbatches=2),
+    "cp2_tp2_ep2_zero1_ring": dict(model="moe-tiny", cp=2, tp=2, ep=2, microbatch_size=4, num_microbatches=2,
+                                   zero=1, cp_attention="ring"),
+    "cp4_ep4_ring": dict(model="moe-tiny", cp=4, ep=4, microbatch_size=8, cp_attention="ring"),
 }
 
 
@@ -49,7 +57,10 @@ def _reference(model: str, global_batch: int) -> dict:
 @pytest.mark.parametrize("name", CASES)
 def test_cp_on_moe_with_its_balance_loss_matches_one_process(results: dict, name: str) -> None:
     case = CASES[name]
-    ref = _reference(case["model"], case["dp_shard"] * case["microbatch_size"])
+    from dtorch.plan.plan import Plan
+
+    plan = Plan(**{k: v for k, v in case.items() if k != "model"})
+    ref = _reference(case["model"], plan.dp * plan.local_batch())
     for r, res in enumerate(results[name]):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
         assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=0)

@@ -1,29 +1,24 @@
-"""Expert parallelism with context parallelism is refused everywhere, with its reason.
+"""Expert parallelism with context parallelism is planned, priced and ranked like any other product.
 
-Under cp each rank computes a MoE's sequence-wise balance loss on its own chunk of each sequence, so
-ep x cp is not loss-equivalent to one process (`dtorch.plan.strategies.expert.EP_WITH_CP` has the
-measurement). The planner never ranks it and says why under "why not", `--fix ep=..,cp=..` is a
-one-line ConfigError (not a what-if with a note), and the executor and `dtorch train` refuse it
-before any process group exists. About 10 s (two `dtorch train` subprocesses).
+The executor runs it loss-equivalent to one process, the MoE's sequence-wise balance loss included
+(`tests/parallel/test_ep_cp_loss.py`), so the search offers EP x CP families, `--fix ep=..,cp=..`
+plans them, and the ep ranks' replica rule counts a replica's dp_shard x cp ranks as the
+executor's expert mesh does. Planner only: about 12 s in all (six searches).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from functools import partial
+import itertools
 
 import pytest
 
 from dtorch.cli import main
 from dtorch.cluster.load import parse_shorthand
-from dtorch.errors import ConfigError
 from dtorch.plan.explain import explain
 from dtorch.plan.plan import Plan
 from dtorch.plan.profiles import get_profile
 from dtorch.plan.search import search
-from dtorch.plan.strategies.expert import EP_WITH_CP
+from dtorch.plan.strategies.expert import EXPERT
 
 MODEL, CLUSTER, SEQ, BATCH = "moe-tiny", "cpu:1x4", 128, 16
 
@@ -38,69 +33,57 @@ def _plans(result) -> list[Plan]:
 
 @pytest.mark.parametrize("fixed", [{"ep": 2, "cp": 2}, {"ep": 4, "cp": 4}, {"ep": 2, "cp": 2, "dp_shard": 2},
                                    {"ep": 2, "cp": 2, "pp": 1, "dp_replicate": 2}])
-def test_fixing_ep_with_cp_is_a_one_line_error_naming_ep(fixed):
-    with pytest.raises(ConfigError) as err:
-        _search(**fixed)
-    assert err.value.field == "ep" and err.value.value == fixed["ep"]
-    assert "context parallelism" in str(err.value) and "balance loss" in str(err.value)
-    assert "use ep=1, or cp=1" in str(err.value) and "\n" not in str(err.value)
-
-
-def test_dtorch_plan_fix_ep_cp_exits_2_with_one_line(capsys):
-    args = ["plan", "--model", MODEL, "--cluster", CLUSTER, "--seq-len", str(SEQ), "--global-batch", str(BATCH)]
-    assert main([*args, "--fix", "ep=2,cp=2"]) == 2
-    out = capsys.readouterr()
-    err = out.err.strip()
-    assert out.out == "" and len(err.splitlines()) == 1
-    assert err.startswith("dtorch plan: error: ep=2:") and "context parallelism" in err and "cp=1" in err
-    assert main([*args, "--fix", "ep=2"]) == 0  # each alone plans
-    assert main([*args, "--fix", "cp=2"]) == 0
-
-
-@pytest.mark.parametrize("fixed", [{}, {"cp": 2}, {"ep": 2}])
-def test_the_search_never_ranks_ep_with_cp_and_says_why(fixed):
+def test_fixing_ep_with_cp_plans_and_prices_it(fixed):
     result = _search(**fixed)
+    assert result.ranked
+    for plan, est in result.ranked:
+        assert all(getattr(plan, k) == v for k, v in fixed.items()), plan
+        assert est.step_time_s > 0 and est.fits
+        assert est.time_breakdown["ep"] > 0 and est.time_breakdown["cp"] > 0  # both exchanges priced
+    # (ZeRO-2 x EP under a pipeline stays a limit of its own, for every cp)
+    assert not any("balance loss" in why or "context parallelism" in why for why in result.rejected.values())
+
+
+def test_ep_with_cp_prices_the_cp_share_of_the_tokens():
+    """The all-to-alls move only a rank's own chunk of each sequence: a cp=2 rank with micro-batches of
+    4 sequences (cp=4: 8) routes as many tokens as a dp_shard=4 rank with 2 whole sequences: the same
+    ep exchange."""
+    from dtorch.plan.cost import estimate
+
+    prof, cluster = get_profile(MODEL, SEQ), parse_shorthand(CLUSTER)
+
+    def ep_time(**fields):
+        plan = Plan(ep=2, seq_len=SEQ, global_batch=BATCH, **fields)
+        return estimate(plan, prof, cluster).time_breakdown["ep"]
+
+    fsdp = ep_time(dp_shard=4, microbatch_size=2, num_microbatches=2)
+    assert ep_time(dp_shard=2, cp=2, microbatch_size=4, num_microbatches=2) == pytest.approx(fsdp, rel=1e-6)
+    assert ep_time(cp=4, microbatch_size=8, num_microbatches=2) == pytest.approx(fsdp, rel=1e-6)
+
+
+def test_dtorch_plan_fix_ep_cp_plans(capsys):
+    args = ["plan", "--model", MODEL, "--cluster", CLUSTER, "--seq-len", str(SEQ), "--global-batch", str(BATCH)]
+    assert main([*args, "--fix", "ep=2,cp=2"]) == 0
+    out = capsys.readouterr()
+    assert "ep=2" in out.out and "cp=2" in out.out and "error" not in out.err
+
+
+def test_the_search_ranks_ep_with_cp_beside_each_alone():
+    result = _search()
     plans = _plans(result)
-    assert plans and not any(p.ep > 1 and p.cp > 1 for p in plans)
-    if not fixed:  # both are searched apart, so leaving out their product is a choice to be explained
-        assert any(p.ep > 1 for p in plans) and any(p.cp > 1 for p in plans)
-    assert result.rejected["any EPxCP"] == f"not searched: cannot run here: {EP_WITH_CP}"
-    assert "any EPxCP" in explain(result) and "balance loss" in explain(result)
+    assert any(p.ep > 1 and p.cp > 1 for p in plans)
+    assert any(p.ep > 1 and p.cp == 1 for p in plans) and any(p.ep == 1 and p.cp > 1 for p in plans)
+    assert any("EP" in f and "CP" in f for f in result.best_by_family)
+    assert "any EPxCP" not in result.rejected and "balance loss" not in explain(result)
 
 
-def test_dense_model_searches_say_nothing_of_ep_with_cp():
-    result = search(get_profile("llama-tiny", SEQ), parse_shorthand(CLUSTER), global_batch=BATCH)
-    assert any(p.cp > 1 for p in _plans(result)) and "any EPxCP" not in result.rejected
+def test_the_replica_rule_counts_a_replicas_cp_ranks_as_the_executor_does():
+    """`Expert.limits` and the executor's expert mesh (`replica_split` over a replica's dp_shard x cp
+    ranks) agree on which ep fits with replicas, for every small mesh."""
+    from dtorch.parallel.expert import replica_split
 
-
-def test_the_executor_refuses_ep_with_cp_before_any_process_group():
-    import torch.distributed as dist
-
-    from dtorch.models import build_model
-    from dtorch.parallel import parallelize
-    from dtorch.train.losses import next_token
-
-    plan = Plan(dp_shard=2, cp=2, ep=2, microbatch_size=2)
-    with pytest.raises(ConfigError) as err:
-        parallelize(partial(build_model, MODEL), plan, loss_fn=next_token, seq_len=16)
-    assert err.value.field == "ep" and "context parallelism" in err.value.fix
-    assert not dist.is_initialized()
-
-
-@pytest.mark.parametrize("given", ["fields", "file"])
-def test_dtorch_train_refuses_ep_with_cp_up_front(tmp_path, given):
-    """`--plan ep=2,cp=2` (fields the search would fix) and a whole plan file alike: one line, exit 2,
-    before any worker starts."""
-    plan = "ep=2,cp=2"
-    if given == "file":
-        plan = str(tmp_path / "plan.json")
-        Plan(dp_shard=2, cp=2, ep=2, microbatch_size=8).save(plan)
-    cli = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())"]
-    args = ["train", "--model", MODEL, "--nproc", "4", "--plan", plan, "--steps", "3", "--no-progress",
-            "--checkpoint-dir", str(tmp_path / "ckpt")]
-    p = subprocess.run([*cli, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
-    assert p.returncode == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("dtorch train: error: ep=2:") and "context parallelism" in lines[0]
-    assert not (tmp_path / "ckpt").exists()  # no worker started, nothing written
+    for r, s, cp in itertools.product((2, 3, 4), (1, 2, 3), (1, 2, 3, 4)):
+        for ep in (e for e in range(2, r * s * cp + 1) if r * s * cp % e == 0):
+            plan = Plan(dp_replicate=r, dp_shard=s, cp=cp, ep=ep, microbatch_size=1)
+            refused = next(EXPERT.limits(plan), None) is not None
+            assert refused == (replica_split(ep, r, s * cp) is None), plan

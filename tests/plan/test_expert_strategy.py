@@ -38,11 +38,12 @@ def test_limits_mirror_the_executor_wiring():
     assert unsupported(Plan(dp_shard=4, ep=2, ac="full")) is None
     assert unsupported(Plan(dp_shard=2, tp=2, ep=2)) is None  # EP x TP (expert-tensor parallelism)
     assert unsupported(Plan(pp=2, dp_shard=2, ep=2)) is None  # EP x PP
+    assert unsupported(Plan(dp_shard=2, cp=2, ep=2)) is None  # EP x CP (the ep ranks from dp_shard x cp)
     # replicas (DDP, HSDP): ep ranks inside one replica's shard group, or over whole replicas
     for plan in (Plan(dp_replicate=4, ep=2), Plan(dp_replicate=4, ep=4), Plan(dp_replicate=2, dp_shard=2, ep=2),
                  Plan(dp_replicate=2, dp_shard=2, ep=4), Plan(dp_replicate=2, dp_shard=4, ep=8)):
         assert unsupported(plan) is None, plan
-    for plan in (Plan(dp_shard=2, cp=2, ep=2),
+    for plan in (Plan(dp_replicate=2, cp=3, ep=2),  # 2 of a replica's 3 (dp_shard x cp) ranks
                  Plan(dp_replicate=2, dp_shard=3, ep=2),  # 2 of a replica's 3 shard ranks
                  Plan(dp_replicate=3, dp_shard=2, ep=4),  # 2 of the 3 replicas
                  Plan(dp_shard=4, ep=2, ac="selective"),

@@ -8,12 +8,13 @@ Rules: ep = 1 for a dense model; ep divides the routed experts and D = dp_replic
 (what `expert_mesh` requires). `ep` is not a mesh axis of its own: the world is unchanged.
 
 Limits (what the executor wiring runs today): ep > 1 with FSDP, HSDP or DDP over the data-parallel
-ranks (with replicas, dp_replicate > 1, the ep ranks lie inside one replica, ep | dp_shard, or over
-whole replicas, ep = dp_shard * k with k | dp_replicate: `replicas_fit`), optionally with TP
+ranks (with replicas, dp_replicate > 1, the ep ranks lie inside one replica, ep | dp_shard*cp, or over
+whole replicas, ep = dp_shard*cp * k with k | dp_replicate: `replicas_fit`), optionally with TP
 (sp=false: the routed experts' hidden units split over tp, expert-tensor parallelism) and PP (each
 stage's ep groups are its own data-parallel ranks; zero-bubble under FSDP only without resharding
-after forward, a limit of the pipeline strategy for every model); no CP (`EP_WITH_CP`), parameter
-offload, selective AC or compile. With TP each MoE block all-reduces its routed output (top_k rows per
+after forward, a limit of the pipeline strategy for every model) and CP (the ep ranks borrowed from
+dp_shard x cp; each MoE's sequence-wise balance loss sums its statistics over the cp ranks,
+`dtorch.models.moe.MoE.sequence_all_reduce`); no parameter offload, selective AC or compile. With TP each MoE block all-reduces its routed output (top_k rows per
 token) over tp forward and the input gradient backward, priced here on top of the TP strategy's
 collectives.
 
@@ -60,14 +61,6 @@ loads near balance; pass another value to `EXPERT.load_imbalance` (or the cost m
 for what-if studies."""
 
 
-EP_WITH_CP = ("expert parallelism with context parallelism is not offered: under cp each rank computes the MoE's "
-              "sequence-wise balance loss on its own chunk of each sequence (not loss-equivalent to one process)")
-"""Why ep > 1 with cp > 1 is refused by the planner (`fixed_rules`, `limits`) and the executor
-(`dtorch.parallel.check`). Measured on 4 gloo ranks with the limit lifted (moe-tiny, dp_shard=2 x cp=2,
-ep=2, 5 float32 AdamW steps): the all-to-alls over the cp ranks are exact (losses within 2e-7 of one
-process without the balance loss), but with it the losses drift by 9e-5 and the gradient norms by 1e-3,
-as they do with cp alone (`tests/parallel/test_ep_cp_loss.py`)."""
-EP_WITH_CP_FIX = "use ep=1, or cp=1"
 
 
 def data_ranks(plan: Any) -> int:
@@ -229,7 +222,7 @@ def local_params(plan: Any, profile: ModelProfile, load: RankLoad, p_stage: floa
 def replicas_fit(plan: Any) -> bool:
     """With data-parallel replicas: the ep consecutive ranks lie inside one replica's shard group or
     over whole replicas (`dtorch.parallel.expert.replica_split`, what the executor's mesh can hold)."""
-    ep, r, s = plan.ep, plan.dp_replicate, plan.dp_shard
+    ep, r, s = plan.ep, plan.dp_replicate, plan.dp_shard * plan.cp  # a replica's ranks, as the executor counts them
     return s % ep == 0 or (ep % s == 0 and r % (ep // s) == 0)
 
 
@@ -292,13 +285,12 @@ class Expert(Strategy):
     def limits(self, plan: Any) -> Iterator[Limit]:
         if plan.ep == 1:
             return
-        if plan.cp > 1:
-            yield Limit(EP_WITH_CP, "ep", plan.ep, EP_WITH_CP_FIX)
-        elif plan.dp_replicate > 1 and not replicas_fit(plan):
-            yield Limit(f"with dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard} the ep={plan.ep} ranks "
-                        "must lie inside one replica (ep divides dp_shard) or over whole replicas (ep = dp_shard "
+        if plan.dp_replicate > 1 and not replicas_fit(plan):
+            shard = "dp_shard" if plan.cp == 1 else "dp_shard*cp"
+            yield Limit(f"with dp_replicate={plan.dp_replicate} x {shard}={plan.dp_shard * plan.cp} the ep={plan.ep} "
+                        f"ranks must lie inside one replica (ep divides {shard}) or over whole replicas (ep = {shard} "
                         "times a divisor of dp_replicate)", "ep", plan.ep,
-                        "use an ep that divides dp_shard, or dp_shard times a divisor of dp_replicate")
+                        f"use an ep that divides {shard}, or {shard} times a divisor of dp_replicate")
         elif plan.tp > 1 and plan.sp:
             yield Limit("expert parallelism with sequence parallelism is not implemented (the MoE blocks would "
                         "route sequence shards)", "sp", plan.sp, "use sp=false with ep and tp")
@@ -331,10 +323,7 @@ class Expert(Strategy):
 
     def fixed_rules(self, fixed: dict[str, Any], profile: ModelProfile, world: int) -> Iterator[Violation]:
         ep = fixed.get("ep", 1)
-        if ep > 1 and fixed.get("cp", 1) > 1:
-            # refused, not planned as a what-if: the executor would train another objective (EP_WITH_CP)
-            yield Violation("ep", ep, f"{EP_WITH_CP}; {EP_WITH_CP_FIX}")
-        elif ep > 1 and not profile.num_experts:
+        if ep > 1 and not profile.num_experts:
             yield Violation("ep", ep, f"{profile.name} is dense (no routed experts); use ep=1")
         elif ep > 1 and (profile.num_experts % ep or world % ep):
             ok = [d for d in divisors(profile.num_experts) if world % d == 0]
@@ -344,7 +333,7 @@ class Expert(Strategy):
     def bound_plans(self, plan: Any, profile: ModelProfile) -> list[Any]:
         # the ep degrees the mesh's executor layout allows (EP's own all-to-all is left out of the
         # bound); with replicas a larger ep shrinks the gradient all-reduce too
-        return [v for ep in self.degrees(profile, plan.dp_replicate * plan.dp_shard, {})
+        return [v for ep in self.degrees(profile, data_ranks(plan), {})
                 for v in (dataclasses.replace(plan, ep=ep),) if ep == 1 or replicas_fit(v)]
 
     # ---- time --------------------------------------------------------------------------------
