@@ -31,8 +31,9 @@ def test_a_lopsided_partition_costs_more_than_the_even_split():
     lop = dataclasses.replace(even, layer_partition=[31, 1])
     e_even, e_lop = estimate(even, prof, cl), estimate(lop, prof, cl)
     assert e_lop.step_time_s > 1.5 * e_even.step_time_s
-    # the fullest rank holds 31 blocks' parameters
-    assert e_lop.memory_breakdown["params"] > 1.8 * e_even.memory_breakdown["params"]
+    # the fullest rank holds 31 blocks' parameters (and the embedding) where the even split's holds 16
+    # and the head (whose bf16 autocast copy counts too, the embedding's is never cast)
+    assert e_lop.memory_breakdown["params"] > 1.7 * e_even.memory_breakdown["params"]
 
 
 def test_balanced_partition_gives_the_head_stage_fewer_blocks():
