@@ -196,7 +196,7 @@ def _check_plan(args: JobConfig, nproc: int) -> None:
     plan = trainer._choose_plan(nproc, 0)
     from dtorch.plan.strategies import check_executable
 
-    check_executable(plan)  # a plan file this executor refuses (e.g. ep with cp): here, not in every worker
+    check_executable(plan)  # a plan file this executor refuses (e.g. ZeRO-2 under zero_bubble): here, not in every worker
     from dtorch.train.offload import OptimizerOffload
 
     # the tier the workers would resolve, here: a missing --offload-dir fails before any worker starts
