@@ -127,10 +127,13 @@ def measure_rank(plan: Plan, model_spec: str, seq_len: int, rank: int,
         elif plan.pp > 1 and uses_fsdp(plan) and plan.num_microbatches > 1 and plan.offload != "params":
             # A pipeline stage under FSDP2 turns off gradient reduce-scatter until the last
             # micro-batch (torch.distributed.pipelining stage.py: set_requires_gradient_sync(False)),
-            # so the stage holds unsharded gradients in the compute dtype during the step.
-            param_b = torch.empty((), dtype=getattr(torch, plan.param_dtype)).element_size()
-            out["grads_unsharded_accumulation"] = out["num_params_local"] * plan.dp_shard * plan.cp * param_b
-            out["grads"] += out["grads_unsharded_accumulation"]
+            # so the stage holds unsharded gradients during the step, in reduce_dtype (FSDP2's
+            # `to_accumulated_grad_if_needed`). They replace the sharded ones rather than add to them:
+            # the last step's shards were set to None, and each unit's accumulation is freed as its
+            # shard is made (measured with the real executor: tests/plan/test_zero_plan.py).
+            red_b = torch.empty((), dtype=getattr(torch, plan.reduce_dtype)).element_size()
+            out["grads_unsharded_accumulation"] = out["num_params_local"] * plan.dp_shard * plan.cp * red_b
+            out["grads"] = out["grads_unsharded_accumulation"]
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         out["startup"] = startup_bytes(params, checkpoint_dtype)
         return out
