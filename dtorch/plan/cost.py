@@ -80,6 +80,7 @@ from dtorch.plan.step import (  # noqa: F401  (re-exported: the cost model's sha
     StepCounts,
     StepShape,
     _block_params,
+    autocast_applies,
     base_efficiency,
     mean_block_flops,
     mean_block_params,
@@ -198,16 +199,6 @@ def _states(plan: Plan, p_stage: float, p_gathered: float | None = None, p_local
         grads = DTYPE_BYTES[plan.reduce_dtype] * (p_stage if p_gathered is None else p_gathered)
     optim = 0.0 if plan.offload in ("optimizer", "optimizer_nvme", "params") else 8.0 * local
     return {"params": int(params), "grads": int(grads), "optimizer": int(optim)}
-
-
-def autocast_applies(plan: Plan) -> bool:
-    """The executor computes in param_dtype by autocast (not FSDP's parameter cast): no sharding and
-    no FSDP-based replicate (`dtorch.parallel.model`)."""
-    if plan.param_dtype == "float32" or plan.dp_shard * plan.cp > 1:
-        return False
-    # (with EP, replicas are FSDP2 units: `dtorch.parallel.expert.apply_fsdp_with_experts`)
-    classic_ddp = plan.dp_replicate > 1 and plan.tp == 1 and plan.pp == 1 and plan.ep == 1
-    return plan.dp_replicate == 1 or classic_ddp
 
 
 def step_counts(plan: Plan, profile: ModelProfile, device_kind: str = "cuda",

@@ -430,3 +430,13 @@ class StepCounts:
 
 NO_COUNTS = StepCounts(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 """Nothing dispatched: the search's lower bound leaves host overhead and small collectives out."""
+
+
+def autocast_applies(plan: Any) -> bool:
+    """The executor computes in param_dtype by autocast (not FSDP's parameter cast): no sharding and
+    no FSDP-based replicate (`dtorch.parallel.model`)."""
+    if plan.param_dtype == "float32" or plan.dp_shard * plan.cp > 1:
+        return False
+    # (with EP, replicas are FSDP2 units: `dtorch.parallel.expert.apply_fsdp_with_experts`)
+    classic_ddp = plan.dp_replicate > 1 and plan.tp == 1 and plan.pp == 1 and plan.ep == 1
+    return plan.dp_replicate == 1 or classic_ddp
