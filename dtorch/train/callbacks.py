@@ -270,10 +270,12 @@ class WandB(Sink):
     x-axis of every chart (``define_metric``, as Lightning and transformers do), and ``_step`` is
     a row counter that only grows across restarts: one row per global step written (an evaluation
     joins its step's row), the next row kept in ``<log_dir>/wandb-run-step`` (an offline run starts
-    its ``_step`` at 0 again; online, W&B's own count wins when it is higher). A re-run step is a
-    second row with the same `STEP_METRIC`: both are kept."""
+    its ``_step`` at 0 again; online, W&B's own count wins when it is higher). The file is written
+    once per `ROW_BLOCK` rows, ahead of them: a restart skips the rest of the block, never reuses a
+    row. A re-run step is a second row with the same `STEP_METRIC`: both are kept."""
 
     STEP_METRIC = "train/step"
+    ROW_BLOCK = 1000
 
     def __init__(self, project: str, *, name: str | None = None, entity: str | None = None) -> None:
         if not project or not isinstance(project, str):
@@ -284,6 +286,8 @@ class WandB(Sink):
         self.run: Any = None
         self.row = 0
         """The ``_step`` of the row being written."""
+        self.reserved = 0
+        """Rows below this are this run's to write (the value kept in `row_file`)."""
         self.last_step: int | None = None
         self.row_file: Path | None = None
 
@@ -321,17 +325,19 @@ class WandB(Sink):
             text = self.row_file.read_text().strip()
             kept = int(text) if text.isdigit() else 0
         self.row, self.last_step = max(int(self.run.step), kept), None
+        self.reserved = self.row
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        from dtorch import trust
-
         if step != self.last_step:
             if self.last_step is not None:
                 self.row += 1
             self.last_step = step
-            if self.row_file is not None:
-                # kept before the row is sent: a kill after it never reuses this row's _step
-                trust.replace_file(self.row_file, str(self.row + 1).encode(), durable=False)
+            if self.row_file is not None and self.row >= self.reserved:
+                # kept before the rows are sent: a kill after them never reuses their _step
+                from dtorch import trust
+
+                self.reserved = self.row + self.ROW_BLOCK
+                trust.replace_file(self.row_file, str(self.reserved).encode(), durable=False)
         self.run.log({**scalars, self.STEP_METRIC: step}, step=self.row)
 
     def finish(self, failed: bool) -> None:
