@@ -144,6 +144,20 @@ def rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str | Non
 
 
 def run(args: argparse.Namespace) -> int:
+    from dtorch.elastic.bootstrap import start_forkserver, stop_forkserver
+
+    early = args.start_method == "forkserver" and not args.no_python
+    if early:
+        start_forkserver()  # imports torch beside this process's own import and the rendezvous
+    try:
+        return _run(args)
+    except BaseException:
+        if early:
+            stop_forkserver()
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     from dtorch.elastic.launch import LaunchSpec, launch, parse_nnodes
     from dtorch.integrations.env import launch_defaults
 

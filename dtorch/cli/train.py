@@ -203,7 +203,39 @@ def _check_plan(args: JobConfig, nproc: int) -> None:
     OptimizerOffload.resolve(args.offload, plan.offload, args.offload_dir)
 
 
+def _starts_workers(args: argparse.Namespace) -> bool:
+    """Whether this command will start worker processes, read without importing torch so that
+    their forkserver can start first (a wrong guess costs time, never correctness)."""
+    if args.print_config or current().launched:
+        return False
+    from dtorch.cluster.local import default_workers
+    from dtorch.train.config import read
+    from dtorch.train.job import JobConfig
+
+    try:
+        doc = read(args.config, JobConfig) if args.config else {}
+    except Exception:  # noqa: BLE001 - the checks below name a bad file properly
+        return False
+    nproc = getattr(args, "nproc", doc.get("nproc"))
+    nproc = default_workers() if nproc is None else nproc
+    return nproc > 1 or (nproc == 1 and bool(getattr(args, "chaos", doc.get("chaos"))))
+
+
 def run(args: argparse.Namespace) -> int:
+    from dtorch.elastic.bootstrap import TRAINER_PRELOAD, start_forkserver, stop_forkserver
+
+    early = _starts_workers(args)
+    if early:
+        start_forkserver(TRAINER_PRELOAD)  # imports torch beside this process's checks and plan
+    try:
+        return _run(args)
+    except BaseException:
+        if early:
+            stop_forkserver()
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     from dtorch.cluster.local import default_workers
     from dtorch.errors import ConfigError
     from dtorch.train.config import FORMATS, dumps
@@ -235,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
         from dtorch.train.job import run as run_job
 
         return run_job(config)
-    from dtorch.elastic.launch import TRAINER_PRELOAD, LaunchSpec, launch
+    from dtorch.elastic.bootstrap import TRAINER_PRELOAD
+    from dtorch.elastic.launch import LaunchSpec, launch
 
     spec = LaunchSpec(nproc_per_node=nproc, max_restarts=config.max_restarts, chaos=config.chaos,
                       heartbeat_timeout=config.heartbeat_timeout, snapshot_every=config.snapshot_every,

@@ -359,7 +359,8 @@ class DTorchAgent(LocalElasticAgent):
         export({"DTORCH_EPOCH": str(self.epoch)})  # for workers started as new processes
         if callable(worker_group.spec.entrypoint):
             # forked workers inherit the forkserver's environment: pass what changes per start
-            worker_group.spec.args = ({"DTORCH_EPOCH": str(self.epoch)}, *worker_group.spec.args[1:])
+            worker_group.spec.args = ({**worker_group.spec.args[0], "DTORCH_EPOCH": str(self.epoch)},
+                                      *worker_group.spec.args[1:])
         pids = super()._start_workers(worker_group)
         preemption.arm(self.run_dir)  # after torch registered its SIGTERM handler for this start
         self.local_pids = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}

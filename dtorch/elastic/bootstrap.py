@@ -30,6 +30,54 @@ import sys
 from dtorch.env import current, export
 
 FATAL_EXIT = 2
+
+# What the forkserver imports once, so that a worker (re)start is a fork instead of a torch import.
+# torch._dynamo alone is ~4 s: it is imported lazily by the first optimizer a worker builds.
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+                      "torch.distributed.tensor", "torch.distributed.fsdp", "dtorch.elastic.bootstrap")
+# What `dtorch train` adds to it: DTorch's trainer and what it imports on the way to its first step
+# (~0.1-0.3 s of every worker start on a small, loaded machine). Import-time state of these modules
+# is inherited by every fork, so they keep none that a worker must not share (checked: module
+# constants, registries and caches only; threads start in `worker.setup`). Never the target
+# module itself: runpy warns when the module it is to run as __main__ is imported already.
+TRAINER_PRELOAD = ("dtorch.train.trainer", "dtorch.train.data", "dtorch.train.sampler",
+                   "dtorch.parallel.parallelize", "dtorch.checkpoint.manager", "dtorch.checkpoint.snapshot",
+                   "dtorch.monitor.live", "dtorch.monitor.straggler", "dtorch.elastic.worker", "dtorch.models",
+                   "dtorch.model.profiler", "dtorch.integrations.status", "dtorch.integrations.env")
+
+
+def start_forkserver(preload: tuple[str, ...] = ()) -> None:
+    """Start multiprocessing's forkserver now, importing torch and `preload` (~3 s) while this
+    process does its own work (its torch import, checks, planning, the rendezvous): the launcher
+    forks the workers from it later. Call it before importing torch, with this process's
+    environment as the workers' base: the launcher passes the variables it sets afterwards to
+    `run_target`. Idempotent; a later preload list is ignored once the server runs."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *preload])
+    forkserver.ensure_running()
+
+
+def stop_forkserver() -> None:
+    """End a forkserver this process started and no worker was forked from, at once (it holds this
+    process's stdout and stderr until its imports finish): for a command that fails its checks."""
+    import signal
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the instance whose methods the module exports
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    with server._lock:  # as `ensure_running` does for a server found dead: a later start begins anew
+        if server._forkserver_alive_fd is not None:
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
 _FATAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 
@@ -118,7 +166,8 @@ def _run_target(target: str, args: list[str], module: bool) -> None:
 
 
 def run_target(env: dict[str, str], target: str, args: list[str], module: bool) -> None:
-    """Entry point of a forked worker: `env` carries what changes per start (the epoch)."""
+    """Entry point of a forked worker: `env` carries the variables the agent set for its workers
+    (the forkserver may have started before it set them) and the epoch of this start."""
     export(env)
     _run(target, list(args), module)
 

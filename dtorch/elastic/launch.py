@@ -76,19 +76,6 @@ FAST_RDZV_CONF: dict[str, Any] = {
 
 
 START_METHODS = ("forkserver", "spawn")
-# What the forkserver imports once, so that a worker (re)start is a fork instead of a torch import.
-# torch._dynamo alone is ~4 s: it is imported lazily by the first optimizer a worker builds.
-FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
-                      "torch.distributed.tensor", "torch.distributed.fsdp", "dtorch.elastic.bootstrap"]
-# What `dtorch train` adds to it: DTorch's trainer and what it imports on the way to its first step
-# (~0.1-0.3 s of every worker start on a small, loaded machine). Import-time state of these modules
-# is inherited by every fork, so they keep none that a worker must not share (checked: module
-# constants, registries and caches only; threads start in `worker.setup`). Never the target
-# module itself: runpy warns when the module it is to run as __main__ is imported already.
-TRAINER_PRELOAD = ("dtorch.train.trainer", "dtorch.train.data", "dtorch.train.sampler",
-                   "dtorch.parallel.parallelize", "dtorch.checkpoint.manager", "dtorch.checkpoint.snapshot",
-                   "dtorch.monitor.live", "dtorch.monitor.straggler", "dtorch.elastic.worker", "dtorch.models",
-                   "dtorch.model.profiler", "dtorch.integrations.status", "dtorch.integrations.env")
 
 
 @dataclass
@@ -390,18 +377,18 @@ def _worker_env(spec: LaunchSpec, run_dir: str, snap_dir: str | None) -> dict[st
     return env
 
 
-def _entrypoint(spec: LaunchSpec, target: str, args: list[str], module: bool, no_python: bool) -> tuple[Any, list]:
+def _entrypoint(spec: LaunchSpec, target: str, args: list[str], module: bool, no_python: bool,
+                worker_env: dict[str, str]) -> tuple[Any, list]:
     """(what the agent starts per worker, its arguments): the executable itself, the forkserver's
-    `run_target`, or a fresh interpreter running `dtorch.elastic.bootstrap`."""
+    `run_target` (with `worker_env`: the forkserver may predate it), or a fresh interpreter running
+    `dtorch.elastic.bootstrap`."""
     if no_python:
         return target, list(args)
     if spec.start_method == "forkserver":
-        import multiprocessing
+        from dtorch.elastic.bootstrap import run_target, start_forkserver
 
-        from dtorch.elastic.bootstrap import run_target
-
-        multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *spec.preload])
-        return run_target, [{}, target, list(args), module]
+        start_forkserver(spec.preload)  # already running when the command started it early
+        return run_target, [dict(worker_env), target, list(args), module]
     return sys.executable, ["-u", "-m", "dtorch.elastic.bootstrap", *(["-m"] if module else []), target, *args]
 
 
@@ -461,8 +448,9 @@ def launch(spec: LaunchSpec, target: str, args: list[str], module: bool = False,
     _prepare_run_dir(spec, run_dir)
     snap_dir = _snapshot_dir(spec, run_dir)
     # the agent exports DTORCH_EPOCH per start: restored with the rest when the job ends
-    saved = {"DTORCH_EPOCH": environ().get("DTORCH_EPOCH"), **export(_worker_env(spec, run_dir, snap_dir))}
-    entrypoint, wargs = _entrypoint(spec, target, args, module, no_python)
+    worker_env = _worker_env(spec, run_dir, snap_dir)
+    saved = {"DTORCH_EPOCH": environ().get("DTORCH_EPOCH"), **export(worker_env)}
+    entrypoint, wargs = _entrypoint(spec, target, args, module, no_python, worker_env)
     handler = _rendezvous(spec)
     wspec = WorkerSpec(role="dtorch", local_world_size=spec.nproc_per_node, entrypoint=entrypoint,
                        args=tuple(wargs), rdzv_handler=handler, max_restarts=spec.max_restarts,  # type: ignore[arg-type]
