@@ -310,7 +310,7 @@ class StepShape:
 
     __slots__ = (
         "plan", "profile", "g", "c", "dtype", "peak", "elem_speed", "compiled", "async_tp", "dev", "cpu",
-        "compute_dtype", "s", "h", "act_b", "act_scale", "param_b", "red_b", "tokens_mb", "rows", "eff",
+        "compute_dtype", "s", "h", "act_b", "act_scale", "resid_b", "autocast", "param_b", "red_b", "tokens_mb", "rows", "eff",
         "speed", "attn_fwd", "attn_speed", "elem_s_per_byte", "act_full", "st_cp", "st_dpr", "st_pp", "fs", "st_fs",
         "a_none", "a_elem", "contention", "shard_act", "shard_full", "block_params", "block_flops", "world", "selective", "linear",
         "cluster", "tp_act", "_terms",
@@ -332,6 +332,10 @@ class StepShape:
         tp, cp = plan.tp, plan.cp
         self.act_b = DTYPE_BYTES[self.compute_dtype]
         self.act_scale = self.act_b / 2.0  # the profile's activation bytes are 16-bit
+        self.autocast = autocast_applies(plan)
+        # the residual stream's width: under autocast the embedding and the residual adds keep the
+        # float32 masters' dtype (only the ops on autocast's lists cast); else the compute dtype's
+        self.resid_b = 4.0 if self.autocast else float(self.act_b)
         self.param_b = DTYPE_BYTES[plan.param_dtype]
         self.red_b = DTYPE_BYTES[plan.reduce_dtype]
         self.tokens_mb = plan.microbatch_size * self.s

@@ -121,13 +121,15 @@ def test_gpipe_keeps_all_microbatches_in_flight_1f1b_only_p():
     p1, pg = (Plan(param_dtype="bfloat16", pp=p, num_microbatches=m, schedule=s) for s in ("1f1b", "gpipe"))
     one, gp = estimate(p1, prof, cl), estimate(pg, prof, cl)
     first, last = rank_loads(p1, prof.num_layers)[0], rank_loads(pg, prof.num_layers)[-1]
-    # 1F1B's first stage: p micro-batches, no head but the embedding's output (bf16, the first
-    # block's input), and the backward's working set of one block
+    # 1F1B's first stage: p micro-batches, no head but the embedding's output (the first block's
+    # input: float32 under autocast, the residual stream's dtype), and the backward's working set
+    # of one block
     per_mb = (one.memory_breakdown["activations"] - _working_set(p1, prof, cl, first)) / p
-    per_mb -= 2 * prof.hidden * prof.seq_len
-    # GPipe: every stage holds all m; the last one also the head's of each, and the stage keeps
-    # each one's output (the logits, bf16) for its backward
-    head = (prof.act_bytes_per_token_head + 2 * prof.vocab_size) * prof.seq_len
+    per_mb -= 4 * prof.hidden * prof.seq_len
+    # GPipe: every stage holds all m; the last one also the head's of each (its final norm's input
+    # float32, 2 h more than the profile's 16-bit figure), and the stage keeps each one's output
+    # (the logits, bf16) for its backward
+    head = (prof.act_bytes_per_token_head + 2 * prof.hidden + 2 * prof.vocab_size) * prof.seq_len
     assert gp.memory_breakdown["activations"] == pytest.approx(
         (per_mb + head) * m + _working_set(pg, prof, cl, last), rel=1e-6)
 
@@ -138,7 +140,9 @@ def _working_set(plan, prof, cl, load):
     from dtorch.plan.strategies.memory import backward_working_set
 
     step = step_shape(plan, prof, cl)
-    head = prof.act_bytes_per_token_head * step.act_scale * step.rows / plan.tp if load.head else 0.0
+    # (the final norm's input is the residual stream: float32 under autocast)
+    head_tok = prof.act_bytes_per_token_head * step.act_scale + (step.resid_b - step.act_b) * prof.hidden
+    head = head_tok * step.rows / plan.tp if load.head else 0.0
     return backward_working_set(step, load, head)
 
 
@@ -148,14 +152,18 @@ def test_full_checkpointing_peaks_at_the_loss_or_late_in_the_backward():
     plan = Plan(param_dtype="bfloat16", ac="full", microbatch_size=2)
     est = estimate(plan, prof, cl)
     tokens, n = 2 * prof.seq_len, prof.num_layers
-    block_input = 2 * prof.hidden * tokens  # Korthikanti: 2 s b h per block
-    # the loss's moment: every block's input, the head's, the loss's working set; no gradient yet
-    loss = block_input * n + prof.act_bytes_per_token_head * tokens
+    # Korthikanti: 2 s b h per block; under autocast the residual stream is float32: 4 s b h
+    block_input = 4 * prof.hidden * tokens
+    # the loss's moment: every block's input, the head's (its norm's input float32), the loss's
+    # working set; no gradient yet
+    loss = block_input * n + (prof.act_bytes_per_token_head + 2 * prof.hidden) * tokens
     loss += _working_set(plan, prof, cl, rank_loads(plan, n)[0])
     # inside the feed-forward of the i-th block of the backward: the inputs of the blocks not yet
     # done, the recomputed block, two f-wide gradients net of what its backward freed (SwiGLU), the
-    # float32 gradients of the i - 1 blocks done
-    recomputed = prof.act_bytes_per_token_block["none"] * tokens + 2 * prof.ffn_hidden * 2 * tokens
+    # float32 gradients of the i - 1 blocks done; autocast's recomputed block also keeps its norms'
+    # float32 inputs (2 h more each) and a bf16 cast of a norm's output per q, k, v, w1, w3 (3 more)
+    recomputed = (prof.act_bytes_per_token_block["none"] + 2 * 2 * prof.hidden + 3 * 2 * prof.hidden) * tokens
+    recomputed += 2 * prof.ffn_hidden * 2 * tokens
     late = [block_input * (n - i + 1) + recomputed + (i - 1) * 4 * prof.params_per_block for i in (n - 1, n)]
     peak = est.memory_breakdown["grads"] + est.memory_breakdown["activations"]
     assert peak == pytest.approx(max(loss, *late), rel=1e-6)

@@ -117,14 +117,54 @@ RMSNORM_FAMILIES = ("llama", "moe")
 """Model families whose norms are `nn.RMSNorm` (GPT's LayerNorm is one aten kernel on every device)."""
 
 
-def composite_norm_bytes(profile: Any, act_b: float, cpu: bool) -> float:
+def composite_norm_bytes(profile: Any, in_b: float, cpu: bool) -> float:
     """Bytes per token one RMSNorm keeps beyond the fused kernel's input and statistics (what the
     profile counts): none on an accelerator; on a CPU torch 2.13 runs RMSNorm as composite operators
-    that keep the input upcast to float32 (4h, none when computing in float32: the same tensor) and
-    the normalised product in the compute dtype (`act_b` h) for the weight's multiply."""
+    that keep the input upcast to float32 (4h; none when the input, `in_b` bytes wide, is float32
+    already: the same tensor) and the normalised product in the input's dtype (`in_b` h) for the
+    weight's multiply."""
     if not cpu or profile.family not in RMSNORM_FAMILIES:
         return 0.0
-    return profile.hidden * ((4.0 if act_b < 4 else 0.0) + act_b)
+    return profile.hidden * ((4.0 if in_b < 4 else 0.0) + in_b)
+
+
+NORM_CONSUMERS = {"llama": (3, 2), "gpt": (3, 1)}
+"""Linear layers reading the attention norm's and the feed-forward norm's output (q, k, v; SwiGLU's
+w1 and w3, GeLU's w1), where the profile does not name them (`norm_consumers`)."""
+
+
+def norm_consumers(profile: Any) -> tuple[int, int]:
+    """(linears reading the attention norm's output, those reading the feed-forward norm's): the
+    profile's column-wise layers under `attention.` and `feed_forward.`, else `NORM_CONSUMERS` by
+    family, else one each. (A MoE block's router and routed experts are not counted.)"""
+    roles = getattr(profile, "tp_roles", None) or {}
+    attn = sum(1 for k, r in roles.items() if r == "colwise" and k.startswith("attention."))
+    ffn = sum(1 for k, r in roles.items() if r == "colwise" and k.startswith("feed_forward."))
+    if attn and ffn:
+        return attn, ffn
+    return NORM_CONSUMERS.get(profile.family, (1, 1))
+
+
+def autocast_block_bytes(step: StepShape, ac: str) -> float:
+    """Bytes per token per block on one TP rank that autocast over float32 masters keeps beyond
+    `block_act_bytes` (none without autocast: FSDP's casts leave every activation in param_dtype).
+    Autocast casts only the ops on its lists: the embedding and the residual adds keep the masters'
+    float32, so each norm's input (the block's input under selective or full AC) is `resid_b` wide,
+    and the norms' outputs stay float32 (the input's dtype; CUDA's autocast also lists the norms
+    as float32 ops); each linear that reads a norm's output casts it to the compute dtype itself
+    (autocast's cast cache keeps only the parameters' casts), and saves its own copy for its
+    weight gradient: one per consumer (`norm_consumers`), not one per norm, each whole over TP
+    (the input is replicated, or gathered under SP). The norms' own tensors are sharded over TP
+    with SP only."""
+    if not step.autocast:
+        return 0.0
+    plan, h = step.plan, step.h
+    norm_share = 1.0 / plan.tp if plan.sp else 1.0
+    wider = (step.resid_b - step.act_b) * h * norm_share
+    if ac != "none":
+        return wider
+    attn, ffn = norm_consumers(step.profile)
+    return 2.0 * wider + (attn + ffn - 2) * step.act_b * h
 
 
 def block_act_bytes(step: StepShape, ac: str) -> float:
@@ -133,7 +173,7 @@ def block_act_bytes(step: StepShape, ac: str) -> float:
     composite norms keep (two per block, kept unless the policy re-runs them)."""
     a = act_bytes_per_token_block(step.profile, ac, step.selective) * step.act_scale
     if ac == "none":
-        a += 2 * composite_norm_bytes(step.profile, step.act_b, step.cpu)
+        a += 2 * composite_norm_bytes(step.profile, step.resid_b, step.cpu)
     return a
 
 
@@ -153,12 +193,13 @@ def sp_gathered_bytes(step: StepShape, ac: str) -> float:
 def head_act_bytes(step: StepShape) -> float:
     """Bytes per token the head keeps for backward at the compute dtype: of the profile's 16-bit
     figure (`dtorch.model.analytic.head_act_bytes`) only the two h-wide tensors (the final norm's
-    input, the output projection's input: 4 h at 16 bits) follow the compute dtype; the float32
-    log-probabilities the loss keeps (4 V: the logits are upcast for it, whatever the compute
-    dtype), the norm's float32 statistics and the token ids do not."""
+    input, the output projection's input: 4 h at 16 bits) follow the step's widths, the norm's
+    input the residual stream's (`resid_b`: float32 under autocast), the projection's input the
+    compute dtype's; the float32 log-probabilities the loss keeps (4 V: the logits are upcast for
+    it, whatever the compute dtype), the norm's float32 statistics and the token ids do not."""
     total = step.profile.act_bytes_per_token_head
     scaled = min(total, 4.0 * step.profile.hidden)
-    return total - scaled + scaled * step.act_scale
+    return total - scaled + scaled * (step.resid_b + step.act_b) / 4.0
 
 
 def cp_gathered_bytes(step: StepShape, ac: str) -> float:
@@ -183,15 +224,17 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
     under a pipeline their logits, which the stage keeps as its output."""
     plan, prof = step.plan, step.profile
     share = step.shard_full if plan.ac == "full" else step.shard_act
-    per_token = block_act_bytes(step, plan.ac) * share + sp_gathered_bytes(step, plan.ac) + cp_gathered_bytes(step, plan.ac)
+    per_token = (block_act_bytes(step, plan.ac) * share + sp_gathered_bytes(step, plan.ac)
+                 + cp_gathered_bytes(step, plan.ac) + autocast_block_bytes(step, plan.ac))
     acts = per_token * step.rows * load.blocks * in_flight
     if plan.ac == "full" and not block_moment_applies(step):
         acts += recomputed_block_bytes(step)  # (else priced at its own moment: `full_ac_peak`)
     elif plan.ac == "selective":  # the block being recomputed: what its re-run forward makes beside the cache
-        acts += (block_act_bytes(step, "none") - block_act_bytes(step, "selective")) * share * step.rows
+        acts += ((block_act_bytes(step, "none") - block_act_bytes(step, "selective")) * share
+                 + autocast_block_bytes(step, "none") - autocast_block_bytes(step, "selective")) * step.rows
     head = 0.0
     if load.head:
-        head = (head_act_bytes(step) + composite_norm_bytes(prof, step.act_b, step.cpu)) * step.rows / plan.tp
+        head = (head_act_bytes(step) + composite_norm_bytes(prof, step.resid_b, step.cpu)) * step.rows / plan.tp
         acts += head * in_flight
         if plan.pp > 1:
             # torch's pipeline stage keeps each micro-batch's output (the logits, compute dtype) for
@@ -199,8 +242,8 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
             acts += step.act_b * prof.vocab_size * step.rows / plan.tp * in_flight
     elif load.embedding:
         # a first pipeline stage: the embedding's output, the first block's input (which the head's
-        # bytes stand for where one rank holds both ends of the model)
-        acts += step.h * step.act_b * step.rows * in_flight
+        # bytes stand for where one rank holds both ends of the model), residual-stream wide
+        acts += step.h * step.resid_b * step.rows * in_flight
     return acts + backward_working_set(step, load, head)
 
 
@@ -210,9 +253,10 @@ GATED_FAMILIES = ("llama", "moe")
 
 def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> float:
     """Bytes the backward holds beyond the saved activations at the rank's peak, the larger of two
-    moments of the last micro-batch's backward: the loss's (on the last stage: the float32 gradient
-    of the log-probabilities and that of the logits in the compute dtype, vocabulary-parallel over
-    tp), and the first block's (`block_working_set`, and under FSDP the all-gather output of the
+    moments of the last micro-batch's backward: the loss's (on the last stage: the float32 gradients
+    of the log-probabilities and of the logits the loss upcast, both alive in the log-softmax's
+    backward whatever the compute dtype, before the cast back to it; vocabulary-parallel over tp,
+    with a third under TP), and the first block's (`block_working_set`, and under FSDP the all-gather output of the
     block it prefetches for the backward next: `prefetch_bytes`), once the head's saved activations
     (`head_saved`) are freed. For a MoE model the two are compared with what else the rank holds
     at each (`block_moment_states`: under FSDP the first block's moment also holds the gathered
@@ -221,7 +265,9 @@ def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> 
     model's are still compared alone: where the loss's wins, its activations are priced beside the
     block moment's states, an overestimate of large-vocabulary FSDP plans (docs/plan.md, Memory)."""
     plan, prof = step.plan, step.profile
-    loss = (4.0 + step.act_b) * prof.vocab_size * step.rows / plan.tp if load.head else 0.0
+    # (under TP, torch's loss_parallel forms the log-softmax's backward from exp(log-probabilities),
+    # a third float32 tensor of V/tp beside the two)
+    loss = (8.0 if plan.tp == 1 else 12.0) * prof.vocab_size * step.rows / plan.tp if load.head else 0.0
     if not load.blocks:
         return loss
     block = block_working_set(step, net=True, load=load) + (prefetch_bytes(step) if load.blocks > 1 else 0.0)
@@ -274,7 +320,7 @@ def block_working_set(step: StepShape, net: bool = False, load: RankLoad | None 
     h_share = 1.0 / plan.tp if plan.sp else 1.0
     if net:
         return (wide - 1.0) * prof.ffn_hidden / plan.tp * step.act_b * step.rows
-    return (wide * prof.ffn_hidden / plan.tp + step.h * h_share) * step.act_b * step.rows
+    return (wide * prof.ffn_hidden / plan.tp * step.act_b + step.h * h_share * step.resid_b) * step.rows
 
 
 EXPERT_GRAD_BUFFERS = 4.0 / 3.0
@@ -321,7 +367,8 @@ def moe_block_working_set(step: StepShape, net: bool = False) -> float:
 def recomputed_block_bytes(step: StepShape) -> float:
     """Bytes of one block's activations re-made by full AC's recompute for its backward (its re-run
     gathers keep the whole input while the block's backward runs)."""
-    return (block_act_bytes(step, "none") * step.shard_act + sp_gathered_bytes(step, "none")) * step.rows
+    return (block_act_bytes(step, "none") * step.shard_act + sp_gathered_bytes(step, "none")
+            + autocast_block_bytes(step, "none")) * step.rows
 
 
 def block_moment_applies(step: StepShape) -> bool:
@@ -353,7 +400,7 @@ def full_ac_peak(step: StepShape, load: RankLoad, grads: float, acts: float,
     from dtorch.plan.strategies.expert import gathered_block_params
 
     p_block = gathered_block_params(step.profile, plan)
-    saved_input = block_act_bytes(step, "full") * step.shard_full * step.rows
+    saved_input = (block_act_bytes(step, "full") * step.shard_full + autocast_block_bytes(step, "full")) * step.rows
     held = recomputed_block_bytes(step) + block_working_set(step, net=True)
     accumulating = plan.num_microbatches > 1
     base = grads if accumulating else held_grads
