@@ -73,6 +73,8 @@ WORLD4 = {
     "FSDP+PP": (LLAMA, dict(dp_shard=2, pp=2, microbatch_size=2, num_microbatches=2)),
     "TP+SP+CP": (LLAMA, dict(tp=2, sp=True, cp=2, microbatch_size=2)),
     "DDP+PP": (LLAMA, dict(dp_replicate=2, pp=2, microbatch_size=2, num_microbatches=2)),
+    # the routed experts FSDP-sharded over two ranks (at world 2 each rank holds its own whole)
+    "FSDP+EP": (MOE, dict(dp_shard=4, ep=2, microbatch_size=2)),
 }
 
 

@@ -294,13 +294,18 @@ def prefetch_bytes(step: StepShape) -> float:
     """Bytes of the flat all-gather output FSDP holds for the block it prefetches while one block's
     backward runs (param dtype; MemTracker: a temporary), where it re-gathers blocks for the backward
     (resharding after forward). None without sharding, without resharding or under ZeRO (the
-    parameters stay gathered)."""
-    plan = step.plan
+    parameters stay gathered). Under EP the routed experts are an FSDP unit of their own, which
+    FSDP2 prefetches only once the block's backward has begun (after the block's unit in reverse
+    forward order): the block's prefetch is its unit without them, whatever their shard group."""
+    plan, prof = step.plan, step.profile
     if step.fs == 1 or not plan.reshard_after_forward or getattr(plan, "zero", 0) or plan.offload == "params":
         return 0.0
-    from dtorch.plan.strategies.expert import allgather_block_params
+    from dtorch.plan.strategies.expert import expert_params_per_block, gathered_block_params
 
-    return allgather_block_params(step.profile, plan) * step.param_b
+    p = gathered_block_params(prof, plan)
+    if plan.ep > 1 and prof.num_experts:
+        p -= expert_params_per_block(prof) / plan.ep / plan.tp
+    return p * step.param_b
 
 
 def block_working_set(step: StepShape, net: bool = False, load: RankLoad | None = None) -> float:
