@@ -38,7 +38,7 @@ class _Autocast:
 
 
 def _tracker(autocast: _Autocast | None = None):
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class _StepTracker(MemTracker):
         """MemTracker that lets a root module run forward more than once in the tracked region
@@ -69,6 +69,14 @@ def _tracker(autocast: _Autocast | None = None):
 
         def _track(self, reftype, t):
             super()._track(_MemRefType.PARAM if self._param_cast else reftype, t)
+
+        def _update_peak_stats(self, peak_state):
+            # only the rank's peak is read (`get_tracker_snapshot("peak")`): MemTracker's own also
+            # walks every module's statistics after every operator, most of the tracked step's time
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
 
         def _pre_fw_hook(self, module, inputs):
             name = self._mod_tracker.get_known_fqn(module)
@@ -194,6 +202,8 @@ class _Settled:
 
 def measure(case, rank):
     """One steady-state step of `case` on this rank: the peak's bytes by category."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from dtorch.models import build_model
     from dtorch.parallel import parallelize
     from dtorch.plan.plan import Plan
@@ -211,13 +221,18 @@ def measure(case, rank):
     g = torch.Generator().manual_seed(0)
     local = pm.local_batch
     rows = slice(pm.dp_rank * local, (pm.dp_rank + 1) * local)
-    # the first step builds the pipeline schedule and the optimizer states; DDP rebuilds its buckets
-    # in the second (in call order: an allocation of every gradient's size that no later step makes)
-    for step in range(3):
-        x = torch.randint(0, 256, (plan.dp * local, SEQ + 1), generator=g)
-        autocast = _Autocast() if step == 2 else None
-        tracker = _tracker(autocast) if step == 2 else None
-        settled = _Settled() if step == 2 else None
+    # the first step builds the pipeline schedule and the optimizer states, and the second is steady;
+    # DDP rebuilds its buckets in the second (in call order: an allocation of every gradient's size
+    # that no later step makes), so it is tracked in the third. The tracked step takes the third
+    # batch drawn either way (the MoE figures depend on its routing, and on the router's bias,
+    # which sees one load-balancing update fewer without DDP)
+    batches = [torch.randint(0, 256, (plan.dp * local, SEQ + 1), generator=g) for _ in range(3)]
+    last = 2 if any(isinstance(part, DistributedDataParallel) for part in pm.model_parts) else 1
+    for step in range(last + 1):
+        x = batches[len(batches) - 1 - last + step]
+        autocast = _Autocast() if step == last else None
+        tracker = _tracker(autocast) if step == last else None
+        settled = _Settled() if step == last else None
         if tracker is not None:
             tracker.track_external(*pm.model_parts, opt)
             buckets.register(tracker)  # (the second step's: the rebuilt buckets every later step uses)

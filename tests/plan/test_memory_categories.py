@@ -1,11 +1,12 @@
 """The planner's memory per category against what torch measures, for every plan family.
 
 One group of 2 and one of 4 gloo processes (the forkserver harness of tests/parallel) run one
-steady-state training step (the third: optimizer states exist, gradients were zeroed to None,
-DDP has rebuilt its buckets) of every plan family on a tiny model, under torch's `MemTracker`
-(`torch.distributed._tools.mem_tracker`), which attributes every tensor storage to a category on
-any device. What is compared is the rank's peak and its composition at that moment (MemTracker's
-peak snapshot), the fullest rank of the plan against the estimate's `memory_breakdown`:
+steady-state training step (the second, the third under DDP: optimizer states exist, gradients
+were zeroed to None, DDP has rebuilt its buckets) of every plan family on a tiny model, under
+torch's `MemTracker` (`torch.distributed._tools.mem_tracker`), which attributes every tensor
+storage to a category on any device. What is compared is the rank's peak and its composition at
+that moment (MemTracker's peak snapshot), the fullest rank of the plan against the estimate's
+`memory_breakdown`:
 
   params      PARAM: the rank's parameters, sharded masters and unsharded (gathered) copies alike
               (also those of an FSDP unit that holds its parameters itself, the routed experts:
