@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -37,12 +38,26 @@ def factory(name: str = "llama-tiny"):
     return build_model(name, heads=8, kv_heads=4) if name.startswith("llama") else build_model(name)
 
 
+@contextmanager
+def one_thread():
+    """The body on one intra-op thread, as every rank of a group runs (`_harness`). A reference
+    on torch's default threads of a busy 2-core machine waits on OpenMP barriers: 5-20x slower
+    for these tiny models (the summation order differs by float32 rounding only)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (global_batch, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@one_thread()
 def single_process(global_batch: int, model_name: str = "llama-tiny", seed: int = 0,
                    dropout_seed: int | None = None) -> dict:
     """Reference: the whole global batch in one forward on one process. `dropout_seed` seeds
@@ -134,6 +149,7 @@ def record_masks(parts: list[torch.nn.Module]) -> dict:
     return out
 
 
+@one_thread()
 def pipeline_oracle(plan_kwargs: dict, seed: int = 0) -> dict:
     """Single process, the masks the dropout rule gives a pipeline (dtorch/parallel/rng.py): stage
     s draws from the stream of pipeline rank s, its micro-batches in order. Only for schedules that
