@@ -112,9 +112,8 @@ def leave(code: int) -> None:
     after a finished Slurm job and in 1 probe in 10 on a loaded 2-core machine): a run that
     completed would exit 134. Only for a process's entry point, never from library code; in a
     process marked `hosted` it destroys the group and raises SystemExit(code)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # a process that never imported it has no group
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if _hosted:
         sys.exit(code)

@@ -1,5 +1,3 @@
-import sys
+from dtorch.cli import console
 
-from dtorch.cli import main
-
-sys.exit(main())
+console()

@@ -33,7 +33,7 @@ FATAL_EXIT = 2
 
 # What the forkserver imports once, so that a worker (re)start is a fork instead of a torch import.
 # torch._dynamo alone is ~4 s: it is imported lazily by the first optimizer a worker builds.
-FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+FORKSERVER_PRELOAD = ("dtorch.elastic.forkserver_exit", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
                       "torch.distributed.tensor", "torch.distributed.fsdp", "dtorch.elastic.bootstrap")
 # What `dtorch train` adds to it: DTorch's trainer and what it imports on the way to its first step
 # (~0.1-0.3 s of every worker start on a small, loaded machine). Import-time state of these modules
