@@ -152,6 +152,12 @@ class Sharded(Strategy):
         theirs (`strategies.zero`)."""
         plan, prof = step.plan, step.profile
         if step.fs > 1 and not getattr(plan, "zero", 0):
+            from dtorch.plan.strategies.memory import loss_moment_peaks
+
+            if loss_moment_peaks(step, load):  # (a MoE rank peaking at the loss: the root unit only)
+                root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
+                m.states["params"] = m.states.get("params", 0.0) + root * step.param_b
+                return
             m.states["params"] = m.states.get("params", 0.0) + self.gathered(step, load, m.p_gathered)
             if plan.pp == 1 and (plan.reshard_after_forward or plan.offload == "params"):
                 # the peak is the last block's re-gather, after the head's backward made the root

@@ -232,9 +232,8 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
     elif plan.ac == "selective":  # the block being recomputed: what its re-run forward makes beside the cache
         acts += ((block_act_bytes(step, "none") - block_act_bytes(step, "selective")) * share
                  + autocast_block_bytes(step, "none") - autocast_block_bytes(step, "selective")) * step.rows
-    head = 0.0
+    head = head_saved_bytes(step, load)
     if load.head:
-        head = (head_act_bytes(step) + composite_norm_bytes(prof, step.resid_b, step.cpu)) * step.rows / plan.tp
         acts += head * in_flight
         if plan.pp > 1:
             # torch's pipeline stage keeps each micro-batch's output (the logits, compute dtype) for
@@ -247,6 +246,14 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
     return acts + backward_working_set(step, load, head)
 
 
+def head_saved_bytes(step: StepShape, load: RankLoad) -> float:
+    """Bytes one micro-batch's head (final norm, logits, loss) keeps for backward on rank `load`."""
+    if not load.head:
+        return 0.0
+    prof = step.profile
+    return (head_act_bytes(step) + composite_norm_bytes(prof, step.resid_b, step.cpu)) * step.rows / step.plan.tp
+
+
 GATED_FAMILIES = ("llama", "moe")
 """Families whose feed-forward is SwiGLU (w1 and w3 out, silu out, their product: f wide each)."""
 
@@ -256,23 +263,47 @@ def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> 
     moments of the last micro-batch's backward: the loss's (on the last stage: the float32 gradients
     of the log-probabilities and of the logits the loss upcast, both alive in the log-softmax's
     backward whatever the compute dtype, before the cast back to it; vocabulary-parallel over tp,
-    with a third under TP), and the first block's (`block_working_set`, and under FSDP the all-gather output of the
-    block it prefetches for the backward next: `prefetch_bytes`), once the head's saved activations
-    (`head_saved`) are freed. For a MoE model the two are compared with what else the rank holds
+    with a third under TP), and the first block's (`block_working_set`, and under FSDP the
+    all-gather output of the block it prefetches for the backward next: `prefetch_bytes`), once the
+    head's saved activations (`head_saved`) are freed. For a MoE model the two are compared with what else the rank holds
     at each (`block_moment_states`: under FSDP the first block's moment also holds the gathered
     block and the root unit's parameters and gradients, the loss's neither): its first block's
     working set is small beside the loss's, yet that moment is the fuller one (measured). A dense
     model's are still compared alone: where the loss's wins, its activations are priced beside the
     block moment's states, an overestimate of large-vocabulary FSDP plans (docs/plan.md, Memory)."""
-    plan, prof = step.plan, step.profile
-    # (under TP, torch's loss_parallel forms the log-softmax's backward from exp(log-probabilities),
-    # a third float32 tensor of V/tp beside the two)
-    loss = (8.0 if plan.tp == 1 else 12.0) * prof.vocab_size * step.rows / plan.tp if load.head else 0.0
+    loss = loss_working_set(step, load)
     if not load.blocks:
         return loss
-    block = block_working_set(step, net=True, load=load) + (prefetch_bytes(step) if load.blocks > 1 else 0.0)
-    states = block_moment_states(step, load) if prof.num_experts else 0.0
+    block = block_moment_bytes(step, load)
+    states = block_moment_states(step, load) if step.profile.num_experts else 0.0
     return loss if loss > block - head_saved + states else block - head_saved
+
+
+def loss_working_set(step: StepShape, load: RankLoad) -> float:
+    """The loss's moment of `backward_working_set` (see there); none off the last stage."""
+    if not load.head:
+        return 0.0
+    # (under TP, torch's loss_parallel forms the log-softmax's backward from exp(log-probabilities),
+    # a third float32 tensor of V/tp beside the two)
+    return (8.0 if step.plan.tp == 1 else 12.0) * step.profile.vocab_size * step.rows / step.plan.tp
+
+
+def block_moment_bytes(step: StepShape, load: RankLoad) -> float:
+    """The first block's moment of `backward_working_set`: its working set net of what it freed,
+    and FSDP's prefetch of the block next."""
+    return block_working_set(step, net=True, load=load) + (prefetch_bytes(step) if load.blocks > 1 else 0.0)
+
+
+def loss_moment_peaks(step: StepShape, load: RankLoad) -> bool:
+    """Whether a MoE rank's peak is the loss's moment, where `backward_working_set` weighs the two
+    moments with the states FSDP holds only at the block's (`block_moment_states`): there FSDP
+    holds the root unit gathered for the head's backward and neither the re-gathered block nor the
+    root's gradients (`FSDP.rank_memory`). False for dense models (priced at the block's states)."""
+    if not (step.profile.num_experts and load.head and load.blocks):
+        return False
+    states = block_moment_states(step, load)
+    head = head_saved_bytes(step, load)
+    return bool(states) and loss_working_set(step, load) > block_moment_bytes(step, load) - head + states
 
 
 def block_moment_states(step: StepShape, load: RankLoad) -> float:
