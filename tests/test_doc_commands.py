@@ -23,10 +23,12 @@ next command, as for a reader following it; `benchmarks/` and `examples/` copied
 names them), with the calibration store, the caches and HOME in that directory, never the user's.
 `dtorch ...` runs in this process through `dtorch.cli.main` (the console script calls the same
 function; it saves the interpreter's start and torch's import per command; a `dtorch plan` or
-`submit slurm` another doc already ran, which writes no file, is not run again), except a command
-that starts worker processes (`dtorch run`, `dtorch probe`, a drill, `dtorch train --nproc N`):
-`python -m dtorch.cli` in a subprocess, as the console script would. `python -m ...` runs in a
-subprocess with the checkout on PYTHONPATH, anything else with shell syntax (`&&`, `|`, `$(...)`)
+`submit slurm` another doc already ran, which writes no file, is not run again; a `PYTHONPATH=DIR`
+before it puts DIR first on sys.path for the call), except a command that starts worker processes
+(`dtorch run`, `dtorch probe` but `--disk`, a drill, `dtorch train --nproc N`): `python -m dtorch.cli`
+in a subprocess, as the console script would, and for a launch across machines one per node, at
+once. `python -m ...` runs in a subprocess with the checkout on PYTHONPATH (in this process for
+`IN_PROCESS_MODULES`), anything else with shell syntax (`&&`, `|`, `$(...)`)
 through bash; a `$(...)` in the VAR=value assignments before a command is expanded by bash first,
 so the command after them is still read as one. Before running, `SUBSTITUTIONS` below shrinks
 what a doc names at full size and `ASSIGNMENTS` replaces what only the reader's machine has, each
@@ -165,7 +167,7 @@ def _train(argv: list[str]) -> None:
     drill = "--chaos" in argv
     if drill:  # the fault strikes by step 4, and the run goes on 4 steps past it
         i = argv.index("--chaos") + 1
-        argv[i] = re.sub(r"\b(step|every)=(\d+)", lambda m: f"{m.group(1)}={min(int(m.group(2)), DRILL_STEP)}", argv[i])
+        argv[i] = _drill_spec(argv[i])
         _set(argv, "--steps", str(DRILL_STEP + 4))
         _set(argv, "--checkpoint-every", "2", cap=2)  # a checkpoint's phase comes by the fault's step
     else:
@@ -178,6 +180,54 @@ def _train(argv: list[str]) -> None:
             argv += [flag] + ([value] if value else [])
     if "--monitor-port" in argv:
         _set(argv, "--monitor-port", "0")
+
+
+def _drill_spec(spec: str) -> str:
+    """A --chaos spec whose faults strike by step DRILL_STEP (`step=N` and `every=N` at most that)."""
+    return re.sub(r"\b(step|every)=(\d+)", lambda m: f"{m.group(1)}={min(int(m.group(2)), DRILL_STEP)}", spec)
+
+
+def _script_drill(argv: list[str]) -> None:
+    """`dtorch run ... examples/train.py`: the fault by step DRILL_STEP, the script to 2 steps past it."""
+    if "--chaos" in argv:
+        i = argv.index("--chaos") + 1
+        argv[i] = _drill_spec(argv[i])
+    script = argv.index("examples/train.py")
+    if "--steps" not in argv[script:]:
+        argv[script + 1:script + 1] = ["--steps", str(DRILL_STEP + 2)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _machines(argv: list[str]) -> None:
+    """A launch across machines, on this one: every host 127.0.0.1, the port a free one, and the
+    nodes this machine starts (`_nodes`: the fewest the launch runs with) 2 workers between them."""
+    for flag in ("--master-addr", "--master-port", "--rdzv-endpoint"):
+        if flag in argv:
+            i = argv.index(flag) + 1
+            argv[i] = {"--master-addr": "127.0.0.1", "--master-port": str(_free_port()),
+                       "--rdzv-endpoint": f"127.0.0.1:{_free_port()}"}[flag]
+    _set(argv, "--nproc-per-node", "1", cap=max(1, 2 // _min_nodes(argv)))
+
+
+def _min_nodes(argv: list[str]) -> int:
+    return int(argv[argv.index("--nnodes") + 1].split(":")[0]) if "--nnodes" in argv else 1
+
+
+def _nodes(argv: list[str]) -> list[list[str]]:
+    """The agents to start on this machine for a `dtorch run`: the command itself, and for a static
+    launch given as node 0 of N (`--node-rank 0`, the doc saying what the others run) nodes 1..N-1
+    too, the same command with their --node-rank."""
+    if argv[:1] != ["run"] or "--node-rank" not in argv:
+        return [argv]
+    i = argv.index("--node-rank") + 1
+    return [argv[:i] + [str(r)] + argv[i + 1:] for r in range(_min_nodes(argv))]
 
 
 def _verify(argv: list[str]) -> None:
@@ -200,6 +250,15 @@ SUBSTITUTIONS = [
     (lambda a: a[:1] == ["plan"] and "--verify" in a, _verify,
      "--verify builds every rank's model on a fake process group: the doc's 70B at 64 ranks takes ~30 s, "
      f"{VERIFY_MODEL} (8 heads, so tp=8 holds) the same path in ~1 s"),
+    (lambda a: a[:1] == ["run"] and any(f in a for f in ("--master-addr", "--master-port", "--rdzv-endpoint")),
+     _machines, "a launch across machines (the doc's hosts, 8 ranks each), on this one: the hosts 127.0.0.1, "
+     "the port a free one (the doc's may be taken on a test machine), the nodes it needs at least as agents of "
+     "their own on this machine (a static launch's node 0 with the other node ranks beside it) with 2 workers "
+     "between them, as the 2 cores allow"),
+    (lambda a: a[:1] == ["run"] and "examples/train.py" in a, _script_drill,
+     "the example script launched by `dtorch run` (12 steps as written): a drill's fault by step 4 (as a "
+     "`dtorch train` drill's) and the script to 2 steps past it (its --steps): a fault, its recovery and a "
+     "step after it, not 12 steps of which a periodic fault kills 3"),
     (lambda a: a[:1] == ["probe"], _probe, "dtorch probe --quick: the same measurements, fewer shapes and sizes; "
      "--disk DIR: the same calls over 256 MiB (--disk-bytes) instead of 1 GiB"),
     (lambda a: "/shared/ckpt/run1" in a, lambda a: a.__setitem__(a.index("/shared/ckpt/run1"), "runs/train"),
@@ -209,6 +268,13 @@ SUBSTITUTIONS = [
 and its workers are not this process's), and its fault strikes by step 4 (`step=N` and `every=N` at most
 4) of a run 4 steps longer, with a checkpoint every 2 steps, so that a fault in the checkpoint's phase
 comes too; a kill or hang must then show the recovery line, else the drill did not happen."""
+
+IN_PROCESS_MODULES = {
+    "benchmarks.bench_sweep": "re-predicts a stored sweep: arithmetic over files, no worker processes",
+    "dtorch.plan.calibration": "refits the cost model's constants on published rows: arithmetic, no workers",
+}
+"""`python -m MODULE` runs in this process (as `runpy` runs it: `-m`'s own machinery) for these modules,
+each with its reason: it saves an interpreter's start and torch's import; any other in a subprocess."""
 
 ASSIGNMENTS = [
     ("DTORCH_MONITOR_HOST", "10.0.0.5", lambda: _own_address(),
@@ -230,8 +296,9 @@ def _own_address() -> str:
 
 
 def _launches(argv: list[str]) -> bool:
-    """Whether a dtorch command starts worker processes of its own (an elastic agent, probe ranks)."""
-    return argv[:1] in (["run"], ["probe"]) or argv[:1] == ["train"] and (
+    """Whether a dtorch command starts worker processes of its own (an elastic agent, probe ranks;
+    `probe --disk` times this process's own I/O)."""
+    return argv[:1] == ["run"] or argv[:1] == ["probe"] and "--disk" not in argv or argv[:1] == ["train"] and (
         "--chaos" in argv or "--nproc" in argv and argv[argv.index("--nproc") + 1] != "1")
 
 
@@ -314,8 +381,7 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
         redirect = (tokens[-1], tokens[-2])
         tokens = tokens[:-2]
     shell = not tokens or any(t in ("&&", "||", "|", ";") for t in tokens) or "$(" in text or "`" in text
-    # PYTHONPATH acts when an interpreter starts: such a command gets one of its own
-    if tokens[:1] == ["dtorch"] and not shell and "PYTHONPATH" not in assigns:
+    if tokens[:1] == ["dtorch"] and not shell:
         argv = tokens[1:]
         for applies, change, _why in SUBSTITUTIONS:
             if applies(argv):
@@ -324,8 +390,9 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
             and "--out" not in argv and not redirect and not assigns
         if pure and tuple(argv) in _PURE:  # the same plan in another doc: pure arithmetic, one answer
             return _PURE[tuple(argv)]
-        if _launches(argv):  # as the console script runs it, in a process of its own
-            code, said = _subprocess([sys.executable, "-m", "dtorch.cli", *argv], cwd, env, assigns, redirect)
+        if _launches(argv):  # as the console script runs it, in a process of its own (one per node)
+            code, said = _subprocesses([[sys.executable, "-m", "dtorch.cli", *a] for a in _nodes(argv)],
+                                       cwd, env, assigns, redirect)
         else:
             code, said = _in_process(argv, cwd, {**env, **assigns}, redirect)
         if code == 0 and not _recovered(argv, said):
@@ -334,6 +401,8 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
             _PURE[tuple(argv)] = code, said
         return code, said
     argv = tokens
+    if tokens[:2] == ["python", "-m"] and not shell and not redirect and tokens[2] in IN_PROCESS_MODULES:
+        return _in_process(tokens[2:], cwd, {**env, **assigns}, None, module=True)
     if tokens[:2] == ["python", "-m"]:
         argv = [sys.executable, *tokens[1:]]
     if shell or not argv:
@@ -342,13 +411,48 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
 
 
 def _subprocess(argv: list[str], cwd: Path, env: dict[str, str], assigns: dict[str, str], redirect) -> tuple[int, str]:
-    p = subprocess.run(argv, cwd=cwd, env={**env, "PYTHONPATH": str(REPO), **assigns,
-                                           "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
-                       capture_output=True, text=True, timeout=300)
+    return _subprocesses([argv], cwd, env, assigns, redirect)
+
+
+def _subprocesses(argvs: list[list[str]], cwd: Path, env: dict[str, str], assigns: dict[str, str],
+                  redirect) -> tuple[int, str]:
+    """Run these commands at once (the nodes of one launch) and wait for all: the first failure's
+    exit code, and what each said (the first command's stdout to a redirect)."""
+    import tempfile
+
+    full = {**env, "PYTHONPATH": str(REPO), **assigns, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in argvs]  # no pipe to fill
+    procs = [subprocess.Popen(a, cwd=cwd, env=full, stdout=o, stderr=e, text=True) for a, (o, e) in zip(argvs, files)]
+    deadline, late = time.monotonic() + 300, False
+    try:
+        # one node failing fails the launch: the others would wait for it until their own timeouts
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+            if time.monotonic() > deadline:
+                late = True
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:  # SIGTERM first: an agent then stops its workers
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    outs = []
+    for o, e in files:
+        o.seek(0), e.seek(0)
+        outs.append((o.read(), e.read()))
+        o.close(), e.close()
     if redirect:
         with open(cwd / redirect[0], "a" if redirect[1] == ">>" else "w") as f:
-            f.write(p.stdout)
-    return p.returncode, p.stderr[-6000:] + p.stdout[-2000:]
+            f.write(outs[0][0])
+    code = 124 if late else next((p.returncode for p in procs if p.returncode), 0)
+    said = ("(test) killed after 300 s\n" if late else "") + "\n".join((f"(node {i})\n" if len(procs) > 1 else "") + err[-6000:] + out[-2000:]
+                     for i, (out, err) in enumerate(outs))
+    return code, said
 
 
 def _expand(text: str, cwd: Path, env: dict[str, str]) -> str:
@@ -367,24 +471,49 @@ def _expand(text: str, cwd: Path, env: dict[str, str]) -> str:
     return re.sub(r"\$\([^()]*\)", value, m.group(1)) + text[m.end():]
 
 
-def _in_process(argv: list[str], cwd: Path, env: dict[str, str], redirect) -> tuple[int, str]:
+def _in_process(argv: list[str], cwd: Path, env: dict[str, str], redirect, module: bool = False) -> tuple[int, str]:
+    """`dtorch.cli.main(argv)` (with `module`: `python -m argv[0] argv[1:]`, the directory first on
+    sys.path as `-m` puts it) in this process, in `cwd` with `env`. A PYTHONPATH in `env` (which acts
+    only when an interpreter starts) goes before sys.path for the call, as the console script would
+    have it; what was imported from these directories is forgotten after, and a package of that name
+    imported before (`benchmarks` from the checkout) is set aside meanwhile."""
+    import runpy
+
     from dtorch.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    old_env, old_cwd = dict(os.environ), os.getcwd()
+    old_env, old_cwd, old_path, old_argv = dict(os.environ), os.getcwd(), list(sys.path), list(sys.argv)
+    extra = [str(cwd)] if module else []
+    extra += [str((cwd / d).resolve()) for d in env.get("PYTHONPATH", "").split(os.pathsep)
+              if d and env.get("PYTHONPATH") != old_env.get("PYTHONPATH")]
+    top = argv[0].split(".")[0] if module else None
+    aside = {k: sys.modules.pop(k) for k in list(sys.modules)
+             if top and (cwd / top).is_dir() and (k == top or k.startswith(top + "."))}
+    old_modules = set(sys.modules)
+    sys.path[:0] = extra
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = main(argv)
-            except SystemExit as e:  # argparse: a bad flag
-                code = e.code if isinstance(e.code, int) else 1
+                if module:
+                    sys.argv = list(argv)
+                    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+                    code = 0
+                else:
+                    code = main(argv)
+            except SystemExit as e:  # argparse: a bad flag; sys.exit(n)
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     finally:
         os.chdir(old_cwd)
         os.environ.clear()
         os.environ.update(old_env)
+        sys.path[:], sys.argv[:] = old_path, old_argv
+        for name in set(sys.modules) - old_modules:  # a reader's package (mypkg): not the next doc's
+            if any(str(getattr(sys.modules[name], "__file__", None) or "").startswith(d + os.sep) for d in extra):
+                del sys.modules[name]
+        sys.modules.update(aside)
     if redirect:
         with open(cwd / redirect[0], "a" if redirect[1] == ">>" else "w") as f:
             f.write(out.getvalue())
@@ -482,6 +611,19 @@ def test_drills_are_shrunk_launched_apart_and_must_recover(tmp_path):
     _train(plain)
     assert plain[plain.index("--nproc") + 1] == "1" and not _launches(plain)
     assert _launches(["train", "--nproc", "2"]) and _launches(["probe"]) and not _launches(["plan"])
+    assert _launches(["probe", "--nproc", "2"]) and not _launches(["probe", "--disk", "x"])
+    script = ["run", "--chaos", "every=20:kill", "examples/train.py", "--checkpoint-dir", "runs/x"]
+    _script_drill(script)
+    assert script == ["run", "--chaos", "every=4:kill", "examples/train.py", "--steps", "6", "--checkpoint-dir", "runs/x"]
+    static = ["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29500",
+              "--nproc-per-node", "8", "t.py"]
+    _machines(static)
+    nodes = _nodes(static)
+    assert [a[a.index("--node-rank") + 1] for a in nodes] == ["0", "1"] and nodes[1][6] == "127.0.0.1"
+    assert nodes[0][8] == nodes[1][8] != "29500" and nodes[0][nodes[0].index("--nproc-per-node") + 1] == "1"
+    elastic = ["run", "--nnodes", "1:2", "--nproc-per-node", "8", "--rdzv-endpoint", "HOST:29400", "t.py"]
+    _machines(elastic)
+    assert _nodes(elastic) == [elastic] and elastic[4] == "2" and elastic[6].startswith("127.0.0.1:")
     env = {"PATH": os.environ["PATH"]}
     assert _expand("A=$(echo hi there) B=1 dtorch plan --x", tmp_path, env) == "A='hi there' B=1 dtorch plan --x"
     assert _expand("dtorch plan $(echo a)", tmp_path, env) == "dtorch plan $(echo a)"  # not an assignment: bash's
