@@ -12,7 +12,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOY = os.path.join(HERE, "toy_worker.py")
-CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
+CLI = [sys.executable, "-m", "dtorch.cli", "run"]
 
 
 def pids_with(marker: str) -> list[int]:

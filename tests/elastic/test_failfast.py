@@ -16,7 +16,7 @@ from dtorch.elastic import events
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-m", "dtorch.cli"]
 TINY = ["--model", "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=64", "--seq-len", "32", "--sample-tokens", "0",
         "--no-progress"]
 

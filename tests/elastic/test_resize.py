@@ -14,7 +14,7 @@ import pytest
 
 from dtorch.elastic import events
 
-CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
+CLI = [sys.executable, "-m", "dtorch.cli", "run"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 

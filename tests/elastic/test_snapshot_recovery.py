@@ -19,7 +19,7 @@ from dtorch.elastic import events
 
 pytestmark = [pytest.mark.slow]
 
-CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "train"]
+CLI = [sys.executable, "-m", "dtorch.cli", "train"]
 ARGS = ["--nproc", "2", "--model", "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=64", "--seq-len", "32",
         "--sample-tokens", "0", "--no-progress", "--steps", "30", "--checkpoint-every", "50", "--plan", "dp_replicate=2"]
 
@@ -70,7 +70,7 @@ def test_sharded_plans_restore_their_own_shards_and_redo_one_step(tmp_path, plan
     assert {r["step"]: r["loss"] for r in drill} == {r["step"]: r["loss"] for r in base}
 
 
-RUN = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
+RUN = [sys.executable, "-m", "dtorch.cli", "run"]
 
 
 def test_a_lost_node_resumes_from_the_replica_on_its_peer_node_bit_identically(tmp_path, marker):

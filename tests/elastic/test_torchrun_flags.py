@@ -16,7 +16,7 @@ from dtorch.cli.run import add_parser, rendezvous
 from dtorch.elastic.launch import LaunchSpec
 from dtorch.errors import ConfigError
 
-CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
+CLI = [sys.executable, "-m", "dtorch.cli", "run"]
 
 # A worker that says which global rank it got, then proves the group works with one all_reduce.
 WORKER = """

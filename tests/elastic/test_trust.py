@@ -19,7 +19,7 @@ from dtorch.elastic import events, heartbeat
 from dtorch.elastic import store as rdzv_store
 from dtorch.errors import ConfigError
 
-CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())", "run"]
+CLI = [sys.executable, "-m", "dtorch.cli", "run"]
 
 pytestmark = [pytest.mark.slow]
 

@@ -26,7 +26,7 @@ from dtorch.errors import ConfigError
 from dtorch.monitor import feedback
 from dtorch.plan.plan import Plan
 
-CLI = [sys.executable, "-c", "import sys; from dtorch.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-m", "dtorch.cli"]
 TINY = ["--model", "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=64", "--seq-len", "32", "--sample-tokens", "0",
         "--global-batch", "4"]
 CLUSTER = "local:1x2"
