@@ -144,17 +144,11 @@ def rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str | Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtorch.elastic.bootstrap import start_forkserver, stop_forkserver
+    from dtorch.elastic.bootstrap import early_forkserver
 
-    early = args.start_method == "forkserver" and not args.no_python
-    if early:
-        start_forkserver()  # imports torch beside this process's own import and the rendezvous
-    try:
+    # its torch import beside ours and the rendezvous
+    with early_forkserver(args.start_method == "forkserver" and not args.no_python):
         return _run(args)
-    except BaseException:
-        if early:
-            stop_forkserver()
-        raise
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -222,17 +222,10 @@ def _starts_workers(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtorch.elastic.bootstrap import TRAINER_PRELOAD, start_forkserver, stop_forkserver
+    from dtorch.elastic.bootstrap import TRAINER_PRELOAD, early_forkserver
 
-    early = _starts_workers(args)
-    if early:
-        start_forkserver(TRAINER_PRELOAD)  # imports torch beside this process's checks and plan
-    try:
+    with early_forkserver(_starts_workers(args), TRAINER_PRELOAD):  # its imports beside our checks and plan
         return _run(args)
-    except BaseException:
-        if early:
-            stop_forkserver()
-        raise
 
 
 def _run(args: argparse.Namespace) -> int:

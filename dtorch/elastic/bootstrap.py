@@ -22,10 +22,12 @@ same error comes back at the same step after a restart.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import runpy
 import sys
+from collections.abc import Iterator
 
 from dtorch.env import current, export
 
@@ -57,6 +59,20 @@ def start_forkserver(preload: tuple[str, ...] = ()) -> None:
 
     multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *preload])
     forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def early_forkserver(start: bool, preload: tuple[str, ...] = ()) -> Iterator[None]:
+    """Around a command that will start workers (`start`): the forkserver started on entry
+    (`start_forkserver`), and killed if the command fails before using it (`stop_forkserver`)."""
+    if start:
+        start_forkserver(preload)
+    try:
+        yield
+    except BaseException:
+        if start:
+            stop_forkserver()
+        raise
 
 
 def stop_forkserver() -> None:
