@@ -21,7 +21,9 @@
 #           whose outcome does not depend on timing, such as the doc-command runner) at nice 10.
 # A multi-process test leaves a core idle much of the time (an agent importing torch, a job's
 # single-threaded start, waits for a rendezvous, a kill or a timeout); the sessions beside it fill
-# it, at a lower priority, so that the timed tests see the machine as before. The output of the
+# it, at a lower priority (nice 10 reaches the test processes and what they start in their own
+# session; a job a test starts in a new session is its own scheduling group where the kernel groups
+# by session, /proc/sys/kernel/sched_autogroup_enabled: the timed tests' bounds allow for it). The output of the
 # other two follows the first's; the exit code is a failure if any failed. DTORCH_TEST_SERIAL=1
 # runs the whole suite as one session instead.
 set -uo pipefail
