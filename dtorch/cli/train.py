@@ -217,8 +217,13 @@ def _starts_workers(args: argparse.Namespace) -> bool:
     except Exception:  # noqa: BLE001 - the checks below name a bad file properly
         return False
     nproc = getattr(args, "nproc", doc.get("nproc"))
-    nproc = default_workers() if nproc is None else nproc
-    return nproc > 1 or (nproc == 1 and bool(getattr(args, "chaos", doc.get("chaos"))))
+    return _launches(default_workers() if nproc is None else nproc, getattr(args, "chaos", doc.get("chaos")))
+
+
+def _launches(nproc: int, chaos: str | None) -> bool:
+    """Whether a job of `nproc` workers runs under the elastic agent rather than in this process:
+    several workers, or one with a chaos fault (whose recovery needs the agent)."""
+    return nproc > 1 or (nproc == 1 and bool(chaos))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -256,7 +261,7 @@ def _run(args: argparse.Namespace) -> int:
         if config.init_from or config.tokenizer:
             _check_inputs(config)  # bad checkpoint / tokenizer: one line, exit 2, before any worker starts
         preflight(config, nproc)
-    if launched or (nproc == 1 and not config.chaos):
+    if launched or not _launches(nproc, config.chaos):
         from dtorch.train.job import run as run_job
 
         return run_job(config)

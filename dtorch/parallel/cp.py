@@ -358,7 +358,7 @@ def _install(part: nn.Module, cp: ContextParallel) -> None:
     for mod in _attention_modules(part):
         setattr(mod, ATTENTION_HOOK, cp.attention)
     for mod in part.modules():  # a MoE's sequence-wise balance loss needs the whole sequence's statistics
-        if SEQUENCE_REDUCE_HOOK in dir(type(mod)):
+        if hasattr(type(mod), SEQUENCE_REDUCE_HOOK):
             setattr(mod, SEQUENCE_REDUCE_HOOK, cp.sequence_all_reduce)
 
 

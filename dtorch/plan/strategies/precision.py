@@ -20,7 +20,7 @@ from typing import Any
 
 from dtorch.cluster.spec import Cluster, DeviceType
 from dtorch.errors import choices
-from dtorch.plan.step import RankLoad, RankMemory, StepShape, autocast_applies
+from dtorch.plan.step import RankLoad, RankMemory, StepShape
 from dtorch.plan.strategies.base import Dims, Field, Limit, Strategy, Violation
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -115,13 +115,13 @@ class Precision(Strategy):
     def rank_memory(self, step: StepShape, load: RankLoad, m: RankMemory) -> None:
         """Autocast's copies of the weights in param_dtype are parameters (MemTracker's PARAM, as
         FSDP2's gathered copies are), `param_b` bytes per local weight of the matmuls: where the
-        executor computes by autocast (`step.autocast_applies`: single device, TP, PP, classic DDP),
+        executor computes by autocast (`step.autocast`: single device, TP, PP, classic DDP),
         each matmul casts its float32 weight (and bias) and autocast's cast cache keeps the copy
         until the step's autocast context ends, after the last micro-batch's backward: alive at
         every moment of the step, once per step whatever the micro-batch count (without the cache
         autograd would save one per micro-batch in flight for the backward). Embeddings and norms
         are not cast."""
-        if autocast_applies(step.plan):
+        if step.autocast:
             m.states["params"] = m.states.get("params", 0.0) + cast_params(step, load) * step.param_b
 
 
