@@ -225,7 +225,11 @@ class NodeLossDetector:
             return {}
         expire = datetime.now(timezone.utc) - expiry
         hb = state.last_heartbeats
-        lost = {str(n): hb[n].timestamp() for n in state.participants if n in hb and hb[n] < expire}
+        # Our own keep-alive counts only through the others: this agent is alive (it is running this),
+        # and a keep-alive thread starved on a loaded host is not a lost node. If the others removed
+        # us for it, the branch above restarts us into their new round.
+        lost = {str(n): hb[n].timestamp() for n in state.participants
+                if n in hb and hb[n] < expire and str(n) != me}
         present = {str(n) for n in state.participants}
         for name in self.round_nodes - present:
             lost[name] = self.round_t  # removed as dead by another agent: last seen at the rendezvous

@@ -75,3 +75,31 @@ def test_reports_left_when_the_job_ends_are_still_recorded(agent):
     events.log("straggler", agent.events_path, step=11, ranks=[1], ratio=[1.0, 3.0], epoch=0)
     agent.drain_reports()
     assert [e["ranks"] for e in events.read(agent.events_path) if e["kind"] == "observed"] == [[1]]
+
+
+def test_node_loss_counts_the_others_keep_alives_not_this_agents_own(monkeypatch):
+    """This agent is alive (it runs the check): its own stale keep-alive (a starved thread on a loaded
+    host) is no lost node. Another node's is; and a round that went on without us restarts us."""
+    from datetime import datetime, timedelta, timezone
+
+    from dtorch.elastic import agent as agent_mod
+    from dtorch.elastic.agent import NodeLossDetector
+
+    now = datetime.now(timezone.utc)
+    state = SimpleNamespace(round=3, complete=True, participants={"me": 0, "peer": 1}, last_heartbeats={})
+    fake = SimpleNamespace(epoch=3, rendezvous_state=lambda: state,
+                           get_worker_group=lambda: SimpleNamespace(spec=SimpleNamespace(rdzv_handler=None)))
+    monkeypatch.setattr(agent_mod.tc, "this_node", lambda handler: "me")
+    monkeypatch.setattr(agent_mod.tc, "keep_alive_expiry", lambda handler: timedelta(seconds=5))
+
+    def lost(me_age: float, peer_age: float, **change) -> dict:
+        state.last_heartbeats = {"me": now - timedelta(seconds=me_age), "peer": now - timedelta(seconds=peer_age)}
+        vars(state).update(change)
+        d = NodeLossDetector(fake)
+        d.new_round(SimpleNamespace(participants=["me", "peer"]))
+        return d.lost()
+
+    assert lost(me_age=30, peer_age=1) == {}  # only our own keep-alive lapsed
+    assert set(lost(me_age=1, peer_age=30)) == {"peer"}
+    assert set(lost(me_age=30, peer_age=30)) == {"peer"}
+    assert set(lost(me_age=1, peer_age=1, round=4)) == {"me"}  # the others moved on without us

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from dtorch.elastic import events
+from dtorch.elastic import events, heartbeat
 
 CLI = [sys.executable, "-m", "dtorch.cli", "run"]
+PACED_JOB = os.path.join(os.path.dirname(__file__), "paced_job.py")
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
@@ -33,6 +34,11 @@ def _wait_for(pred, timeout: float, what: str) -> float:
         assert time.time() - t0 < timeout, f"timed out waiting for {what}"
         time.sleep(0.25)
     return time.time() - t0
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _descendants(pid: int) -> list[int]:
@@ -73,7 +79,7 @@ def test_agent_killed_job_shrinks_to_two_workers_and_grows_back_to_four(tmp_path
     open(pace, "w").close()
     kw = {"steps": 80, "nproc": 2, "step_sleep": 0.25, "pace_file": pace, "wait": False}
     a = dtorch_run(out, marker, *flags, **kw)
-    time.sleep(2)  # agent A hosts the rendezvous store; B joins it
+    _wait_for(lambda: _listening(port), 120, "node A's rendezvous store")  # A hosts it; B joins it
     b = dtorch_run(out, marker, *flags, **kw)
     t_up = _wait_for(lambda: any(x["world"] == 4 for x in _steps(out)), 120, "world size 4")
     time.sleep(1)
@@ -114,12 +120,19 @@ def test_node_lost_between_rendezvous_and_worker_start_does_not_block_the_surviv
     out = str(tmp_path)
     path = os.path.join(out, "run", events.EVENTS_FILE)
     flags = ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", marker]
-    kw = {"steps": 20, "nproc": 2, "step_sleep": 0.05, "wait": False}
+    # paced (20 s for 80 steps) until the 4-worker rendezvous: A may start alone first, and the job
+    # must still be running when B arrives to be admitted (a loaded machine starts B slowly)
+    pace = os.path.join(out, "pace")
+    open(pace, "w").close()
+    kw = {"steps": 80, "nproc": 2, "step_sleep": 0.25, "pace_file": pace, "wait": False}
     a = dtorch_run(out, marker, *flags, **kw)
-    time.sleep(0.5)
+    # A hosts the rendezvous store (the agent that binds the endpoint first does): killing B must
+    # not take the store with it
+    _wait_for(lambda: _listening(port), 120, "node A's rendezvous store")
     b = dtorch_run(out, marker, *flags, **kw)
     _wait_for(lambda: any(e["kind"] == "rendezvous" and e["world_size"] == 4 for e in events.read(path)), 120,
               "the 4-worker rendezvous")
+    os.remove(pace)
     b.send_signal(signal.SIGKILL)
     b.wait()
     a.wait(timeout=120)
@@ -127,7 +140,7 @@ def test_node_lost_between_rendezvous_and_worker_start_does_not_block_the_surviv
     (det,) = [e for e in events.read(path) if e["kind"] == "detected"]
     # node_lost when B died before its workers connected (usual: they start ~2 s later), else exit
     assert det["cause"] in ("node_lost", "exit")
-    assert _steps(out)[-1]["world"] == 2 and [x["step"] for x in _steps(out)] == list(range(20))
+    assert _steps(out)[-1]["world"] == 2 and [x["step"] for x in _steps(out)] == list(range(80))
     print(f"agent killed after the rendezvous: detected as {det['cause']}, "
           + events.format_recovery(events.recoveries(path)[0]))
 
@@ -141,8 +154,13 @@ def test_real_trainer_shrinks_when_an_agent_dies_and_grows_at_a_checkpoint(tmp_p
     s.close()
     run_dir = str(tmp_path / "run")
     path = os.path.join(run_dir, events.EVENTS_FILE)
+    # 0.25 s a step keeps the job at 2 workers running until the restarted node B has started and been
+    # admitted (on a loaded machine its start alone took longer than the ~190 unpaced steps left); once
+    # it has grown back the pace file goes and the steps left run at full speed
+    pace = tmp_path / "pace"
+    pace.touch()
     cmd = [*CLI, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", marker, "--run-dir", run_dir, "--max-restarts", "5", "-m", "dtorch.train.job",
+           "--rdzv-id", marker, "--run-dir", run_dir, "--max-restarts", "5", PACED_JOB, str(pace), "0.25",
            "--steps", "200", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "ckpt"),
            "--no-progress", "--sample-tokens", "0", "--model", "gpt:layers=1,hidden=32,heads=2,vocab=256,seq=32",
            "--seq-len", "32", "--global-batch", "8",
@@ -159,27 +177,32 @@ def test_real_trainer_shrinks_when_an_agent_dies_and_grows_at_a_checkpoint(tmp_p
     procs = [start()]
     ckpt = tmp_path / "ckpt"
     try:
-        _shrink_and_grow(procs, start, worlds, path, ckpt)
+        _shrink_and_grow(procs, start, worlds, path, ckpt, pace, port)
     finally:
         for p in procs:  # on failure, do not leave agents behind for the marker check
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def _shrink_and_grow(procs, start, worlds, path, ckpt) -> None:
+def _shrink_and_grow(procs, start, worlds, path, ckpt, pace, port) -> None:
     a = procs[0]
-    time.sleep(2)
+    _wait_for(lambda: _listening(port), 120, "node A's rendezvous store")  # A hosts it; B joins it
     b = start()
     procs.append(b)
     _wait_for(lambda: 4 in worlds(), 120, "world size 4")
-    _wait_for(lambda: ckpt.exists() and any(p.name.startswith("step-") for p in ckpt.iterdir()), 120,
-              "the first checkpoint at 4 workers")
+    # committed and published by every worker (a step-*.tmp directory is a save still in flight: a
+    # kill then leaves nothing to resume from, and the job regrows without waiting for a commit)
+    epoch4 = next(e["epoch"] for e in events.read(path) if e["kind"] == "rendezvous" and e["world_size"] == 4)
+    run_dir = os.path.dirname(path)
+    _wait_for(lambda: [beat.get("committed_step") is not None for beat in heartbeat.read_beats(run_dir, epoch4).values()]
+              == [True] * 4, 120, "the first checkpoint committed at 4 workers")
     b.send_signal(signal.SIGKILL)
     b.wait()
     _wait_for(lambda: worlds()[-1] == 2, 60, "the job to continue on 2 workers")
     b2 = start()
     procs.append(b2)
     _wait_for(lambda: worlds()[-1] == 4, 120, "growing back to 4 workers")
+    pace.unlink()
     grows = [e for e in events.read(path) if e["kind"] == "grow"]
     assert grows[-1]["why"] == "checkpoint committed", grows  # growing back waited for a checkpoint
     outs = []
