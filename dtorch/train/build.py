@@ -244,6 +244,9 @@ def checkpoint_extra(tr: Trainer) -> dict[str, Any]:
     import dataclasses
 
     spec, out = tr.lr_spec, {"tokens_seen": tr.train_state.tokens_seen}
+    # the sample stream (`GlobalSampler`): its order is a function of these three and the step
+    s = tr.sampler
+    out.update(dataset_samples=s.num_samples, global_batch=s.global_batch, seed=s.seed)
     if dataclasses.is_dataclass(spec):  # compact (`dtorch ckpt ls` shows it): WSD(warmup_steps=20,...)/300
         fields = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(spec).items() if v is not None)
         out["lr_schedule"] = f"{type(spec).__name__}({fields})/{tr.resolver.fit_steps}"
@@ -261,6 +264,10 @@ def resume_changes(tr: Trainer, extra: dict[str, Any]) -> list[str]:
     if extra.get("lr_schedule") and extra.get("eval_split") != mine.get("eval_split"):  # (a checkpoint of this code)
         out.append(f"the held-out eval split changed ({extra.get('eval_split')} -> {mine.get('eval_split')}): the "
                    "training order changes, and samples now held out may have been trained on before")
+    said = {"dataset_samples": "the dataset's size in samples", "global_batch": "the global batch", "seed": "the seed"}
+    for key in [k for k in said if k in extra and extra[k] != mine[k]]:
+        out.append(f"{said[key]} changed ({extra[key]:,} -> {mine[key]:,}): from here the samples follow another "
+                   "order than the checkpointed run's (samples may repeat or be skipped)")
     return out
 
 

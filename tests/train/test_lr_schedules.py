@@ -153,3 +153,25 @@ def test_resuming_with_another_schedule_says_so(tmp_path, capsys):
     (change,) = resume["changed"]
     assert "WarmupCosine(warmup_steps=1,min_ratio=0.1)/2 -> WSD(warmup_steps=1,min_ratio=0.1,decay_ratio=0.5)/4" in change
     assert "learning-rate schedule changed" in capsys.readouterr().err
+
+
+def test_resuming_with_another_dataset_or_batch_says_so(tmp_path, capsys):
+    """The sample order is a function of the dataset's size, the global batch, the seed and the step:
+    a resume that changes one of them does not continue the checkpointed run's order, and says so."""
+    from dtorch.models import build_model
+    from dtorch.train.trainer import Trainer
+
+    def data(n):
+        return [torch.randint(0, 64, (17,), generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+    kw = dict(model=partial(build_model, SPEC), seq_len=16, plan={}, checkpoint_dir=tmp_path, async_checkpoint=False,
+              straggler_every=0, metrics_every=0)
+    Trainer(data=data(16), global_batch=4, console=False, **kw).fit(2)
+    Trainer(data=data(16), global_batch=4, console=False, **kw).fit(3)  # the same stream: nothing said
+    Trainer(data=data(12), global_batch=2, console=True, **kw).fit(4)
+    first, second = [r for r in _records(tmp_path) if r.get("event") == "resume"]
+    stream = ("the dataset's size in samples", "the global batch", "the seed")
+    assert not [c for c in first.get("changed", []) if c.startswith(stream)], first  # (its schedule: 2 -> 3 steps)
+    assert sorted(c.split(" changed")[0] for c in second["changed"] if c.startswith(stream)) == [
+        "the dataset's size in samples", "the global batch"], second
+    assert "the dataset's size in samples changed (16 -> 12)" in capsys.readouterr().err
