@@ -14,7 +14,8 @@
 # every test exactly once:
 #   timed   the multi-process tests of the rooms whose tests time things (elastic/, monitor/,
 #           integrations/, probe/ and the trainer's straggler test: hang, straggler and keep-alive
-#           detection, time bounds) at normal priority;
+#           detection, time bounds) and the docs' long commands (a probe, a two-node launch) at
+#           normal priority;
 #   multi   the other multi-process tests (tests/parallel, plan, train, checkpoint, model: losses,
 #           bytes and files, whatever the timing) at nice 10;
 #   single  the single-process tests and the `beside` ones (-m "not slow or beside": a slow test
@@ -54,9 +55,13 @@ fi
 
 start=$(date +%s)
 # the rooms (and files) of the timed session; the multi session is the rest of -m "slow and not beside"
-timed=(tests/elastic tests/monitor tests/integrations tests/probe tests/train/test_straggler.py)
+# (and the docs' long commands: a 4-rank probe, a launch as two nodes, the benchmark runner)
+timed=(tests/elastic tests/monitor tests/integrations tests/probe tests/train/test_straggler.py
+       tests/test_doc_commands.py::test_the_long_commands_run_as_written)
 not_timed=()
-for p in "${timed[@]}"; do not_timed+=(--ignore "$p"); done
+for p in "${timed[@]}"; do
+  case "$p" in *::*) not_timed+=(--deselect "$p") ;; *) not_timed+=(--ignore "$p") ;; esac
+done
 logs=$(mktemp -d "${TMPDIR:-/tmp}/dtorch-tests.XXXXXX")
 nice -n 10 .venv/bin/python -m pytest -q --durations=15 -m "slow and not beside" "${not_timed[@]}" \
   >"$logs/multi" 2>&1 &

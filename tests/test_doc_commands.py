@@ -15,8 +15,11 @@ in the same file, naming the start of the command (whole words, after `.venv/bin
 
     <!-- doc-test skip: dtorch probe --nproc 2,4 -- spawns 6 ranks for minutes -->
 
-A marker that matches no command fails the test. Keep them few: a GPU, a second machine, the
-network, the whole suite or a benchmark of minutes.
+A marker that matches no command fails the test. Keep them few: a GPU, the network or the whole
+suite. A command that runs here but takes long (a 4-rank probe, a launch as two nodes, a benchmark)
+is marked `<!-- doc-test long: PREFIX -- reason -->` instead: it runs in
+`test_the_long_commands_run_as_written`, a multi-process test `scripts/test.sh` runs in its front
+session, not in its doc's own test.
 
 How they run: each doc in its own empty directory (its `runs/train` stays there for the doc's
 next command, as for a reader following it; `benchmarks/` and `examples/` copied in when a command
@@ -31,9 +34,9 @@ once. `python -m ...` runs in a subprocess with the checkout on PYTHONPATH (in t
 `IN_PROCESS_MODULES`), anything else with shell syntax (`&&`, `|`, `$(...)`)
 through bash; a `$(...)` in the VAR=value assignments before a command is expanded by bash first,
 so the command after them is still read as one. Before running, `SUBSTITUTIONS` below shrinks
-what a doc names at full size and `ASSIGNMENTS` replaces what only the reader's machine has, each
-rule with its reason; the inputs a reader brings (a Hugging Face model directory, a corpus) are
-made tiny by `_inputs`.
+what a doc names at full size (`MODULE_SUBSTITUTIONS` a `python -m` module's arguments) and
+`ASSIGNMENTS` replaces what only the reader's machine has, each rule with its reason; the inputs
+a reader brings (a Hugging Face model directory, a corpus) are made tiny by `_inputs`.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN_LANGS = {"bash", "sh", "shell"}
 COMMAND_START = re.compile(r"^(\$ |dtorch [\w-]+(\s|$)|\.venv/bin/|python -m |bash )")
-SKIP = re.compile(r"<!--\s*doc-test skip:\s*(.+?)\s+--\s+(.+?)\s*-->", re.S)
+SKIP = re.compile(r"<!--\s*doc-test (skip|long):\s*(.+?)\s+--\s+(.+?)\s*-->", re.S)
 ERROR_LINE = re.compile(r"^(dtorch(?: [\w-]+)?: error: [\w.-]+=)")
 
 TINY_LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,vocab=512,seq=128"
@@ -72,6 +75,7 @@ class Command:
     expect_code: int = 0
     expect_err: str | None = None  # the start of the error line a console block shows
     skip: str | None = None
+    long: str | None = None  # runs, in test_the_long_commands_run_as_written (the marker's reason)
 
 
 def _blocks(text: str):
@@ -136,13 +140,13 @@ def commands(path: Path) -> tuple[list[Command], list[str]]:
                         cmd.expect_code, cmd.expect_err = 2, m.group(1)
                     found.append(cmd)
     for m in SKIP.finditer(text):
-        prefix, reason = " ".join(m.group(1).split()), " ".join(m.group(2).split())
+        kind, prefix, reason = m.group(1), " ".join(m.group(2).split()), " ".join(m.group(3).split())
         at = text[:m.start()].count("\n") + 1
         hits = [c for c in found if c.line > at and re.match(re.escape(prefix) + r"(\s|$)", _bare(c.text))]
         if not hits:
-            problems.append(f"{name}:{at}: the skip marker for {prefix!r} matches no command after it")
+            problems.append(f"{name}:{at}: the {kind} marker for {prefix!r} matches no command after it")
         for c in hits:
-            c.skip = reason
+            setattr(c, kind, reason)
     return found, problems
 
 
@@ -269,9 +273,28 @@ and its workers are not this process's), and its fault strikes by step 4 (`step=
 4) of a run 4 steps longer, with a checkpoint every 2 steps, so that a fault in the checkpoint's phase
 comes too; a kill or hang must then show the recovery line, else the drill did not happen."""
 
+def _bench_runner(argv: list[str]) -> None:
+    _set(argv, "--only", "mfu")
+    if "--quick" not in argv:
+        argv.append("--quick")
+
+
+MODULE_SUBSTITUTIONS = {
+    "benchmarks": (_bench_runner, "the benchmark runner (31 min of sections as written) runs one quick section, "
+                   "mfu (~5 s): the runner's own flags as the doc gives them (--quick, --out DIR) and its "
+                   "latest.{json,md}; --only's sections become mfu"),
+    "benchmarks.bench_calibration": (lambda a: None if "--quick" in a else a.append("--quick"),
+                                     "--quick: procedure (2) over 2 grid points instead of 12 (the same code, "
+                                     "~15 s instead of ~95 s)"),
+}
+"""`python -m MODULE ...`: how the arguments of a module the docs run at full length are shrunk, and why."""
+
 IN_PROCESS_MODULES = {
     "benchmarks.bench_sweep": "re-predicts a stored sweep: arithmetic over files, no worker processes",
     "dtorch.plan.calibration": "refits the cost model's constants on published rows: arithmetic, no workers",
+    "benchmarks": "the runner and its one section (mfu, above) in this process: no worker processes",
+    "benchmarks.bench_calibration": "refits on published rows (arithmetic; its sizing figure times a fresh "
+                                    "interpreter of its own)",
 }
 """`python -m MODULE` runs in this process (as `runpy` runs it: `-m`'s own machinery) for these modules,
 each with its reason: it saves an interpreter's start and torch's import; any other in a subprocess."""
@@ -401,6 +424,8 @@ def _run(cmd: Command, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
             _PURE[tuple(argv)] = code, said
         return code, said
     argv = tokens
+    if tokens[:2] == ["python", "-m"] and not shell and tokens[2] in MODULE_SUBSTITUTIONS:
+        MODULE_SUBSTITUTIONS[tokens[2]][0](tokens)
     if tokens[:2] == ["python", "-m"] and not shell and not redirect and tokens[2] in IN_PROCESS_MODULES:
         return _in_process(tokens[2:], cwd, {**env, **assigns}, None, module=True)
     if tokens[:2] == ["python", "-m"]:
@@ -526,7 +551,7 @@ def _all() -> list[tuple[Path, list[Command], list[str]]]:
 
 def test_the_docs_hold_commands_and_mark_few_skips():
     every = [c for _, cmds, _ in _all() for c in cmds]
-    skipped = [c for c in every if c.skip]
+    skipped = [c for c in every if c.skip or c.long]
     problems = [x for _, _, probs in _all() for x in probs]
     assert not problems, "\n".join(problems)
     assert len(every) >= 40 and len(skipped) < len(every) // 2, (len(every), [(c.text, c.skip) for c in skipped])
@@ -635,9 +660,43 @@ def test_drills_are_shrunk_launched_apart_and_must_recover(tmp_path):
 def test_every_command_of_the_doc_runs_as_written(doc, inputs, env, tmp_path):
     path = next(p for p in DOCS if p.name == doc)
     cmds, _ = commands(path)
-    runnable = [c for c in cmds if not c.skip]
+    runnable = [c for c in cmds if not c.skip and not c.long]
     if not runnable:
         pytest.skip(f"{doc}: no commands to run")
+    _run_all(runnable, inputs, env, tmp_path)
+
+
+def _long_docs() -> list[str]:
+    return [p.name for p in DOCS if any(c.long for c in commands(p)[0])]
+
+
+@pytest.mark.slow  # a 2- and 4-rank probe, a launch as two nodes, the benchmark runner: about a minute
+@pytest.mark.parametrize("doc", _long_docs())
+def test_the_long_commands_run_as_written(doc, inputs, env, tmp_path):
+    """The commands a doc marks `long` (each with its reason), in the doc's order, in a directory of
+    their own: outside their doc's test so that `scripts/test.sh` runs them in its front session."""
+    cmds, _ = commands(next(p for p in DOCS if p.name == doc))
+    _run_all([c for c in cmds if c.long], inputs, env, tmp_path)
+
+
+def test_the_readme_commands_it_skips_are_what_ci_runs():
+    """The README's two commands are skipped above (the network; the whole suite, which holds this
+    test): CI runs them, on a clean clone: `.ci/run` runs `bash scripts/test.sh`, which runs
+    `bash scripts/setup.sh` first. The main job itself (`dtorch train`) runs for every doc (`inputs`)."""
+    skipped = [c.text.split("#")[0].strip() for c in commands(REPO / "README.md")[0] if c.skip]
+    assert skipped == ["bash scripts/setup.sh && .venv/bin/dtorch train", "bash scripts/test.sh"], skipped
+    every = [c for p in DOCS for c in commands(p)[0] if c.skip]
+    assert len(every) == 2, [(c.doc, c.text) for c in every]  # nothing else is skipped
+    ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert ci[-1] == "exec bash scripts/test.sh", ci[-1]
+    test_sh = (REPO / "scripts" / "test.sh").read_text()
+    setup = test_sh.index("bash scripts/setup.sh")
+    assert setup < test_sh.index("python -m pytest"), "test.sh must set up before it tests"
+
+
+def _run_all(runnable: list[Command], inputs: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Run `runnable` in order in a copy of `inputs` (with `benchmarks/` and `examples/` when a command
+    names them); fail with every command that did not exit as documented."""
     cwd = tmp_path / "cwd"
     shutil.copytree(inputs, cwd)
     for tree in ("benchmarks", "examples"):  # they read (benchmarks: and write) these: a copy of them
