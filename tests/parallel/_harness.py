@@ -13,6 +13,7 @@ current environment, as a spawned one would.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import multiprocessing
@@ -34,6 +35,9 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
 
 
 def _entry(rank: int, world_size: int, rdzv: str, out_dir: str, cases: list, worker, env: dict) -> None:
+    # a native crash (SIGSEGV, SIGABRT) prints every thread's Python stack before the process dies:
+    # spawn's own report names only the signal
+    faulthandler.enable(all_threads=True)
     # The preloaded imports (over a million objects) into the permanent generation: no full
     # collection of the cases' garbage walks them again (about 1 s a process on the 2-core machine).
     gc.freeze()

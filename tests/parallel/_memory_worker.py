@@ -37,7 +37,7 @@ class _Autocast:
         torch.autocast.__enter__, torch.autocast.__exit__ = self._enter, self._exit
 
 
-def _tracker(autocast: _Autocast | None = None):
+def _tracker(autocast: _Autocast | None = None, settled: _Settled | None = None):
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class _StepTracker(MemTracker):
@@ -56,10 +56,14 @@ def _tracker(autocast: _Autocast | None = None):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self._param_cast = bool(autocast is not None and autocast.open and func is torch.ops.aten._to_copy.default
                                     and args and isinstance(args[0], torch.Tensor) and self._is_param(args[0]))
+            held = settled.before(func, args) if settled is not None else None
             try:
-                return super().__torch_dispatch__(func, types, args, kwargs)
+                out = super().__torch_dispatch__(func, types, args, kwargs)
             finally:
                 self._param_cast = False
+            if settled is not None:
+                settled.after(func, held, args, out)
+            return out
 
         def _is_param(self, t) -> bool:
             from torch.distributed._tools.mem_tracker import get_untyped_storages
@@ -146,16 +150,21 @@ class _Settled:
     then counted the routed experts' all-to-all buffers (R x h each) at the peak, or moved the peak
     to another moment, from one run to the next. Each synchronous collective, and each work's
     `wait`, here waits (at most `TIMEOUT` s) until the tensors passed to it are referenced no more
-    than before the call; the step's own tensors and what it keeps are unchanged."""
+    than before the call; the step's own tensors and what it keeps are unchanged. The functional
+    collectives (`_c10d_functional`, DTensor's redistributions: tensor and sequence parallelism, the
+    routed experts under TP), which the tracker meets in its dispatch (`before`/`after`), settle the
+    same way at their `wait_tensor`."""
 
     NAMES = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce",
              "all_gather_into_tensor", "reduce_scatter_tensor")
-    TIMEOUT = 0.05
+    TIMEOUT = 1.0
+    """Never reached on a quiet machine (the thread lets go within microseconds); under load the
+    thread may wait for a core that long."""
 
     def __init__(self):
         import torch.distributed as dist
 
-        self._dist, self._saved, self._works = dist, {}, {}
+        self._dist, self._saved, self._works, self._outputs = dist, {}, {}, {}
         self._wait = dist.Work.wait
         for name in self.NAMES:
             fn = getattr(dist, name, None)
@@ -194,16 +203,42 @@ class _Settled:
                 return
             time.sleep(0)
 
+    def before(self, func, args) -> list | None:
+        """The references a functional collective's tensors have before the call (None: not one)."""
+        import weakref
+
+        if getattr(func, "namespace", None) != "_c10d_functional" or func.__name__.startswith("wait_tensor"):
+            return None
+        return [(weakref.ref(t), t._use_count()) for t in _tensors(args)]
+
+    def after(self, func, held: list | None, args, out) -> None:
+        """A functional collective's outputs wait for their `wait_tensor`, which settles its inputs."""
+        if held is not None:
+            for t in _tensors([out]):
+                self._outputs[t.data_ptr()] = held
+        elif getattr(func, "namespace", None) == "_c10d_functional":
+            for t in _tensors(args):
+                self._settle(self._outputs.pop(t.data_ptr(), ()))
+
     def restore(self) -> None:
         for name, fn in self._saved.items():
             setattr(self._dist, name, fn)
         self._dist.Work.wait = self._wait
 
 
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors in `values`, one level of lists or tuples deep (a coalesced collective's)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(t for t in v if isinstance(t, torch.Tensor))
+    return out
+
+
 def measure(case, rank):
     """One steady-state step of `case` on this rank: the peak's bytes by category."""
-    from torch.nn.parallel import DistributedDataParallel
-
     from dtorch.models import build_model
     from dtorch.parallel import parallelize
     from dtorch.plan.plan import Plan
@@ -227,19 +262,28 @@ def measure(case, rank):
     # batch drawn either way (the MoE figures depend on its routing, and on the router's bias,
     # which sees one load-balancing update fewer without DDP)
     batches = [torch.randint(0, 256, (plan.dp * local, SEQ + 1), generator=g) for _ in range(3)]
+    return steady_peak(pm, opt, buckets, [(x[rows, :-1], x[rows, 1:]) for x in batches])
+
+
+def steady_peak(pm, opt, buckets: _BucketRecorder, batches: list) -> dict:
+    """Train `pm` on the last steps of `batches` ((input, target) of this rank, three of them) and
+    return the tracked step's peak by category: the third step under DDP (its buckets rebuilt in the
+    second), else the second; the tracked step takes the third batch either way."""
+    from torch.nn.parallel import DistributedDataParallel
+
     last = 2 if any(isinstance(part, DistributedDataParallel) for part in pm.model_parts) else 1
     for step in range(last + 1):
-        x = batches[len(batches) - 1 - last + step]
+        x, y = batches[len(batches) - 1 - last + step]
         autocast = _Autocast() if step == last else None
-        tracker = _tracker(autocast) if step == last else None
         settled = _Settled() if step == last else None
+        tracker = _tracker(autocast, settled) if step == last else None
         if tracker is not None:
             tracker.track_external(*pm.model_parts, opt)
             buckets.register(tracker)  # (the second step's: the rebuilt buckets every later step uses)
             tracker.__enter__()
         buckets.buckets.clear()
         try:
-            pm.forward_backward(x[rows, :-1], x[rows, 1:])
+            pm.forward_backward(x, y)
             opt.step()
             opt.zero_grad()
         finally:
@@ -247,6 +291,11 @@ def measure(case, rank):
                 tracker.__exit__(None, None, None)
                 settled.restore()
                 autocast.restore()
+    return peak_by_category(tracker)
+
+
+def peak_by_category(tracker) -> dict:
+    """The tracker's peak snapshot (its first device) as bytes per category, and their sum."""
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     out = dict.fromkeys(CATEGORIES, 0)
     for kind, nbytes in peak.items():
@@ -254,4 +303,31 @@ def measure(case, rank):
         if name:
             out[name] = out.get(name, 0) + nbytes
     out["peak"] = sum(out[c] for c in CATEGORIES) + out.get("other", 0)
+    return out
+
+
+def memory_table(groups, measure_fn, predict) -> dict:
+    """Run every group's cases (`groups`: (world, {family: (spec, fields)}) pairs, one process group
+    each) and return {family: (world, predicted, measured on the fullest rank)}, printing the
+    figures per category; a case that failed has None predicted and its traceback measured."""
+    from _harness import run_group
+
+    out = {}
+    for world, cases in groups:
+        results = run_group(world, list(cases.values()), measure_fn)
+        for (name, (spec, fields)), per_rank in zip(cases.items(), results):
+            errors = [r["error"] for r in per_rank if "error" in r]
+            if errors:
+                out[name] = (world, None, errors[0])
+                continue
+            out[name] = (world, predict(spec, fields, world), max(per_rank, key=lambda r: r["peak"]))
+    lines = [f"{'family':26s} {'category':11s} {'predicted':>10s} {'measured':>10s}  error"]
+    for name, (world, pred, meas) in out.items():
+        if pred is None:
+            lines.append(f"{name + f' w{world}':26s} did not run: {meas.strip().splitlines()[-1]}")
+            continue
+        for c in (*CATEGORIES, "peak"):
+            err = (pred[c] - meas[c]) / meas[c] if meas[c] else float(pred[c] != 0)
+            lines.append(f"{name + f' w{world}':26s} {c:11s} {pred[c]:10d} {meas[c]:10d}  {err:+.1%}")
+    print("\n".join(lines))
     return out

@@ -55,8 +55,10 @@ def test_single_process_probe_writes_calibration_that_detect_reads_back_and_chan
     assert local_cluster(1).groups[0].device.attention_speed("float32", one["head_dim"], one["seq"]) == \
         pytest.approx(one["flops"])
 
-    # host time per operator of a small eager training step: more than an empty op's dispatch
-    assert back["op_overhead_s"] > back["dispatch_overhead_s"] > 0
+    # host time per operator of a small eager training step, and an empty op's dispatch: both timed
+    # with the contention the rank meets (descheduling included, `timing.timeit`), so on a loaded
+    # machine either can come out larger; each is a positive time under a millisecond
+    assert 0 < back["op_overhead_s"] < 1e-3 and 0 < back["dispatch_overhead_s"] < 1e-3
     assert back["dtensor_op_overhead_s"] == 0.0  # one process: no mesh to put DTensors on
 
     cal = local_cluster(1)
