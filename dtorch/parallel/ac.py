@@ -3,7 +3,12 @@
 `full` keeps only each block's input and recomputes the block in backward. `selective` is op-level
 selective checkpointing: the outputs of matrix multiplications (the expensive ops) are saved, the
 cheap element-wise ops (norms, activations, RoPE, softmax pieces) are recomputed - most of the
-memory of full checkpointing for a small part of its recompute.
+memory of full checkpointing for a small part of its recompute. Under tensor parallelism the
+row-wise linears' outputs (attention out-projection, down-projection) are not kept: each is the
+rank's partial sum over the whole sequence, before the all-reduce or reduce-scatter (under
+sequence parallelism tp times the shard that follows). The out-projection runs again in the
+backward's re-run; the down-projection does not (the re-run stops at its input, the last tensor
+the backward needs).
 
 Recomputation runs with the RNG state of the forward (`preserve_rng_state=True`: the wrapper saves
 the CPU and the current accelerator's generator states before the block and restores them for the
@@ -16,8 +21,10 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtorch.model.profiler import SELECTIVE_SAVE_OPS
@@ -32,8 +39,26 @@ the model profiler counts (`dtorch.model.profiler.SELECTIVE_SAVE_OPS`) and the c
 (`dtorch.plan.cost.matmuls_saved_act_bytes`)."""
 
 
+_BIAS_FIRST = frozenset((torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default))
+
+
+def _partial_sum(op, args) -> bool:
+    """Whether a matmul is a row-wise linear under tensor parallelism: its input is a DTensor split
+    on the contracted (last) dimension, so its output is each rank's partial sum over the whole
+    sequence before the all-reduce or reduce-scatter (under SP, tp times the shard kept after it).
+    Cached, it would cost that much memory; it is re-run instead. Only the attention out-projection
+    runs twice: the re-run stops at the last tensor the backward needs (torch's early stop), which is
+    the down-projection's input."""
+    x = args[1] if op in _BIAS_FIRST and len(args) > 1 else (args[0] if args else None)
+    if not isinstance(x, DTensor):
+        return False
+    return any(isinstance(p, Shard) and p.dim in (-1, x.ndim - 1) for p in x.placements)
+
+
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _SAVE_OPS and not _partial_sum(op, args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

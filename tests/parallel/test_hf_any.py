@@ -126,7 +126,8 @@ def test_the_region_rule_follows_the_data_not_the_names() -> None:
 WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager", "tp"),
           ("gemma3", "sdpa", "tp_sp"), ("gpt_neox", "sdpa", "tp"), ("gpt_neox", "eager", "fsdp"),
           ("mistral", "eager", "tp"), ("phi3", "eager", "ddp"), ("olmo2", "sdpa", "pp"),
-          ("qwen3_moe", "sdpa", "tp"), ("mixtral", "eager", "tp_sp"), ("dtorch-moe-qk-norm", "", "tp")]
+          ("qwen3_moe", "sdpa", "tp"), ("mixtral", "eager", "tp_sp"), ("dtorch-moe-qk-norm", "", "tp"),
+          ("qwen3", "sdpa", "tp_sp_selective"), ("gpt_neox", "eager", "tp_selective")]
 
 
 @pytest.fixture(scope="module")
