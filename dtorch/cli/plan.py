@@ -122,7 +122,7 @@ def _plan_constants(max_grad_norm: float | None):
 
 
 def run(args) -> int:
-    from dtorch.plan.profiles import get_profile
+    from dtorch.plan.profiles import for_devices, get_profile
 
     if args.seq_len is None or args.seq_len < 1:
         raise ConfigError("seq-len", args.seq_len, "must be a positive integer")
@@ -138,10 +138,12 @@ def run(args) -> int:
     profile = get_profile(args.model, args.seq_len)
 
     if args.recommend:
+        from dtorch.cluster.load import preset_group
         from dtorch.plan.recommend import format_recommendation, recommend
 
         if not args.device_type:
             raise ConfigError("device-type", None, "--recommend needs --device-type (h100, a100, h200, b200, mi300x)")
+        profile = for_devices(profile, args.model, args.seq_len, [preset_group(args.device_type)])
         if args.tokens is None:
             raise ConfigError("tokens", None, "--recommend needs --tokens (the training budget, e.g. 2T)")
         rec = recommend(
@@ -161,6 +163,7 @@ def run(args) -> int:
     from dtorch.plan.search import parse_fix, search
 
     cluster = load_cluster(args.cluster or "detect", workload=(profile.hidden, profile.num_heads, profile.seq_len))
+    profile = for_devices(profile, args.model, args.seq_len, cluster.groups)
     gb = args.global_batch or cluster.world_size
     from dtorch.progress import search_progress
 

@@ -205,7 +205,7 @@ def _emit(args, text: str, ckpt: str, name: str) -> None:
 def run(args) -> int:
     from dtorch.cli.plan import parse_count
     from dtorch.integrations import request as rq
-    from dtorch.plan.profiles import get_profile
+    from dtorch.plan.profiles import for_devices, get_profile
 
     if args.grace < 10:
         raise ConfigError("grace", args.grace, "give the checkpoint at least 10 seconds")
@@ -223,11 +223,11 @@ def run(args) -> int:
         max_time = limits.max_time_s if limits is not None else None
         slurm.check_nodes(args.nodes, limits)  # before any planning
     # The device type first: an unknown one is the user's mistake, before any planning.
-    rq.device_group(args.device_type, args.gpus_per_node)
+    group = rq.device_group(args.device_type, args.gpus_per_node)
     if args.recommend and (args.nodes is not None or args.plan):
         raise ConfigError("recommend", True, "--recommend sizes the cluster itself: drop --nodes/--plan")
     plan, plan_arg = _plan_file(args)
-    profile = get_profile(args.model, args.seq_len)
+    profile = for_devices(get_profile(args.model, args.seq_len), args.model, args.seq_len, [group])
     sizing = rq.size_request(profile, args.device_type, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              tokens=tokens, deadline_s=deadline, global_batch=args.global_batch,
                              max_nodes=args.max_nodes, dtype=args.dtype, plan=plan)

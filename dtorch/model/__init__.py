@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'dtorch.model' has no attribute {name!r}")
 
 
-def profile(spec: str, seq_len: int) -> ModelProfile:
+def profile(spec: str, seq_len: int, fused_attention: bool = False) -> ModelProfile:
     """The ModelProfile of `spec` (see the module docstring) at `seq_len` tokens per sequence.
+    `fused_attention`: a measured model's attention as a GPU runs it (`profile_module`).
 
     Raises ConfigError naming the spec and the valid forms when it is none of them."""
     if not isinstance(spec, str) or not spec.strip():
@@ -52,24 +54,32 @@ def profile(spec: str, seq_len: int) -> ModelProfile:
     if head in PRESETS or head in FAMILIES:
         return profile_from_config(model_config(spec), seq_len, name=spec)
     if spec.endswith(".json") or Path(spec).is_file():
-        return _profile_hf_config(Path(spec), seq_len)
+        return _profile_hf_config(Path(spec), seq_len, fused_attention)
     if _FACTORY.match(spec):
-        return _profile_factory(spec, seq_len)
+        return _profile_factory(spec, seq_len, fused_attention)
     raise ConfigError("model", spec, "unknown model; use " + SPEC_HELP)
 
 
-def _profile_factory(spec: str, seq_len: int) -> ModelProfile:
+def _profile_factory(spec: str, seq_len: int, fused_attention: bool = False) -> ModelProfile:
     module_name, _, func_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        top = module_name.partition(".")[0]
+        searched = any(p in ("", ".") or Path(p).resolve() == Path.cwd() for p in sys.path)
+        if (Path(top + ".py").is_file() or Path(top, "__init__.py").is_file()) and not searched:
+            # the console script does not search the current directory (as Python's own tools)
+            raise ConfigError("model", spec, f"cannot import '{module_name}' ({e}): '{top}' is in the current "
+                              f"directory, which the dtorch command does not search; run it as "
+                              f"PYTHONPATH=. dtorch ...") from None
         raise ConfigError("model", spec, f"cannot import '{module_name}' ({e}); use " + SPEC_HELP) from None
     factory = getattr(module, func_name, None)
     if not callable(factory):
         raise ConfigError("model", spec, f"'{module_name}' has no callable '{func_name}'")
     from dtorch.model.profiler import profile_module
 
-    return profile_module(factory, seq_len, name=spec, sample=_example_input(module, spec))
+    return profile_module(factory, seq_len, name=spec, sample=_example_input(module, spec),
+                          fused_attention=fused_attention)
 
 
 def _example_input(module: Any, spec: str) -> tuple[Any, Any] | None:
@@ -88,7 +98,7 @@ def _example_input(module: Any, spec: str) -> tuple[Any, Any] | None:
     return tuple(value) if isinstance(value, (tuple, list)) and len(value) == 2 else (value, None)
 
 
-def _profile_hf_config(path: Path, seq_len: int) -> ModelProfile:
+def _profile_hf_config(path: Path, seq_len: int, fused_attention: bool = False) -> ModelProfile:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -116,4 +126,4 @@ def _profile_hf_config(path: Path, seq_len: int) -> ModelProfile:
     config._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
     from dtorch.model.profiler import profile_module
 
-    return profile_module(lambda: model_cls(config), seq_len, name=str(path))
+    return profile_module(lambda: model_cls(config), seq_len, name=str(path), fused_attention=fused_attention)

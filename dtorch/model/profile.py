@@ -38,6 +38,42 @@ class ModelProfile:
     at 16-bit activations without TP/SP; the cost model divides by tp where SP/TP shards them."""
     act_bytes_per_token_head: float = 0.0
     """Activation bytes of embedding/logits/loss per token (logits dominate: vocab * 4 bytes)."""
+    act_bytes_float32_per_token_block: dict[str, float] = field(default_factory=dict)
+    """Of `act_bytes_per_token_block`, by policy, the bytes that are float32 in a 16-bit run: what the
+    model keeps in float32 whatever its compute dtype (an explicit upcast such as transformers'
+    RMSNorm's, softmax statistics, a math attention kernel's float32 scores and softmax). At a
+    compute dtype of b bytes a block keeps these plus the rest x b / 2. Measured profiles only;
+    empty: every byte follows the compute dtype."""
+    act_bytes_float32_per_token_head: float = 0.0
+    """Of `act_bytes_per_token_head`, the bytes that are float32 in a 16-bit run (the loss's
+    log-probabilities, ...); measured profiles only."""
+    act_bytes_per_token_before_blocks: float = 0.0
+    """Of `act_bytes_per_token_head`, the floating-point tensors the model saves before its first
+    block (a conv stem's input; a language model's token ids are counted with the head): held by
+    the first pipeline stage through its blocks' backward. Measured profiles only."""
+    act_bytes_per_token_last_block_output: float = 0.0
+    """Of `act_bytes_per_token_head`, the last block's output where that block's own last op keeps
+    it (a block ending in a ReLU, whose output the next block also keeps as its input: counted once
+    per block, so left over for the last); every pipeline stage keeps the output of its own last
+    block this way. Measured profiles only. The rest of the head's bytes (after the blocks: final norm, logits, loss) is
+    freed before the blocks' backward."""
+    backward_working_bytes_per_token_block: float = 0.0
+    """The most bytes one block's backward holds beyond its saved activations, net of those it has
+    freed by then (the gradients of its activations at its fullest moment; without weight gradients
+    and without the gradient of its output, which stands in for the freed output), per token at
+    16-bit activations without TP: measured by running the block's backward on the fake tensors.
+    Measured profiles only; 0: unknown (`memory.block_working_set` then prices it by family)."""
+    act_bytes_tp_split_per_token_block: dict[str, float] = field(default_factory=dict)
+    """Of `act_bytes_per_token_block`, by policy, the bytes tensor parallelism splits over its ranks
+    (heads and hidden units between column- and row-wise linears: q/k/v, attention scores and
+    statistics, the feed-forward's hidden activations), measured as a TP rank runs the block; the
+    rest each rank keeps whole (without SP). Measured profiles with TP roles only; empty: unknown."""
+    act_bytes_float32_tp_split_per_token_block: dict[str, float] = field(default_factory=dict)
+    """Of `act_bytes_tp_split_per_token_block`, the bytes that are float32 in a 16-bit run."""
+    composite_norms_measured: bool = False
+    """The block's RMSNorms are the model's own modules (transformers' LlamaRMSNorm), measured as
+    their composite operators run on any device; False: nn.RMSNorm, counted as the fused kernel keeps
+    it (input + float32 statistics), or no RMSNorm."""
     tp_roles: dict[str, str] = field(default_factory=dict)
     """Module path (relative to a block, or top level) -> role: 'colwise', 'rowwise', 'embedding',
     'output', 'norm', 'attention'."""
@@ -66,7 +102,17 @@ class ModelProfile:
     """Longest sequence the model accepts (learned positions / RoPE table); 0 if unknown."""
     unfused_attention: bool = False
     """The attention core runs unfused (QK^T, softmax, dropout and PV as separate kernels, the a*s^2
-    scores in memory: Megatron-LM before flash attention); False: a fused (flash) kernel, as SDPA runs."""
+    scores in memory: Megatron-LM before flash attention, a hand-written or transformers' eager
+    attention); False: a fused (flash) kernel, as SDPA runs. Measured profiles: the block saved
+    [batch, heads, s, s] tensors (`act_bytes_per_token_block_scores`)."""
+    act_bytes_per_token_block_scores: float = 0.0
+    """Of `act_bytes_per_token_block['none']`, the unfused attention's s x s tensors (scores,
+    softmax, dropout mask), per token at 16-bit; measured profiles only (analytic: Korthikanti's 5as)."""
+    attention_dropout: bool = False
+    """A scaled-dot-product-attention call of the measured run asked for dropout: measured on a CPU
+    (`profile_module(fused_attention=False)`) it ran the math kernel and its activations hold the
+    s x s scores, which a GPU's fused kernel does not keep (`fused_attention=True` measures that).
+    Measured profiles only."""
     ops_per_block: int = 0
     """Operators one block's forward dispatches in eager mode (aten ops, any batch size); the cost
     model's host-overhead term counts backward and recompute from it. 0 if unknown."""

@@ -23,7 +23,9 @@ module and the op:
                `SELECTIVE_SAVE_OPS`: keep those, recompute norms/activations/RoPE).
   Kernel model: `nn.RMSNorm` is measured as the fused CUDA kernel keeps it (input + float32
   rstd), because on the CPU torch runs it as a composite that keeps two float32 copies; every
-  other op is measured as it is (CPU flash attention keeps q, k, v, out, lse like CUDA flash).
+  other op is measured as it is (CPU flash attention keeps q, k, v, out, lse like CUDA flash),
+  but attention with dropout, which a CPU runs through the math kernel (s x s scores in float32)
+  and a GPU's fused kernels take: measured as the GPU runs it with `fused_attention`.
 - Tensor-parallel roles from the dataflow of the first block: in a module whose direct children
   include Linear layers, the Linears that read the module's input (or a norm's output) are
   'colwise', the last Linear called, mapping back to the block width and fed by the colwise
@@ -52,6 +54,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -144,6 +147,7 @@ class _Recorder(TorchDispatchMode):
         self.stack: list[str] = []
         self.in_block = False
         self.selective_bytes = 0
+        self.selective_float32_bytes = 0
         self.selective_seen: set = set()
         self.attention_modules: set[str] = set()
         self.heads: tuple[int, int] | None = None
@@ -168,6 +172,8 @@ class _Recorder(TorchDispatchMode):
                 if ref not in self.selective_seen:
                     self.selective_seen.add(ref)
                     self.selective_bytes += t.untyped_storage().nbytes()
+                    if t.dtype == torch.float32:
+                        self.selective_float32_bytes += t.untyped_storage().nbytes()
         if self.in_block and func in _SDPA_OPS:
             self.attention_modules.update(self.stack)
             q, k = args[0], args[1]
@@ -191,6 +197,12 @@ REAL_FALLBACK_BYTES = 2 * 2**30
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
+REGIONS = ("block", "before", "output", "head")
+"""Where a saved tensor was saved: in the measured blocks; outside them before the first ran (floating
+point: held by the first pipeline stage through its backward; token ids go with the head, a few
+bytes a token); the last block's output its own op keeps (see `_count_chain_once`); outside the
+blocks after them (freed before the blocks' backward)."""
+
 _FAMILIES = {"Llama": "llama", "LlamaForCausalLM": "llama", "GPT": "gpt", "GPT2LMHeadModel": "gpt",
              "MoETransformer": "moe"}
 """The profile's `family` by the model's class name (the cost model's per-family terms); else "custom"."""
@@ -198,7 +210,8 @@ _FAMILIES = {"Llama": "llama", "LlamaForCausalLM": "llama", "GPT": "gpt", "GPT2L
 
 def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_len: int, batch: int = 1,
                    *, sample: Sample | None = None, loss: Callable[[Any, Any], torch.Tensor] | None = None,
-                   name: str | None = None, dtype: torch.dtype = torch.bfloat16) -> ModelProfile:
+                   name: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                   fused_attention: bool = False) -> ModelProfile:
     """Measure a model's FLOPs, activation bytes and parameters on one batch, allocating nothing.
 
     `sample`: (inputs, target) of one real batch (the Trainer's data, collated: a tensor, a tuple or
@@ -213,49 +226,42 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
     `factory_or_module`: a zero-argument callable building the model (called under
     `torch.device("meta")`), or a module (deep-copied to meta; pass a factory for large models).
     Activation bytes are at `dtype` (16-bit default). A model that fails to run raises a one-line
-    ConfigError naming the module and the op."""
+    ConfigError naming the module and the op.
+
+    `fused_attention`: measure scaled-dot-product attention as a GPU runs it, where a fused kernel
+    takes dropout too (`_Attention`); False: as this CPU runs it (with dropout, the math kernel,
+    which keeps the s x s scores). `attention_dropout` in the profile says whether it mattered."""
     if not isinstance(seq_len, int) or seq_len <= 0:
         raise ConfigError("seq_len", seq_len, "must be a positive integer (tokens per sequence)")
     label = name or getattr(factory_or_module, "__name__", None) or type(factory_or_module).__name__
     model = _meta_model(factory_or_module, label)
     label = name or type(model).__name__
     if sample is None:
-        _require_embedding(model, label)
-        # (targets flat already: the analytic profile's op count is of this loss)
-        sample = (torch.zeros(batch, seq_len, dtype=torch.long), torch.zeros(batch * seq_len, dtype=torch.long))
-        loss = loss or _next_token
+        sample, loss = _language_model_sample(model, label, batch, seq_len), loss or _next_token
     inputs, target = sample
     tokens_input = is_token_input(inputs)
     batch = batch_size(inputs) or 1
     seq = int(inputs.shape[1]) if tokens_input else 1
     tokens_n = batch * seq
 
-    # -- parameters (whole model, shared parameters counted once) --
-    block_path, container = find_blocks(model)
-    items = block_items(container)
-    blocks = [m for _, m in items]
-    uniform = find_structure(model).uniform
-    num_layers = max(1, len(blocks))
-    pc = _count_parameters(model, blocks, tuple(join(block_path, n) for n, _ in items), num_layers)
+    block_path, blocks, uniform, num_layers, pc = _blocks_and_parameters(model)
     experts = _expert_shapes(blocks[0]) if blocks else None
 
     # -- can the blocks be cut into pipeline stages: one meta forward of the whole model (dtorch.model.split) --
     split_reason = _split_reason(model, blocks, inputs)
 
     # -- one forward of a one-block copy (every block if they differ) on fake tensors --
-    m = _measure_any(factory_or_module, sample, loss, dtype, uniform, label, pc.total)
+    with _Attention(fused_attention) as attention:
+        m = _measure_any(factory_or_module, sample, loss, dtype, uniform, label, pc.total)
+        assignments = list(m.assignments)  # (as measured: the routing hook stays on the copy)
+        roles, reason = _block_roles(m, block_path, pc.vocab) if blocks else (
+            {}, "the model has no repeated blocks (tensor parallelism splits blocks)")
+        tp_split, f32_tp_split = ({}, {}) if experts else _tp_split(factory_or_module, sample, loss, dtype, uniform,
+                                                                    label, roles, tokens_input, tokens_n, m)
     rec, block = m.rec, m.block
-    assignments = list(m.assignments)  # (as measured: the routing hook stays on the copy)
     measured = max(1, m.block_calls)
-    block_input = m.block_input[0] if m.block_input else None
     hidden, act_block = _activations(m, bool(blocks), tokens_input, tokens_n)
-
-    if blocks:
-        width = int(block_input.shape[-1]) if block_input is not None and block_input.dim() else 0
-        roles, reason = _derive_roles(m.model, block, block_path, m.io, m.linear_calls, rec.attention_modules,
-                                      width, pc.vocab)
-    else:
-        roles, reason = {}, "the model has no repeated blocks (tensor parallelism splits blocks)"
+    f32_block, f32_head = _float32_activations(m, bool(blocks), tokens_n, dtype)
     cfg = getattr(model, "config", None)
     num_heads, num_kv_heads, ffn = _widths(cfg, rec, block, hidden)
     moe = _moe_facts(experts, assignments, tokens_n, cfg, pc.total, num_layers)
@@ -279,7 +285,13 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         flops_per_token_block=3.0 * m.block_flops / measured / tokens_n,
         flops_per_token_head=3.0 * (m.total_flops - m.block_flops) / tokens_n,
         act_bytes_per_token_block=act_block,
-        act_bytes_per_token_head=m.by_region["head"] / tokens_n,
+        **_head_bytes(m, tokens_n),
+        act_bytes_float32_per_token_block=f32_block,
+        act_bytes_float32_per_token_head=f32_head,
+        composite_norms_measured=_composite_norms(block),
+        **_block_bytes(m, tokens_n),
+        act_bytes_tp_split_per_token_block=tp_split,
+        act_bytes_float32_tp_split_per_token_block=f32_tp_split,
         tp_roles=roles,
         tied_embeddings=pc.tied,
         block_path=block_path,
@@ -293,8 +305,64 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         ops_head=rec.ops_other,
         tensors_per_block=pc.tensors_block,
         tensors_other=pc.tensors_other,
+        attention_dropout=attention.dropout,
         **moe,
     )
+
+
+def _blocks_and_parameters(model: nn.Module) -> tuple[str, list[nn.Module], bool, int, _ParamCounts]:
+    """(block path, blocks, uniform, layers, parameter counts: whole model, shared ones once)."""
+    block_path, container = find_blocks(model)
+    items = block_items(container)
+    blocks = [m for _, m in items]
+    num_layers = max(1, len(blocks))
+    pc = _count_parameters(model, blocks, tuple(join(block_path, n) for n, _ in items), num_layers)
+    return block_path, blocks, find_structure(model).uniform, num_layers, pc
+
+
+def _block_bytes(m: _Measurement, tokens_n: int) -> dict[str, Any]:
+    """The profile's figures of a block's backward working set and its unfused attention's scores."""
+    return {"backward_working_bytes_per_token_block": m.backward_working / tokens_n,
+            "unfused_attention": m.scores_bytes > 0,
+            "act_bytes_per_token_block_scores": m.scores_bytes / max(1, m.block_calls) / tokens_n}
+
+
+class _Attention(TorchFunctionMode):
+    """Every `F.scaled_dot_product_attention` call of the measuring runs: whether one asks for
+    dropout (`dropout`), and with `fused`, each such call run with dropout_p 0, which is what a GPU's
+    fused kernels keep with dropout as without (q, k, v, the output and its log-sum-exp; their
+    random state, not a mask). A CPU runs attention with dropout through the math kernel instead:
+    the s x s scores, softmax and mask, upcast to float32 in a 16-bit run."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.fused, self.dropout = fused, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            positional = len(args) > 4
+            if (args[4] if positional else kwargs.get("dropout_p", 0.0)):
+                self.dropout = True
+                if self.fused and positional:
+                    args = (*args[:4], 0.0, *args[5:])
+                elif self.fused:
+                    kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+def _language_model_sample(model: nn.Module, label: str, batch: int, seq_len: int) -> Sample:
+    """The sample of a model given none: token ids [batch, seq_len] and their flat targets (the
+    analytic profile's op count is of this loss); the model must start with an nn.Embedding."""
+    _require_embedding(model, label)
+    return torch.zeros(batch, seq_len, dtype=torch.long), torch.zeros(batch * seq_len, dtype=torch.long)
+
+
+def _block_roles(m: Any, block_path: str, vocab: int) -> tuple[dict, str | None]:
+    """(tensor-parallel roles of the measured block's modules, why there are none), from the run `m`."""
+    block_input = m.block_input[0] if m.block_input else None
+    width = int(block_input.shape[-1]) if block_input is not None and block_input.dim() else 0
+    return _derive_roles(m.model, m.block, block_path, m.io, m.linear_calls, m.rec.attention_modules, width, vocab)
 
 
 class _DataDependent(Exception):
@@ -311,10 +379,19 @@ class _Measurement:
     linear_calls: list[str]
     block_input: list[torch.Tensor]
     by_region: dict[str, int]
+    """Saved bytes by `REGIONS`."""
+    float32_by_region: dict[str, int]
+    """Of `by_region`, the bytes saved as float32 tensors."""
     block_flops: int
     total_flops: int
     block_calls: int
     assignments: list[int]
+    fake: bool = True
+    """Measured on fake tensors (else on real ones: a model that branches on values)."""
+    backward_working: int = 0
+    """`_backward_working_set` of the first block (0: not measured)."""
+    scores_bytes: int = 0
+    """Of the blocks' saved bytes, the [batch, heads, s, s] tensors: an unfused attention core's."""
 
 
 @dataclass(frozen=True)
@@ -398,6 +475,92 @@ def _activations(m: _Measurement, has_blocks: bool, tokens_input: bool, tokens_n
     else:  # nothing to checkpoint: activation checkpointing has no block to wrap
         act_block = {"none": block_saved, "selective": block_saved, "full": block_saved}
     return hidden, act_block
+
+
+def _head_bytes(m: _Measurement, tokens_n: int) -> dict[str, float]:
+    """The profile's figures of the bytes saved outside the blocks, per token (`REGIONS`)."""
+    return {"act_bytes_per_token_head": (m.by_region["head"] + m.by_region["before"] + m.by_region["output"]) / tokens_n,
+            "act_bytes_per_token_before_blocks": m.by_region["before"] / tokens_n,
+            "act_bytes_per_token_last_block_output": m.by_region["output"] / tokens_n}
+
+
+def _float32_activations(m: _Measurement, has_blocks: bool, tokens_n: int,
+                         dtype: torch.dtype) -> tuple[dict[str, float], float]:
+    """(per block by AC policy, head): the bytes per token of `_activations`' figures that the 16-bit
+    measuring run saved as float32 tensors, i.e. that the model keeps in float32 whatever its compute
+    dtype (an explicit upcast, softmax statistics, a math attention kernel's scores). Nothing when the
+    run was float32 itself (no 16-bit figure to tell them apart in)."""
+    if dtype == torch.float32:
+        return {}, 0.0
+    measured = max(1, m.block_calls)
+    block = m.float32_by_region["block"] / measured / tokens_n
+    head = sum(m.float32_by_region[r] for r in ("head", "before", "output")) / tokens_n
+    if not has_blocks:
+        return dict.fromkeys(("none", "selective", "full"), block), head
+    inp = sum(t.untyped_storage().nbytes() for t in m.block_input[:1] if t.dtype == torch.float32)
+    return {"none": block, "selective": (inp + m.rec.selective_float32_bytes / measured) / tokens_n,
+            "full": inp / tokens_n}, head
+
+
+def _tp_split(factory_or_module: Any, sample: Sample, loss: Any, dtype: torch.dtype, uniform: bool, label: str,
+              roles: dict[str, str], tokens_input: bool, tokens_n: int,
+              measured: _Measurement) -> tuple[dict[str, float], dict[str, float]]:
+    """(bytes per token per block by AC policy that tensor parallelism splits over its ranks, their
+    float32 share), measured as a TP rank runs the block: the model as the executor sees it
+    (`dtorch.model.hf.adapt`) once whole and once with its column-wise linears' outputs and its
+    row-wise linears' inputs halved (two ranks' heads and hidden units: the executor's own rule), the
+    split bytes being twice the difference. ({}, {}) without column/row roles, or where the halved
+    block does not run (a forward that hard-codes its head count). `measured` is the profile's own
+    run: the whole run itself where it was fake and the executor sees the model as it is (not a
+    transformers model, which it adapts)."""
+    if not any(r in ("colwise", "rowwise") for r in roles.values()):
+        return {}, {}
+    from dtorch.model.hf import adapt, is_transformers_model
+
+    runs = []
+    for halve in (False, True):
+        try:
+            model = adapt(_meta_model(factory_or_module, label))
+            if not halve and measured.fake and not is_transformers_model(model):
+                runs.append(measured)  # (the same model, sample and run as the profile's)
+                continue
+            if halve:
+                _, container = find_blocks(model)
+                for _, blk in block_items(container):
+                    _halve_linears(blk, roles)
+            runs.append(_measure(model, sample, loss, dtype, uniform, fake=True, label=label))
+        except (ConfigError, _DataDependent, AttributeError, ValueError):
+            return {}, {}
+    (_, whole), (_, half) = (_activations(r, True, tokens_input, tokens_n) for r in runs)
+    f32_whole, f32_half = (_float32_activations(r, True, tokens_n, dtype)[0] for r in runs)
+    split = {ac: max(0.0, 2.0 * (whole[ac] - half[ac])) for ac in whole}
+    return split, {ac: max(0.0, 2.0 * (f32_whole[ac] - f32_half[ac])) for ac in f32_whole}
+
+
+def _halve_linears(block: nn.Module, roles: dict[str, str], device: str = "meta") -> None:
+    """Replace the block's column-wise nn.Linear layers by ones with half the outputs and its
+    row-wise ones by ones with half the inputs (on `device`), as a TP rank of two holds them."""
+    for name, role in roles.items():
+        if role not in ("colwise", "rowwise"):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = block.get_submodule(parent_name) if parent_name else block
+        old = getattr(parent, leaf)
+        if not isinstance(old, nn.Linear):
+            raise ValueError(name)
+        inp, out = (old.in_features, old.out_features // 2) if role == "colwise" else (old.in_features // 2,
+                                                                                         old.out_features)
+        setattr(parent, leaf, nn.Linear(inp, out, bias=old.bias is not None, device=device, dtype=old.weight.dtype))
+
+
+def _composite_norms(block: nn.Module | None) -> bool:
+    """Whether the block's RMSNorms are the model's own modules (a class named *RMSNorm that is not
+    nn.RMSNorm, e.g. transformers' LlamaRMSNorm): measured as their composite operators run, where
+    an nn.RMSNorm is counted as the fused kernel keeps it (`_FusedRMSNorm`)."""
+    if block is None:
+        return False
+    norms = [type(sub) for sub in block.modules() if type(sub).__name__.lower().endswith("rmsnorm")]
+    return bool(norms) and nn.RMSNorm not in norms
 
 
 def _widths(cfg: Any, rec: Any, block: nn.Module | None, hidden: int) -> tuple[int, int, int]:
@@ -512,10 +675,13 @@ def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype,
     block = measured[0]
     excluded: set = set()
     rec = _Recorder()
-    saved: dict[StorageWeakRef, tuple[int, str]] = {}
+    saved: dict[StorageWeakRef, tuple[int, str, bool]] = {}
     io: dict[str, tuple[list, list]] = {}
     linear_calls: list[str] = []
     block_input: list[torch.Tensor] = []
+    block_output: list[StorageWeakRef] = []
+    outputs: list[torch.Tensor] = []  # the first block call's outputs that need a gradient
+    scores: set[StorageWeakRef] = set()
     counter = FlopCounterMode(display=False, custom_mapping=_CUSTOM_FLOPS)
     names = {sub: n for n, sub in block.named_modules()}
     paths = {sub: n for n, sub in model.named_modules()}
@@ -548,11 +714,19 @@ def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype,
             totals["block"] += counter.get_total_flops() - starts.pop()
             totals["calls"] += 1
             rec.in_block = False
+            if not block_output:
+                block_output.extend(_storage(t) for t in _tensors(out))
+                outputs.extend(t for t in _tensors(out) if t.requires_grad)
+
+    seq = int(sample[0].shape[1]) if is_token_input(sample[0]) else 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ref = _storage(t)
         if ref not in excluded and ref not in saved:
-            saved[ref] = (t.untyped_storage().nbytes(), "block" if rec.in_block else "head")
+            region = "block" if rec.in_block else "head" if totals["calls"] or not t.is_floating_point() else "before"
+            saved[ref] = (t.untyped_storage().nbytes(), region, t.dtype == torch.float32)
+            if region == "block" and seq > 1 and t.dim() == 4 and t.shape[-1] == t.shape[-2] == seq:
+                scores.add(ref)  # [batch, heads, s, s]: an unfused attention's scores, softmax or mask
         return t
 
     handles = [sub.register_forward_pre_hook(pre, with_kwargs=True) for sub in model.modules()]
@@ -572,17 +746,13 @@ def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype,
                     loss = loss_fn(out, target)
                 else:  # no loss given: the output's mean stands in (its cost is the head's)
                     loss = sum(t.float().mean() for t in _tensors(out) if t.is_floating_point())
+            working = _backward_working_set(loss, outputs, block_input, saved, excluded, block_output) if blocks else 0
     except _DATA_DEPENDENT:
         raise _DataDependent() from None
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's forward: one line naming where it failed
-        where = running[-1] if running else ""
-        module = f"'{where}' ({type(model.get_submodule(where)).__name__})" if where else "the loss"
-        op = f" at {rec.failed_op}" if rec.failed_op else ""
-        raise ConfigError("model", label, f"running it on one batch ({_describe(sample[0])}) failed in {module}{op}: "
-                          f"{_one_line(e)}; check that the data's items match the model's forward "
-                          "(docs/models.md)") from None
+        raise _forward_failed(model, label, sample, running[-1] if running else "", rec.failed_op, e) from None
     finally:
         for h in handles:
             h.remove()
@@ -590,11 +760,109 @@ def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype,
         raise ConfigError("loss", label, "the loss must return a 0-d tensor (the mean loss of the batch)")
     if blocks and not totals["calls"]:
         raise ConfigError("model", label, f"the blocks in '{block_path}' were never called by its forward")
-    by_region = {"block": 0, "head": 0}
-    for nbytes, region in saved.values():
+    if blocks and uniform and len(blocks) == 1:
+        _count_chain_once(saved, block_input, block_output)
+    return _Measurement(model, block if blocks else None, rec, io, linear_calls, block_input, *_by_region(saved),
+                        totals["block"], counter.get_total_flops(), totals["calls"], assignments,
+                        fake, working, sum(saved[ref][0] for ref in scores))
+
+
+def _by_region(saved: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """The saved bytes by `REGIONS`, and of them the float32 tensors'."""
+    by_region, float32_by_region = dict.fromkeys(REGIONS, 0), dict.fromkeys(REGIONS, 0)
+    for nbytes, region, float32 in saved.values():
         by_region[region] += nbytes
-    return _Measurement(model, block if blocks else None, rec, io, linear_calls, block_input, by_region,
-                        totals["block"], counter.get_total_flops(), totals["calls"], assignments)
+        float32_by_region[region] += nbytes if float32 else 0
+    return by_region, float32_by_region
+
+
+def _forward_failed(model: nn.Module, label: str, sample: Sample, where: str, op: str | None,
+                    e: Exception) -> ConfigError:
+    """The one-line error of a user's forward that failed in module `where` ('': the loss) at `op`."""
+    module = f"'{where}' ({type(model.get_submodule(where)).__name__})" if where else "the loss"
+    at = f" at {op}" if op else ""
+    return ConfigError("model", label, f"running it on one batch ({_describe(sample[0])}) failed in {module}{at}: "
+                       f"{_one_line(e)}; check that the data's items match the model's forward (docs/models.md)")
+
+
+class _Live(TorchDispatchMode):
+    """Bytes alive beyond those at the window's start, at their most, while the window is open:
+    every op's new output storage counts until it is freed, and so does each storage in `known`
+    (what the forward saved); never `excluded` (the parameters and buffers)."""
+
+    def __init__(self, known: dict[StorageWeakRef, int], excluded: set) -> None:
+        super().__init__()
+        self.live, self.excluded = dict(known), excluded
+        self.open = False
+        self.start = self.peak = self.incoming = 0
+
+    def total(self) -> int:
+        for ref in [r for r in self.live if r.expired()]:
+            del self.live[ref]
+        return sum(self.live.values())
+
+    def begin(self, grad: torch.Tensor) -> None:
+        """The window opens with the gradient of the block's output, counted as made in it."""
+        self.open, self.start = True, self.total()
+        self.live.setdefault(_storage(grad), grad.untyped_storage().nbytes())
+        self.incoming = grad.untyped_storage().nbytes()
+
+    def end(self) -> None:
+        if self.open:
+            self.peak = max(self.peak, self.total() - self.start)
+        self.open = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.open:  # (nothing is freed before this returns: the op's inputs are still referenced)
+            for t in _tensors(out):
+                ref = _storage(t)
+                if ref not in self.excluded:
+                    self.live.setdefault(ref, t.untyped_storage().nbytes())
+            self.peak = max(self.peak, self.total() - self.start)
+        return out
+
+
+def _backward_working_set(loss: torch.Tensor, outputs: list[torch.Tensor], block_input: list[torch.Tensor],
+                          saved: dict, excluded: set, block_output: list[StorageWeakRef]) -> int:
+    """The first block's backward, on the measured tensors: the most bytes it holds beyond what was
+    alive when its output's gradient arrived, net of the saved tensors it has freed by then and of
+    that gradient where it stands in for the block's output, freed by the backward of the next
+    block that kept it (`memory.block_working_set`'s net convention; a block whose own last op
+    keeps its output, a ReLU, frees it here). The gradients of its activations only: weight
+    gradients are not formed (only the block input's gradient is asked for). 0 where it cannot be
+    measured (an input without a gradient, a block output outside the loss's graph)."""
+    wanted = [t for t in block_input[:1] if t.requires_grad]
+    if not wanted or not outputs or not loss.requires_grad:
+        return 0
+    live = _Live({ref: nbytes for ref, (nbytes, _, _) in saved.items()}, excluded)
+    handles = [outputs[0].register_hook(live.begin), wanted[0].register_hook(lambda g: live.end())]
+    try:
+        with live:
+            torch.autograd.grad(loss, wanted, allow_unused=True)
+    except Exception:  # noqa: BLE001 - a backward the fake tensors cannot run: priced by family instead
+        return 0
+    finally:
+        for h in handles:
+            h.remove()
+    live.end()
+    own = any(saved.get(ref, (0, "head", False))[1] in ("block", "output") for ref in block_output)
+    return max(0, live.peak - (0 if own else live.incoming))
+
+
+def _count_chain_once(saved: dict, block_input: list[torch.Tensor], block_output: list[StorageWeakRef]) -> None:
+    """One block measured for all (`uniform`): where it saves both its input and its own output (a
+    block ending in a ReLU that keeps its result, followed by one whose first op keeps its input),
+    each block's output is the next block's saved input, one tensor counted twice per block by the
+    one-block figure. Its bytes move to the head: every block then counts its input, and the head the
+    last block's output (the only one no later block keeps: region "output")."""
+    first_input = _storage(block_input[0]) if block_input else None
+    if first_input is None or saved.get(first_input, (0, "head", False))[1] != "block":
+        return  # the input is kept by what runs before the block (or not at all): no double count
+    for ref in block_output:
+        if ref in saved and saved[ref][1] == "block" and ref != first_input:
+            nbytes, _, float32 = saved[ref]
+            saved[ref] = (nbytes, "output", float32)
 
 
 def _cpu(sample: Sample) -> Sample:

@@ -367,7 +367,7 @@ def rank_memory(step: StepShape, load: RankLoad, r: RankShare, m: RankMemory) ->
     m.states = _states(plan, m.p_stage, m.p_gathered, m.p_local)
     in_flight = activation_in_flight(plan, load.pp_rank)
     acts = rank_activations(step, load, in_flight)
-    m.states["grads"], acts = at_peak(step, m.states["grads"], acts, in_flight)  # (what coexists at the peak)
+    m.states["grads"], acts = at_peak(step, m.states["grads"], acts, in_flight, load)  # (what coexists at the peak)
     at_peak_grads = m.states["grads"]
     for s in MEMORY_TERMS:
         s.rank_memory(step, load, m)

@@ -25,15 +25,38 @@ def _gib(b: float) -> str:
     return f"{b / GiB:.1f}"
 
 
+def count(n: float) -> str:
+    """A parameter count in the unit that reads: '70.6B', '124.4M', '2.1K', '950'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _secs(s: float) -> str:
+    """Seconds with the digits that read: two decimals, or two significant digits under 0.01 s."""
+    return f"{s:.2f}" if s >= 0.01 else f"{s:.2g}"
+
+
+def _unit(result: SearchResult) -> str:
+    """What a step's batch counts: tokens for a token-sequence model, else samples."""
+    return "tokens" if result.profile.input_kind == "tokens" else "samples"
+
+
+def _per_gpu(result: SearchResult) -> str:
+    """The throughput column's unit: 'tok/s/GPU' or 'samples/s/GPU'."""
+    return "tok/s/GPU" if _unit(result) == "tokens" else "samples/s/GPU"
+
+
 def table(result: SearchResult) -> str:
     """The ranked plans as an aligned text table (with the amortised step time they were ranked by,
     when the run's length was given and a plan pays one-off seconds)."""
     amortise = bool(result.steps) and any(strategies.once_s(p, result.cluster) for p, _ in result.ranked)
-    rows = [("#", "plan", "family", "step s", *(("amortised s",) if amortise else ()), "tok/s/GPU", "MFU",
+    rows = [("#", "plan", "family", "step s", *(("amortised s",) if amortise else ()), _per_gpu(result), "MFU",
              "GiB/rank")]
     for i, (plan, est) in enumerate(result.ranked, 1):
         am = (f"{strategies.amortised_s(est.step_time_s, plan, result.cluster, result.steps):.2f}",) if amortise else ()
-        rows.append((str(i), plan.describe(), plan.family(), f"{est.step_time_s:.2f}", *am,
+        rows.append((str(i), plan.describe(), plan.family(), _secs(est.step_time_s), *am,
                      f"{est.tokens_per_s_per_gpu:,.0f}", f"{est.mfu:.1%}", _gib(est.memory_bytes_per_rank)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     right = {0, *range(3, len(rows[0]))}
@@ -47,7 +70,7 @@ def table(result: SearchResult) -> str:
 
 
 def time_breakdown(est: Estimate) -> str:
-    parts = [f"{TIME_LABELS[k]} {v:.2f} ({v / est.step_time_s:.0%})"
+    parts = [f"{TIME_LABELS[k]} {_secs(v)} ({v / est.step_time_s:.0%})"
              for k, v in sorted(est.time_breakdown.items(), key=lambda kv: -kv[1]) if v > 0.0005 * est.step_time_s]
     return ", ".join(parts)
 
@@ -133,7 +156,7 @@ def why_slower(plan: Plan, est: Estimate, best: Estimate) -> str:
     """What a slower plan spends more time on than the best one (the two largest differences)."""
     diffs = sorted(((est.time_breakdown[k] - best.time_breakdown.get(k, 0.0), k) for k in est.time_breakdown),
                    reverse=True)
-    parts = [f"+{d:.2f} s {TIME_LABELS[k]}" for d, k in diffs[:2] if d > 0.005 * best.step_time_s]
+    parts = [f"+{_secs(d)} s {TIME_LABELS[k]}" for d, k in diffs[:2] if d > 0.005 * best.step_time_s]
     return ", ".join(parts) or "slightly more of everything"
 
 
@@ -214,10 +237,13 @@ def not_offered(result: SearchResult) -> list[str]:
 def explain(result: SearchResult, *, show_families: bool = True) -> str:
     """The whole explanation as text (see module doc)."""
     prof, cl = result.profile, result.cluster
-    tokens = result.global_batch * result.seq_len
+    unit = _unit(result)
+    batch = (f"seq_len {result.seq_len}, global batch {result.global_batch} "
+             f"({result.global_batch * result.seq_len:,} tokens/step)" if unit == "tokens"
+             else f"global batch {result.global_batch} (samples/step)")
     out = [
-        f"{prof.name} ({prof.params_total / 1e9:.1f}B params) on {cl.describe()}",
-        f"seq_len {result.seq_len}, global batch {result.global_batch} ({tokens:,} tokens/step)"
+        f"{prof.name} ({count(prof.params_total)} params) on {cl.describe()}",
+        batch
         + (f", fixed {', '.join(f'{k}={v}' for k, v in result.fixed.items())}" if result.fixed else ""),
         f"searched {result.meshes} meshes ({result.meshes_pruned} pruned by bound), "
         f"{result.evaluated:,} plans in {result.seconds:.2f} s",
@@ -240,7 +266,7 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
     out += [
         "",
         f"chosen: {plan.family()}  {plan.describe()}",
-        f"  step {est.step_time_s:.2f} s, {est.tokens_per_s:,.0f} tokens/s ({est.tokens_per_s_per_gpu:,.0f} per GPU), "
+        f"  step {_secs(est.step_time_s)} s, {est.tokens_per_s:,.0f} {unit}/s ({est.tokens_per_s_per_gpu:,.0f} per GPU), "
         f"MFU {est.mfu:.1%}",
         f"  MFU: {mfu_note(result, plan)}",
         f"  time: {time_breakdown(est)}",
@@ -270,7 +296,7 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
             out += ["", "why not the other families:"]
         for fam, (p, e) in others:
             slower = e.step_time_s / est.step_time_s - 1.0
-            out.append(f"  {fam:20s} {slower:+.0%} step time ({e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
+            out.append(f"  {fam:20s} {slower:+.0%} step time ({e.tokens_per_s_per_gpu:,.0f} {_per_gpu(result)}, "
                        f"{p.describe()}): {why_slower(p, e, est)}")
         for fam, why in result.rejected.items():
             out.append(f"  {fam:20s} {why}")

@@ -19,6 +19,8 @@ Analytic conventions (documented so that the calibrated efficiencies mean someth
 
 from __future__ import annotations
 
+from typing import Any
+
 from dtorch.errors import ConfigError
 from dtorch.model.profile import ModelProfile
 
@@ -85,11 +87,25 @@ def analytic_profile(
     )
 
 
-def get_profile(spec: str, seq_len: int) -> ModelProfile:
+def get_profile(spec: str, seq_len: int, fused_attention: bool = False) -> ModelProfile:
     """The profile of a model spec (preset, ``llama:...``/``gpt:...``, or anything the model room
-    accepts) at `seq_len` tokens. Never imports torch for presets and hyper-parameter specs."""
+    accepts) at `seq_len` tokens. Never imports torch for presets and hyper-parameter specs.
+    `fused_attention`: a measured model's attention as a GPU runs it (`for_devices`)."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ConfigError("seq_len", seq_len, "must be a positive integer")
     from dtorch.model import profile
 
-    return profile(spec, seq_len)
+    return profile(spec, seq_len, fused_attention)
+
+
+def gpu_attention_differs(profile: ModelProfile, groups: Any) -> bool:
+    """Whether the devices of node `groups` (a cluster's) run `profile`'s attention otherwise than
+    it was measured: it was measured with attention dropout on a CPU (the math kernel's s x s
+    scores) and the groups have GPUs, whose fused kernels keep none."""
+    return profile.attention_dropout and any(g.device.kind != "cpu" for g in groups)
+
+
+def for_devices(profile: ModelProfile, spec: str, seq_len: int, groups: Any) -> ModelProfile:
+    """`profile` (of `spec` at `seq_len`) as the devices of node `groups` run the model: measured
+    again with a GPU's attention where `gpu_attention_differs`; else `profile` itself."""
+    return get_profile(spec, seq_len, fused_attention=True) if gpu_attention_differs(profile, groups) else profile

@@ -296,13 +296,6 @@ def mean_block_flops(profile: Any) -> float:
     return ((L - d) * profile.flops_per_token_block + d * profile.flops_per_token_dense_block) / L
 
 
-def activation_share(plan: Any) -> tuple[float, float]:
-    """(share of a block's saved activations, share of a full-AC block input) on one TP rank."""
-    if plan.tp > 1 and not plan.sp:
-        return 10.0 / 34.0 + (24.0 / 34.0) / plan.tp, 1.0  # Korthikanti Table 2, "TP only"
-    return 1.0 / plan.tp, 1.0 / plan.tp
-
-
 class StepShape:
     """What every term of one plan's step shares: the plan, the node group it runs on, the constants
     (CPU-adjusted), the compute dtype's peak and widths, a micro-batch's tokens and GEMM rows, the
@@ -312,7 +305,7 @@ class StepShape:
         "plan", "profile", "g", "c", "dtype", "peak", "elem_speed", "compiled", "async_tp", "dev", "cpu",
         "compute_dtype", "s", "h", "act_b", "act_scale", "resid_b", "autocast", "param_b", "red_b", "tokens_mb", "rows", "eff",
         "speed", "attn_fwd", "attn_speed", "elem_s_per_byte", "act_full", "st_cp", "st_dpr", "st_pp", "fs", "st_fs",
-        "a_none", "a_elem", "contention", "shard_act", "shard_full", "block_params", "block_flops", "world", "selective", "linear",
+        "a_none", "a_elem", "contention", "block_params", "block_flops", "world", "selective", "linear",
         "cluster", "tp_act", "_terms",
     )
     # No open attributes: what a strategy computes once per plan in `prepare` is its own typed record
@@ -351,9 +344,10 @@ class StepShape:
                                     if self.dtype == "float8" else 1.0)
         self.attn_fwd = 4.0 * self.h * self.s  # per token per block, full s^2 (selective recompute; float8 leaves it bf16)
         self.attn_speed = self._attention_speed()
-        # element-wise bytes per token per block: an unfused core's a*s^2 scores (Korthikanti's 5as) are
-        # priced by the attention roofline, not as element-wise passes
-        self.a_elem = self.a_none - (5.0 * prof.num_heads * self.s if getattr(prof, "unfused_attention", False) else 0.0)
+        # element-wise bytes per token per block: an unfused core's a*s^2 scores (Korthikanti's 5as, or
+        # as measured) are priced by the attention roofline, not as element-wise passes (on a CPU,
+        # whose attention runs at the GEMMs' speed, a measured model's stay element-wise passes)
+        self.a_elem = self.a_none - self._scores_bytes()
         # share of a hidden data-parallel transfer that still shows: the SMs its kernels take
         sms = streaming_multiprocessors(self.dev.name)
         self.contention = min(1.0, c.collective_sms / sms) if sms else 0.25
@@ -366,7 +360,6 @@ class StepShape:
         self.st_cp, self.st_dpr = tp, tp * cp * plan.dp_shard
         self.st_pp = self.st_dpr * plan.dp_replicate
         self.fs, self.st_fs = plan.dp_shard * cp, tp
-        self.shard_act, self.shard_full = activation_share(plan)
         # an average block (a MoE model's dense first blocks are smaller; equal to the block for dense models)
         self.block_params = mean_block_params(prof)
         self.block_flops = mean_block_flops(prof)
@@ -377,6 +370,15 @@ class StepShape:
         """Seconds of one activation all-gather over tp (set by the tensor strategy's `prepare`; expert
         parallelism's expert-tensor term reads it)."""
         self._terms: dict[type, Any] = {}
+
+    def _scores_bytes(self) -> float:
+        """16-bit bytes per token per block of an unfused attention core's s x s tensors (0: fused)."""
+        prof = self.profile
+        if not getattr(prof, "unfused_attention", False):
+            return 0.0
+        if getattr(prof, "source", "analytic") != "measured":
+            return 5.0 * prof.num_heads * self.s
+        return 0.0 if self.cpu else prof.act_bytes_per_token_block_scores
 
     def _attention_speed(self) -> float:
         """FLOP/s of the attention core (the cost model's 12 h s per token per block): as the probe

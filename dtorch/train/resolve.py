@@ -176,6 +176,7 @@ class PlanResolver:
     def search(self, world: int, fixed: dict, replan: Any = None, whole: bool = False) -> Any:
         """The planner's best plan for `world` ranks (`whole`: its whole `SearchResult`)."""
         from dtorch.cluster import load_cluster, local_cluster
+        from dtorch.plan.profiles import gpu_attention_differs
         from dtorch.plan.search import search
 
         req = self.request
@@ -187,6 +188,8 @@ class PlanResolver:
             groups = [dataclasses.replace(g, device=dataclasses.replace(
                 g.device, memory_bytes=min(g.device.memory_bytes, replan.budget))) for g in cluster.groups]
             cluster = dataclasses.replace(cluster, groups=groups)
+        if gpu_attention_differs(profile, cluster.groups):
+            profile = self.profile = self._profile(fused_attention=True)  # attention as the GPU runs it
         self.cluster_name = cluster.name
         if cluster.world_size != world:
             raise ConfigError("cluster", req.cluster,
@@ -215,10 +218,11 @@ class PlanResolver:
         return Resolved(parallel.plan, "rebalance")
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _profile(self) -> Any:
+    def _profile(self, fused_attention: bool = False) -> Any:
         from dtorch.model import profile_module
 
-        return profile_module(self.model_factory, self.request.seq_len, sample=self.sample(), loss=self.loss_fn)
+        return profile_module(self.model_factory, self.request.seq_len, sample=self.sample(), loss=self.loss_fn,
+                              fused_attention=fused_attention)
 
     def _cost_constants(self) -> Any:
         """The cost model's constants with what this run decides beside the plan: whether it clips

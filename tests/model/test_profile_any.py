@@ -93,3 +93,19 @@ def test_dtorch_plan_with_a_factory_uses_example_input_or_says_how_to_give_one(t
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "first layer is Conv2d" in err and "example_input()" in err
     assert main(["plan", "--model", "user_cnn_ex:build", "--cluster", "cpu:1x2", "--global-batch", "8"]) == 0
+
+
+def test_a_factory_in_the_current_directory_gets_the_pythonpath_fix(tmp_path, monkeypatch, capsys):
+    """The dtorch command, like Python's console scripts, does not import from the current directory;
+    a factory module found there gets that said, with the fix, in one line (exit 2)."""
+    from dtorch.cli import main
+
+    (tmp_path / "here_models.py").write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert main(["plan", "--model", "here_models:build", "--cluster", "cpu:1x2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'here_models' is in the current directory" in err and "PYTHONPATH=." in err
+    assert main(["plan", "--model", "elsewhere_models:build", "--cluster", "cpu:1x2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "current directory" not in err and "use a preset" in err

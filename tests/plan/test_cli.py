@@ -18,6 +18,20 @@ def test_plan_prints_ranked_table_and_explanation(capsys):
     assert "tok/s/GPU" in out and "chosen:" in out and "why not the other families" in out
 
 
+def test_an_image_model_is_planned_in_samples_and_small_units(capsys, monkeypatch):
+    """A user's CNN: its batch counts samples, not tokens; a 2K-parameter model is not '0.0B'; a
+    millisecond step is not '0.00 s'."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    assert main(["plan", "--model", "_user_cnn:cnn", "--cluster", "cpu:1x4", "--global-batch", "64"]) == 0
+    out = capsys.readouterr().out
+    head, _, rest = out.partition("chosen:")
+    assert "(2.1K params)" in head and "global batch 64 (samples/step)" in head and "samples/s/GPU" in head
+    assert "tokens" not in head and " 0.00 " not in out and "+0.00 s" not in out
+    assert " samples/s (" in rest and "samples/s/GPU" in rest
+
+
 def test_json_is_the_plan_document_with_predictions(capsys, tmp_path):
     out_file = tmp_path / "plan.yaml"
     assert main([*BASE, "--json", "--top", "2", "--out", str(out_file)]) == 0

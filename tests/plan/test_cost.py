@@ -180,6 +180,8 @@ def test_sequence_parallel_divides_activations_by_tp():
     # everything the blocks and the head keep, over tp; beyond it the attention's and the feed-forward's
     # all-gathered inputs, whole on every rank (2 h per token per block, float32 here: 3/4 of it more)
     gathered = 2 * prof.hidden * 4 * (1 - 1 / 4) * prof.seq_len * prof.num_layers
+    # and the first block's input, a view of the embedding's all-reduced output: the whole sequence
+    gathered += prof.hidden * 4 * (1 - 1 / 4) * prof.seq_len
     assert sp.memory_breakdown["activations"] == pytest.approx(
         saved / 4 + gathered + _working_set(Plan(tp=4, sp=True), prof, cl, load), rel=1e-6)
 

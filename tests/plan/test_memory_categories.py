@@ -38,8 +38,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
-from _harness import run_group  # noqa: E402
-from _memory_worker import CATEGORIES, SEQ, measure  # noqa: E402
+from _memory_worker import CATEGORIES, SEQ, measure, memory_table  # noqa: E402
 
 pytestmark = pytest.mark.slow  # two process groups (scripts/test.sh runs them with the multi-process tests)
 
@@ -55,6 +54,10 @@ WORLD2 = {
     "FSDP ac=full": (LLAMA, dict(dp_shard=2, microbatch_size=2, ac="full")),
     "TP": (LLAMA, dict(tp=2, microbatch_size=2)),
     "TP+SP": (LLAMA, dict(tp=2, sp=True, microbatch_size=2)),
+    "TP ac=selective": (LLAMA, dict(tp=2, microbatch_size=2, ac="selective")),
+    "TP ac=full": (LLAMA, dict(tp=2, microbatch_size=2, ac="full")),
+    "TP+SP ac=selective": (LLAMA, dict(tp=2, sp=True, microbatch_size=2, ac="selective")),
+    "TP+SP ac=full": (LLAMA, dict(tp=2, sp=True, microbatch_size=2, ac="full")),
     "PP 1f1b": (LLAMA, dict(pp=2, microbatch_size=2, num_microbatches=2)),
     "PP gpipe": (LLAMA, dict(pp=2, schedule="gpipe", microbatch_size=2, num_microbatches=2)),
     "PP interleaved": (LLAMA, dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatch_size=2,
@@ -62,6 +65,9 @@ WORLD2 = {
     "CP": (LLAMA, dict(cp=2, microbatch_size=2)),  # (cp_attention=allgather, the default)
     "CP ring": (LLAMA, dict(cp=2, cp_attention="ring", microbatch_size=2)),
     "EP": (MOE, dict(dp_shard=2, ep=2, microbatch_size=2)),
+    # expert-tensor parallelism: every routed expert's hidden units split over tp
+    "MoE TP": (MOE, dict(tp=2, microbatch_size=2)),
+    "MoE TP ac=full": (MOE, dict(tp=2, microbatch_size=2, ac="full")),
     "ZeRO-1": (LLAMA, dict(dp_shard=2, zero=1, microbatch_size=2, num_microbatches=2)),
     "ZeRO-2": (LLAMA, dict(dp_shard=2, zero=2, microbatch_size=2, num_microbatches=2)),
     # FSDP2's casts: every activation in bfloat16 but the loss's float32 (its backward's two V-wide
@@ -76,6 +82,9 @@ WORLD4 = {
     "DDP+PP": (LLAMA, dict(dp_replicate=2, pp=2, microbatch_size=2, num_microbatches=2)),
     # the routed experts FSDP-sharded over two ranks (at world 2 each rank holds its own whole)
     "FSDP+EP": (MOE, dict(dp_shard=4, ep=2, microbatch_size=2)),
+    # two routed experts per rank (eight over ep=4), each rank its own: its peak is at the head's
+    # backward (the root unit re-gathered), not in a block's
+    "EP ep=4": (MOE, dict(dp_shard=4, ep=4, microbatch_size=2)),
 }
 
 
@@ -88,6 +97,8 @@ AUTOCAST = {
     # (`memory.autocast_block_bytes`)
     "bf16 DDP": (LLAMA, dict(dp_replicate=2, microbatch_size=2, num_microbatches=2, param_dtype="bfloat16")),
     "bf16 TP": (LLAMA, dict(tp=2, microbatch_size=2, param_dtype="bfloat16")),
+    "bf16 TP ac=selective": (LLAMA, dict(tp=2, microbatch_size=2, ac="selective", param_dtype="bfloat16")),
+    "bf16 TP ac=full": (LLAMA, dict(tp=2, microbatch_size=2, ac="full", param_dtype="bfloat16")),
     "bf16 PP 1f1b": (LLAMA, dict(pp=2, microbatch_size=2, num_microbatches=2, param_dtype="bfloat16")),
 }
 
@@ -120,26 +131,7 @@ def _runnable(cases: dict) -> dict:
 @pytest.fixture(scope="module")
 def table() -> dict:
     """{family: (world, predicted, measured on the fullest rank)}."""
-    out = {}
-    for world, cases in ((2, {**WORLD2, **AUTOCAST}), (4, WORLD4)):
-        cases = _runnable(cases)
-        results = run_group(world, list(cases.values()), measure)
-        for (name, (spec, fields)), per_rank in zip(cases.items(), results):
-            errors = [r["error"] for r in per_rank if "error" in r]
-            if errors:
-                out[name] = (world, None, errors[0])
-                continue
-            fullest = max(per_rank, key=lambda r: r["peak"])
-            out[name] = (world, _predict(spec, fields, world), fullest)
-    lines = [f"{'family':18s} {'category':11s} {'predicted':>10s} {'measured':>10s}  error"]
-    for name, (world, pred, meas) in out.items():
-        if pred is None:
-            continue
-        for c in (*CATEGORIES, "peak"):
-            err = (pred[c] - meas[c]) / meas[c] if meas[c] else float(pred[c] != 0)
-            lines.append(f"{name + f' w{world}':18s} {c:11s} {pred[c]:10d} {meas[c]:10d}  {err:+.1%}")
-    print("\n".join(lines))
-    return out
+    return memory_table([(2, _runnable({**WORLD2, **AUTOCAST})), (4, _runnable(WORLD4))], measure, _predict)
 
 
 KNOWN: dict[str, str] = {

@@ -46,7 +46,7 @@ DOES_NOT_FIT = {
                      "142 block-micro-batches in flight on the interleaved schedule's first rank, sequence "
                      "parallelism keeping the gathered attention and feed-forward inputs whole (Megatron "
                      "re-gathers them in backward), eager SwiGLU's four f-wide tensors (docs/plan.md); with "
-                     "ac=selective it fits (about 71 GiB)",
+                     "ac=selective it fits (about 69 GiB)",
 }
 
 

@@ -150,19 +150,25 @@ class Sharded(Strategy):
         resharding the stage's root unit (embedding, final norm, head: FSDP2 never reshards the root)
         and the block being re-gathered for its backward; without, the whole stage. ZeRO-1/2 hold
         theirs (`strategies.zero`)."""
-        plan, prof = step.plan, step.profile
+        plan = step.plan
         if step.fs > 1 and not getattr(plan, "zero", 0):
-            from dtorch.plan.strategies.memory import loss_moment_peaks
+            from dtorch.plan.strategies.memory import (
+                dense_loss_moment_peaks,
+                loss_moment_peaks,
+                root_unit_params,
+            )
 
             if loss_moment_peaks(step, load):  # (a MoE rank peaking at the loss: the root unit only)
-                root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
+                root = root_unit_params(step, load)
                 m.states["params"] = m.states.get("params", 0.0) + root * step.param_b
                 return
             m.states["params"] = m.states.get("params", 0.0) + self.gathered(step, load, m.p_gathered)
-            if plan.pp == 1 and (plan.reshard_after_forward or plan.offload == "params"):
+            if (plan.pp == 1 and (plan.reshard_after_forward or plan.offload == "params")
+                    and not dense_loss_moment_peaks(step, load)):
                 # the peak is the last block's re-gather, after the head's backward made the root
-                # unit's unsharded gradients (reduce-scattered with the root's, last)
-                root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
+                # unit's unsharded gradients (reduce-scattered with the root's, last); at the loss's
+                # moment there are none yet
+                root = root_unit_params(step, load)
                 m.states["grads"] = m.states.get("grads", 0.0) + root * step.param_b
 
     def gathered(self, step: StepShape, load: RankLoad, p_stage: float) -> float:
@@ -171,8 +177,9 @@ class Sharded(Strategy):
         plan, prof = step.plan, step.profile
         if not (plan.reshard_after_forward or plan.offload == "params"):
             return p_stage * step.param_b  # the whole stage stays gathered from forward to backward
-        root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
-        return (root + held_block_params(prof, plan)) * step.param_b
+        from dtorch.plan.strategies.memory import root_unit_params
+
+        return (root_unit_params(step, load) + held_block_params(prof, plan)) * step.param_b
 
     def buffers(self, step: StepShape, p_stage: float) -> float:
         """Bytes of gathered parameters and gradient staging; `p_stage`: the stage's parameters as a

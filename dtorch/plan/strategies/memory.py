@@ -91,8 +91,12 @@ def matmuls_saved_act_bytes(profile: Any) -> float:
     the block input, the output of every linear layer and of the attention kernel (its output and a
     float32 log-sum-exp per head); norms, RoPE, activations and residual adds are recomputed.
     Llama: x h, q/k/v q + 2 kv, attention out q, o h, w1/w3 2 f, w2 h (q = h for every preset, kv =
-    h kv_heads / heads). GPT: x h, q/k/v 3 h, attention out h, o h, w1 f, w2 h. Other modules: the
-    profiler's measurement with the same op list (`act_bytes_per_token_block['selective']`)."""
+    h kv_heads / heads). GPT: x h, q/k/v 3 h, attention out h, o h, w1 f, w2 h. Measured profiles and
+    other modules: the profiler's measurement with the same op list
+    (`act_bytes_per_token_block['selective']`: a model's own attention may save more, e.g. the math
+    kernel's matmul outputs)."""
+    if measured_selective(profile):
+        return profile.act_bytes_per_token_block["selective"]
     h, f, a = float(profile.hidden), float(profile.ffn_hidden), float(profile.num_heads)
     kv = h * profile.num_kv_heads / profile.num_heads if profile.num_heads else 0.0  # (0: no attention)
     lse = 4.0 * a
@@ -104,6 +108,29 @@ def matmuls_saved_act_bytes(profile: Any) -> float:
     return per_tok.get("selective", per_tok.get("none", 34.0 * h))
 
 
+def measured_selective(profile: Any) -> bool:
+    """Whether the profile measured what DTorch's selective policy keeps (`source` 'measured', with a
+    'selective' figure): then that figure, its float32 share and its TP split are the model's own."""
+    return getattr(profile, "source", "") == "measured" and "selective" in profile.act_bytes_per_token_block
+
+
+def act_float32_bytes(profile: Any, ac: str, selective: str = "matmuls_saved") -> float:
+    """Of `act_bytes_per_token_block` (16-bit), the bytes the model keeps in float32 whatever the
+    compute dtype (`act_bytes_float32_per_token_block`: an explicit upcast, a math attention kernel's
+    scores and softmax), which do not widen with it. Measured profiles only (analytic ones: none), and
+    for DTorch's selective policy only where its figure is the measured one (`measured_selective`)."""
+    f32 = getattr(profile, "act_bytes_float32_per_token_block", None) or {}
+    if ac == "selective" and selective == "matmuls_saved" and not measured_selective(profile):
+        return 0.0
+    return min(f32.get(ac, 0.0), act_bytes_per_token_block(profile, ac, selective))
+
+
+def at_compute_dtype(step: StepShape, total: float, float32: float) -> float:
+    """16-bit profile bytes `total`, of which `float32` are float32 whatever the compute dtype, at the
+    step's compute dtype: the float32 share as is, the rest x `act_scale`."""
+    return float32 + (total - float32) * step.act_scale
+
+
 def act_bytes_per_token_block(profile: Any, ac: str, selective: str = "matmuls_saved") -> float:
     """Activation bytes per token per block (16-bit) a block keeps for backward under `ac`."""
     per_tok = profile.act_bytes_per_token_block
@@ -111,6 +138,94 @@ def act_bytes_per_token_block(profile: Any, ac: str, selective: str = "matmuls_s
     if ac == "selective" and selective == "matmuls_saved":
         return matmuls_saved_act_bytes(profile)
     return per_tok.get(ac, a_none)
+
+
+TP_FAMILIES = ("llama", "gpt", "moe")
+"""DTorch's own block families, whose saved tensors `tp_split_bytes` and `tp_partial_sum_bytes` count."""
+
+
+def tp_split_bytes(profile: Any, ac: str) -> float:
+    """16-bit bytes per token per block, of what a block keeps under `ac` (`act_bytes_per_token_block`),
+    that tensor parallelism splits over its ranks by heads or hidden units: the tensors between a
+    column-wise and a row-wise linear. The attention's q, k, v (after RoPE, or the linears' outputs
+    under selective AC), its output and log-sum-exp; the feed-forward's column-wise outputs and,
+    without AC, their element-wise products (SwiGLU: silu out and product; GeLU: its output); a MoE
+    block's shared and routed experts' the same way (`dtorch.parallel.expert` splits each expert's
+    hidden units over tp). Under full AC, none (the block input). For DTorch's families
+    (`TP_FAMILIES`: `matmuls_saved_act_bytes`, `dtorch.model.analytic`); other profiles
+    (published shapes without module roles, profiled modules) as Korthikanti et al. 2022, Table 2
+    ("TP only"): of a GPT block's 34 h + 5 a s bytes, all but 10 h (norm inputs, attention and MLP
+    inputs, dropout masks). A measured profile's own split where it has one
+    (`act_bytes_tp_split_per_token_block`: the block measured as a TP rank runs it)."""
+    h, per_tok = float(profile.hidden), profile.act_bytes_per_token_block
+    total = per_tok.get(ac, per_tok.get("none", 34.0 * h))
+    if ac == "full":
+        return 0.0
+    measured = _measured_split(profile, ac)
+    if measured is not None:
+        return min(total, measured[0])
+    fam, f, a = profile.family, float(profile.ffn_hidden), float(profile.num_heads)
+    if fam not in TP_FAMILIES:
+        return max(0.0, total - 10.0 * h)
+    kv = h * profile.num_kv_heads / profile.num_heads if profile.num_heads else 0.0
+    attention = 2.0 * (2.0 * h + 2.0 * kv) + 4.0 * a if profile.num_heads else 0.0
+    kept = 1.0 if ac == "selective" else 2.0  # f-wide tensors kept per column-wise output
+    if fam == "llama":
+        ffn = 2.0 * kept * 2.0 * f
+    elif fam == "gpt":
+        ffn = 2.0 * kept * f
+    else:
+        ffn = 2.0 * kept * 2.0 * (profile.num_shared_experts + profile.experts_per_token) * profile.expert_hidden
+    return min(total, attention + ffn)
+
+
+def _measured_split(profile: Any, ac: str) -> tuple[float, float] | None:
+    """(16-bit bytes per token per block TP splits, their float32 share) as the profile measured them
+    for `ac`, or None (analytic profiles; no measurement for `ac`)."""
+    if getattr(profile, "source", "") != "measured":
+        return None
+    split = getattr(profile, "act_bytes_tp_split_per_token_block", None) or {}
+    if ac not in split:
+        return None
+    f32 = getattr(profile, "act_bytes_float32_tp_split_per_token_block", None) or {}
+    return split[ac], min(split[ac], f32.get(ac, 0.0))
+
+
+def tp_split_float32_bytes(profile: Any, ac: str) -> float:
+    """Of `tp_split_bytes`, the bytes that are float32 whatever the compute dtype (measured splits
+    only)."""
+    measured = _measured_split(profile, ac) if ac != "full" else None
+    return min(measured[1], tp_split_bytes(profile, ac)) if measured else 0.0
+
+
+def tp_partial_sum_bytes(profile: Any, ac: str) -> float:
+    """16-bit bytes per token per block, of what a block keeps under DTorch's selective AC without
+    TP, that its policy does not keep under TP: the row-wise linears' outputs (attention
+    out-projection, feed-forward down-projection; a MoE block's shared expert's and, per
+    assignment, its routed experts'), which would be the partial sums each rank computes over the
+    whole sequence before their all-reduce or reduce-scatter (`dtorch.parallel.ac` re-runs them;
+    `Memory.recompute` prices it). None for other policies or families."""
+    if ac != "selective" or profile.family not in TP_FAMILIES:
+        return 0.0
+    h = 2.0 * profile.hidden
+    if profile.family != "moe":
+        return 2.0 * h
+    return h * (1.0 + (1.0 if profile.num_shared_experts else 0.0) + profile.experts_per_token)
+
+
+def tp_rank_bytes(step: StepShape, ac: str) -> float:
+    """`block_act_bytes` on one TP rank: the split part (`tp_split_bytes`) over tp, no row-wise
+    output (`tp_partial_sum_bytes`), the rest (the residual stream's side: norms' inputs and
+    outputs, the block input) whole without SP and a sequence shard with it (what SP gathers whole
+    beside is `sp_gathered_bytes`)."""
+    a = block_act_bytes(step, ac)
+    tp = step.plan.tp
+    if tp == 1:
+        return a
+    prof = step.profile
+    split = min(a, at_compute_dtype(step, tp_split_bytes(prof, ac), tp_split_float32_bytes(prof, ac)))
+    rest = a - split - min(a - split, tp_partial_sum_bytes(step.profile, ac) * step.act_scale)
+    return split / tp + (rest / tp if step.plan.sp else rest)
 
 
 RMSNORM_FAMILIES = ("llama", "moe")
@@ -122,8 +237,9 @@ def composite_norm_bytes(profile: Any, in_b: float, cpu: bool) -> float:
     profile counts): none on an accelerator; on a CPU torch 2.13 runs RMSNorm as composite operators
     that keep the input upcast to float32 (4h; none when the input, `in_b` bytes wide, is float32
     already: the same tensor) and the normalised product in the input's dtype (`in_b` h) for the
-    weight's multiply."""
-    if not cpu or profile.family not in RMSNORM_FAMILIES:
+    weight's multiply. None either where the profile measured the model's own norms as they run
+    (`composite_norms_measured`: counted there already)."""
+    if not cpu or profile.family not in RMSNORM_FAMILIES or getattr(profile, "composite_norms_measured", False):
         return 0.0
     return profile.hidden * ((4.0 if in_b < 4 else 0.0) + in_b)
 
@@ -169,9 +285,12 @@ def autocast_block_bytes(step: StepShape, ac: str) -> float:
 
 def block_act_bytes(step: StepShape, ac: str) -> float:
     """Bytes per token per block (compute dtype, full over TP and CP) a block keeps for backward
-    under `ac`: the profile's 16-bit figure at the compute dtype's width, plus on a CPU what the
-    composite norms keep (two per block, kept unless the policy re-runs them)."""
-    a = act_bytes_per_token_block(step.profile, ac, step.selective) * step.act_scale
+    under `ac`: the profile's 16-bit figure at the compute dtype's width (its float32 share as is:
+    `act_float32_bytes`), plus on a CPU what the composite norms keep (two per block, kept unless the
+    policy re-runs them)."""
+    prof = step.profile
+    a = at_compute_dtype(step, act_bytes_per_token_block(prof, ac, step.selective),
+                         act_float32_bytes(prof, ac, step.selective))
     if ac == "none":
         a += 2 * composite_norm_bytes(step.profile, step.resid_b, step.cpu)
     return a
@@ -218,20 +337,16 @@ def cp_gathered_bytes(step: StepShape, ac: str) -> float:
 def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float:
     """Activation bytes pipeline rank `load` holds at its peak: its blocks' saved activations for the
     `in_flight` micro-batches (`pipeline.activation_in_flight`), sharded by TP (all of them with SP,
-    Korthikanti's share without) and CP; under full AC one block re-materialised during its backward,
-    under selective AC what one block's re-run forward makes beside what the policy kept;
-    on the last stage the head's (final norm, logits and loss) for every micro-batch in flight, and
+    the split part without: `tp_rank_bytes`) and CP; under full AC one block re-materialised during
+    its backward (under selective AC, what one block's re-run forward makes is part of the block's
+    moment of the backward: `selective_recompute_bytes`); on the last stage the head's (final norm, logits and loss) for every micro-batch in flight, and
     under a pipeline their logits, which the stage keeps as its output."""
     plan, prof = step.plan, step.profile
-    share = step.shard_full if plan.ac == "full" else step.shard_act
-    per_token = (block_act_bytes(step, plan.ac) * share + sp_gathered_bytes(step, plan.ac)
+    per_token = (tp_rank_bytes(step, plan.ac) + sp_gathered_bytes(step, plan.ac)
                  + cp_gathered_bytes(step, plan.ac) + autocast_block_bytes(step, plan.ac))
     acts = per_token * step.rows * load.blocks * in_flight
     if plan.ac == "full" and not block_moment_applies(step):
         acts += recomputed_block_bytes(step)  # (else priced at its own moment: `full_ac_peak`)
-    elif plan.ac == "selective":  # the block being recomputed: what its re-run forward makes beside the cache
-        acts += ((block_act_bytes(step, "none") - block_act_bytes(step, "selective")) * share
-                 + autocast_block_bytes(step, "none") - autocast_block_bytes(step, "selective")) * step.rows
     head = head_saved_bytes(step, load)
     if load.head:
         acts += head * in_flight
@@ -239,19 +354,63 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
             # torch's pipeline stage keeps each micro-batch's output (the logits, compute dtype) for
             # its backward (`fwd_cache`), beside the loss's float32 log-probabilities
             acts += step.act_b * prof.vocab_size * step.rows / plan.tp * in_flight
-    elif load.embedding:
-        # a first pipeline stage: the embedding's output, the first block's input (which the head's
-        # bytes stand for where one rank holds both ends of the model), residual-stream wide
-        acts += step.h * step.resid_b * step.rows * in_flight
-    return acts + backward_working_set(step, load, head)
+    else:
+        # a first or middle pipeline stage: what it holds outside its blocks (`held_bytes`: a conv
+        # stem's input, its last block's output), and on the first stage of a language model the
+        # embedding's output, the first block's input (which the head's bytes stand for where one
+        # rank holds both ends of the model), residual-stream wide
+        first = step.h * step.resid_b * step.rows if load.embedding and prof.input_kind == "tokens" else 0.0
+        acts += (first + held_bytes(step, before=load.embedding, output=load.blocks > 0)) * in_flight
+    acts += sp_embedding_bytes(step, load) * in_flight
+    return acts + backward_working_set(step, load, head_freed_bytes(step, load))
+
+
+def sp_embedding_bytes(step: StepShape, load: RankLoad) -> float:
+    """Bytes the first block's input keeps beyond its sequence shard under SP, on the rank holding
+    the embedding: the vocabulary-parallel embedding's output is all-reduced whole and each rank's
+    shard is a view of it, so the whole sequence stays alive while the block keeps its input
+    (residual-stream wide)."""
+    plan = step.plan
+    if not (load.embedding and load.blocks and plan.sp and plan.tp > 1):
+        return 0.0
+    return step.h * step.resid_b * step.rows * (1.0 - 1.0 / plan.tp)
+
+
+def root_unit_params(step: StepShape, load: RankLoad) -> float:
+    """Parameters of the root unit (embedding, final norm, head) on rank `load`, one TP shard of them:
+    what FSDP keeps gathered beside the blocks, and whose unsharded gradients it holds after the head's
+    backward."""
+    prof = step.profile
+    return (prof.params_embedding * load.embedding + prof.params_head * load.head) / step.plan.tp
 
 
 def head_saved_bytes(step: StepShape, load: RankLoad) -> float:
-    """Bytes one micro-batch's head (final norm, logits, loss) keeps for backward on rank `load`."""
+    """Bytes one micro-batch's head (final norm, logits, loss) keeps for backward on rank `load`:
+    under a pipeline the last stage's, without what the model saves before its first block."""
     if not load.head:
         return 0.0
     prof = step.profile
-    return (head_act_bytes(step) + composite_norm_bytes(prof, step.resid_b, step.cpu)) * step.rows / step.plan.tp
+    before = held_bytes(step, before=not load.embedding, output=False)
+    return max(0.0, (head_act_bytes(step) + composite_norm_bytes(prof, step.resid_b, step.cpu)) * step.rows
+               / step.plan.tp - before)
+
+
+def held_bytes(step: StepShape, *, before: bool, output: bool) -> float:
+    """Bytes one micro-batch keeps outside the blocks through the blocks' backward (the profile's
+    16-bit figures at the compute dtype): with `before`, what the model saves before its first block
+    (`act_bytes_per_token_before_blocks`: on the rank holding it), with `output` the last block's
+    output its own op keeps (`act_bytes_per_token_last_block_output`: on every rank with blocks)."""
+    prof = step.profile
+    per_token = ((prof.act_bytes_per_token_before_blocks if before else 0.0)
+                 + (prof.act_bytes_per_token_last_block_output if output else 0.0))
+    return per_token * step.act_scale * step.rows / step.plan.tp
+
+
+def head_freed_bytes(step: StepShape, load: RankLoad) -> float:
+    """Of `head_saved_bytes`, what is freed before the blocks' backward: all but `held_bytes`."""
+    if not load.head:
+        return 0.0
+    return max(0.0, head_saved_bytes(step, load) - held_bytes(step, before=load.embedding, output=load.blocks > 0))
 
 
 GATED_FAMILIES = ("llama", "moe")
@@ -265,18 +424,71 @@ def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> 
     backward whatever the compute dtype, before the cast back to it; vocabulary-parallel over tp,
     with a third under TP), and the first block's (`block_working_set`, and under FSDP the
     all-gather output of the block it prefetches for the backward next: `prefetch_bytes`), once the
-    head's saved activations (`head_saved`) are freed. For a MoE model the two are compared with what else the rank holds
-    at each (`block_moment_states`: under FSDP the first block's moment also holds the gathered
-    block and the root unit's parameters and gradients, the loss's neither): its first block's
-    working set is small beside the loss's, yet that moment is the fuller one (measured). A dense
-    model's are still compared alone: where the loss's wins, its activations are priced beside the
-    block moment's states, an overestimate of large-vocabulary FSDP plans (docs/plan.md, Memory)."""
+    head's saved activations (`head_saved`) are freed. The two are compared with what else the rank
+    holds at each. For a MoE model (`block_moment_states`): under FSDP the first block's moment also
+    holds the gathered block and the root unit's parameters and gradients; at the head, `loss_side`,
+    the output projection's backward holds the root unit gathered, the log-softmax's nothing: its
+    first block's working set is small beside the loss's, yet that moment is the fuller one
+    (measured). For a dense model (`dense_root_grads`): the block's moment also holds the root unit's
+    unsharded gradients; both hold the root unit and one block gathered (FSDP keeps the last block
+    gathered after the forward), measured at the log-softmax's backward."""
     loss = loss_working_set(step, load)
     if not load.blocks:
         return loss
     block = block_moment_bytes(step, load)
     states = block_moment_states(step, load) if step.profile.num_experts else 0.0
-    return loss if loss > block - head_saved + states else block - head_saved
+    if states:
+        loss, weighed = loss_side(step, load)
+        return loss if weighed > block - head_saved + states else block - head_saved
+    return loss if loss > block - head_saved + dense_root_grads(step, load) else block - head_saved
+
+
+def dense_root_grads(step: StepShape, load: RankLoad) -> float:
+    """Bytes of the root unit's (embedding, final norm, head) unsharded gradients a dense FSDP rank
+    holds at its first block's moment of the backward and not at the loss's: one stage, resharding,
+    no ZeRO (`FSDP.rank_memory`); none for a MoE model (`block_moment_states`) or otherwise, nor
+    under full AC, whose peak is a block's re-run later in the backward, after the root unit's
+    gradients exist (`full_ac_peak`)."""
+    plan, prof = step.plan, step.profile
+    if (prof.num_experts or step.fs == 1 or getattr(plan, "zero", 0) or plan.pp > 1 or plan.ac == "full"
+            or not (plan.reshard_after_forward or plan.offload == "params")):
+        return 0.0
+    return root_unit_params(step, load) * step.param_b
+
+
+def dense_loss_moment_peaks(step: StepShape, load: RankLoad) -> bool:
+    """Whether a dense FSDP rank's peak is the loss's moment (`backward_working_set`), where it holds
+    none of the root unit's gradients (`dense_root_grads`)."""
+    grads = dense_root_grads(step, load)
+    if not (grads and load.head and load.blocks):
+        return False
+    return loss_working_set(step, load) > block_moment_bytes(step, load) - head_freed_bytes(step, load) + grads
+
+
+def loss_side(step: StepShape, load: RankLoad) -> tuple[float, float]:
+    """(activation bytes beyond the saved ones, those plus the states it holds beyond the shards) of
+    the fuller of the last stage's two moments at the head, where FSDP reshards
+    (`block_moment_states`): the log-softmax's backward (`loss_working_set`; the root unit still a
+    shard, since the loss is outside the model and FSDP's root re-gathers at the logits' gradient),
+    and the output projection's backward (`head_backward_bytes`, with the root unit gathered)."""
+    loss = loss_working_set(step, load)
+    root = root_unit_params(step, load) * step.param_b
+    head = head_backward_bytes(step, load)
+    return (head, head + root) if head + root > loss else (loss, loss)
+
+
+def head_backward_bytes(step: StepShape, load: RankLoad) -> float:
+    """Bytes beyond the saved activations at the output projection's backward on an FSDP rank that
+    re-gathers the root unit for it: the float32 log-probabilities freed (4 V), the logits' gradient
+    in the compute dtype, the projection's unsharded weight gradient before its reduce-scatter
+    (param dtype: a working tensor, MemTracker's TEMP), its input gradient (h) and the all-gather
+    output of the last block, which FSDP prefetches for the backward next (`prefetch_bytes`)."""
+    if not load.head:
+        return 0.0
+    plan, prof = step.plan, step.profile
+    v = prof.vocab_size / plan.tp
+    out = ((step.act_b - 4.0) * v + step.h * step.act_b) * step.rows + v * step.h * step.param_b
+    return out + (prefetch_bytes(step) if load.blocks else 0.0)
 
 
 def loss_working_set(step: StepShape, load: RankLoad) -> float:
@@ -290,8 +502,28 @@ def loss_working_set(step: StepShape, load: RankLoad) -> float:
 
 def block_moment_bytes(step: StepShape, load: RankLoad) -> float:
     """The first block's moment of `backward_working_set`: its working set net of what it freed,
-    and FSDP's prefetch of the block next."""
-    return block_working_set(step, net=True, load=load) + (prefetch_bytes(step) if load.blocks > 1 else 0.0)
+    what selective AC's re-run forward of it made (`selective_recompute_bytes`), and FSDP's
+    prefetch of the block next."""
+    return (block_working_set(step, net=True, load=load) + selective_recompute_bytes(step)
+            + (prefetch_bytes(step) if load.blocks > 1 else 0.0))
+
+
+def selective_recompute_bytes(step: StepShape) -> float:
+    """Bytes selective AC's re-run forward of the block in backward makes beside what the policy
+    kept (its norms, RoPE, element-wise products; under SP the re-gathered inputs of the column-wise
+    linears; under autocast the casts of the norms' outputs), on one TP rank. Alive only during that block's backward: the block's moment, not the loss's."""
+    plan = step.plan
+    if plan.ac != "selective":
+        return 0.0
+    remade = (tp_rank_bytes(step, "none") + sp_gathered_bytes(step, "none") - tp_rank_bytes(step, "selective")
+              + autocast_block_bytes(step, "none") - autocast_block_bytes(step, "selective"))
+    # beside them, what the policy's cache does not free by then: the re-run stops at the last tensor
+    # the backward needs (the down-projection's input), so the down-projection's cached output (h;
+    # not cached under TP) stays until the block's backward ends; and the residual stream's
+    # gradient (h, a sequence shard under SP), which no kept block output offsets (the policy
+    # keeps none)
+    kept = (step.h * step.act_b if plan.tp == 1 else 0.0) + step.h * step.resid_b / (plan.tp if plan.sp else 1)
+    return (remade + kept) * step.rows
 
 
 def loss_moment_peaks(step: StepShape, load: RankLoad) -> bool:
@@ -302,8 +534,8 @@ def loss_moment_peaks(step: StepShape, load: RankLoad) -> bool:
     if not (step.profile.num_experts and load.head and load.blocks):
         return False
     states = block_moment_states(step, load)
-    head = head_saved_bytes(step, load)
-    return bool(states) and loss_working_set(step, load) > block_moment_bytes(step, load) - head + states
+    head = head_freed_bytes(step, load)
+    return bool(states) and loss_side(step, load)[1] > block_moment_bytes(step, load) - head + states
 
 
 def block_moment_states(step: StepShape, load: RankLoad) -> float:
@@ -317,7 +549,7 @@ def block_moment_states(step: StepShape, load: RankLoad) -> float:
         return 0.0
     from dtorch.plan.strategies.expert import held_block_params
 
-    root = (prof.params_embedding * load.embedding + prof.params_head * load.head) / plan.tp
+    root = root_unit_params(step, load)
     return (held_block_params(prof, plan) + 2.0 * root) * step.param_b
 
 
@@ -352,6 +584,17 @@ def block_working_set(step: StepShape, net: bool = False, load: RankLoad | None 
     plan, prof = step.plan, step.profile
     if prof.num_experts and (load is None or load.blocks > load.dense_blocks):
         return moe_block_working_set(step, net)
+    measured = getattr(prof, "backward_working_bytes_per_token_block", 0.0)
+    if net and measured:
+        # a measured profile: the block's backward as it ran on the fake tensors (its activation
+        # function's own temporaries included: a composite GELU holds more than two), split by TP
+        return measured * step.act_scale * step.rows / plan.tp
+    if not prof.ffn_hidden:
+        # a block with no feed-forward DTorch can see (a user's conv block, ...): at its last op's
+        # backward autograd holds the gradient of the block's output and the one that op makes, h
+        # wide each, and has freed none of the block's saved tensors yet (net or not: MemTracker
+        # on tests/plan/_user_cnn.py, one process: two feature maps)
+        return 2.0 * step.h * step.act_b * step.rows
     wide = 3.0 if prof.family in GATED_FAMILIES else 2.0
     h_share = 1.0 / plan.tp if plan.sp else 1.0
     if net:
@@ -403,7 +646,7 @@ def moe_block_working_set(step: StepShape, net: bool = False) -> float:
 def recomputed_block_bytes(step: StepShape) -> float:
     """Bytes of one block's activations re-made by full AC's recompute for its backward (its re-run
     gathers keep the whole input while the block's backward runs)."""
-    return (block_act_bytes(step, "none") * step.shard_act + sp_gathered_bytes(step, "none")
+    return (tp_rank_bytes(step, "none") + sp_gathered_bytes(step, "none")
             + autocast_block_bytes(step, "none")) * step.rows
 
 
@@ -424,7 +667,9 @@ def full_ac_peak(step: StepShape, load: RankLoad, grads: float, acts: float,
     blocks not yet done, the recomputed block and its working set (`block_working_set`), the
     gradients of the done blocks (reduce-scattered: 4 B per parameter over the shard group; whole
     without sharding) and, under FSDP, the flat reduce-scatter input of the block before (reduce
-    dtype) and the all-gather output of the block prefetched next (param dtype, resharding only).
+    dtype) and the all-gather output of the block prefetched next (param dtype, resharding only);
+    without sharding, the head's gradients and the block's own down-projection's
+    (`block_moment_grads`).
     The last two blocks of the backward are the candidates (the last has one more block of
     gradients, no prefetch). `held_grads`: the gradients the strategies hold at every moment of the
     backward (FSDP's root unit's unsharded ones); with gradient accumulation every gradient is
@@ -436,23 +681,53 @@ def full_ac_peak(step: StepShape, load: RankLoad, grads: float, acts: float,
     from dtorch.plan.strategies.expert import gathered_block_params
 
     p_block = gathered_block_params(step.profile, plan)
-    saved_input = (block_act_bytes(step, "full") * step.shard_full + autocast_block_bytes(step, "full")) * step.rows
+    saved_input = (tp_rank_bytes(step, "full") + autocast_block_bytes(step, "full")) * step.rows
     held = recomputed_block_bytes(step) + block_working_set(step, net=True)
     accumulating = plan.num_microbatches > 1
-    base = grads if accumulating else held_grads
+    base = grads if accumulating else held_grads + block_moment_grads(step, load)
     done_grad = 0.0 if accumulating else 4.0 * p_block / step.fs
     rs = p_block * step.red_b if step.fs > 1 and plan.offload != "params" else 0.0
     ag = prefetch_bytes(step)
+    emb = sp_embedding_bytes(step, load)  # (the first block's input, done last)
     best = (grads, acts)
     for i in range(max(1, n - 1), n + 1):  # i-th block of the backward
-        a = saved_input * (n - i + 1) + held + (rs if i > 1 else 0.0) + (ag if i < n else 0.0)
+        a = saved_input * (n - i + 1) + held + (rs if i > 1 else 0.0) + (ag if i < n else 0.0) + emb
         g = base + (i - 1) * done_grad
         if g + a > sum(best):
             best = (g, a)
     return best
 
 
-def at_peak(step: StepShape, grads: float, acts: float, in_flight: float = 1.0) -> tuple[float, float]:
+def block_moment_grads(step: StepShape, load: RankLoad) -> float:
+    """Gradient bytes a rank without sharding (no FSDP, no ZeRO) holds at its first block's moment
+    of the backward, one micro-batch, no pipeline: the head's (output projection and final norm:
+    made before any block's) and, inside a dense block's feed-forward backward, its down-projection's
+    (the first weight gradient of the block), float32. FSDP's held ones are its own
+    (`FSDP.rank_memory`)."""
+    plan, prof = step.plan, step.profile
+    if step.fs > 1 or getattr(plan, "zero", 0) or plan.offload == "params" or not load.blocks:
+        return 0.0
+    grads = prof.params_head * load.head
+    if not (prof.num_experts and load.blocks > load.dense_blocks):
+        grads += prof.hidden * prof.ffn_hidden
+    return 4.0 * grads / plan.tp
+
+
+def block_moment_peaks(step: StepShape, load: RankLoad) -> bool:
+    """Whether the rank's peak is its first block's moment of the backward (`backward_working_set`)
+    rather than the loss's (where no gradient exists yet) or the end of the forward."""
+    if not load.blocks:
+        return False
+    block = block_moment_bytes(step, load)
+    if not load.head:
+        return block > 0.0
+    head = head_freed_bytes(step, load)
+    states = block_moment_states(step, load) if step.profile.num_experts else dense_root_grads(step, load)
+    return loss_working_set(step, load) <= block - head + states and block > head
+
+
+def at_peak(step: StepShape, grads: float, acts: float, in_flight: float = 1.0,
+            load: RankLoad | None = None) -> tuple[float, float]:
     """(gradient bytes, activation bytes) that coexist at the rank's peak, `acts` being those of the
     `in_flight` micro-batches it holds at most. The optimizer leaves the gradients None
     (`zero_grad`), and a backward releases a micro-batch's activations as it makes the gradients.
@@ -464,6 +739,9 @@ def at_peak(step: StepShape, grads: float, acts: float, in_flight: float = 1.0) 
     m = plan.num_microbatches
     if (plan.pp == 1 and m > 1) or (plan.pp > 1 and m > in_flight):
         return grads, acts
+    if (load is not None and plan.pp == 1 and not block_moment_applies(step) and block_moment_peaks(step, load)
+            and acts >= grads):
+        return block_moment_grads(step, load), acts
     after = acts * (in_flight - 1.0) / in_flight
     return (0.0, acts) if acts >= after + grads else (grads, after)
 
@@ -487,6 +765,15 @@ def every_second_matmul_params(profile: Any) -> float:
     if profile.family == "llama":
         return h * h * profile.num_kv_heads / profile.num_heads + h * h + h * f
     return h * h + f * h
+
+
+def rowwise_matmul_params(profile: Any) -> float:
+    """Weights per block of the row-wise linear DTorch's selective policy re-runs under TP: the
+    attention out-projection. The policy does not cache the down-projection's output either, but
+    the re-run stops at the last tensor the backward needs (torch's early stop), which is the
+    down-projection's input, so that matmul never runs twice."""
+    h = float(profile.hidden)
+    return h * h
 
 
 class Memory(Strategy):
@@ -547,8 +834,11 @@ class Memory(Strategy):
             r.recompute = r.compute * (rec_flops / flops_mb) if flops_mb else 0.0
         elif step.selective == "matmuls_saved":
             # DTorch's policy (dtorch/parallel/ac.py): matmul and attention outputs come from the
-            # cache, every element-wise op of the block is re-run
+            # cache, every element-wise op of the block is re-run; under TP the out-projection too
             r.recompute = elem_fwd
+            if plan.tp > 1:
+                rec_mm = 2.0 * step.tokens_mb * load.blocks * rowwise_matmul_params(step.profile) / div
+                r.recompute += rec_mm / step.linear
         elif step.selective == "every_second_mm":
             # torchtitan's op-level policy: every second matmul of a block re-run, and the block's
             # element-wise forward

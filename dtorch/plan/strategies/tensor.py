@@ -20,7 +20,7 @@ from typing import Any
 from dtorch.cluster.spec import Cluster
 from dtorch.model.profile import ModelProfile
 from dtorch.plan.comm import functional_time, sync_skew
-from dtorch.plan.step import CostConstants, StepCounts, StepShape, activation_share
+from dtorch.plan.step import CostConstants, StepCounts, StepShape
 from dtorch.plan.strategies.base import (
     Dims,
     Field,
@@ -140,10 +140,6 @@ class Tensor(Strategy):
         f, b, r = c.tp_small_collectives_per_block
         per_mb = blocks * (f + b + (r if recompute_reruns_collectives(plan.ac, selective) else 0.0)) + head_share * c.tp_collectives_head
         return per_mb, blocks * c.tp_collectives_per_step[0] + c.tp_collectives_per_step[1]
-
-    def activation_share(self, plan: Any) -> tuple[float, float]:
-        """(share of a block's saved activations, share of a full-AC block input) on one TP rank."""
-        return activation_share(plan)
 
 
 TENSOR = Tensor()
