@@ -153,7 +153,11 @@ class _Settled:
     than before the call; the step's own tensors and what it keeps are unchanged. The functional
     collectives (`_c10d_functional`, DTensor's redistributions: tensor and sequence parallelism, the
     routed experts under TP), which the tracker meets in its dispatch (`before`/`after`), settle the
-    same way at their `wait_tensor`."""
+    same way at their `wait_tensor`. Their output, which the step holds on to, cannot be settled by
+    its references (how many the work adds is not known); `wait_tensor` also waits until no other
+    thread of the process (gloo's workers, the only others in a rank of these tests) is running or
+    runnable: a worker drops its work before it sleeps again, so a freed output is then freed at
+    once, not on gloo's thread during a later operator."""
 
     NAMES = ("all_to_all_single", "all_gather_single", "reduce_scatter_single", "all_reduce",
              "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -165,6 +169,7 @@ class _Settled:
         import torch.distributed as dist
 
         self._dist, self._saved, self._works, self._outputs = dist, {}, {}, {}
+        self._others = _other_threads()
         self._wait = dist.Work.wait
         for name in self.NAMES:
             fn = getattr(dist, name, None)
@@ -219,11 +224,38 @@ class _Settled:
         elif getattr(func, "namespace", None) == "_c10d_functional":
             for t in _tensors(args):
                 self._settle(self._outputs.pop(t.data_ptr(), ()))
+            self._idle()
+
+    def _idle(self) -> None:
+        """Wait (at most `TIMEOUT` s) until none of the other threads is running or runnable."""
+        import time
+
+        deadline = time.monotonic() + self.TIMEOUT
+        while time.monotonic() < deadline and any(_running(tid) for tid in self._others):
+            time.sleep(0)
 
     def restore(self) -> None:
         for name, fn in self._saved.items():
             setattr(self._dist, name, fn)
         self._dist.Work.wait = self._wait
+
+
+def _other_threads() -> list[int]:
+    """The native ids of this process's threads other than the caller's."""
+    import os
+    import threading
+
+    me = threading.get_native_id()
+    return [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
+
+
+def _running(tid: int) -> bool:
+    """Whether thread `tid` of this process is running or runnable (state R in its /proc stat)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] == b"R"
+    except (OSError, IndexError):
+        return False  # (gone)
 
 
 def _tensors(values) -> list[torch.Tensor]:
