@@ -104,7 +104,7 @@ class ModelProfile:
     """The attention core runs unfused (QK^T, softmax, dropout and PV as separate kernels, the a*s^2
     scores in memory: Megatron-LM before flash attention, a hand-written or transformers' eager
     attention); False: a fused (flash) kernel, as SDPA runs. Measured profiles: the block saved
-    [batch, heads, s, s] tensors (`act_bytes_per_token_block_scores`)."""
+    [batch, heads, s, s] or [batch x heads, s, s] tensors (`act_bytes_per_token_block_scores`)."""
     act_bytes_per_token_block_scores: float = 0.0
     """Of `act_bytes_per_token_block['none']`, the unfused attention's s x s tensors (scores,
     softmax, dropout mask), per token at 16-bit; measured profiles only (analytic: Korthikanti's 5as)."""

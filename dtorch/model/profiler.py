@@ -391,7 +391,7 @@ class _Measurement:
     backward_working: int = 0
     """`_backward_working_set` of the first block (0: not measured)."""
     scores_bytes: int = 0
-    """Of the blocks' saved bytes, the [batch, heads, s, s] tensors: an unfused attention core's."""
+    """Of the blocks' saved bytes, the per-head s x s tensors (`_is_scores`): an unfused attention core's."""
 
 
 @dataclass(frozen=True)
@@ -719,14 +719,15 @@ def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype,
                 outputs.extend(t for t in _tensors(out) if t.requires_grad)
 
     seq = int(sample[0].shape[1]) if is_token_input(sample[0]) else 0
+    batch = int(sample[0].shape[0]) if seq else 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ref = _storage(t)
         if ref not in excluded and ref not in saved:
             region = "block" if rec.in_block else "head" if totals["calls"] or not t.is_floating_point() else "before"
             saved[ref] = (t.untyped_storage().nbytes(), region, t.dtype == torch.float32)
-            if region == "block" and seq > 1 and t.dim() == 4 and t.shape[-1] == t.shape[-2] == seq:
-                scores.add(ref)  # [batch, heads, s, s]: an unfused attention's scores, softmax or mask
+            if region == "block" and seq > 1 and _is_scores(t, batch, seq):
+                scores.add(ref)
         return t
 
     handles = [sub.register_forward_pre_hook(pre, with_kwargs=True) for sub in model.modules()]
@@ -765,6 +766,15 @@ def _measure(model: nn.Module, sample: Sample, loss_fn: Any, dtype: torch.dtype,
     return _Measurement(model, block if blocks else None, rec, io, linear_calls, block_input, *_by_region(saved),
                         totals["block"], counter.get_total_flops(), totals["calls"], assignments,
                         fake, working, sum(saved[ref][0] for ref in scores))
+
+
+def _is_scores(t: torch.Tensor, batch: int, seq: int) -> bool:
+    """Whether a tensor a block saves is an unfused attention's per-head s x s scores, softmax or
+    mask: [batch, heads, s, s], or with the heads folded into the batch for `bmm`, [batch x heads,
+    s, s] with more than one head (a [batch, s, h] activation whose h happens to equal s is not)."""
+    if t.dim() not in (3, 4) or t.shape[-1] != seq or t.shape[-2] != seq:
+        return False
+    return t.dim() == 4 or (t.shape[0] > batch > 0 and t.shape[0] % batch == 0)
 
 
 def _by_region(saved: dict) -> tuple[dict[str, int], dict[str, int]]:

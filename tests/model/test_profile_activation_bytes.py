@@ -437,6 +437,61 @@ def test_an_eager_attention_is_measured_unfused_and_priced_by_the_roofline_on_a_
     assert gpu.attn_speed < step_shape(plan, sdpa, parse_shorthand("h100:1x2")).attn_speed
 
 
+class FoldedHeadsAttention(nn.Module):
+    """A hand-written causal attention in the older style: the heads folded into the batch for
+    `torch.bmm` ([batch x heads, s, d]), its own mask and softmax; `sdpa=True` calls SDPA instead, on
+    [batch, heads, s, d] (the fused kernels take 4-D inputs only; SDPA runs 3-D ones as math)."""
+
+    def __init__(self, d: int, heads: int, sdpa: bool):
+        super().__init__()
+        self.heads, self.sdpa, self.qkv, self.proj = heads, sdpa, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            q, k, v = (t.reshape(b * self.heads, s, -1) for t in (q, k, v))
+            att = torch.bmm(q, k.transpose(1, 2)) / (d // self.heads) ** 0.5
+            att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+            y = torch.bmm(att, v)
+        return self.proj(y.reshape(b, self.heads, s, -1).transpose(1, 2).reshape(b, s, d))
+
+
+def test_attention_with_its_heads_folded_into_the_batch_is_measured_unfused():
+    """[batch x heads, s, s] scores (a `bmm` attention) are an unfused core as [batch, heads, s, s]
+    ones are; the same model calling SDPA is fused. The hidden width equals the sequence here, so a
+    [batch, s, h] activation has the scores' last two dimensions: it is not taken for them."""
+
+    class Block(nn.Module):
+        def __init__(self, sdpa):
+            super().__init__()
+            self.ln, self.attn, self.mlp = nn.LayerNorm(SEQ), FoldedHeadsAttention(SEQ, 4, sdpa), nn.Linear(SEQ, SEQ)
+
+        def forward(self, x):
+            x = x + self.attn(self.ln(x))
+            return x + torch.relu(self.mlp(x))
+
+    class Model(nn.Module):
+        def __init__(self, sdpa):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(64, SEQ), nn.Linear(SEQ, 64)
+            self.layers = nn.ModuleList(Block(sdpa) for _ in range(2))
+
+        def forward(self, t):
+            h = self.emb(t)
+            for b in self.layers:
+                h = b(h)
+            return self.out(h)
+
+    bmm, sdpa = profile_module(lambda: Model(False), SEQ, BATCH), profile_module(lambda: Model(True), SEQ, BATCH)
+    assert bmm.unfused_attention and not sdpa.unfused_attention
+    # the softmax (4 heads x SEQ per token, float32 here) at least, kept for its product with v
+    assert 4 * SEQ * 2 <= bmm.act_bytes_per_token_block_scores < bmm.act_bytes_per_token_block["none"]
+    assert sdpa.act_bytes_per_token_block_scores == 0
+
+
 def test_the_trainers_search_for_gpus_measures_attention_as_they_run_it():
     """The Trainer's own planner (`PlanResolver.search`) for a cluster of GPUs measures a model with
     attention dropout again as their fused kernels run it; for CPUs it keeps the CPU measurement.
