@@ -16,6 +16,7 @@ In-process; a few seconds."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -28,6 +29,22 @@ from dtorch.model.profiler import _halve_linears
 from dtorch.plan.strategies.memory import tp_split_bytes
 
 SEQ, BATCH = 32, 2
+
+
+class TokenModel(nn.Module):
+    """A user's language model around `block()`: an embedding of 64 tokens into `d`, two blocks in
+    `layers`, a linear head."""
+
+    def __init__(self, block, d: int):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.layers = nn.ModuleList(block() for _ in range(2))
+
+    def forward(self, t):
+        h = self.emb(t)
+        for b in self.layers:
+            h = b(h)
+        return self.out(h)
 
 
 class UpcastNorm(nn.Module):
@@ -147,20 +164,7 @@ def test_an_nn_rmsnorm_is_counted_as_the_fused_kernel():
         def forward(self, x):
             return x + self.fc(self.norm(x))
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(64, 32)
-            self.layers = nn.ModuleList(Block() for _ in range(2))
-            self.out = nn.Linear(32, 64)
-
-        def forward(self, t):
-            h = self.emb(t)
-            for b in self.layers:
-                h = b(h)
-            return self.out(h)
-
-    assert not profile_module(Model, SEQ, BATCH).composite_norms_measured
+    assert not profile_module(lambda: TokenModel(Block, 32), SEQ, BATCH).composite_norms_measured
 
 
 class ConvReLU(nn.Module):
@@ -290,20 +294,7 @@ def test_a_block_that_hard_codes_its_heads_has_no_measured_split():
         def forward(self, x):
             return x + self.attn(self.norm(x))
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(64, 32)
-            self.layers = nn.ModuleList(Block() for _ in range(2))
-            self.out = nn.Linear(32, 64)
-
-        def forward(self, t):
-            h = self.emb(t)
-            for b in self.layers:
-                h = b(h)
-            return self.out(h)
-
-    p = profile_module(Model, SEQ, BATCH)
+    p = profile_module(lambda: TokenModel(Block, 32), SEQ, BATCH)
     assert p.act_bytes_tp_split_per_token_block == {}  # (its view needs all four heads)
 
 
@@ -473,19 +464,7 @@ def test_attention_with_its_heads_folded_into_the_batch_is_measured_unfused():
             x = x + self.attn(self.ln(x))
             return x + torch.relu(self.mlp(x))
 
-    class Model(nn.Module):
-        def __init__(self, sdpa):
-            super().__init__()
-            self.emb, self.out = nn.Embedding(64, SEQ), nn.Linear(SEQ, 64)
-            self.layers = nn.ModuleList(Block(sdpa) for _ in range(2))
-
-        def forward(self, t):
-            h = self.emb(t)
-            for b in self.layers:
-                h = b(h)
-            return self.out(h)
-
-    bmm, sdpa = profile_module(lambda: Model(False), SEQ, BATCH), profile_module(lambda: Model(True), SEQ, BATCH)
+    bmm, sdpa = (profile_module(lambda: TokenModel(partial(Block, fused), SEQ), SEQ, BATCH) for fused in (False, True))
     assert bmm.unfused_attention and not sdpa.unfused_attention
     # the softmax (4 heads x SEQ per token, float32 here) at least, kept for its product with v
     assert 4 * SEQ * 2 <= bmm.act_bytes_per_token_block_scores < bmm.act_bytes_per_token_block["none"]
