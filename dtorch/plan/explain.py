@@ -174,6 +174,46 @@ def one_off(result: SearchResult, plan: Plan, est: Estimate) -> str | None:
             f"amortised, what the ranking used")
 
 
+KERNEL_NAMES = {"fa2": "flash-attention 2", "fa3": "flash-attention 3", "cudnn": "cuDNN's fused kernel"}
+
+
+def kernels_note(result: SearchResult, plan: Plan, est: Estimate) -> str | None:
+    """On GPUs, the kernels the step is priced with, which a run on another software stack may not
+    have: the attention core's (the fused kernel and its speed at this shape, the unfused roofline,
+    or the probe's measurement) and the element-wise work's share of the step, eager or compiled
+    (a stack with fused norms and activations, Transformer Engine or torch.compile, does less of it:
+    the smaller the model, the more that matters). None on CPUs."""
+    from dtorch.cluster.peak import compute_dtype
+    from dtorch.cluster.shape import SDPA_KERNEL, attention_efficiency, generation
+    from dtorch.plan.cost import DEFAULT_CONSTANTS
+
+    dev = result.cluster.slowest_group().device
+    prof, consts = result.profile, result.constants or DEFAULT_CONSTANTS
+    if dev.kind == "cpu" or prof is None:
+        return None
+    dtype = compute_dtype(plan.param_dtype)
+    head_dim = prof.hidden / prof.num_heads if prof.num_heads else 0.0
+    if not prof.num_heads:
+        attn = None
+    elif getattr(prof, "unfused_attention", False):
+        attn = "attention unfused (its s x s scores in memory): a roofline of its GEMMs and softmax passes"
+    elif dev.attention_speed(dtype, head_dim, prof.seq_len):
+        attn = "attention as `dtorch probe` measured it"
+    else:
+        kernel = consts.attention_kernel
+        name = SDPA_KERNEL.get(generation(dev.name) or "", "fa2") if kernel == "sdpa" else kernel
+        eff = attention_efficiency(dev.name, kernel, head_dim, prof.seq_len)
+        via = " through torch's SDPA" if kernel == "sdpa" else ""
+        attn = (f"attention by {KERNEL_NAMES.get(name, name)}{via}, {eff:.0%} of the 16-bit peak in full-s^2 "
+                f"FLOPs (head dim {head_dim:g}, {prof.seq_len:,} tokens)" if eff else "attention at the GEMMs' speed")
+    bare = estimate(plan, prof, result.cluster, constants=replace(consts, elementwise_passes=0.0)).step_time_s
+    share = max(0.0, 1.0 - bare / est.step_time_s)
+    elem = (f"element-wise work {share:.0%} of the step, "
+            + ("compiled (fused to half its passes)" if getattr(plan, "compile", False) else
+               "eager (`--fix compile=true` prices torch.compile's fusion)"))
+    return "; ".join(x for x in (attn, elem) if x)
+
+
 def precision_reason(result: SearchResult, plan: Plan, est: Estimate) -> str:
     """Why the chosen plan computes in its param_dtype and reduces in its reduce_dtype: the best plan
     of every other precision searched, and how much slower it is."""
@@ -287,6 +327,9 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
     once = one_off(result, plan, est)
     if once:
         out.append(f"  one-off: {once}")
+    kernels = kernels_note(result, plan, est)
+    if kernels:
+        out.append(f"  kernels: {kernels}")
     why_prec = precision_reason(result, plan, est)
     if why_prec:
         out.append(f"  precision: {why_prec}")

@@ -57,3 +57,26 @@ def test_more_heads_cost_more_unfused_and_not_flash_scores():
     assert times[False, 48] > times[True, 48]  # the scores in memory cost more than a fused kernel
     # with a fused kernel the head count only moves the kernel's head-dimension efficiency
     assert times[True, 96] == pytest.approx(times[True, 48], rel=0.03)
+
+
+def test_the_explanation_names_the_kernels_it_priced_and_the_element_wise_share():
+    """`dtorch plan` says on GPUs which attention kernel the step is priced with and what share of
+    the step the element-wise work takes, eager: a share that falls with the hidden size (bytes per
+    token grow with h, GEMM FLOPs with h^2), which a fused software stack shrinks. Not on CPUs."""
+    import re
+
+    from dtorch.cluster.load import parse_shorthand
+    from dtorch.plan.explain import explain
+    from dtorch.plan.search import parse_fix, search
+
+    def note(hidden: int, heads: int, cluster: str = "h100:1x8", flash: bool = True) -> str:
+        prof = analytic_profile("m", "gpt", layers=4, hidden=hidden, heads=heads, vocab=32000, seq_len=4096, flash=flash)
+        text = explain(search(prof, parse_shorthand(cluster), global_batch=8, fixed=parse_fix("dp_shard=8,microbatch=1")))
+        return next((ln for ln in text.splitlines() if ln.strip().startswith("kernels:")), "")
+
+    small, large = note(2048, 16), note(8192, 64)
+    assert "cuDNN's fused kernel through torch's SDPA" in small and "head dim 128, 4,096 tokens" in small
+    share = [int(re.search(r"element-wise work (\d+)% of the step, eager", n).group(1)) for n in (small, large)]
+    assert share[0] > share[1] > 0, share
+    assert "attention unfused" in note(2048, 16, flash=False)
+    assert note(256, 4, cluster="cpu:1x8") == ""
