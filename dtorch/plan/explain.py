@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dtorch.plan import strategies
-from dtorch.plan.cost import Estimate, estimate
+from dtorch.plan.cost import DEFAULT_CONSTANTS, Estimate, estimate
 from dtorch.plan.plan import Plan
 from dtorch.plan.search import SearchResult
 from dtorch.plan.strategies.expert import routing_traffic
@@ -185,7 +185,6 @@ def kernels_note(result: SearchResult, plan: Plan, est: Estimate) -> str | None:
     the smaller the model, the more that matters). None on CPUs."""
     from dtorch.cluster.peak import compute_dtype
     from dtorch.cluster.shape import SDPA_KERNEL, attention_efficiency, generation
-    from dtorch.plan.cost import DEFAULT_CONSTANTS
 
     dev = result.cluster.slowest_group().device
     prof, consts = result.profile, result.constants or DEFAULT_CONSTANTS
@@ -209,7 +208,7 @@ def kernels_note(result: SearchResult, plan: Plan, est: Estimate) -> str | None:
     bare = estimate(plan, prof, result.cluster, constants=replace(consts, elementwise_passes=0.0)).step_time_s
     share = max(0.0, 1.0 - bare / est.step_time_s)
     elem = (f"element-wise work {share:.0%} of the step, "
-            + ("compiled (fused to half its passes)" if getattr(plan, "compile", False) else
+            + ("compiled (fused to half its passes)" if plan.compile else
                "eager (`--fix compile=true` prices torch.compile's fusion)"))
     return "; ".join(x for x in (attn, elem) if x)
 
@@ -314,7 +313,6 @@ def explain(result: SearchResult, *, show_families: bool = True) -> str:
         f"{_gib(est.memory_capacity)} GiB with the reserve",
     ]
     if plan.offload != "none":
-        from dtorch.plan.cost import DEFAULT_CONSTANTS
         from dtorch.plan.strategies.memory import MEMORY
 
         consts = result.constants or DEFAULT_CONSTANTS
