@@ -464,7 +464,8 @@ def test_attention_with_its_heads_folded_into_the_batch_is_measured_unfused():
             x = x + self.attn(self.ln(x))
             return x + torch.relu(self.mlp(x))
 
-    bmm, sdpa = (profile_module(lambda: TokenModel(partial(Block, fused), SEQ), SEQ, BATCH) for fused in (False, True))
+    bmm, sdpa = (profile_module(partial(TokenModel, partial(Block, fused), SEQ), SEQ, BATCH)
+                 for fused in (False, True))
     assert bmm.unfused_attention and not sdpa.unfused_attention
     # the softmax (4 heads x SEQ per token, float32 here) at least, kept for its product with v
     assert 4 * SEQ * 2 <= bmm.act_bytes_per_token_block_scores < bmm.act_bytes_per_token_block["none"]
