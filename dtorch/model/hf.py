@@ -38,9 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtorch.errors import ConfigError
-from dtorch.model.structure import ANNOTATION_HELP
-
 
 def is_transformers_model(model: nn.Module) -> bool:
     return type(model).__module__.startswith("transformers.")
@@ -237,30 +234,25 @@ def _linear_from_conv1d(conv: nn.Module, lo: int = 0, hi: int | None = None) -> 
 
 
 def adapt(model: nn.Module) -> nn.Module:
-    """The reference-shaped view of a transformers causal LM; other models are returned as they are.
-
-    Raises ConfigError naming what is not understood: no decoder layers, no final norm, or a backbone
-    module with parameters the generic forward would skip."""
+    """The reference-shaped view of a transformers causal LM whose backbone the adapters understand
+    (`HFCausalLM`, `HFGPT2`); every other model, a transformers one included (BLOOM's embedding
+    LayerNorm and ALiBi, a model that is not a causal LM), is returned as it is written and runs its
+    own forward, as any user's module does (blocks found by `find_blocks`, TP roles by
+    `dtorch.model.tp_rules`, a pipeline cut by `dtorch.model.split`)."""
     if not is_transformers_model(model):
         return model
     if type(model).__name__ == "GPT2LMHeadModel":
         return HFGPT2(model)
     base = getattr(model, "base_model", None)
     if base is None or base is model or not callable(getattr(model, "get_output_embeddings", None)):
-        raise ConfigError("model", type(model).__name__,
-                          f"only transformers causal LMs (AutoModelForCausalLM) are adapted; {ANNOTATION_HELP}")
+        return model
     children = dict(base.named_children())
     layers = next((children[n] for n in _BLOCKS if isinstance(children.get(n), nn.ModuleList)), None)
     norm = next((children[n] for n in _FINAL_NORMS if n in children), None)
     if layers is None or norm is None:
-        raise ConfigError("model", type(model).__name__,
-                          f"no decoder layers ({'/'.join(_BLOCKS)}) or final norm ({'/'.join(_FINAL_NORMS)}) "
-                          f"in its backbone (children: {', '.join(children)}); {ANNOTATION_HELP}")
+        return model
     known = {id(layers), id(norm), id(model.get_input_embeddings()), id(getattr(base, "rotary_emb", None))}
-    unknown = [n for n, m in children.items() if id(m) not in known and n not in _DROPOUTS
-               and any(True for _ in m.parameters())]
-    if unknown:
-        raise ConfigError("model", f"{type(model).__name__}: {unknown[0]}",
-                          "a backbone module the generic causal-LM adapter does not know how to call; "
-                          + ANNOTATION_HELP)
+    if any(id(m) not in known and n not in _DROPOUTS and any(True for _ in m.parameters())
+           for n, m in children.items()):
+        return model  # a backbone module the generic adapter would not call (BLOOM's embedding norm)
     return HFCausalLM(model, base, layers, norm)

@@ -13,7 +13,8 @@ the dataflow (every tensor is tagged with the parameters outside the blocks and 
 depends on):
 
 - each block's first input is the previous block's output, and its other inputs depend on no
-  parameter (they are recomputed on every stage);
+  parameter (they are recomputed on every stage); a block returns a tensor or a tuple starting
+  with it, whose other tensors nothing reads (a stage boundary carries one tensor);
 - inside a block, nothing is read from outside but its arguments, its own parameters and values
   that depend on no parameter;
 - after the last block, everything that depends on a parameter depends on the last block's
@@ -58,8 +59,10 @@ class SplitLayout:
     called: tuple[str, ...] = field(default=())
     """Modules outside the blocks that the forward called (a module holding only parameters of
     another stage can be replaced whole there)."""
-    block_output_tuple: bool = False
-    """Whether a block returns a tuple (hidden, non-tensors...) rather than a tensor."""
+    block_output_arity: int = 0
+    """How many elements a block's output tuple has (hidden first; the rest are non-tensors, or
+    tensors nothing reads after the block returns, e.g. attention probabilities the model drops);
+    0: a block returns a tensor."""
 
 
 class _Unsplittable(Exception):
@@ -95,6 +98,7 @@ class _Dataflow(TorchDispatchMode):
         self.used_before: set[str] = set()
         self.used_after: set[str] = set()
         self.modules: list[str] = []  # the modules outside the blocks running, outermost first
+        self.dropped: dict[int, str] = {}  # storages of block outputs no stage boundary carries: never read
         self.alive: list[Any] = []
         """Every storage seen, kept alive for the forward: a freed storage's address would be reused
         by a new one and carry its tags (meta storages hold no data: this costs nothing)."""
@@ -112,6 +116,9 @@ class _Dataflow(TorchDispatchMode):
         tag: set[int] = set()
         for t in ins:
             s = _storage(t)
+            if s in self.dropped:
+                raise _Unsplittable(f"{self._where()} reads {self.dropped[s]} (a stage boundary carries only its "
+                                    "first element)")
             aliases = self.outside.get(s)
             if aliases is not None:
                 # the name this use goes through: the one under the innermost module running (a
@@ -211,7 +218,7 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
 
     module_names = {m: n for n, m in meta.named_modules() if n and not in_blocks(n)}
     outputs: list[Any] = [None] * len(blocks)
-    tuple_out = [False]
+    arity = [0]
 
     def pre(k: int, mod, args, kwargs):
         first = _first_tensor(args) if args else _first_tensor(kwargs)
@@ -231,12 +238,17 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
                                                            if isinstance(t, torch.Tensor)}, set()
 
     def post(k: int, mod, args, kwargs, out):
-        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not isinstance(out, torch.Tensor):
-            if not (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and len(leaves) == 1):
-                raise _Unsplittable(f"block '{path}.{names[k]}' returns {type(out).__name__} with {len(leaves)} "
+            if not (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)):
+                n = sum(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0])
+                raise _Unsplittable(f"block '{path}.{names[k]}' returns {type(out).__name__} with {n} "
                                     "tensors; a stage boundary carries one (a tensor, or a tuple starting with it)")
-            tuple_out[0] = True
+            arity[0] = len(out)
+            first = _storage(out[0])
+            for i, item in enumerate(out[1:], 1):  # carried by no stage boundary: must be read by nothing
+                for t in tree_flatten(item)[0]:
+                    if isinstance(t, torch.Tensor) and _storage(t) != first:
+                        flow.dropped[_storage(t)] = f"element {i} of block '{path}.{names[k]}''s output"
         outputs[k] = out
         flow.block, flow.done = None, k
 
@@ -263,6 +275,9 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
         missing = next(n for n, o in zip(names, outputs) if o is None)
         raise _Unsplittable(f"block '{path}.{missing}' was never called")
     for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and _storage(t) in flow.dropped:
+            raise _Unsplittable(f"the model returns {flow.dropped[_storage(t)]} (a stage boundary carries only "
+                                "its first element)")
         if isinstance(t, torch.Tensor) and flow.tag(t) and len(blocks) - 1 not in flow.tag(t):
             raise _Unsplittable("the model's output does not depend on the last block")
     both = flow.used_before & flow.used_after
@@ -273,7 +288,7 @@ def _check(meta: nn.Module, path: str, items: list[tuple[str, nn.Module]], input
     every = [n for names in outside.values() for n in names]
     first = tuple(n for n in every if n in flow.used_before)
     last = tuple(n for n in every if n not in flow.used_before)
-    return SplitLayout(path, tuple(names), first, last, tuple(dict.fromkeys(called)), tuple_out[0])
+    return SplitLayout(path, tuple(names), first, last, tuple(dict.fromkeys(called)), arity[0])
 
 
 def pipeline_reason(model: nn.Module, inputs: tuple) -> str:

@@ -40,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils._pytree import tree_map
 
+from dtorch.model.outputs import logits_of
 from dtorch.model.split import SplitLayout, declares_stages, split_layout, submodule
 from dtorch.model.structure import block_items, find_blocks
 from dtorch.plan.plan import Plan
@@ -106,9 +107,9 @@ class _Skipped(nn.Module):
     on the activation this stage received) or 'end' (the first block after this stage: ends the
     forward with its input, the stage's output)."""
 
-    def __init__(self, role: str, as_tuple: bool):
+    def __init__(self, role: str, arity: int):
         super().__init__()
-        self.role, self.as_tuple = role, as_tuple
+        self.role, self.arity = role, arity
         self.received: torch.Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -116,7 +117,8 @@ class _Skipped(nn.Module):
         if self.role == "end":
             raise _StageEnd(x)
         out = self.received if self.role == "enter" else x
-        return (out,) if self.as_tuple else out
+        # a tuple as the block returns it: its other elements are read by nothing (`split_layout`)
+        return (out, *(None,) * (self.arity - 1)) if self.arity else out
 
 
 class _Elsewhere(nn.Module):
@@ -151,7 +153,7 @@ def _general_stage(model: nn.Module, plan: Plan, stage: int, layout: SplitLayout
         if start <= i < stop:
             continue
         role = "end" if i == stop else "enter" if i == start - 1 else "pass"
-        stand_in = _Skipped(role, layout.block_output_tuple)
+        stand_in = _Skipped(role, layout.block_output_arity)
         if role == "enter":
             enter = stand_in
         if isinstance(container, nn.ModuleDict):
@@ -177,7 +179,7 @@ def _general_stage(model: nn.Module, plan: Plan, stage: int, layout: SplitLayout
             if enter is not None:
                 enter.received = None
         assert last, "a stage before the last ran past its last block"
-        return out
+        return logits_of(out)  # what the loss reads (a transformers model returns a ModelOutput)
 
     part.forward = stage_forward
     return part

@@ -29,8 +29,11 @@ ARCHS = {
                                  attn_pdrop=0.0)),
     "gpt_neox": ("GPTNeoXConfig", dict(num_key_value_heads=None)),
     "olmo2": ("Olmo2Config", {}),
+    # ALiBi, fused per-head query_key_value, an embedding LayerNorm, and blocks that return their
+    # attention probabilities beside the hidden states: the model's own forward, not an adapter
+    "bloom": ("BloomConfig", {}),
 }
-EAGER_ONLY = {"gemma2"}  # transformers has no SDPA kernel for Gemma 2 (attention soft-capping)
+EAGER_ONLY = {"gemma2", "bloom"}  # transformers has no SDPA kernel for Gemma 2 (attention soft-capping)
 
 
 def config(arch: str, attn: str = "sdpa"):
@@ -82,6 +85,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _single_process(arch: str, attn: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain loop: the model the parallel run starts from (materialize's rule per model kind),
     5 AdamW steps on the whole batch; the losses and the first step's gradients by name."""
+    from dtorch.model.outputs import logits_of
     from dtorch.parallel.materialize import init_model
     from dtorch.train.losses import next_token
 
@@ -93,7 +97,7 @@ def _single_process(arch: str, attn: str) -> tuple[list[float], dict[str, torch.
     losses, grads = [], {}
     for step in range(STEPS):
         x, y = _batch(step)
-        loss = next_token(model(x), y)
+        loss = next_token(logits_of(model(x)), y)
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -3,7 +3,9 @@
 For every architecture of issue 27 (tiny configs in _hf_archs.py), with eager and SDPA attention:
 the adapted model's logits equal `model(x).logits` within 1e-5, and changing the later half of the
 tokens leaves the earlier positions' logits unchanged (the adapter builds the model's own causal /
-sliding-window masks; eager attention has no causal default). Single process, about 10 s."""
+sliding-window masks; eager attention has no causal default). A model no adapter understands (BLOOM:
+an embedding LayerNorm, ALiBi) runs as written, and the same holds of its own forward. Single process,
+about 10 s."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 from _hf_archs import ARCHS, EAGER_ONLY, VOCAB, config, factory, world2_worker  # noqa: E402
 
+from dtorch.model.outputs import logits_of  # noqa: E402
 from dtorch.parallel.hf import adapt  # noqa: E402
 
 SEQ = 16
@@ -32,7 +35,7 @@ def test_adapted_logits_equal_transformers_and_are_causal(arch: str, attn: str) 
     later = x.clone()
     later[:, SEQ // 2:] = (later[:, SEQ // 2:] + 1) % VOCAB
     with torch.no_grad():
-        ref, got, got_later = model(x).logits, adapted(x), adapted(later)
+        ref, got, got_later = model(x).logits, logits_of(adapted(x)), logits_of(adapted(later))
     assert (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max())
     torch.testing.assert_close(got_later[:, : SEQ // 2], got[:, : SEQ // 2], atol=1e-6, rtol=0)
     assert (got_later[:, SEQ // 2:] - got[:, SEQ // 2:]).abs().max() > 1e-3  # the check can fail
@@ -76,6 +79,9 @@ def _meta(arch: str):
 @pytest.mark.parametrize("arch,layer,field", [
     ("phi3", "layers.0.self_attn.qkv_proj", "tp"),  # q|k|v side by side, sliced by the config's head counts
     ("olmo2", "layers.0.self_attn.q_norm", "tp"),  # normalises over all heads' features at once
+    # per head like GPT-NeoX's, but the attention reshapes by the config's head count and adds an
+    # ALiBi table of every head: run as written, it is refused rather than split
+    ("bloom", "transformer.h.0.self_attention.query_key_value", "tp"),
 ])
 def test_tensor_parallelism_is_refused_naming_the_layer(arch: str, layer: str, field: str) -> None:
     from dtorch.errors import ConfigError
@@ -87,7 +93,8 @@ def test_tensor_parallelism_is_refused_naming_the_layer(arch: str, layer: str, f
     if field == "tp":
         from dtorch.model.profiler import profile_module
 
-        profile = profile_module(lambda: factory(arch), SEQ)  # the planner's view: TP not offered, same reason
+        attn = "eager" if arch in EAGER_ONLY else "sdpa"
+        profile = profile_module(lambda: factory(arch, attn), SEQ)  # the planner's view: TP not offered, same reason
         assert profile.tp_roles == {} and profile.tp_roles_reason.startswith(layer)
 
 
@@ -120,14 +127,16 @@ def test_the_region_rule_follows_the_data_not_the_names() -> None:
 # A representative subset, all in ONE group of 2 gloo processes (about 40 s): per-head q/k norms inside
 # the TP region (qwen3, gemma3 with sliding windows, also under SP with Gemma's norms after the
 # attention, qwen3_moe with replicated experts, mixtral under SP), GPT-NeoX's per-head fused query_key_value, Mistral's
-# sliding window, the models TP is refused for on the plans they do get (phi3, olmo2), and DTorch's own
+# sliding window, the models TP is refused for on the plans they do get (phi3, olmo2; BLOOM, run as
+# written, cut between blocks that return their attention probabilities too), and DTorch's own
 # MoETransformer with Qwen3's q/k norms (the reference-model path of an --init-from Qwen3-MoE). Every
 # case also compares each gradient of the first step with the single-process one.
 WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager", "tp"),
           ("gemma3", "sdpa", "tp_sp"), ("gpt_neox", "sdpa", "tp"), ("gpt_neox", "eager", "fsdp"),
           ("mistral", "eager", "tp"), ("phi3", "eager", "ddp"), ("olmo2", "sdpa", "pp"),
           ("qwen3_moe", "sdpa", "tp"), ("mixtral", "eager", "tp_sp"), ("dtorch-moe-qk-norm", "", "tp"),
-          ("qwen3", "sdpa", "tp_sp_selective"), ("gpt_neox", "eager", "tp_selective")]
+          ("qwen3", "sdpa", "tp_sp_selective"), ("gpt_neox", "eager", "tp_selective"),
+          ("bloom", "eager", "pp")]
 
 
 @pytest.fixture(scope="module")

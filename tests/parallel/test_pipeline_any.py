@@ -136,3 +136,41 @@ def test_a_raw_transformers_llama_can_be_cut_as_written():
     layout = split_layout(hf, (torch.zeros(1, models.SEQ, dtype=torch.long),))
     assert layout.block_path == "model.layers" and layout.first == ("model.embed_tokens.weight",)
     assert set(layout.last) == {"model.norm.weight", "lm_head.weight"}
+
+
+def test_a_second_block_output_is_dropped_at_a_stage_boundary_only_when_nothing_reads_it():
+    """A block that returns (hidden, a tensor of its own) (BLOOM returns its attention probabilities)
+    is cut when the model reads only the hidden states; a model that keeps the second tensor (as
+    output_attentions=True would) is refused, naming it."""
+    from dtorch.model.split import pipeline_reason, split_layout
+
+    tokens = (torch.zeros(1, models.SEQ, dtype=torch.long),)
+
+    class Pair(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            y = self.block(x)
+            return y, y.mean(-1)  # a second tensor nothing needs for the next block
+
+    class Drops(models.HandGPT):
+        def __init__(self, keep: bool = False):
+            super().__init__()
+            self.h = torch.nn.ModuleList(Pair(b) for b in self.h)
+            self.keep = keep
+
+        def forward(self, idx):
+            x, kept = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)), []
+            for block in self.h:
+                x, extra = block(x)
+                kept.append(extra)
+            logits = self.lm_head(self.ln_f(x))
+            return logits + torch.stack(kept).sum() if self.keep else logits
+
+    with torch.device("meta"):
+        drops, keeps = Drops(), Drops(keep=True)
+    assert split_layout(drops, tokens).block_output_arity == 2
+    reason = pipeline_reason(keeps, tokens)
+    assert "reads element 1 of block 'h.0''s output" in reason, reason
