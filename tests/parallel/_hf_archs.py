@@ -32,8 +32,15 @@ ARCHS = {
     # ALiBi, fused per-head query_key_value, an embedding LayerNorm, and blocks that return their
     # attention probabilities beside the hidden states: the model's own forward, not an adapter
     "bloom": ("BloomConfig", {}),
+    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                             embd_pdrop=0.0, attn_pdrop=0.0)),
+    "mpt": ("MptConfig", dict(d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=64)),
+    "falcon": ("FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "gptj": ("GPTJConfig", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0)),
 }
-EAGER_ONLY = {"gemma2", "bloom"}  # transformers has no SDPA kernel for Gemma 2 (attention soft-capping)
+EAGER_ONLY = {"gemma2", "bloom", "mpt"}  # transformers has no SDPA kernel for Gemma 2 (attention soft-capping)
 
 
 def config(arch: str, attn: str = "sdpa"):

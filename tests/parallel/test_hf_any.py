@@ -1,11 +1,11 @@
 """Any transformers causal LM as a model factory: the adapter gives transformers' own logits.
 
-For every architecture of issue 27 (tiny configs in _hf_archs.py), with eager and SDPA attention:
-the adapted model's logits equal `model(x).logits` within 1e-5, and changing the later half of the
-tokens leaves the earlier positions' logits unchanged (the adapter builds the model's own causal /
-sliding-window masks; eager attention has no causal default). A model no adapter understands (BLOOM:
-an embedding LayerNorm, ALiBi) runs as written, and the same holds of its own forward. Single process,
-about 10 s."""
+For every architecture of issue 27 and six more (tiny configs in _hf_archs.py), with eager and SDPA
+attention: the adapted model's logits equal `model(x).logits` within 1e-5, and changing the later
+half of the tokens leaves the earlier positions' logits unchanged (the adapter builds the model's own
+causal / sliding-window masks; eager attention has no causal default). A model no adapter
+understands (BLOOM, OPT, GPT-BigCode, MPT, Falcon, GPT-J) runs as written, and the same holds of its
+own forward. Single process, about 10 s."""
 
 from __future__ import annotations
 
@@ -127,8 +127,9 @@ def test_the_region_rule_follows_the_data_not_the_names() -> None:
 # A representative subset, all in ONE group of 2 gloo processes (about 40 s): per-head q/k norms inside
 # the TP region (qwen3, gemma3 with sliding windows, also under SP with Gemma's norms after the
 # attention, qwen3_moe with replicated experts, mixtral under SP), GPT-NeoX's per-head fused query_key_value, Mistral's
-# sliding window, the models TP is refused for on the plans they do get (phi3, olmo2; BLOOM, run as
-# written, cut between blocks that return their attention probabilities too), and DTorch's own
+# sliding window, the models TP is refused for on the plans they do get (phi3, olmo2), models no adapter
+# understands, run as written (BLOOM, cut between blocks that also return their attention probabilities;
+# OPT and GPT-BigCode with learned positions, MPT with ALiBi, Falcon, GPT-J), and DTorch's own
 # MoETransformer with Qwen3's q/k norms (the reference-model path of an --init-from Qwen3-MoE). Every
 # case also compares each gradient of the first step with the single-process one.
 WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager", "tp"),
@@ -136,7 +137,8 @@ WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager"
           ("mistral", "eager", "tp"), ("phi3", "eager", "ddp"), ("olmo2", "sdpa", "pp"),
           ("qwen3_moe", "sdpa", "tp"), ("mixtral", "eager", "tp_sp"), ("dtorch-moe-qk-norm", "", "tp"),
           ("qwen3", "sdpa", "tp_sp_selective"), ("gpt_neox", "eager", "tp_selective"),
-          ("bloom", "eager", "pp")]
+          ("bloom", "eager", "pp"), ("opt", "sdpa", "pp"), ("mpt", "eager", "pp"), ("falcon", "sdpa", "fsdp"),
+          ("gpt_bigcode", "sdpa", "pp"), ("gptj", "eager", "fsdp")]
 
 
 @pytest.fixture(scope="module")
