@@ -64,9 +64,9 @@ def _check_inputs(args: JobConfig) -> None:
 
 
 def _spec_vocab(spec: str) -> int:
-    from dtorch.models import model_config
+    from dtorch.model import spec_vocab
 
-    return model_config(spec).vocab_size
+    return spec_vocab(spec)
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -82,8 +82,9 @@ def _same_model(a: str, b: str) -> bool:
 
 def _model_factory(args: JobConfig):
     """What the workers build: the Hugging Face checkpoint's architecture with --init-from (unless it is
-    a seed checkpoint of --model), else --model."""
-    from dtorch.models import build_from_config, build_model
+    a seed checkpoint of --model), else --model (a preset, spec or Hugging Face config.json)."""
+    from dtorch.model import model_factory_of
+    from dtorch.models import build_from_config
 
     if args.init_from:
         from dtorch.checkpoint.hf_weights import HFWeights
@@ -91,7 +92,7 @@ def _model_factory(args: JobConfig):
         weights = HFWeights(args.init_from)
         if not weights.seed:
             return lambda: build_from_config(weights.config)
-    return lambda: build_model(args.model)
+    return model_factory_of(args.model)
 
 
 def preflight(args: JobConfig, nproc: int) -> None:

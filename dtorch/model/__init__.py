@@ -16,6 +16,7 @@ import importlib
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def profile(spec: str, seq_len: int, fused_attention: bool = False) -> ModelProf
     head = spec.partition(":")[0]
     if head in PRESETS or head in FAMILIES:
         return profile_from_config(model_config(spec), seq_len, name=spec)
-    if spec.endswith(".json") or Path(spec).is_file():
+    if is_hf_config(spec):
         return _profile_hf_config(Path(spec), seq_len, fused_attention)
     if _FACTORY.match(spec):
         return _profile_factory(spec, seq_len, fused_attention)
@@ -98,7 +99,12 @@ def _example_input(module: Any, spec: str) -> tuple[Any, Any] | None:
     return tuple(value) if isinstance(value, (tuple, list)) and len(value) == 2 else (value, None)
 
 
-def _profile_hf_config(path: Path, seq_len: int, fused_attention: bool = False) -> ModelProfile:
+def hf_config_factory(spec: str) -> Callable[[], Any]:
+    """A factory of the causal LM a Hugging Face `config.json` at `spec` describes (transformers'
+    own initialisation), with SDPA attention where the model has a kernel for it (a training run's
+    choice: eager attention would keep the s x s scores; Gemma 2 and BLOOM have none). ConfigError
+    naming the file when it is not a readable config of a causal LM transformers knows."""
+    path = Path(spec)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -121,9 +127,38 @@ def _profile_hf_config(path: Path, seq_len: int, fused_attention: bool = False) 
                           "model transformers knows (AutoModelForCausalLM); DTorch adapts any of those")
     config = transformers.AutoConfig.for_model(**{k: v for k, v in data.items() if k != "architectures"})
     model_cls = getattr(transformers, arch)
-    # SDPA attention, as a training run would use (eager attention would keep the s x s scores),
-    # where the model has an SDPA kernel (Gemma 2 has none: its attention soft-capping)
     config._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
+    return lambda: model_cls(config)
+
+
+def is_hf_config(spec: str) -> bool:
+    """Whether `spec` names a Hugging Face config file rather than a preset, family spec or factory."""
+    head = spec.strip().partition(":")[0]
+    return head not in PRESETS and head not in FAMILIES and (spec.endswith(".json") or Path(spec).is_file())
+
+
+def model_factory_of(spec: str) -> Callable[[], Any]:
+    """What `dtorch train --model spec` builds: a preset or family spec's reference model, or the
+    transformers model of a Hugging Face config.json (`hf_config_factory`). ConfigError naming the
+    spec when it is neither."""
+    if is_hf_config(spec):
+        return hf_config_factory(spec)
+    model_config(spec)  # the one-line error for an unknown spec, before any worker
+    from dtorch.models import build_model
+
+    return lambda: build_model(spec)
+
+
+def spec_vocab(spec: str) -> int:
+    """The vocabulary size of `model_factory_of(spec)`'s model."""
+    if is_hf_config(spec):
+        hf_config_factory(spec)  # the same checks (readable, a causal LM)
+        return int(json.loads(Path(spec).read_text())["vocab_size"])
+    return model_config(spec).vocab_size
+
+
+def _profile_hf_config(path: Path, seq_len: int, fused_attention: bool = False) -> ModelProfile:
+    factory = hf_config_factory(str(path))
     from dtorch.model.profiler import profile_module
 
-    return profile_module(lambda: model_cls(config), seq_len, name=str(path), fused_attention=fused_attention)
+    return profile_module(factory, seq_len, name=str(path), fused_attention=fused_attention)

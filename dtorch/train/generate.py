@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dtorch.model.outputs import logits_of
+
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8,
@@ -17,7 +19,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, tem
     model.eval()
     for _ in range(max_new_tokens):
         window = tokens[-context:] if context else tokens
-        logits = model(window[None])[0, -1].float()
+        logits = logits_of(model(window[None]))[0, -1].float()  # a ModelOutput's .logits
         if temperature <= 0:
             nxt = logits.argmax()[None]
         else:
