@@ -938,8 +938,8 @@ def _derive_roles(model: nn.Module, block: nn.Module, block_path: str, io: dict,
         roles[row] = "rowwise"
         if pname in attention_modules and pname:
             roles[pname] = "attention"
-    refused = _executor_refuses_tp(model)
-    if refused:
+    field, refused = _executor_refuses_tp(model)
+    if field == "tp":  # a layer it cannot split
         return {}, refused
     if not roles and (adapted := _adapted_roles(model)):
         return adapted, ""
@@ -947,6 +947,8 @@ def _derive_roles(model: nn.Module, block: nn.Module, block_path: str, io: dict,
         kinds = sorted({type(m).__name__ for m in block.modules() if m is not block})
         return {}, (f"no column->row pair of nn.Linear layers found in block '{block_path}.0' "
                     f"(submodule types: {', '.join(kinds)}); tensor parallelism needs a manual plan")
+    if refused:  # pairs in the dataflow, but a layer the executor knows no role for: not offered either
+        return {}, refused
     roles.update({n: "norm" for n, m in mods.items() if n and _is_norm(m)})
     for n, m in model.named_modules():
         if not n or n == block_path or n.startswith(block_path + "."):
@@ -960,11 +962,11 @@ def _derive_roles(model: nn.Module, block: nn.Module, block_path: str, io: dict,
     return roles, ""
 
 
-def _executor_refuses_tp(model: nn.Module) -> str:
+def _executor_refuses_tp(model: nn.Module) -> tuple[str, str]:
     """The tensor-parallel executor's own verdict (dtorch.model.tp_rules, on the model as the executor
-    sees it): a fused projection it cannot split per head, or a replicated parameter inside
-    the TP region it cannot reduce, names the layer; '' when it accepts. (Layers it finds no role for
-    are left to the annotation message at apply time.)"""
+    sees it): a fused projection it cannot split per head, a replicated parameter inside the TP
+    region it cannot reduce, or a linear layer it knows no role for (the executor takes roles from
+    names and annotations, not from this dataflow) names the layer and the fix; '' when it accepts."""
     from dtorch.model.hf import adapt
     from dtorch.model.tp_rules import check_block, mark_region
 
@@ -975,8 +977,8 @@ def _executor_refuses_tp(model: nn.Module) -> str:
             check_block(block, f"{path}.{name}")
         mark_region(adapted)
     except ConfigError as e:
-        return f"{e.value}: {e.fix}" if e.field == "tp" else ""
-    return ""
+        return e.field, f"{e.value}: {e.fix}"
+    return "", ""
 
 
 def _adapted_roles(model: nn.Module) -> dict[str, str]:
