@@ -256,6 +256,9 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
         assignments = list(m.assignments)  # (as measured: the routing hook stays on the copy)
         roles, reason = _block_roles(m, block_path, pc.vocab) if blocks else (
             {}, "the model has no repeated blocks (tensor parallelism splits blocks)")
+        if roles and not reason:
+            reason = _heads_reason(factory_or_module, label)
+            roles = {} if reason else roles
         tp_split, f32_tp_split = ({}, {}) if experts else _tp_split(factory_or_module, sample, loss, dtype, uniform,
                                                                     label, roles, tokens_input, tokens_n, m)
     rec, block = m.rec, m.block
@@ -960,6 +963,19 @@ def _derive_roles(model: nn.Module, block: nn.Module, block_path: str, io: dict,
         elif _is_norm(m):
             roles[n] = "norm"
     return roles, ""
+
+
+def _heads_reason(factory_or_module: Any, label: str) -> str:
+    """The executor's head check (`dtorch.model.tp_rules.check_heads`) on the model as it sees it, on
+    the meta device: its line when the attention does not split by heads, else ''."""
+    from dtorch.model.hf import adapt
+    from dtorch.model.tp_rules import check_heads
+
+    try:
+        check_heads(adapt(_meta_model(factory_or_module, label)))
+    except ConfigError as e:
+        return f"{e.value}: {e.fix}"
+    return ""
 
 
 def _executor_refuses_tp(model: nn.Module) -> tuple[str, str]:

@@ -13,12 +13,14 @@ the row-wise layer that reduces its output), whose gradient is a sum over the TP
 
 from __future__ import annotations
 
+import copy
 import inspect
 from functools import partial
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dtorch.errors import ConfigError
@@ -96,6 +98,94 @@ def check_block(block: nn.Module, block_name: str) -> dict[str, str]:
                 )
             roles[name] = role
     return roles
+
+
+# ---- heads, not tokens: what a rank's attention sees --------------------------------------------
+# A column-wise split gives each rank a slice of the q/k/v features, which is whole heads only if
+# the attention reshapes them with the head count left to the shape (view(b, s, -1, head_dim)). One
+# that names the model's total head count and leaves the sequence to the shape (OPT's
+# view(b, -1, num_heads, head_dim)) reads a rank's half of the features as half as many tokens:
+# every shape still fits and the result is wrong. So the blocks run once more on the meta device
+# with each column-wise layer's outputs and each row-wise layer's inputs halved, as a rank of two
+# holds them, and every attention core must see the same sequence and head size as in the whole
+# model: SDPA's query and key lengths and head dimension, and an unfused attention's s x s scores.
+_HEADS_ATTR = "_dtorch_tp_heads_checked"
+_SEQ = 8
+"""Tokens of the check's forward (as `mark_region`'s)."""
+
+
+class _AttentionShapes(TorchDispatchMode):
+    """Records, in call order, the sequence and head sizes each attention core sees: SDPA's (query
+    length, key length, head dim) and the last two dims of batched matmul outputs that are s x s in
+    the whole model (`scores`: their call positions; None records every batched matmul)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sdpa: list[tuple[int, int, int]] = []
+        self.bmm: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__
+        if "scaled_dot_product" in name and "backward" not in name:
+            q, k = args[0], args[1]
+            self.sdpa.append((int(q.shape[-2]), int(k.shape[-2]), int(q.shape[-1])))
+        elif name.split(".")[0] in ("bmm", "baddbmm") and isinstance(out, torch.Tensor) and out.dim() >= 2:
+            self.bmm.append((int(out.shape[-2]), int(out.shape[-1])))
+        return out
+
+
+def _attention_shapes(model: nn.Module) -> tuple[_AttentionShapes | None, str]:
+    device = next(model.parameters()).device
+    rec = _AttentionShapes()
+    try:
+        with torch.no_grad(), rec:
+            model(torch.zeros(1, _SEQ, dtype=torch.long, device=device))
+    except Exception as e:  # noqa: BLE001 - the user's code: one line
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+    return rec, ""
+
+
+def check_heads(model: nn.Module) -> None:
+    """Raise ConfigError("tp", first block) when the blocks' attention does not split by heads under
+    tensor parallelism (see above): run on the meta device with the column-wise layers halved, it sees
+    another sequence length or head size, or fails where the whole model runs. Nothing is checked
+    where the whole model's forward of token ids does not run on the meta device; a model that is not
+    on the meta device (the planner's and the executor's are) is not checked. Once per model."""
+    if getattr(model, _HEADS_ATTR, False) or not all(p.is_meta for p in model.parameters()):
+        return
+    checked = model
+    whole, _ = _attention_shapes(model)
+    if whole is None or not (whole.sdpa or any(d == (_SEQ, _SEQ) for d in whole.bmm)):
+        object.__setattr__(checked, _HEADS_ATTR, True)
+        return
+    half_model = copy.deepcopy(model)
+    path, blocks = find_blocks(half_model)
+    items = block_items(blocks)
+    for _, block in items:
+        for name, role in layer_roles(block).items():
+            mod = block.get_submodule(name)
+            if role not in ("colwise", "rowwise") or not isinstance(mod, nn.Linear):
+                continue
+            parent_name, _, leaf = name.rpartition(".")
+            inp, out = ((mod.in_features, mod.out_features // 2) if role == "colwise"
+                        else (mod.in_features // 2, mod.out_features))
+            setattr(block.get_submodule(parent_name) if parent_name else block, leaf,
+                    nn.Linear(inp, out, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype))
+    half, error = _attention_shapes(half_model)
+    where = f"{path}.{items[0][0]}" if path else items[0][0]
+    fix = "use tp=1 (FSDP, DDP and PP work), or reshape q/k/v with -1 for the head count"
+    if half is None:
+        raise ConfigError("tp", where, f"its forward fails when a rank holds half of the heads ({error}): the "
+                          f"attention reshapes by the model's total head count; {fix}")
+    scores = [i for i, d in enumerate(whole.bmm) if d == (_SEQ, _SEQ)]
+    seen = [(q, k) for q, k, _ in half.sdpa] + [half.bmm[i] for i in scores if i < len(half.bmm)]
+    if (len(half.sdpa) != len(whole.sdpa) or [d for _, _, d in half.sdpa] != [d for _, _, d in whole.sdpa]
+            or any(d != (_SEQ, _SEQ) for d in seen) or len(half.bmm) != len(whole.bmm)):
+        raise ConfigError("tp", where, "its attention sees a shorter sequence or another head size when a rank "
+                          "holds half of the heads: it reshapes q/k/v by the model's total head count (e.g. "
+                          f"view(batch, -1, num_heads, head_dim)), which would read the heads as tokens; {fix}")
+    object.__setattr__(checked, _HEADS_ATTR, True)
 
 
 # ---- replicated parameters inside the tensor-parallel region ------------------------------------

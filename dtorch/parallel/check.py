@@ -117,7 +117,7 @@ def model_facts(model: nn.Module, plan: Plan, sample: tuple | None = None, seq_l
     from dtorch.model.split import pipeline_reason
     from dtorch.model.structure import block_items, find_blocks
     from dtorch.parallel.cp import check_cp
-    from dtorch.parallel.tp import block_plan
+    from dtorch.parallel.tp import block_plan, check_heads, mark_region
 
     dims = model_dims(model)
     if sample is None:
@@ -130,6 +130,8 @@ def model_facts(model: nn.Module, plan: Plan, sample: tuple | None = None, seq_l
             path, blocks = find_blocks(model)
             for name, block in block_items(blocks):
                 block_plan(block, f"{path}.{name}", plan.sp)
+            mark_region(model, plan.sp)
+            check_heads(model)
         except ConfigError as e:
             tp_reason = f"{e.value}: {e.fix}"  # (the layer, and what it lacks)
     if plan.cp > 1:

@@ -42,6 +42,7 @@ from dtorch.model.tp_rules import (  # noqa: F401 - annotate, ROLES: the public 
     _role,
     annotate,
     check_block,
+    check_heads,
     is_sp_norm,
     layer_roles,
     mark_region,
@@ -84,7 +85,8 @@ def check_roles(model: nn.Module, sp: bool) -> None:
     path, blocks = find_blocks(model)
     for name, block in block_items(blocks):
         block_plan(block, f"{path}.{name}", sp)
-    mark_region(model, sp)
+    mark_region(model, sp)  # (first: its line names the layer a halved forward would fail in)
+    check_heads(model)
 
 
 def gather_sequence_on_entry(block: nn.Module, plan: dict[str, object], tp_mesh: DeviceMesh) -> None:

@@ -89,6 +89,56 @@ def test_unknown_layer_role_names_the_module_and_the_annotation_that_fixes_it() 
     check_roles(model, sp=False)  # no error once annotated
 
 
+class _HeadsAttention(torch.nn.Module):
+    """Attention with torchtitan's layer names; `heads_named`: q/k/v reshaped as view(b, -1, heads,
+    head_dim) (OPT's and BART's way), else view(b, s, -1, head_dim)."""
+
+    def __init__(self, dim: int, heads: int, heads_named: bool):
+        super().__init__()
+        self.n_heads, self.heads_named = heads, heads_named
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        shape = (b, -1, self.n_heads, d // self.n_heads) if self.heads_named else (b, s, -1, d // self.n_heads)
+        q, k, v = (lin(x).view(*shape).transpose(1, 2) for lin in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class _HeadsLM(torch.nn.Module):
+    def __init__(self, heads_named: bool):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(_HeadsAttention(32, 4, heads_named) for _ in range(2))
+        self.output = torch.nn.Linear(32, 64)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.output(x)
+
+
+def test_attention_that_reshapes_by_the_total_head_count_is_refused_for_tp() -> None:
+    """Under TP a rank holds half of q/k/v's features: view(b, -1, heads, head_dim) reads them as half
+    the tokens, every shape still fits and the loss is wrong. The executor refuses it before any
+    process group, and the planner does not offer TP, with the same line; view(b, s, -1, head_dim)
+    splits by heads and is accepted."""
+    from dtorch.model.profiler import profile_module
+    from dtorch.parallel.tp import check_roles
+
+    with pytest.raises(ConfigError) as err:
+        parallelize(lambda: _HeadsLM(True), Plan(tp=2), loss_fn=next_token, seq_len=8)
+    assert err.value.field == "tp" and "layers.0" in err.value.fix and "total head count" in err.value.fix
+    assert not dist.is_initialized()
+    named = profile_module(lambda: _HeadsLM(True), 8, dtype=torch.float32)
+    assert named.tp_roles == {} and "total head count" in named.tp_roles_reason
+    with torch.device("meta"):
+        check_roles(_HeadsLM(False), sp=False)
+    assert profile_module(lambda: _HeadsLM(False), 8, dtype=torch.float32).tp_roles["wq"] == "colwise"
+
+
 def test_model_without_repeated_blocks_runs_as_one_unit() -> None:
     # (docs/models.md: an MLP has no blocks; data parallelism treats the whole model as one unit)
     pm = parallelize(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), Plan(), loss_fn=torch.nn.functional.mse_loss)
