@@ -32,6 +32,7 @@ ARCHS = {
     # ALiBi, fused per-head query_key_value, an embedding LayerNorm, and blocks that return their
     # attention probabilities beside the hidden states: the model's own forward, not an adapter
     "bloom": ("BloomConfig", {}),
+    "bloom_tied": ("BloomConfig", dict(tie_word_embeddings=True)),  # BLOOM's own default: head = embedding
     "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
                                              embd_pdrop=0.0, attn_pdrop=0.0)),
@@ -40,7 +41,7 @@ ARCHS = {
     "gptj": ("GPTJConfig", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4, resid_pdrop=0.0,
                                 embd_pdrop=0.0, attn_pdrop=0.0)),
 }
-EAGER_ONLY = {"gemma2", "bloom", "mpt"}  # transformers has no SDPA kernel for Gemma 2 (attention soft-capping)
+EAGER_ONLY = {"gemma2", "bloom", "bloom_tied", "mpt"}  # transformers has no SDPA kernel for Gemma 2 (attention soft-capping)
 
 
 def config(arch: str, attn: str = "sdpa"):
@@ -107,7 +108,8 @@ def _single_process(arch: str, attn: str) -> tuple[list[float], dict[str, torch.
         loss = next_token(logits_of(model(x)), y)
         loss.backward()
         if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            # a tied weight under both of its names (a pipeline's last stage holds the head's)
+            grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))

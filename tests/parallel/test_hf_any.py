@@ -131,8 +131,9 @@ def test_the_region_rule_follows_the_data_not_the_names() -> None:
 # the TP region (qwen3, gemma3 with sliding windows, also under SP with Gemma's norms after the
 # attention, qwen3_moe with replicated experts, mixtral under SP), GPT-NeoX's per-head fused query_key_value, Mistral's
 # sliding window, the models TP is refused for on the plans they do get (phi3, olmo2), models no adapter
-# understands, run as written (BLOOM, cut between blocks that also return their attention probabilities;
-# OPT and GPT-BigCode with learned positions, MPT with ALiBi, Falcon, GPT-J), and DTorch's own
+# understands, run as written (BLOOM with its tied head, cut between blocks that also return their
+# attention probabilities; OPT and GPT-BigCode with learned positions, MPT with ALiBi, Falcon, GPT-J),
+# and DTorch's own
 # MoETransformer with Qwen3's q/k norms (the reference-model path of an --init-from Qwen3-MoE). Every
 # case also compares each gradient of the first step with the single-process one.
 WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager", "tp"),
@@ -140,7 +141,7 @@ WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager"
           ("mistral", "eager", "tp"), ("phi3", "eager", "ddp"), ("olmo2", "sdpa", "pp"),
           ("qwen3_moe", "sdpa", "tp"), ("mixtral", "eager", "tp_sp"), ("dtorch-moe-qk-norm", "", "tp"),
           ("qwen3", "sdpa", "tp_sp_selective"), ("gpt_neox", "eager", "tp_selective"),
-          ("bloom", "eager", "pp"), ("opt", "sdpa", "pp"), ("mpt", "eager", "pp"), ("falcon", "sdpa", "fsdp"),
+          ("bloom_tied", "eager", "pp"), ("opt", "sdpa", "pp"), ("mpt", "eager", "pp"), ("falcon", "sdpa", "fsdp"),
           ("gpt_bigcode", "sdpa", "pp"), ("gptj", "eager", "fsdp")]
 
 
