@@ -238,21 +238,39 @@ def adapt(model: nn.Module) -> nn.Module:
     (`HFCausalLM`, `HFGPT2`); every other model, a transformers one included (BLOOM's embedding
     LayerNorm and ALiBi, a model that is not a causal LM), is returned as it is written and runs its
     own forward, as any user's module does (blocks found by `find_blocks`, TP roles by
-    `dtorch.model.tp_rules`, a pipeline cut by `dtorch.model.split`)."""
+    `dtorch.model.tp_rules`, a pipeline cut by `dtorch.model.split`). A transformers model run as
+    written keeps no KV cache (`config.use_cache` off, as transformers does under gradient
+    checkpointing): a block re-run by activation checkpointing would append its keys again."""
     if not is_transformers_model(model):
         return model
     if type(model).__name__ == "GPT2LMHeadModel":
         return HFGPT2(model)
-    base = getattr(model, "base_model", None)
-    if base is None or base is model or not callable(getattr(model, "get_output_embeddings", None)):
-        return model
+    written = _as_written(model)
+    if written is not None:
+        return written
+    base = model.base_model
     children = dict(base.named_children())
+    layers = next(children[n] for n in _BLOCKS if isinstance(children.get(n), nn.ModuleList))
+    norm = next(children[n] for n in _FINAL_NORMS if n in children)
+    return HFCausalLM(model, base, layers, norm)
+
+
+def _as_written(model: nn.Module) -> nn.Module | None:
+    """`model` itself, without a KV cache, when the generic adapter does not understand it; None
+    when it does."""
+    base = getattr(model, "base_model", None)
+    children = dict(base.named_children()) if base is not None and base is not model else {}
     layers = next((children[n] for n in _BLOCKS if isinstance(children.get(n), nn.ModuleList)), None)
     norm = next((children[n] for n in _FINAL_NORMS if n in children), None)
-    if layers is None or norm is None:
-        return model
-    known = {id(layers), id(norm), id(model.get_input_embeddings()), id(getattr(base, "rotary_emb", None))}
-    if any(id(m) not in known and n not in _DROPOUTS and any(True for _ in m.parameters())
-           for n, m in children.items()):
-        return model  # a backbone module the generic adapter would not call (BLOOM's embedding norm)
-    return HFCausalLM(model, base, layers, norm)
+    adaptable = (layers is not None and norm is not None
+                 and callable(getattr(model, "get_output_embeddings", None)))
+    if adaptable:
+        known = {id(layers), id(norm), id(model.get_input_embeddings()), id(getattr(base, "rotary_emb", None))}
+        # a backbone module the generic adapter would not call (BLOOM's embedding norm)
+        adaptable = not any(id(m) not in known and n not in _DROPOUTS and any(True for _ in m.parameters())
+                            for n, m in children.items())
+    if adaptable:
+        return None
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False
+    return model

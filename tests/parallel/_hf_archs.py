@@ -71,6 +71,8 @@ STEPS, LR, BATCH = 5, 3e-3, 4
 PLANS = {"ddp": dict(dp_replicate=2, microbatch_size=2), "tp": dict(tp=2, microbatch_size=4),
          "fsdp": dict(dp_shard=2, microbatch_size=2), "tp_sp": dict(tp=2, sp=True, microbatch_size=4),
          "pp": dict(pp=2, microbatch_size=2, num_microbatches=2),
+         # a model run as written keeps no KV cache: a re-run block must not append to one
+         "fsdp_full": dict(dp_shard=2, microbatch_size=2, ac="full"),
          # selective AC under TP re-runs the row-wise linears' partial sums (dtorch.parallel.ac)
          "tp_selective": dict(tp=2, microbatch_size=4, ac="selective"),
          "tp_sp_selective": dict(tp=2, sp=True, microbatch_size=4, ac="selective")}

@@ -142,7 +142,7 @@ WORLD2 = [("qwen3", "eager", "tp"), ("qwen3", "sdpa", "ddp"), ("gemma3", "eager"
           ("qwen3_moe", "sdpa", "tp"), ("mixtral", "eager", "tp_sp"), ("dtorch-moe-qk-norm", "", "tp"),
           ("qwen3", "sdpa", "tp_sp_selective"), ("gpt_neox", "eager", "tp_selective"),
           ("bloom_tied", "eager", "pp"), ("opt", "sdpa", "pp"), ("mpt", "eager", "pp"), ("falcon", "sdpa", "fsdp"),
-          ("gpt_bigcode", "sdpa", "pp"), ("gptj", "eager", "fsdp")]
+          ("gpt_bigcode", "sdpa", "fsdp_full"), ("gptj", "eager", "fsdp")]
 
 
 @pytest.fixture(scope="module")
