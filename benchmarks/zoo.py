@@ -287,6 +287,16 @@ HF_CONFIGS: dict[str, tuple[str, dict]] = {
                             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
     "gpt_neox": ("GPTNeoXConfig", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
     "olmo2": ("Olmo2Config", {}),
+    # no adapter understands these: they run their own forward (BLOOM with its head tied, ALiBi and an
+    # embedding norm; OPT's and GPT-BigCode's learned positions; MPT's ALiBi; Falcon; GPT-J)
+    "bloom": ("BloomConfig", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    "opt": ("OPTConfig", {"ffn_dim": 128, "word_embed_proj_dim": 64, "dropout": 0.0, "attention_dropout": 0.0}),
+    "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                                         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "mpt": ("MptConfig", {"d_model": 64, "n_heads": 4, "n_layers": 2, "expansion_ratio": 2, "max_seq_len": 64}),
+    "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "gptj": ("GPTJConfig", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "rotary_dim": 8,
+                            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
 }
 
 
@@ -298,8 +308,10 @@ def hf_factory(arch: str, attn: str = "sdpa", **overrides: Any) -> Callable[[], 
 
         cls_name, extra = HF_CONFIGS[arch]
         cfg = getattr(transformers, cls_name)(**{**HF_COMMON, **extra, **overrides})
-        cfg._attn_implementation = attn
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+        cls = transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
+        kernel = attn if attn != "sdpa" or getattr(cls, "_supports_sdpa", False) else "eager"  # (BLOOM, MPT)
+        cfg._attn_implementation = kernel
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=kernel)
 
     build.__name__ = f"hf_{arch}_{attn}"
     return build
