@@ -35,6 +35,9 @@ from dtorch.errors import ConfigError
 
 BLOCKS_ATTR = "_dtorch_blocks"
 BLOCK_CONTAINERS = ("layers", "model.layers", "transformer.h", "h", "blocks")
+ROLE_HELP = ('annotate it with `dtorch.parallel.annotate(module, "colwise"|"rowwise"|"replicate")` (and the '
+             'embedding and head with "embedding"|"output"), or use tp=1 (FSDP, DDP and PP work)')
+"""The fix for a linear layer without a tensor-parallel role."""
 ANNOTATION_HELP = (
     'tell DTorch where the repeated blocks are: `model._dtorch_blocks = "path.to.blocks"` (an nn.ModuleList '
     "or nn.ModuleDict), and for tensor parallelism annotate linear layers with "

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dtorch.errors import ConfigError
-from dtorch.model.structure import ANNOTATION_HELP, block_items, find_blocks
+from dtorch.model.structure import ROLE_HELP, block_items, find_blocks
 
 ROLES = ("colwise", "rowwise", "embedding", "output", "replicate")
 ROLE_BY_NAME = {
@@ -94,7 +94,7 @@ def check_block(block: nn.Module, block_name: str) -> dict[str, str]:
             if role is None:
                 raise ConfigError(
                     "model", f"{block_name}.{name}",
-                    f"no tensor-parallel role for this {type(mod).__name__}; {ANNOTATION_HELP}",
+                    f"no tensor-parallel role for this {type(mod).__name__}; {ROLE_HELP}",
                 )
             roles[name] = role
     return roles
