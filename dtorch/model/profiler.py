@@ -982,7 +982,8 @@ def _executor_refuses_tp(model: nn.Module) -> tuple[str, str]:
     """The tensor-parallel executor's own verdict (dtorch.model.tp_rules, on the model as the executor
     sees it): a fused projection it cannot split per head, a replicated parameter inside the TP
     region it cannot reduce, or a linear layer it knows no role for (the executor takes roles from
-    names and annotations, not from this dataflow) names the layer and the fix; '' when it accepts."""
+    names and annotations, not from this dataflow): (the error's field, its line naming the layer and
+    the fix); ("", "") when it accepts."""
     from dtorch.model.hf import adapt
     from dtorch.model.tp_rules import check_block, mark_region
 

@@ -116,8 +116,8 @@ _SEQ = 8
 
 class _AttentionShapes(TorchDispatchMode):
     """Records, in call order, the sequence and head sizes each attention core sees: SDPA's (query
-    length, key length, head dim) and the last two dims of batched matmul outputs that are s x s in
-    the whole model (`scores`: their call positions; None records every batched matmul)."""
+    length, key length, head dim), and the last two dims of every batched matmul's output (an unfused
+    attention's scores among them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,10 +154,9 @@ def check_heads(model: nn.Module) -> None:
     on the meta device (the planner's and the executor's are) is not checked. Once per model."""
     if getattr(model, _HEADS_ATTR, False) or not all(p.is_meta for p in model.parameters()):
         return
-    checked = model
     whole, _ = _attention_shapes(model)
     if whole is None or not (whole.sdpa or any(d == (_SEQ, _SEQ) for d in whole.bmm)):
-        object.__setattr__(checked, _HEADS_ATTR, True)
+        object.__setattr__(model, _HEADS_ATTR, True)
         return
     half_model = copy.deepcopy(model)
     path, blocks = find_blocks(half_model)
@@ -178,14 +177,13 @@ def check_heads(model: nn.Module) -> None:
     if half is None:
         raise ConfigError("tp", where, f"its forward fails when a rank holds half of the heads ({error}): the "
                           f"attention reshapes by the model's total head count; {fix}")
-    scores = [i for i, d in enumerate(whole.bmm) if d == (_SEQ, _SEQ)]
-    seen = [(q, k) for q, k, _ in half.sdpa] + [half.bmm[i] for i in scores if i < len(half.bmm)]
-    if (len(half.sdpa) != len(whole.sdpa) or [d for _, _, d in half.sdpa] != [d for _, _, d in whole.sdpa]
-            or any(d != (_SEQ, _SEQ) for d in seen) or len(half.bmm) != len(whole.bmm)):
+    scores = [i for i, d in enumerate(whole.bmm) if d == (_SEQ, _SEQ)]  # an unfused attention's s x s
+    if (half.sdpa != whole.sdpa or len(half.bmm) != len(whole.bmm)
+            or any(half.bmm[i] != whole.bmm[i] for i in scores)):
         raise ConfigError("tp", where, "its attention sees a shorter sequence or another head size when a rank "
                           "holds half of the heads: it reshapes q/k/v by the model's total head count (e.g. "
                           f"view(batch, -1, num_heads, head_dim)), which would read the heads as tokens; {fix}")
-    object.__setattr__(checked, _HEADS_ATTR, True)
+    object.__setattr__(model, _HEADS_ATTR, True)
 
 
 # ---- replicated parameters inside the tensor-parallel region ------------------------------------
