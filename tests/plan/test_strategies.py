@@ -114,6 +114,10 @@ def test_fixed_field_aliases_and_values_come_from_the_field_declarations():
                      "reshard_after_forward": False}
     with pytest.raises(ConfigError, match="float8 training is not implemented"):
         strategies.normalize_fixed({"precision": "fp8"})
+    # Megatron's and NeMo's names for the same fields
+    megatron = strategies.normalize_fixed({"tensor_parallel": "8", "pipeline_parallel": "4", "vpp": "2",
+                                           "context_parallel": "2", "sequence_parallel": "true", "recompute": "off"})
+    assert megatron == {"tp": 8, "pp": 4, "virtual_stages": 2, "cp": 2, "sp": True, "ac": "none"}
 
 
 # ---- the named terms ---------------------------------------------------------------------------

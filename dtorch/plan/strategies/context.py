@@ -60,7 +60,7 @@ class KvExchange:
 class Context(Strategy):
     name = "context"
     executor = "dtorch.parallel.cp"
-    fields = (Field("cp", "degree", mesh_position=3),
+    fields = (Field("cp", "degree", aliases=("context_parallel",), mesh_position=3),
               Field("cp_attention", "choice", METHODS, plan_type="str", default="allgather",
                     doc="How context-parallel attention reaches the other ranks' keys: allgather (K/V "
                         "all-gathered, exposed) or ring (K/V blocks passed round the cp ranks behind the "

@@ -780,7 +780,8 @@ class Memory(Strategy):
     name = "memory"
     executor = "dtorch.parallel.ac"
     fields = (
-        Field("ac", "choice", AC_POLICIES),
+        Field("ac", "choice", AC_POLICIES, aliases=("recompute", "activation_checkpointing"),
+              value_aliases=(("off", "none"), ("false", "none"))),
         Field("offload", "choice", OFFLOAD_POLICIES),
     )
 

@@ -45,9 +45,9 @@ class Pipeline(Strategy):
     name = "pipeline"
     executor = "dtorch.parallel.pipeline"
     fields = (
-        Field("pp", "degree", mesh_position=0),
+        Field("pp", "degree", aliases=("pipeline_parallel",), mesh_position=0),
         Field("schedule", "choice", SCHEDULES, value_aliases=SCHEDULE_ALIASES),
-        Field("virtual_stages", "int", aliases=("v",)),
+        Field("virtual_stages", "int", aliases=("v", "vp", "vpp")),
         Field("layer_partition", "list", fixable=False),
     )
     family_fields = ("pp",)

@@ -45,8 +45,8 @@ class Tensor(Strategy):
     name = "tensor"
     executor = "dtorch.parallel.tp"
     fields = (
-        Field("tp", "degree", mesh_position=4),
-        Field("sp", "bool"),
+        Field("tp", "degree", aliases=("tensor_parallel",), mesh_position=4),
+        Field("sp", "bool", aliases=("sequence_parallel",)),
     )
     family_fields = ("tp", "sp")
     refusal_fields = ("tp",)
