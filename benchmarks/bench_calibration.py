@@ -8,7 +8,8 @@ the other sources, global constants as shipped; (2) refit the two global constan
 kept for testing first (`benchmarks/published/testing/*.yaml`) are never fitted: each is predicted
 before any fitting (`calibration.prior`) and with procedures (1) and (2) fitted on every source,
 which is its leave-one-source-out; and, in a separate table, what every source's leave-one-out would
-be if they joined the fit. Also the sizing example (`dtorch plan --model llama3-405b --recommend
+be if they joined the fit; (3) every bfloat16 row as `dtorch plan --fix` prices it (DTorch's executor,
+not the source's framework). Also the sizing example (`dtorch plan --model llama3-405b --recommend
 ...`) with its wall time. Pure CPU.
 
 `run() -> dict` is the entry point for a benchmark runner.
@@ -108,6 +109,53 @@ def _recommend() -> dict:
             "time_to_train_days": chosen["time_to_train_s"] / 86400 if chosen else None}
 
 
+def as_plan(folders=(C.PUBLISHED_DIR, TESTING)) -> list[dict]:
+    """Every bfloat16 row of `folders` priced as `dtorch plan --fix` prices it for a user who gives
+    the published degrees (tp, pp, cp, virtual stages, micro-batch, recompute fixed; the data-parallel
+    split, ZeRO, offload and the rest searched, shipped constants): DTorch's own executor (its
+    selective policy, eager element-wise work, torch's SDPA), not the source's framework, which the
+    described pricing (`C.predict`: the source's policy, fused kernels, attention kernel) models."""
+    from dtorch.plan.plan import Plan
+    from dtorch.plan.search import parse_fix, search
+
+    out = []
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        _, rows, specs = C._load(str(folder))
+        models = {n: C._profile(n, spec) for n, spec in specs}
+        for r in rows:
+            if r.dtype != "bfloat16":
+                continue
+            p = Plan(**r.plan)
+            fix = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "microbatch": p.microbatch_size, "ac": p.ac,
+                   **({"virtual_stages": p.virtual_stages} if p.pp > 1 else {})}
+            text = ",".join(f"{k}={v}" for k, v in fix.items())
+            res = search(models[r.model], C._cluster(r.cluster), global_batch=p.dp * p.local_batch(),
+                         fixed=parse_fix(text), top_k=1, dtype="bfloat16")
+            described = C.predict(r, models=models)[0] / r.tokens_per_s_per_gpu - 1.0
+            row = {"row": r.name, "source": r.source, "fixed": text, "described_error": described}
+            if res.ranked:
+                plan, est = res.ranked[0]
+                row |= {"error": est.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu - 1.0, "plan": plan.describe()}
+            else:
+                row |= {"error": None, "plan": "no plan fits: " + (res.suggestions[0] if res.suggestions else "")}
+            out.append(row)
+    return out
+
+
+def as_plan_table(rows: list[dict]) -> str:
+    lines = ["| row | source | described | as `dtorch plan --fix` | its plan |", "|---|---|---|---|---|"]
+    for r in rows:
+        err = f"{r['error']:+.1%}" if r["error"] is not None else "-"
+        lines.append(f"| {r['row']} | {r['source']} | {r['described_error']:+.1%} | {err} | {r['plan']} |")
+    priced = [r for r in rows if r["error"] is not None]
+    mean = sum(abs(r["error"]) for r in priced) / max(1, len(priced))
+    lines += ["", f"{len(priced)} of {len(rows)} rows priced, mean absolute error {mean:.1%}; "
+              f"{len(rows) - len(priced)} not fitting under DTorch's executor."]
+    return "\n".join(lines)
+
+
 QUICK_GRID = [(64.0, 16.0), (128.0, 16.0)]
 """`--quick`'s grid for procedure (2): the shipped constants and one other GEMM-width half point, so
 the refit still chooses per fold (the same code path as `C.GRID`'s 12 points, in a sixth of the time)."""
@@ -126,6 +174,9 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict:
     tested, tested_refit = testing(), testing(grid=grid)
     admitted = _admitted() if tested else {}
     t_testing = time.perf_counter() - t
+    t = time.perf_counter()
+    planned = as_plan()
+    t_planned = time.perf_counter() - t
     result = {
         "host": platform.node(), "python": platform.python_version(), "quick": quick,
         "refit_grid": [list(p) for p in grid],
@@ -139,6 +190,7 @@ def run(quick: bool = False, out_dir: Path = RESULTS) -> dict:
             {"row": r.name, "published": r.tokens_per_s_per_gpu, "predicted": p, "error": e} for r, p, e in h.before]}
             for h in tested],
         "if_testing_sources_joined_the_fit": admitted.get("held", []), "testing_seconds": t_testing,
+        "as_plan_fix": planned, "as_plan_seconds": t_planned,
         "recommend": _recommend(),
     }
     out_dir = Path(out_dir)
@@ -167,6 +219,11 @@ def markdown(result: dict, fixed: list[C.HeldOut], refit: list[C.HeldOut], teste
              f"({result['loso_refit_seconds']:.1f} s):", "",
              C.loso_table(refit), "", "Per row, procedure (1):", "", C.loso_rows_table(fixed), "",
              *testing_part,
+             "(3) Every bfloat16 row as `dtorch plan --fix` prices it for a user who gives the published tp, pp, "
+             "cp, virtual stages, micro-batch and recompute (the rest searched, shipped constants): DTorch's own "
+             "executor (its selective policy, eager element-wise work, torch's SDPA), beside the described "
+             f"pricing of the source's framework ({result['as_plan_seconds']:.1f} s):", "",
+             as_plan_table(result["as_plan_fix"]), "",
              "Efficiencies fitted on every source: "
              + ", ".join(f"{d} {e:.4f}" for d, e in result["fitted_on_every_source"]["efficiencies"].items()), "",
              f"Sizing: `{rec['command']}` -> {rec['chosen_gpus']} GPUs, "
