@@ -407,6 +407,7 @@ def search(
         _search_mesh(mesh, book, profile, bgroup, global_batch, fixed, precs, lean_dtype, constants)
     _variants(book, fixed, cluster, notes)
     closest, suggestions = _when_nothing_fits(book, profile, cluster, global_batch, fixed, constants, suggest)
+    notes += _offload_forced(book, profile, cluster, global_batch, fixed, constants) if suggest else []
     return SearchResult(
         ranked=[(p, e) for _, _, p, e in book.ranked],
         best_by_family=dict(sorted(book.best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
@@ -753,6 +754,33 @@ def _inner(base: Plan, fixed: dict[str, Any], consider: Callable[[Plan], Estimat
         if est.fits and (not reshard or base.dp_shard == 1):
             return True
     return True
+
+
+def _offload_forced(book: _Book, profile: ModelProfile, cluster: Cluster, global_batch: int,
+                    fixed: dict[str, Any], constants: CostConstants) -> list[str]:
+    """Where the fixed fields leave only offloaded plans and unfixing one of them fits a faster plan
+    without offload: that plan, as a note (a what-if that pins the micro-batch or the checkpointing
+    should not hide that its price is the offload)."""
+    if not book.ranked or book.ranked[0][2].offload == "none" or "offload" in fixed or not fixed:
+        return []
+    plan, est = book.ranked[0][2:]
+    faster = []
+    for key in list(fixed):
+        try:
+            r = search(profile, cluster, global_batch=global_batch, top_k=1, constants=constants, suggest=False,
+                       fixed={**{k: v for k, v in fixed.items() if k != key}, "offload": "none"})
+        except ConfigError:
+            continue
+        if r.ranked and r.best[1].step_time_s < est.step_time_s:
+            faster.append((r.best[1].step_time_s, key, *r.best))
+    if not faster:
+        return []
+    _, key, p, e = min(faster, key=lambda f: f[0])
+    others = [f"{k}={fixed[k]}" for _, k, _, _ in sorted(faster, key=lambda f: f[0])[1:]]
+    return [f"only offload={plan.offload} fits the fixed fields; without the fixed {key}={fixed[key]}, "
+            f"{p.describe()} fits without offload, {est.step_time_s / e.step_time_s:.1f}x faster "
+            f"({e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)"
+            + (f"; unfixing {', '.join(others)} is faster too" if others else "")]
 
 
 def _suggest(profile: ModelProfile, cluster: Cluster, global_batch: int, fixed: dict[str, Any],

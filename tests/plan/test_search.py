@@ -161,6 +161,23 @@ def test_fixed_field_that_blocks_every_plan_is_named_in_suggestions(l70):
     assert any(s.startswith("drop the fixed") for s in r.suggestions)
 
 
+def test_a_what_if_that_only_fits_offloaded_names_the_faster_plan_without_it():
+    """Pinning the degrees, a micro-batch and the checkpointing so that only optimizer offload fits:
+    the plan is still ranked, and a note names the fixed field whose release fits the fastest plan
+    without offload, and that plan."""
+    prof, cluster = get_profile("llama3-8b", 8192), load_cluster("h100-96gb:1x8")
+    fixed = parse_fix("tp=1,pp=1,cp=1,microbatch=2,ac=selective")
+    r = search(prof, cluster, global_batch=16, fixed=fixed)
+    assert r.best[0].offload == "optimizer"
+    note = next(n for n in r.notes if n.startswith("only offload=optimizer fits the fixed fields"))
+    key = note.split("without the fixed ")[1].split("=")[0]
+    freed = search(prof, cluster, global_batch=16,
+                   fixed={**{k: v for k, v in fixed.items() if k != key}, "offload": "none"})
+    assert freed.best[1].step_time_s < r.best[1].step_time_s and freed.best[0].describe() in note
+    assert not any("only offload" in n for n in search(prof, cluster, global_batch=16,
+                                                        fixed=parse_fix("microbatch=1")).notes)
+
+
 def test_explanation_has_table_breakdowns_and_losing_families(l70):
     r = search(l70, load_cluster("h100:8x8"), global_batch=512)
     text = explain(r)
