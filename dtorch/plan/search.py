@@ -406,8 +406,7 @@ def search(
             continue
         _search_mesh(mesh, book, profile, bgroup, global_batch, fixed, precs, lean_dtype, constants)
     _variants(book, fixed, cluster, notes)
-    closest, suggestions = _when_nothing_fits(book, profile, cluster, global_batch, fixed, constants, suggest)
-    notes += _offload_forced(book, profile, cluster, global_batch, fixed, constants) if suggest else []
+    closest, suggestions = _when_nothing_fits(book, profile, cluster, global_batch, fixed, constants, suggest, notes)
     return SearchResult(
         ranked=[(p, e) for _, _, p, e in book.ranked],
         best_by_family=dict(sorted(book.best_family.items(), key=lambda kv: kv[1][1].step_time_s)),
@@ -432,10 +431,12 @@ def _corrected(plan: Plan, est: Estimate, correction: Callable[[Plan, Estimate],
 
 
 def _when_nothing_fits(book: _Book, profile: ModelProfile, cluster: Cluster, global_batch: int,
-                       fixed: dict[str, Any], constants: CostConstants,
-                       suggest: bool) -> tuple[tuple[Plan, Estimate] | None, list[str]]:
-    """When no plan fits: the plan that came closest (least memory) and what would make one fit."""
+                       fixed: dict[str, Any], constants: CostConstants, suggest: bool,
+                       notes: list[str]) -> tuple[tuple[Plan, Estimate] | None, list[str]]:
+    """When no plan fits: the plan that came closest (least memory) and what would make one fit.
+    When only offloaded plans fit the fixed fields: a note on what unfixing one buys (`notes`)."""
     if book.ranked:
+        notes += _offload_forced(book, profile, cluster, global_batch, fixed, constants) if suggest else []
         return None, []
     closest = min(book.least_mem.values(), key=lambda pe: pe[1].memory_bytes_per_rank) if book.least_mem else None
     return closest, _suggest(profile, cluster, global_batch, fixed, constants, closest) if suggest else []
