@@ -254,11 +254,8 @@ def profile_module(factory_or_module: Callable[[], nn.Module] | nn.Module, seq_l
     with _Attention(fused_attention) as attention:
         m = _measure_any(factory_or_module, sample, loss, dtype, uniform, label, pc.total)
         assignments = list(m.assignments)  # (as measured: the routing hook stays on the copy)
-        roles, reason = _block_roles(m, block_path, pc.vocab) if blocks else (
+        roles, reason = _block_roles(m, block_path, pc.vocab, factory_or_module, label) if blocks else (
             {}, "the model has no repeated blocks (tensor parallelism splits blocks)")
-        if roles and not reason:
-            reason = _heads_reason(factory_or_module, label)
-            roles = {} if reason else roles
         tp_split, f32_tp_split = ({}, {}) if experts else _tp_split(factory_or_module, sample, loss, dtype, uniform,
                                                                     label, roles, tokens_input, tokens_n, m)
     rec, block = m.rec, m.block
@@ -361,11 +358,16 @@ def _language_model_sample(model: nn.Module, label: str, batch: int, seq_len: in
     return torch.zeros(batch, seq_len, dtype=torch.long), torch.zeros(batch * seq_len, dtype=torch.long)
 
 
-def _block_roles(m: Any, block_path: str, vocab: int) -> tuple[dict, str | None]:
-    """(tensor-parallel roles of the measured block's modules, why there are none), from the run `m`."""
+def _block_roles(m: Any, block_path: str, vocab: int, factory_or_module: Any, label: str) -> tuple[dict, str | None]:
+    """(tensor-parallel roles of the measured block's modules, why there are none), from the run `m`,
+    and none where the attention does not split by heads (`_heads_reason`)."""
     block_input = m.block_input[0] if m.block_input else None
     width = int(block_input.shape[-1]) if block_input is not None and block_input.dim() else 0
-    return _derive_roles(m.model, m.block, block_path, m.io, m.linear_calls, m.rec.attention_modules, width, vocab)
+    roles, reason = _derive_roles(m.model, m.block, block_path, m.io, m.linear_calls, m.rec.attention_modules,
+                                  width, vocab)
+    if roles and not reason and (reason := _heads_reason(factory_or_module, label)):
+        return {}, reason
+    return roles, reason
 
 
 class _DataDependent(Exception):
