@@ -73,6 +73,11 @@ def test_sharded_plans_restore_their_own_shards_and_redo_one_step(tmp_path, plan
 RUN = [sys.executable, "-m", "dtorch.cli", "run"]
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_a_lost_node_resumes_from_the_replica_on_its_peer_node_bit_identically(tmp_path, marker):
     """Two agents of one worker each as two "nodes" (world 2, one rank per node). At step 23 the
     chaos fault SIGKILLs rank 1's agent and rank 1 (its whole node, snapshots included). The
@@ -102,7 +107,12 @@ def test_a_lost_node_resumes_from_the_replica_on_its_peer_node_bit_identically(t
     t0 = time.time()
     try:
         agents = [start("a")]
-        time.sleep(1)  # A hosts the rendezvous store and, started first, gets node rank 0 (ranks go by pid)
+        # A hosts the rendezvous store and, started first, gets node rank 0 (ranks go by pid); B starts
+        # once the store listens: under load a fixed pause let B bind it first, and the chaos kill of B
+        # then took the store with it (the survivor's next rendezvous: "connection to the C10d store")
+        while not _listening(port):
+            assert time.time() - t0 < 120 and agents[0].poll() is None, "node A's rendezvous store never listened"
+            time.sleep(0.25)
         agents.append(start("b"))
         while all(p.poll() is None for p in agents):
             assert time.time() - t0 < 150, "no node was lost"
