@@ -518,6 +518,8 @@ def _tp_split(factory_or_module: Any, sample: Sample, loss: Any, dtype: torch.dt
     block does not run (a forward that hard-codes its head count). `measured` is the profile's own
     run: the whole run itself where it was fake and the executor sees the model as it is (not a
     transformers model, which it adapts)."""
+    from dtorch.model.tp_rules import halve_linears
+
     if not any(r in ("colwise", "rowwise") for r in roles.values()):
         return {}, {}
     from dtorch.model.hf import adapt, is_transformers_model
@@ -532,7 +534,7 @@ def _tp_split(factory_or_module: Any, sample: Sample, loss: Any, dtype: torch.dt
             if halve:
                 _, container = find_blocks(model)
                 for _, blk in block_items(container):
-                    _halve_linears(blk, roles)
+                    halve_linears(blk, roles)
             runs.append(_measure(model, sample, loss, dtype, uniform, fake=True, label=label))
         except (ConfigError, _DataDependent, AttributeError, ValueError):
             return {}, {}
@@ -540,22 +542,6 @@ def _tp_split(factory_or_module: Any, sample: Sample, loss: Any, dtype: torch.dt
     f32_whole, f32_half = (_float32_activations(r, True, tokens_n, dtype)[0] for r in runs)
     split = {ac: max(0.0, 2.0 * (whole[ac] - half[ac])) for ac in whole}
     return split, {ac: max(0.0, 2.0 * (f32_whole[ac] - f32_half[ac])) for ac in f32_whole}
-
-
-def _halve_linears(block: nn.Module, roles: dict[str, str], device: str = "meta") -> None:
-    """Replace the block's column-wise nn.Linear layers by ones with half the outputs and its
-    row-wise ones by ones with half the inputs (on `device`), as a TP rank of two holds them."""
-    for name, role in roles.items():
-        if role not in ("colwise", "rowwise"):
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        parent = block.get_submodule(parent_name) if parent_name else block
-        old = getattr(parent, leaf)
-        if not isinstance(old, nn.Linear):
-            raise ValueError(name)
-        inp, out = (old.in_features, old.out_features // 2) if role == "colwise" else (old.in_features // 2,
-                                                                                         old.out_features)
-        setattr(parent, leaf, nn.Linear(inp, out, bias=old.bias is not None, device=device, dtype=old.weight.dtype))
 
 
 def _composite_norms(block: nn.Module | None) -> bool:

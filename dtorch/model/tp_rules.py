@@ -146,6 +146,22 @@ def _attention_shapes(model: nn.Module) -> tuple[_AttentionShapes | None, str]:
     return rec, ""
 
 
+def halve_linears(block: nn.Module, roles: dict[str, str], device: str = "meta") -> None:
+    """Replace the block's column-wise nn.Linear layers by ones with half the outputs and its
+    row-wise ones by ones with half the inputs (on `device`), as a TP rank of two holds them."""
+    for name, role in roles.items():
+        if role not in ("colwise", "rowwise"):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = block.get_submodule(parent_name) if parent_name else block
+        old = getattr(parent, leaf)
+        if not isinstance(old, nn.Linear):
+            raise ValueError(name)
+        inp, out = (old.in_features, old.out_features // 2) if role == "colwise" else (old.in_features // 2,
+                                                                                         old.out_features)
+        setattr(parent, leaf, nn.Linear(inp, out, bias=old.bias is not None, device=device, dtype=old.weight.dtype))
+
+
 def check_heads(model: nn.Module) -> None:
     """Raise ConfigError("tp", first block) when the blocks' attention does not split by heads under
     tensor parallelism (see above): run on the meta device with the column-wise layers halved, it sees
@@ -161,16 +177,9 @@ def check_heads(model: nn.Module) -> None:
     half_model = copy.deepcopy(model)
     path, blocks = find_blocks(half_model)
     items = block_items(blocks)
-    for _, block in items:
-        for name, role in layer_roles(block).items():
-            mod = block.get_submodule(name)
-            if role not in ("colwise", "rowwise") or not isinstance(mod, nn.Linear):
-                continue
-            parent_name, _, leaf = name.rpartition(".")
-            inp, out = ((mod.in_features, mod.out_features // 2) if role == "colwise"
-                        else (mod.in_features // 2, mod.out_features))
-            setattr(block.get_submodule(parent_name) if parent_name else block, leaf,
-                    nn.Linear(inp, out, bias=mod.bias is not None, device="meta", dtype=mod.weight.dtype))
+    for _, block in items:  # (an annotated layer that is not an nn.Linear stays whole)
+        halve_linears(block, {n: r for n, r in layer_roles(block).items()
+                              if isinstance(block.get_submodule(n), nn.Linear)})
     half, error = _attention_shapes(half_model)
     where = f"{path}.{items[0][0]}" if path else items[0][0]
     fix = "use tp=1 (FSDP, DDP and PP work), or reshape q/k/v with -1 for the head count"

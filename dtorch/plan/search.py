@@ -374,8 +374,8 @@ def search(
     memory_correction: Callable[[Plan, Estimate], int] | None = None,
 ) -> SearchResult:
     """Rank the fitting plans for `profile` on `cluster` at `global_batch` sequences of `seq_len` tokens
-    (default: the profile's). `fixed` pins plan fields (aliases: microbatch, mbs, nmb, fsdp, ddp, v, reshard,
-    dtype); impossible ones raise ConfigError. Precision is searched like the rest; `dtype` pins param_dtype.
+    (default: the profile's). `fixed` pins plan fields (aliases: the fields' own, docs/plan.md); impossible
+    ones raise ConfigError. Precision is searched like the rest; `dtype` pins param_dtype.
     Returns the top `top_k`, each family's best plan, why other families were rejected, and when nothing
     fits, suggestions. `progress(meshes_done, meshes_total, plans_estimated)` is called once per mesh.
     `families=False` skips each family's best (sizing needs only the top k: the bound prunes far more).

@@ -25,7 +25,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dtorch.model import profile_module
-from dtorch.model.profiler import _halve_linears
+from dtorch.model.tp_rules import halve_linears
 from dtorch.plan.strategies.memory import tp_split_bytes
 
 SEQ, BATCH = 32, 2
@@ -263,7 +263,7 @@ def test_gpt2_tp_split_holds_its_attention_scores_and_gelu_intermediates():
     whole = _real_block_bytes(factory(), lambda m: m.layers["0"], torch.float32)
 
     def halved(m):
-        _halve_linears(m.layers["0"], p.tp_roles, device="cpu")
+        halve_linears(m.layers["0"], p.tp_roles, device="cpu")
         return m.layers["0"]
 
     half = _real_block_bytes(factory(), halved, torch.float32)
