@@ -40,8 +40,8 @@ reference models run today:
              Llama  2*(3h + 2q + 2kv + 2f) + 4a          GPT  2*(7h + f) + 4a
   full       the block input only: 2h
 Head (embedding + final norm + output + loss): 2h norm input + stats, 2h output-projection input,
-4V float32 log-probabilities kept by cross-entropy (logits are upcast for the loss), 16 B of token
-ids and targets (int64).
+2V logits kept by the loss (`dtorch.model.loss`: the softmax is recomputed in float32 chunks in its
+backward), 20 B of token ids and targets (int64) and the loss's float32 log-sum-exp.
 """
 
 from __future__ import annotations
@@ -95,13 +95,22 @@ def block_act_bytes(config: ModelConfig) -> dict[str, float]:
 def head_act_bytes(config: ModelConfig) -> float:
     """Activation bytes per token of embedding, final norm, output projection and cross-entropy."""
     stats = 4 if isinstance(config, LlamaConfig) else 8
-    return float(ACT_BYTES * 2 * config.dim + stats + 4 * config.vocab_size + 16)
+    return float(ACT_BYTES * 2 * config.dim + stats + ACT_BYTES * config.vocab_size + 20)
+
+
+LOSS_CHUNK_ELEMENTS = 2**23
+"""Float32 elements of logits the loss (`dtorch.model.loss`) upcasts at a time: 32 MiB."""
+
+
+def loss_chunk_rows(classes: int) -> int:
+    """Rows of logits per chunk of the loss over `classes` (at least one)."""
+    return max(1, LOSS_CHUNK_ELEMENTS // max(1, classes))
 
 
 # Forward operators of one block and of the rest (embeddings, final norm, output, loss) as the
 # profiler counts them (aten ops under FakeTensorMode, tests/model/test_profile.py pins the agreement).
 OPS_PER_BLOCK = {"llama": 93, "gpt": 38}
-OPS_HEAD = {"llama": 20, "gpt": 13}
+OPS_HEAD = {"llama": 37, "gpt": 30}
 
 
 def block_param_tensors(config: ModelConfig) -> int:
@@ -279,7 +288,7 @@ def moe_profile_from_config(c: MoEConfig, seq_len: int, name: str | None = None)
         flops_per_token_block=float(6 * (att["matmul"] + h * E + k * per_expert + 3 * h * fs) + core_flops),
         flops_per_token_head=float(6 * h * V),
         act_bytes_per_token_block={"none": float(none), "selective": float(selective), "full": float(ACT_BYTES * h)},
-        act_bytes_per_token_head=float(ACT_BYTES * 2 * h + 4 + 4 * V + 16),
+        act_bytes_per_token_head=float(ACT_BYTES * 2 * h + 4 + ACT_BYTES * V + 20),
         tp_roles=roles,
         tp_roles_reason="" if roles else "MLA attention without shared experts: no column->row pair derived",
         tied_embeddings=False,

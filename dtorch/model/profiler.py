@@ -60,6 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from dtorch.errors import ConfigError
+from dtorch.model.loss import cross_entropy
 from dtorch.model.outputs import batch_size, call_model, is_token_input, logits_of
 from dtorch.model.profile import ModelProfile
 from dtorch.model.split import pipeline_reason
@@ -624,7 +625,8 @@ def _require_embedding(model: nn.Module, label: str) -> None:
 
 
 def _next_token(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+    """The executor's default loss as a single rank runs it (`dtorch.train.losses.next_token`)."""
+    return cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def _describe(inputs: Any) -> str:

@@ -321,7 +321,8 @@ def compute_time(step: StepShape, load: RankLoad, r: RankShare, *, head_elementw
     else:
         r.compute = (flops_mb - attn_part) / step.speed + attn_part / step.attn_speed
     # memory-bound element-wise work, forward + backward (and forward again under full AC)
-    head_bytes = prof.act_bytes_per_token_head * load.head if head_elementwise else 0.0
+    # (the loss's passes run over float32 copies of the logits it keeps: 2 V more than it saves)
+    head_bytes = (prof.act_bytes_per_token_head + 2.0 * prof.vocab_size) * load.head if head_elementwise else 0.0
     elem_bytes = step.tokens_mb * (load.blocks * step.a_elem + head_bytes) / div  # (unfused scores: in attn_speed)
     r.compute += elem_bytes * step.elem_s_per_byte
     return flops_mb

@@ -13,8 +13,8 @@ Analytic conventions (documented so that the calibrated efficiencies mean someth
     tensor: norm inputs 2h+2h, norm outputs 2h+2h, q,k,v 2h+4h_kv, attention output 2h,
     w1/w3 outputs, SiLU output and product 4 x 2f  -> 12h + 4h_kv + 8f. Selective recomputes the norm
     outputs and the SwiGLU element-wise products: 8h + 4h_kv + 4f. Full keeps the block input 2h.
-- Head activations per token: final-norm input/output 4h + bf16 logits 2V + fp32 logits and their
-  gradient 8V.
+- Head activations per token: final-norm input/output 4h + the 16-bit logits the loss keeps 2V
+  (`dtorch.model.loss`; its backward's working set is the memory model's, `loss_working_set`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def analytic_profile(
         flops_per_token_block=6.0 * mm + 12.0 * h * s,
         flops_per_token_head=6.0 * V * h,
         act_bytes_per_token_block=acts,
-        act_bytes_per_token_head=4.0 * h + 10.0 * V,
+        act_bytes_per_token_head=4.0 * h + 2.0 * V,
         tp_roles={},
         tied_embeddings=tied,
         unfused_attention=not flash,

@@ -80,7 +80,9 @@ def test_llama_formulas_match_hand_computation():
     assert p.act_bytes_per_token_block == {"none": 2 * (8 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 4 * 16) + 8 + 8,
                                            "selective": 2 * (8 + 8 + 4 + 4 + 8 + 8 + 16 + 16 + 8) + 8,
                                            "full": 16.0}
-    assert p.act_bytes_per_token_head == 2 * 8 + 4 + 2 * 8 + 4 * 10 + 16
+    # final norm's input + rstd, output projection's input, the loss's 16-bit logits, token ids + targets
+    # (int64) and the loss's float32 log-sum-exp
+    assert p.act_bytes_per_token_head == 2 * 8 + 4 + 2 * 8 + 2 * 10 + 8 + 8 + 4
 
 
 def test_gpt_flops_equal_megatrons_formula_for_the_22b_model():

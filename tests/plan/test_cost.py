@@ -127,9 +127,9 @@ def test_gpipe_keeps_all_microbatches_in_flight_1f1b_only_p():
     per_mb = (one.memory_breakdown["activations"] - _working_set(p1, prof, cl, first)) / p
     per_mb -= 4 * prof.hidden * prof.seq_len
     # GPipe: every stage holds all m; the last one also the head's of each (its final norm's input
-    # float32, 2 h more than the profile's 16-bit figure), and the stage keeps each one's output
-    # (the logits, bf16) for its backward
-    head = (prof.act_bytes_per_token_head + 2 * prof.hidden + 2 * prof.vocab_size) * prof.seq_len
+    # float32, 2 h more than the profile's 16-bit figure; the logits, bf16, which the stage keeps as
+    # its output for its backward, are the tensor the loss keeps)
+    head = (prof.act_bytes_per_token_head + 2 * prof.hidden) * prof.seq_len
     assert gp.memory_breakdown["activations"] == pytest.approx(
         (per_mb + head) * m + _working_set(pg, prof, cl, last), rel=1e-6)
 
@@ -143,6 +143,8 @@ def _working_set(plan, prof, cl, load):
     # (the final norm's input is the residual stream: float32 under autocast)
     head_tok = prof.act_bytes_per_token_head * step.act_scale + (step.resid_b - step.act_b) * prof.hidden
     head = head_tok * step.rows / plan.tp if load.head else 0.0
+    if load.head and plan.pp > 1:
+        head -= step.act_b * prof.vocab_size * step.rows  # (the stage's output, held through its backward)
     return backward_working_set(step, load, head)
 
 
@@ -160,11 +162,14 @@ def test_full_checkpointing_peaks_at_the_loss_or_late_in_the_backward():
     loss += _working_set(plan, prof, cl, rank_loads(plan, n)[0])
     # inside the feed-forward of the i-th block of the backward: the inputs of the blocks not yet
     # done, the recomputed block, two f-wide gradients net of what its backward freed (SwiGLU), the
-    # float32 gradients of the i - 1 blocks done; autocast's recomputed block also keeps its norms'
-    # float32 inputs (2 h more each) and a bf16 cast of a norm's output per q, k, v, w1, w3 (3 more)
+    # float32 gradients of the i - 1 blocks done and of the head and the block's down-projection
+    # (made before); autocast's recomputed block also keeps its norms' float32 inputs (2 h more
+    # each) and a bf16 cast of a norm's output per q, k, v, w1, w3 (3 more)
     recomputed = (prof.act_bytes_per_token_block["none"] + 2 * 2 * prof.hidden + 3 * 2 * prof.hidden) * tokens
     recomputed += 2 * prof.ffn_hidden * 2 * tokens
-    late = [block_input * (n - i + 1) + recomputed + (i - 1) * 4 * prof.params_per_block for i in (n - 1, n)]
+    first_grads = 4 * (prof.params_head + prof.hidden * prof.ffn_hidden)
+    late = [block_input * (n - i + 1) + recomputed + first_grads + (i - 1) * 4 * prof.params_per_block
+            for i in (n - 1, n)]
     peak = est.memory_breakdown["grads"] + est.memory_breakdown["activations"]
     assert peak == pytest.approx(max(loss, *late), rel=1e-6)
 

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtorch.errors import choices
+from dtorch.model.analytic import loss_chunk_rows
 from dtorch.plan.step import RankMemory, StepShape
 from dtorch.plan.strategies.base import Dims, Field, RankLoad, RankShare, Strategy, Violation
 
@@ -309,16 +310,28 @@ def sp_gathered_bytes(step: StepShape, ac: str) -> float:
     return 2.0 * step.h * step.act_b * (1.0 - 1.0 / plan.tp)
 
 
+def chunked_loss(step: StepShape) -> bool:
+    """Whether the loss runs as `dtorch.model.loss.cross_entropy` (keeping the logits in the compute
+    dtype, the softmax recomputed in float32 chunks in its backward): everywhere but under TP, whose
+    vocabulary-sharded logits go through torch's `loss_parallel` cross entropy, which keeps float32
+    log-probabilities (`dtorch.train.losses.next_token`)."""
+    return step.plan.tp == 1
+
+
 def head_act_bytes(step: StepShape) -> float:
     """Bytes per token the head keeps for backward at the compute dtype: of the profile's 16-bit
-    figure (`dtorch.model.analytic.head_act_bytes`) only the two h-wide tensors (the final norm's
-    input, the output projection's input: 4 h at 16 bits) follow the step's widths, the norm's
-    input the residual stream's (`resid_b`: float32 under autocast), the projection's input the
-    compute dtype's; the float32 log-probabilities the loss keeps (4 V: the logits are upcast for
-    it, whatever the compute dtype), the norm's float32 statistics and the token ids do not."""
-    total = step.profile.act_bytes_per_token_head
-    scaled = min(total, 4.0 * step.profile.hidden)
-    return total - scaled + scaled * (step.resid_b + step.act_b) / 4.0
+    figure (`dtorch.model.analytic.head_act_bytes`) the two h-wide tensors (the final norm's input,
+    the output projection's input: 4 h at 16 bits) follow the step's widths, the norm's input the
+    residual stream's (`resid_b`: float32 under autocast), the projection's input the compute
+    dtype's; the logits the loss keeps (2 V at 16 bits) the compute dtype's, or under TP the float32
+    log-probabilities torch's loss keeps instead (4 V, `chunked_loss`); the norm's float32
+    statistics and the token ids as they are."""
+    prof = step.profile
+    total = prof.act_bytes_per_token_head
+    scaled = min(total, 4.0 * prof.hidden)
+    logits = min(total - scaled, 2.0 * prof.vocab_size)
+    kept = logits * step.act_b / 2.0 if chunked_loss(step) else 2.0 * logits
+    return total - scaled - logits + scaled * (step.resid_b + step.act_b) / 4.0 + kept
 
 
 def cp_gathered_bytes(step: StepShape, ac: str) -> float:
@@ -350,9 +363,10 @@ def rank_activations(step: StepShape, load: RankLoad, in_flight: float) -> float
     head = head_saved_bytes(step, load)
     if load.head:
         acts += head * in_flight
-        if plan.pp > 1:
+        if plan.pp > 1 and not chunked_loss(step):
             # torch's pipeline stage keeps each micro-batch's output (the logits, compute dtype) for
-            # its backward (`fwd_cache`), beside the loss's float32 log-probabilities
+            # its backward (`fwd_cache`), beside TP's float32 log-probabilities (the chunked loss
+            # keeps that output itself: counted in the head's bytes)
             acts += step.act_b * prof.vocab_size * step.rows / plan.tp * in_flight
     else:
         # a first or middle pipeline stage: what it holds outside its blocks (`held_bytes`: a conv
@@ -407,10 +421,14 @@ def held_bytes(step: StepShape, *, before: bool, output: bool) -> float:
 
 
 def head_freed_bytes(step: StepShape, load: RankLoad) -> float:
-    """Of `head_saved_bytes`, what is freed before the blocks' backward: all but `held_bytes`."""
+    """Of `head_saved_bytes`, what is freed before the blocks' backward: all but `held_bytes` and,
+    under a pipeline, the logits the chunked loss kept, which are the stage's output: torch's stage
+    holds its output until the stage's backward ends."""
     if not load.head:
         return 0.0
-    return max(0.0, head_saved_bytes(step, load) - held_bytes(step, before=load.embedding, output=load.blocks > 0))
+    output = step.act_b * step.profile.vocab_size * step.rows if step.plan.pp > 1 and chunked_loss(step) else 0.0
+    return max(0.0, head_saved_bytes(step, load) - output
+               - held_bytes(step, before=load.embedding, output=load.blocks > 0))
 
 
 GATED_FAMILIES = ("llama", "moe")
@@ -419,19 +437,19 @@ GATED_FAMILIES = ("llama", "moe")
 
 def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> float:
     """Bytes the backward holds beyond the saved activations at the rank's peak, the larger of two
-    moments of the last micro-batch's backward: the loss's (on the last stage: the float32 gradients
-    of the log-probabilities and of the logits the loss upcast, both alive in the log-softmax's
-    backward whatever the compute dtype, before the cast back to it; vocabulary-parallel over tp,
-    with a third under TP), and the first block's (`block_working_set`, and under FSDP the
+    moments of the last micro-batch's backward: the loss's (on the last stage, `loss_working_set`:
+    the logits' gradient and one float32 chunk of the softmax; under TP torch's float32 gradients,
+    vocabulary-parallel), and the first block's (`block_working_set`, and under FSDP the
     all-gather output of the block it prefetches for the backward next: `prefetch_bytes`), once the
     head's saved activations (`head_saved`) are freed. The two are compared with what else the rank
     holds at each. For a MoE model (`block_moment_states`): under FSDP the first block's moment also
     holds the gathered block and the root unit's parameters and gradients; at the head, `loss_side`,
-    the output projection's backward holds the root unit gathered, the log-softmax's nothing: its
+    the output projection's backward holds the root unit gathered, the loss's nothing: its
     first block's working set is small beside the loss's, yet that moment is the fuller one
-    (measured). For a dense model (`dense_root_grads`): the block's moment also holds the root unit's
-    unsharded gradients; both hold the root unit and one block gathered (FSDP keeps the last block
-    gathered after the forward), measured at the log-softmax's backward."""
+    (measured). For a dense model (`dense_root_grads`, `block_moment_grads`): the block's moment also
+    holds the root unit's unsharded gradients under FSDP, or without sharding the head's and the
+    down-projection's; both hold the root unit and one block gathered (FSDP keeps the last block
+    gathered after the forward), measured at the loss's backward."""
     loss = loss_working_set(step, load)
     if not load.blocks:
         return loss
@@ -440,7 +458,8 @@ def backward_working_set(step: StepShape, load: RankLoad, head_saved: float) -> 
     if states:
         loss, weighed = loss_side(step, load)
         return loss if weighed > block - head_saved + states else block - head_saved
-    return loss if loss > block - head_saved + dense_root_grads(step, load) else block - head_saved
+    grads = dense_root_grads(step, load) + block_moment_grads(step, load)
+    return loss if loss > block - head_saved + grads else block - head_saved
 
 
 def dense_root_grads(step: StepShape, load: RankLoad) -> float:
@@ -479,15 +498,16 @@ def loss_side(step: StepShape, load: RankLoad) -> tuple[float, float]:
 
 def head_backward_bytes(step: StepShape, load: RankLoad) -> float:
     """Bytes beyond the saved activations at the output projection's backward on an FSDP rank that
-    re-gathers the root unit for it: the float32 log-probabilities freed (4 V), the logits' gradient
-    in the compute dtype, the projection's unsharded weight gradient before its reduce-scatter
+    re-gathers the root unit for it: what the loss kept freed (`head_act_bytes`: the logits, or under
+    TP the float32 log-probabilities), the logits' gradient in the compute dtype, the projection's unsharded weight gradient before its reduce-scatter
     (param dtype: a working tensor, MemTracker's TEMP), its input gradient (h) and the all-gather
     output of the last block, which FSDP prefetches for the backward next (`prefetch_bytes`)."""
     if not load.head:
         return 0.0
     plan, prof = step.plan, step.profile
     v = prof.vocab_size / plan.tp
-    out = ((step.act_b - 4.0) * v + step.h * step.act_b) * step.rows + v * step.h * step.param_b
+    freed = step.act_b if chunked_loss(step) else 4.0
+    out = ((step.act_b - freed) * v + step.h * step.act_b) * step.rows + v * step.h * step.param_b
     return out + (prefetch_bytes(step) if load.blocks else 0.0)
 
 
@@ -495,9 +515,15 @@ def loss_working_set(step: StepShape, load: RankLoad) -> float:
     """The loss's moment of `backward_working_set` (see there); none off the last stage."""
     if not load.head:
         return 0.0
-    # (under TP, torch's loss_parallel forms the log-softmax's backward from exp(log-probabilities),
-    # a third float32 tensor of V/tp beside the two)
-    return (8.0 if step.plan.tp == 1 else 12.0) * step.profile.vocab_size * step.rows / step.plan.tp
+    v = step.profile.vocab_size
+    if chunked_loss(step):
+        # the logits' gradient (compute dtype) and, for 16-bit logits, one float32 chunk of the
+        # softmax being formed (float32 logits' chunks are formed in the gradient itself)
+        chunk = 4.0 * v * min(step.rows, loss_chunk_rows(v)) if step.act_b < 4.0 else 0.0
+        return step.act_b * v * step.rows + chunk
+    # torch's loss_parallel: the float32 gradients of the log-probabilities and of the upcast logits,
+    # and exp(log-probabilities), of V/tp each
+    return 12.0 * v * step.rows / step.plan.tp
 
 
 def block_moment_bytes(step: StepShape, load: RankLoad) -> float:
@@ -722,7 +748,8 @@ def block_moment_peaks(step: StepShape, load: RankLoad) -> bool:
     if not load.head:
         return block > 0.0
     head = head_freed_bytes(step, load)
-    states = block_moment_states(step, load) if step.profile.num_experts else dense_root_grads(step, load)
+    states = (block_moment_states(step, load) if step.profile.num_experts
+              else dense_root_grads(step, load) + block_moment_grads(step, load))
     return loss_working_set(step, load) <= block - head + states and block > head
 
 
@@ -733,13 +760,15 @@ def at_peak(step: StepShape, grads: float, acts: float, in_flight: float = 1.0,
     (`zero_grad`), and a backward releases a micro-batch's activations as it makes the gradients.
     Where a backward runs before the rank holds its most micro-batches (accumulation without a
     pipeline; a pipeline rank with more micro-batches than it holds), every gradient is there at the
-    peak. Else the peak is when the last forward ends (every activation, no gradient) or after the
-    first backward (one micro-batch's activations fewer, every gradient), whichever is larger."""
+    peak. Else the peak is in the first backward, at its loss or, where that is fuller
+    (`block_moment_peaks`), inside its first block (`block_moment_grads`: a pipeline's last stage
+    under GPipe as well), or after the first backward (one micro-batch's activations fewer, every
+    gradient), whichever is larger."""
     plan = step.plan
     m = plan.num_microbatches
     if (plan.pp == 1 and m > 1) or (plan.pp > 1 and m > in_flight):
         return grads, acts
-    if (load is not None and plan.pp == 1 and not block_moment_applies(step) and block_moment_peaks(step, load)
+    if (load is not None and not block_moment_applies(step) and block_moment_peaks(step, load)
             and acts >= grads):
         return block_moment_grads(step, load), acts
     after = acts * (in_flight - 1.0) / in_flight
