@@ -115,6 +115,7 @@ def as_plan(folders=(C.PUBLISHED_DIR, TESTING)) -> list[dict]:
     split, ZeRO, offload and the rest searched, shipped constants): DTorch's own executor (its
     selective policy, eager element-wise work, torch's SDPA), not the source's framework, which the
     described pricing (`C.predict`: the source's policy, fused kernels, attention kernel) models."""
+    from dtorch.errors import ConfigError
     from dtorch.plan.plan import Plan
     from dtorch.plan.search import parse_fix, search
 
@@ -131,10 +132,14 @@ def as_plan(folders=(C.PUBLISHED_DIR, TESTING)) -> list[dict]:
             fix = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "microbatch": p.microbatch_size, "ac": p.ac,
                    **({"virtual_stages": p.virtual_stages} if p.pp > 1 else {})}
             text = ",".join(f"{k}={v}" for k, v in fix.items())
-            res = search(models[r.model], C._cluster(r.cluster), global_batch=p.dp * p.local_batch(),
-                         fixed=parse_fix(text), top_k=1, dtype="bfloat16")
             described = C.predict(r, models=models)[0] / r.tokens_per_s_per_gpu - 1.0
             row = {"row": r.name, "source": r.source, "fixed": text, "described_error": described}
+            try:
+                res = search(models[r.model], C._cluster(r.cluster), global_batch=p.dp * p.local_batch(),
+                             fixed=parse_fix(text), top_k=1, dtype="bfloat16")
+            except ConfigError as e:  # (a published layout DTorch's executor cannot take, as the CLI says it)
+                out.append(row | {"error": None, "plan": f"refused: {e}"})
+                continue
             if res.ranked:
                 plan, est = res.ranked[0]
                 row |= {"error": est.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu - 1.0, "plan": plan.describe()}
@@ -152,7 +157,7 @@ def as_plan_table(rows: list[dict]) -> str:
     priced = [r for r in rows if r["error"] is not None]
     mean = sum(abs(r["error"]) for r in priced) / max(1, len(priced))
     lines += ["", f"{len(priced)} of {len(rows)} rows priced, mean absolute error {mean:.1%}; "
-              f"{len(rows) - len(priced)} not fitting under DTorch's executor."]
+              f"{len(rows) - len(priced)} not fitting or refused under DTorch's executor."]
     return "\n".join(lines)
 
 

@@ -146,13 +146,16 @@ def _check_fixed(fixed: dict[str, Any], profile: ModelProfile, cluster: Cluster,
     strategies.check_applies(SimpleNamespace(**{f: fixed.get(f, 1) for f in strategies.refused_fields(profile)}),
                              profile)
     mesh = {s.axis: fixed[s.axis] for s in strategies.DEGREED if s.axis in fixed}
-    # (gpipe takes any micro-batch count: only the degrees are under test)
-    partial = Plan(**mesh, num_microbatches=max(mesh.get("pp", 1), 1), schedule="gpipe",
-                   virtual_stages=1, sp=False)
+    # (gpipe takes any micro-batch count: only the degrees, and a fixed pipeline's virtual stages, are
+    # under test)
+    v = fixed.get("virtual_stages", 1) if mesh.get("pp", 1) > 1 else 1
+    partial = Plan(**mesh, num_microbatches=max(mesh.get("pp", 1), 1), virtual_stages=v, sp=False,
+                   schedule="gpipe" if v == 1 else "interleaved_1f1b")
+    tested = {*mesh, "virtual_stages"} if v > 1 else set(mesh)
     for s in strategies.DEGREED:
-        for v in s.rules(partial, dims(profile, W)):
-            if v.field in mesh:
-                raise v.error()
+        for violation in s.rules(partial, dims(profile, W)):
+            if violation.field in tested:
+                raise violation.error()
     _check_groups(cluster, 1, fixed.get("cp", 1), fixed.get("tp", 1))
     prod = math.prod(fixed.get(a, 1) for a in MESH_AXES)
     if W % prod:

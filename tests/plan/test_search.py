@@ -72,6 +72,8 @@ def test_fully_fixed_plan_is_simply_evaluated(l70):
         ("tp", "fix", "key=value"),
         ("microbatch=3", "microbatch_size", "does not divide the global batch 512"),
         ("nmb=3", "num_microbatches", "does not divide the global batch 512"),
+        # 80 blocks cannot fill 16 x 8 stages: named before the search (it found no plan and blamed memory)
+        ("pp=16,v=8", "virtual_stages", "virtual_stages <= 5"),
     ],
 )
 def test_impossible_fixed_fields_name_field_value_and_choices(l70, fix, field, hint):
