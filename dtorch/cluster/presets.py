@@ -75,7 +75,7 @@ DEVICES: dict[str, DeviceType] = {
         peak_flops=dict(_H100_SXM_PEAKS),  # at its 700 W TDP
         memory_bytes=80 * GiB,
         memory_bandwidth=3.35e12,
-        matmul_efficiency=0.6525,  # fitted on every H100 SXM source (dtorch.plan.calibration: llm-foundry, Llama 3, Megatron-Bridge)
+        matmul_efficiency=0.6642,  # fitted on every H100 SXM source (dtorch.plan.calibration: llm-foundry, Llama 3, Megatron-Bridge)
     ),
     "h100-96gb": DeviceType(
         name="H100-96GB-500W",
@@ -96,7 +96,7 @@ DEVICES: dict[str, DeviceType] = {
         peak_flops={"bfloat16": 2.25e15, "float16": 2.25e15, "float8": 4.5e15, "float32": 75e12, "tf32": 1.1e15},
         memory_bytes=180 * GB,
         memory_bandwidth=8.0e12,
-        matmul_efficiency=0.5893,  # fitted on Megatron-Bridge 25.11's B200 rows (dtorch.plan.calibration; 2 rows)
+        matmul_efficiency=0.5938,  # fitted on Megatron-Bridge 25.11's B200 rows (dtorch.plan.calibration; 2 rows)
     ),
     "mi300x": DeviceType(
         name="MI300X-192GB",

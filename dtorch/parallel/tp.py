@@ -50,6 +50,7 @@ from dtorch.model.tp_rules import (  # noqa: F401 - annotate, ROLES: the public 
 from dtorch.parallel.halves import Half, Meshes
 from dtorch.parallel.mesh import sub_mesh
 from dtorch.parallel.rng import has_random_ops, shard_attention_streams, shard_streams
+from dtorch.plan.strategies.memory import regathers
 
 
 def _num_positional_inputs(module: nn.Module) -> int:
@@ -89,28 +90,84 @@ def check_roles(model: nn.Module, sp: bool) -> None:
     check_heads(model)
 
 
-def gather_sequence_on_entry(block: nn.Module, plan: dict[str, object], tp_mesh: DeviceMesh) -> None:
+def gather_sequence_on_entry(block: nn.Module, plan: dict[str, object], tp_mesh: DeviceMesh,
+                             regather: bool = False) -> None:
     """The module that owns a column-wise layer receives the sequence shards of the norm and needs
-    the whole sequence: all-gather its first input (positional or by keyword) on entry."""
+    the whole sequence: all-gather its first input (positional or by keyword) on entry. With
+    `regather` what its layers save of the gathered input is kept as this rank's shard and gathered
+    again in the backward (`_Regather`, as Megatron-LM's sequence parallelism does)."""
     owners = {name.rsplit(".", 1)[0] for name, style in plan.items()
               if isinstance(style, ColwiseParallel) and "." in name}
     for owner in owners:
         mod = block.get_submodule(owner)
         first = next(iter(inspect.signature(mod.forward).parameters))
-        mod.register_forward_pre_hook(partial(_gather_first_input, mesh=tp_mesh, name=first), with_kwargs=True)
+        mod.register_forward_pre_hook(partial(_gather_first_input, mesh=tp_mesh, name=first, regather=regather),
+                                      with_kwargs=True)
+        if regather:
+            mod.register_forward_hook(_end_regather, always_call=True)
 
 
 def _gather_first_input(module: nn.Module, args: tuple, kwargs: dict, *, mesh: DeviceMesh, name: str,
-                        local: bool = False):
+                        local: bool = False, regather: bool = False):
     def gather(x):
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        shard = x.to_local()
         x = x.redistribute(mesh, (Replicate(),))
+        if regather and torch.is_grad_enabled():
+            hooks = _Regather(shard, x.to_local(), mesh)
+            module._dtorch_regather = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+            module._dtorch_regather.__enter__()
         return x.to_local() if local else x
 
     if args:
         return (gather(args[0]), *args[1:]), kwargs
     return args, {**kwargs, name: gather(kwargs[name])}
+
+
+def _end_regather(module: nn.Module, args: tuple, output) -> None:
+    hooks = module.__dict__.pop("_dtorch_regather", None)
+    if hooks is not None:
+        hooks.__exit__(None, None, None)
+
+
+class _Regather:
+    """Saved-tensor hooks of one forward of a module whose input sequence parallelism all-gathered:
+    a tensor saved for the backward that is (a view of) the gathered input is packed as this rank's
+    shard, and unpacked by gathering the shards again, once: the gathered copy lives from the first
+    layer's backward that needs it until the last one's. Every TP rank runs the same backward, so the
+    gathers pair up. Memory per token between forward and backward: h/tp of the input instead of h."""
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh):
+        self.shard, self.mesh, self.ptr = shard, mesh, full.untyped_storage().data_ptr()
+        self.full: torch.Tensor | None = None
+
+    def pack(self, t: torch.Tensor):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if local.untyped_storage().data_ptr() != self.ptr:
+            return t
+        spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return _Packed(self, local.shape, local.stride(), local.storage_offset(), spec)
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        if self.full is None:
+            with torch.no_grad():
+                x = DTensor.from_local(self.shard, self.mesh, (Shard(1),), run_check=False)
+                self.full = x.redistribute(self.mesh, (Replicate(),)).to_local()
+        local = self.full.as_strided(packed.size, packed.stride, packed.offset)
+        if packed.spec is None:
+            return local
+        mesh, placements, shape, stride = packed.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _Packed:
+    __slots__ = ("owner", "size", "stride", "offset", "spec")
+
+    def __init__(self, owner: _Regather, size, stride, offset: int, spec):
+        self.owner, self.size, self.stride, self.offset, self.spec = owner, size, stride, offset, spec
 
 
 def run_whole_sequence(block: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -166,7 +223,8 @@ def fix_latent_attention(block: nn.Module, tp_mesh: DeviceMesh) -> None:
             mod.wkv_a.register_forward_hook(partial(_shared_rope_key_hook, width=mod.rope, group=tp_mesh.get_group()))
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: bool, last_stage: bool = True) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: bool, last_stage: bool = True,
+             regather: bool = False) -> None:
     """Parallelise `model` (one pipeline stage or the whole model) in place over `tp_mesh`.
 
     With sequence parallelism, the sequence-sharded region is the stage's run of blocks: the
@@ -208,7 +266,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool, loss_parallel: 
         parallelize_module(block, tp_mesh, bplan)
         fix_latent_attention(block, tp_mesh)
         if sp:
-            gather_sequence_on_entry(block, bplan, tp_mesh)
+            gather_sequence_on_entry(block, bplan, tp_mesh, regather)
             run_whole_sequence(block, tp_mesh)
     if sp:
         # every random draw inside a sequence-parallel block is on a TP-sharded tensor (rng.py);
@@ -241,7 +299,10 @@ def _check(model: nn.Module, plan, device_type: str | None) -> None:
 
 def _apply(part: nn.Module, meshes: Meshes, plan) -> None:
     if plan.tp > 1:
-        apply_tp(part, meshes.tp, sp=plan.sp, loss_parallel=True, last_stage=meshes.last_stage)
+        # (sequence parallelism's gathered inputs are re-gathered in the backward where no activation
+        # checkpointing re-runs the gathers and no compiled block traces the hooks: `regathers`)
+        apply_tp(part, meshes.tp, sp=plan.sp, loss_parallel=True, last_stage=meshes.last_stage,
+                 regather=regathers(plan))
 
 
 def _shard_streams(part: nn.Module, meshes: Meshes, plan) -> None:

@@ -243,7 +243,7 @@ class CostConstants:
 
 # Fitted by `python -m dtorch.plan.calibration` on the calibration rows (see that module). The
 # fitted per-device base efficiencies live in the presets (DeviceType.matmul_efficiency: A100 0.7908,
-# H100 SXM 0.6525, H100 96GB/500 W 0.6408 over its power-capped peak, H200 0.7401, B200 0.5893), so
+# H100 SXM 0.6642, H100 96GB/500 W 0.6408 over its power-capped peak, H200 0.7401, B200 0.5938), so
 # that `dtorch probe` measurements replace them.
 DEFAULT_CONSTANTS = CostConstants(
     gemm_width_half=GEMM_WIDTH_HALF,  # the device-shape constants live below the planner (dtorch.cluster.shape),

@@ -182,16 +182,21 @@ def test_sequence_parallel_divides_activations_by_tp():
     single = estimate(Plan(), prof, one)
     load = rank_loads(Plan(), prof.num_layers)[0]
     saved = single.memory_breakdown["activations"] - _working_set(Plan(), prof, one, load)
-    # everything the blocks and the head keep, over tp; beyond it the attention's and the feed-forward's
-    # all-gathered inputs, whole on every rank (2 h per token per block, float32 here: 3/4 of it more)
-    gathered = 2 * prof.hidden * 4 * (1 - 1 / 4) * prof.seq_len * prof.num_layers
-    # and the first block's input, a view of the embedding's all-reduced output: the whole sequence
-    gathered += prof.hidden * 4 * (1 - 1 / 4) * prof.seq_len
+    # everything the blocks and the head keep, over tp (the attention's and the feed-forward's
+    # all-gathered inputs kept as shards, gathered again in the backward); beyond it the first
+    # block's input, a view of the embedding's all-reduced output: the whole sequence (float32 here)
+    first = prof.hidden * 4 * (1 - 1 / 4) * prof.seq_len
     assert sp.memory_breakdown["activations"] == pytest.approx(
-        saved / 4 + gathered + _working_set(Plan(tp=4, sp=True), prof, cl, load), rel=1e-6)
+        saved / 4 + first + _working_set(Plan(tp=4, sp=True), prof, cl, load), rel=1e-6)
+    # compiled, the column-wise layers keep those inputs whole on every rank: 2 h per token per block
+    compiled = estimate(Plan(tp=4, sp=True, compile=True), prof, cl)
+    gathered = 2 * prof.hidden * 4 * (1 - 1 / 4) * prof.seq_len * prof.num_layers
+    assert compiled.memory_breakdown["activations"] == pytest.approx(
+        sp.memory_breakdown["activations"] + gathered, rel=1e-6)
 
 
-def test_tp_traffic_is_eight_activation_collectives_per_block_plus_latency_bound_ones():
+def test_tp_traffic_is_ten_activation_collectives_per_block_plus_latency_bound_ones():
+    """Megatron's eight of sequence parallelism and the two all-gathers of the inputs it kept as shards."""
     prof = llama(layers=8)
     cl = load_cluster("h100:1x4")
     plan = Plan(param_dtype="bfloat16", tp=4, sp=True)
@@ -201,7 +206,7 @@ def test_tp_traffic_is_eight_activation_collectives_per_block_plus_latency_bound
     small = collective_time("all_gather", 64.0, 4, 1, cl.groups[0])
     n = step_counts(plan, prof)
     assert n.tp_small_per_microbatch == 8 * (4 + 8) + 16 and n.tp_small_per_step == 8 * 6 + 4
-    expect = (8 * prof.num_layers * ag + (n.tp_small_per_microbatch + n.tp_small_per_step) * small)
+    expect = ((8 + 2) * prof.num_layers * ag + (n.tp_small_per_microbatch + n.tp_small_per_step) * small)
     assert est.time_breakdown["tp"] == pytest.approx(expect * DEFAULT_CONSTANTS.tp_exposed)
 
 

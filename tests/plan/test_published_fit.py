@@ -42,10 +42,9 @@ PUBLISHED["405b-576xH100-no-recompute"] = {**PUBLISHED["405b-576xH100"],
 
 
 DOES_NOT_FIT = {
-    "405b-576xH100-no-recompute": "activations ~74 GiB per rank beside ~40 GiB of model states under this executor: "
-                     "142 block-micro-batches in flight on the interleaved schedule's first rank, sequence "
-                     "parallelism keeping the gathered attention and feed-forward inputs whole (Megatron "
-                     "re-gathers them in backward), eager SwiGLU's four f-wide tensors (docs/plan.md); with "
+    "405b-576xH100-no-recompute": "91.3 GiB per rank under this executor: activations ~46 GiB (142 "
+                     "block-micro-batches in flight on the interleaved schedule's first rank, eager SwiGLU's "
+                     "four f-wide tensors) beside ~40 GiB of model states and the reserve (docs/plan.md); with "
                      "ac=selective it fits (about 69 GiB)",
 }
 

@@ -297,15 +297,25 @@ def block_act_bytes(step: StepShape, ac: str) -> float:
     return a
 
 
+def regathers(plan: Any) -> bool:
+    """Whether sequence parallelism keeps only each rank's shard of the inputs it all-gathers for
+    the column-wise layers and gathers them again in the backward (Megatron-LM's way;
+    `dtorch.parallel.tp._Regather`): without activation checkpointing (whose re-run gathers them
+    anyway) and without torch.compile (which would trace the saved-tensor hooks). Else the
+    column-wise layers keep the gathered input, whole on every TP rank."""
+    return bool(plan.sp) and plan.tp > 1 and plan.ac == "none" and not getattr(plan, "compile", False)
+
+
 def sp_gathered_bytes(step: StepShape, ac: str) -> float:
     """Bytes per token per block that sequence parallelism keeps whole on every TP rank: the executor
     all-gathers the attention's and the feed-forward's input on entry (`dtorch.parallel.tp`,
     `gather_sequence_on_entry`) and their column-wise linears save that gathered input for the
     weight gradient (Megatron re-gathers it in backward instead). Beyond the 1/tp share the profile's
     norm outputs already count: 2 h (1 - 1/tp) at the compute dtype. Not kept where the policy
-    re-runs the gathers in backward (selective, full)."""
+    re-runs the gathers in backward (selective, full), nor where the executor gathers them again in
+    the backward instead (`regathers`: no AC, not compiled)."""
     plan = step.plan
-    if not plan.sp or plan.tp == 1 or ac != "none":
+    if not plan.sp or plan.tp == 1 or ac != "none" or regathers(plan):
         return 0.0
     return 2.0 * step.h * step.act_b * (1.0 - 1.0 / plan.tp)
 

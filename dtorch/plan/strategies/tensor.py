@@ -31,10 +31,11 @@ from dtorch.plan.strategies.base import (
     braces,
     divisors,
 )
-from dtorch.plan.strategies.memory import recompute_reruns_collectives
+from dtorch.plan.strategies.memory import recompute_reruns_collectives, regathers
 
 
 @dataclass(frozen=True, slots=True)
+
 class TensorSmall:
     """The tensor strategy's per-plan term: seconds of one latency-bound TP collective."""
 
@@ -108,7 +109,9 @@ class Tensor(Strategy):
         return step.keep(TensorSmall(functional_time("all_gather", 64.0, tp, 1, g)))  # latency-bound
 
     def _activation_collectives(self, step: StepShape) -> int:
-        return 8 + (4 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0)
+        # (sequence parallelism's backward re-gathers the attention's and feed-forward's inputs: 2)
+        return (8 + (4 if recompute_reruns_collectives(step.plan.ac, step.selective) else 0)
+                + (2 if regathers(step.plan) else 0))
 
     def blocking_collectives(self, step: StepShape, load: RankLoad, counts: StepCounts) -> float:
         # every TP collective sits between two operators of the block (async TP overlaps its
