@@ -2,13 +2,14 @@
 
 `cross_entropy(logits [N, C], labels [N], ignore_index)` is `F.cross_entropy(logits.float(), labels,
 ignore_index=..., reduction="mean")` computed in row chunks of `LOSS_CHUNK_ELEMENTS` float32 elements
-(`dtorch.model.analytic.loss_chunk_rows`): the forward keeps the logits as they came (the compute
-dtype), the labels and one float32 log-sum-exp per row; the backward writes the gradient in the
-logits' dtype one chunk at a time (a float32 chunk beside it for 16-bit logits). Per token that is the logits (2 C bytes at 16 bits) and their
-gradient where torch's keeps 4 C bytes of float32 log-probabilities and holds 8 C more in its
-backward (those and the upcast logits' gradient). Same softmax in float32 per row, so the result
-equals torch's to float32 rounding. The model's profile (`dtorch.model.profiler`) measures with it
-and the memory model (`dtorch.plan.strategies.memory`) prices it.
+(`dtorch.model.analytic.loss_chunk_rows`). The forward keeps the logits as they came (the compute
+dtype), the labels and one float32 log-sum-exp per row; the backward forms the softmax one chunk at
+a time into a gradient of the logits' dtype (for 16-bit logits through a float32 chunk beside it).
+Per token that is the logits (2 C bytes at 16 bits) and their gradient, where torch's keeps 4 C
+bytes of float32 log-probabilities and holds 8 C more in its backward (those and the upcast logits'
+gradient). The same float32 softmax per row, so the result equals torch's to float32 rounding. The
+model's profile (`dtorch.model.profiler`) measures with it and the memory model
+(`dtorch.plan.strategies.memory`) prices it.
 """
 
 from __future__ import annotations
