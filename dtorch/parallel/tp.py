@@ -147,7 +147,7 @@ class _Regather:
         if local.untyped_storage().data_ptr() != self.ptr:
             return t
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
-        return _Packed(self, local.shape, local.stride(), local.storage_offset(), spec)
+        return _Packed(local.shape, local.stride(), local.storage_offset(), spec)
 
     def unpack(self, packed):
         if not isinstance(packed, _Packed):
@@ -164,10 +164,13 @@ class _Regather:
 
 
 class _Packed:
-    __slots__ = ("owner", "size", "stride", "offset", "spec")
+    """Where a saved tensor lies in the gathered input (autograd keeps the unpack hook, and with it the
+    shard, beside it)."""
 
-    def __init__(self, owner: _Regather, size, stride, offset: int, spec):
-        self.owner, self.size, self.stride, self.offset, self.spec = owner, size, stride, offset, spec
+    __slots__ = ("size", "stride", "offset", "spec")
+
+    def __init__(self, size, stride, offset: int, spec):
+        self.size, self.stride, self.offset, self.spec = size, stride, offset, spec
 
 
 def run_whole_sequence(block: nn.Module, tp_mesh: DeviceMesh) -> None:
